@@ -1,0 +1,68 @@
+"""The ovkit command table: every subcommand, one line each."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import typer
+
+from ovkit import __version__
+from ovkit.errors import OvkitError
+
+app = typer.Typer(
+    name="ovkit",
+    help="Run and study the LLaVA-OneVision-1.5 recipe end to end. Each command reads and writes plain files.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ovkit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for expected errors too."),
+) -> None:
+    if debug:
+        os.environ["OVKIT_DEBUG"] = "1"
+
+
+_registered = False
+
+
+def _register() -> None:
+    """The command table. Command modules import their library lazily, so this stays cheap."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from ovkit.commands import (  # one module per command; add yours here
+        _common,  # noqa: F401
+    )
+
+    # The whole command surface, one line each (add yours in pipeline order):
+
+
+def main() -> None:
+    _register()
+    try:
+        app()  # standalone: typer turns usage errors into exit 2 itself
+    except OvkitError as e:
+        if os.environ.get("OVKIT_DEBUG"):
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as e:  # noqa: BLE001 -- anything else is a bug: say so, exit 1
+        if os.environ.get("OVKIT_DEBUG"):
+            traceback.print_exc()
+        print(f"internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        sys.exit(1)

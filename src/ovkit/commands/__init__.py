@@ -1,0 +1,1 @@
+"""Thin typer wrappers: parse options -> typed config -> call the library -> print a summary."""

@@ -1,0 +1,45 @@
+"""Options every command shares and the one helper that turns a typer context into a stage config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+
+from ovkit.config import CLI_ONLY, load_yaml, merge
+
+T = TypeVar("T")
+
+# Declared once so every command spells them the same way. Required inputs are declared optional here and checked
+# by the stage config, so that they can come from --config as well as from the command line.
+CONFIG = typer.Option(None, "--config", help="YAML file of option values (keys = option names); flags override it.")
+OUT = typer.Option(None, "--out", help="Output directory (written atomically: complete or absent).")
+SEED = typer.Option(0, "--seed", help="Random seed; the same inputs and seed give byte-identical data outputs.")
+OVERWRITE = typer.Option(False, "--overwrite", help="Replace a complete output instead of skipping.")
+QUIET = typer.Option(False, "--quiet", help="No progress bars.")
+SHARD = typer.Option(None, "--shard", help="Process only part I of N ('I/N', 0-based I), e.g. '3/8'.")
+ON_ERROR = typer.Option("fail", "--on-error", help="fail: stop at the first bad row; skip: move bad rows to OUT/rejects.parquet.")
+
+
+def resolve(ctx: typer.Context, cls: type[T]) -> T:
+    """Build the stage config `cls` from this command's options: command line > --config file > defaults."""
+    params: dict[str, Any] = dict(ctx.params)
+    config_path = params.get("config")
+    file_values = load_yaml(Path(config_path)) if config_path else {}
+    # Compared by name: typer may ship its own copy of click's ParameterSource enum.
+    from_cli = {name for name in params if getattr(ctx.get_parameter_source(name), "name", "") in ("COMMANDLINE", "ENVIRONMENT")}
+    cli_values = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items() if k not in CLI_ONLY}
+    for name in list(cli_values):  # an unset multi-value option arrives as (): treat it as "not given"
+        if name not in from_cli and cli_values[name] == []:
+            cli_values[name] = None
+    return merge(cls, cli_values, from_cli, file_values, Path(config_path) if config_path else None)
+
+
+def done(msg: str) -> None:
+    """The one-line summary every command prints on stdout at the end."""
+    typer.echo(msg)
+
+
+def skipped(out: Path) -> None:
+    typer.echo(f"{out} is complete; skipped (use --overwrite to redo it)")

@@ -1,0 +1,168 @@
+"""Reading and writing datasets: a parquet file or a directory of parquet shards, read as one table.
+
+Shards are named `part-I-of-N.parquet` (zero-padded) so that a directory written by N machines with `--shard I/N`
+sorts into the same row order as a single-machine run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ovkit.data.schema import check_columns, conform, hf_metadata, row_problems
+from ovkit.errors import OvkitError, where
+
+REJECTS = "rejects.parquet"
+
+
+def parquet_files(path: Path | str) -> list[Path]:
+    """The parquet files that make up a dataset, in row order. Rejects files and hidden files are not data."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.parquet") if p.name != REJECTS and not any(s.startswith(".") for s in p.relative_to(path).parts))
+        if files:
+            return files
+        raise OvkitError(f"{path}: directory holds no parquet files")
+    raise OvkitError(f"{path}: no such file or directory")
+
+
+def read_table(path: Path | str, columns: Sequence[str] | None = None) -> pa.Table:
+    """Read every shard of a dataset into one table (no validation)."""
+    tables = []
+    for f in parquet_files(path):
+        try:
+            t = pq.read_table(f, columns=list(columns) if columns else None)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise OvkitError(f"{where(f)}: not a readable parquet file ({e})") from None
+        tables.append(t.replace_schema_metadata(None))
+    if len(tables) == 1:
+        return tables[0]
+    try:
+        return pa.concat_tables(tables, promote_options="default")
+    except pa.ArrowInvalid as e:
+        raise OvkitError(f"{path}: shards have incompatible schemas ({e})") from None
+
+
+@dataclass
+class Samples:
+    """Rows that passed validation, and the ones that did not (with a `reason` column)."""
+
+    table: pa.Table
+    rejects: pa.Table | None
+    files: list[Path]
+
+    @property
+    def n_rejects(self) -> int:
+        return 0 if self.rejects is None else self.rejects.num_rows
+
+
+def read_samples(
+    path: Path | str,
+    *,
+    shard: tuple[int, int] | None = None,
+    on_error: str = "fail",
+    check_images: bool = True,
+) -> Samples:
+    """Read and validate a sample table. With `on_error='fail'` the first bad row raises an error naming its file,
+    row id and column; with `'skip'` bad rows are returned as rejects, so rows in == rows out + rejects."""
+    if on_error not in ("fail", "skip"):
+        raise OvkitError(f"--on-error must be 'fail' or 'skip', got {on_error!r}")
+    files = parquet_files(path)
+    good, bad = [], []
+    seen: set[str] = set()
+    offset = 0
+    total = _count_rows(files)
+    lo, hi = shard_bounds(total, shard) if shard else (0, total)
+    for f in files:
+        n = pq.ParquetFile(f).metadata.num_rows
+        a, b = max(lo - offset, 0), min(hi - offset, n)
+        offset += n
+        if a >= b:
+            continue
+        t = read_table(f).slice(a, b - a)
+        if t.num_rows == 0:
+            continue
+        check_columns(t.schema, f)
+        t = conform(t)
+        problems = row_problems(t, check_images=check_images, seen_ids=seen)
+        if problems and on_error == "fail":
+            p = problems[0]
+            rid = t.column("id")[p.index].as_py()
+            raise OvkitError(f"{where(f, f'{rid!r} (index {a + p.index})', p.column)}: {p.reason} (use --on-error skip to move bad rows to {REJECTS})")
+        bad_idx = {p.index: p for p in problems}
+        keep = [i for i in range(t.num_rows) if i not in bad_idx]
+        good.append(t.take(keep))
+        if bad_idx:
+            rej = t.take(sorted(bad_idx))
+            reasons = [f"{f.name} row {a + i}, column '{bad_idx[i].column}': {bad_idx[i].reason}" for i in sorted(bad_idx)]
+            bad.append(rej.append_column("reason", pa.array(reasons, pa.string())))
+    if not good:
+        raise OvkitError(f"{path}: dataset is empty" + (f" (shard {shard[0]}/{shard[1]} of {total} rows)" if shard else ""))
+    table = pa.concat_tables(good, promote_options="default")
+    rejects = pa.concat_tables(bad, promote_options="default") if bad else None
+    return Samples(table, rejects, files)
+
+
+def _count_rows(files: list[Path]) -> int:
+    n = 0
+    for f in files:
+        try:
+            n += pq.ParquetFile(f).metadata.num_rows
+        except (pa.ArrowInvalid, OSError) as e:
+            raise OvkitError(f"{where(f)}: not a readable parquet file ({e})") from None
+    return n
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """'3/8' -> (3, 8): the 4th of 8 parts (0-based, like a rank)."""
+    if text is None or text == "":
+        return None
+    try:
+        i, n = (int(x) for x in str(text).split("/"))
+    except ValueError:
+        raise OvkitError(f"--shard must look like I/N (e.g. 3/8), got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise OvkitError(f"--shard {text}: need 0 <= I < N")
+    return i, n
+
+
+def shard_bounds(n_rows: int, shard: tuple[int, int]) -> tuple[int, int]:
+    """Rows [lo, hi) of part I of N: contiguous, sizes differ by at most one, the parts cover every row once."""
+    i, n = shard
+    return (n_rows * i) // n, (n_rows * (i + 1)) // n
+
+
+def part_name(shard: tuple[int, int] | None) -> str:
+    i, n = shard or (0, 1)
+    return f"part-{i:05d}-of-{n:05d}.parquet"
+
+
+def write_table(table: pa.Table, path: Path | str, *, row_group_size: int = 256) -> Path:
+    """Write one parquet file atomically (temp file + rename), with `datasets` feature metadata."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = hf_metadata(table.schema)
+    if meta:
+        table = table.replace_schema_metadata(meta)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+    tmp.replace(path)
+    return path
+
+
+def write_samples(table: pa.Table, out_dir: Path | str, shard: tuple[int, int] | None = None) -> Path:
+    """Write a sample table as shard `part-I-of-N.parquet` of the dataset directory `out_dir`."""
+    return write_table(conform(table), Path(out_dir) / part_name(shard))
+
+
+def write_rejects(rejects: pa.Table | None, out_dir: Path | str) -> Path | None:
+    if rejects is None or rejects.num_rows == 0:
+        return None
+    return write_table(rejects, Path(out_dir) / REJECTS)

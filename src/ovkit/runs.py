@@ -1,0 +1,144 @@
+"""Outputs are complete or absent, and say where they came from.
+
+A stage writes into `OUT.tmp-<pid>` beside its target and renames it to `OUT` at the end, with `config.yaml` (the
+resolved options) and `ovkit.json` (provenance: command, version, config, input fingerprints, parent checkpoint, seed,
+times, headline metrics). A complete `OUT` (one with `ovkit.json`) is left alone unless `overwrite`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from ovkit import __version__
+from ovkit.config import dump_yaml, to_plain
+
+PROVENANCE = "ovkit.json"
+
+
+def is_complete(out: Path) -> bool:
+    return (Path(out) / PROVENANCE).is_file()
+
+
+def fingerprint(path: Path) -> dict[str, Any]:
+    """Size + mtime of every file under `path`, and a hash of parquet footers (cheap, changes with the content)."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    size = 0
+    for f in files:
+        st = f.stat()
+        size += st.st_size
+        h.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{st.st_size}".encode())
+        if f.suffix == ".parquet" and st.st_size >= 8:
+            with open(f, "rb") as fh:
+                fh.seek(-8, os.SEEK_END)
+                footer_len = int.from_bytes(fh.read(4), "little")
+                fh.seek(max(0, st.st_size - 8 - footer_len))
+                h.update(fh.read())
+        elif st.st_size <= 1 << 20:
+            h.update(f.read_bytes())
+        else:
+            h.update(str(st.st_mtime_ns).encode())
+    return {"path": str(path), "files": len(files), "bytes": size, "sha256": h.hexdigest()[:16]}
+
+
+def read_provenance(path: Path) -> dict[str, Any] | None:
+    p = Path(path) / PROVENANCE
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class Stage:
+    """One run of a command that produces the directory `out`.
+
+    >>> stage = Stage("synth", cfg, out, inputs=[], overwrite=False)
+    >>> if stage.skipped: ...             # a complete output is already there
+    >>> with stage:                        # writes into stage.path, renamed to `out` on success
+    ...     stage.metrics["rows"] = 10
+    """
+
+    def __init__(
+        self,
+        command: str,
+        cfg: Any,
+        out: Path,
+        *,
+        inputs: Iterable[Path] = (),
+        overwrite: bool = False,
+        seed: int | None = None,
+        parent: Path | None = None,
+    ):
+        self.command = command
+        self.cfg = cfg
+        self.out = Path(out)
+        self.inputs = [Path(p) for p in inputs]
+        self.overwrite = overwrite
+        self.seed = seed
+        self.parent = parent
+        self.metrics: dict[str, Any] = {}
+        self.skipped = is_complete(self.out) and not overwrite
+        self.path = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}"
+        self.started = _now()
+
+    def __enter__(self) -> "Stage":
+        if self.skipped:
+            raise RuntimeError("a skipped stage must not be entered")
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True)
+        self._input_prints = [fingerprint(p) for p in self.inputs if p.exists()]
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        (self.path / "config.yaml").write_text(dump_yaml(self.cfg))
+        write_json(self.path / PROVENANCE, self.provenance())
+        if self.out.exists():
+            old = self.out.parent / f"{self.out.name}.old-{os.getpid()}"
+            self.out.rename(old)
+            self.path.rename(self.out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            self.path.rename(self.out)
+
+    def provenance(self) -> dict[str, Any]:
+        parent = read_provenance(self.parent) if self.parent else None
+        return {
+            "command": self.command,
+            "argv": sys.argv,
+            "ovkit_version": __version__,
+            "config": to_plain(self.cfg),
+            "inputs": self._input_prints,
+            "parent": {"path": str(self.parent), "command": parent.get("command") if parent else None}
+            if self.parent
+            else None,
+            "seed": self.seed,
+            "started": self.started,
+            "finished": _now(),
+            "metrics": self.metrics,
+        }
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+    tmp.replace(path)
