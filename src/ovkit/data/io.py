@@ -57,6 +57,7 @@ class Samples:
     table: pa.Table
     rejects: pa.Table | None
     files: list[Path]
+    rows: list[int]  # the dataset-wide row number of each kept row (stable across --shard splits and rejects)
 
     @property
     def n_rejects(self) -> int:
@@ -75,7 +76,7 @@ def read_samples(
     if on_error not in ("fail", "skip"):
         raise OvkitError(f"--on-error must be 'fail' or 'skip', got {on_error!r}")
     files = parquet_files(path)
-    good, bad = [], []
+    good, bad, rows = [], [], []
     seen: set[str] = set()
     offset = 0
     total = _count_rows(files)
@@ -99,6 +100,7 @@ def read_samples(
         bad_idx = {p.index: p for p in problems}
         keep = [i for i in range(t.num_rows) if i not in bad_idx]
         good.append(t.take(keep))
+        rows.extend(offset - n + a + i for i in keep)
         if bad_idx:
             rej = t.take(sorted(bad_idx))
             reasons = [f"{f.name} row {a + i}, column '{bad_idx[i].column}': {bad_idx[i].reason}" for i in sorted(bad_idx)]
@@ -107,7 +109,7 @@ def read_samples(
         raise OvkitError(f"{path}: dataset is empty" + (f" (shard {shard[0]}/{shard[1]} of {total} rows)" if shard else ""))
     table = pa.concat_tables(good, promote_options="default")
     rejects = pa.concat_tables(bad, promote_options="default") if bad else None
-    return Samples(table, rejects, files)
+    return Samples(table, rejects, files, rows)
 
 
 def _count_rows(files: list[Path]) -> int:
@@ -142,6 +144,12 @@ def shard_bounds(n_rows: int, shard: tuple[int, int]) -> tuple[int, int]:
 def part_name(shard: tuple[int, int] | None) -> str:
     i, n = shard or (0, 1)
     return f"part-{i:05d}-of-{n:05d}.parquet"
+
+
+def shard_out(out: Path | str, shard: tuple[int, int] | None) -> Path:
+    """Where a sharded run writes: `OUT/part-I-of-N/` (complete or absent on its own), so N machines can share one
+    OUT and the next stage reads OUT as one dataset (shard directories sort in row order)."""
+    return Path(out) if shard is None else Path(out) / part_name(shard).removesuffix(".parquet")
 
 
 def write_table(table: pa.Table, path: Path | str, *, row_group_size: int = 256) -> Path:
