@@ -47,9 +47,11 @@ def _register() -> None:
     _registered = True
     from ovkit.commands import (  # one module per command; add yours here
         _common,  # noqa: F401
+        synth,
     )
 
     # The whole command surface, one line each (add yours in pipeline order):
+    app.command("synth")(synth.synth)
 
 
 def main() -> None:

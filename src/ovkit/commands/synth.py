@@ -1,0 +1,32 @@
+"""`ovkit synth`: render the embedded synthetic corpus (the data of the CPU pipeline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
+
+
+def synth(
+    ctx: typer.Context,
+    out: Path = OUT,
+    scale: float = typer.Option(1.0, "--scale", help="Multiplies every split's size (1.0: about 8,000 images)."),
+    seed: int = SEED,
+    overwrite: bool = OVERWRITE,
+    quiet: bool = QUIET,
+    config: Path = CONFIG,
+) -> None:
+    """Render the embedded synthetic corpus: pretrain, instruct, rl and eval splits, and concepts.txt."""
+    from ovkit.data.synth import SynthConfig, build_corpus
+    from ovkit.runs import Stage
+
+    cfg = resolve(ctx, SynthConfig)
+    stage = Stage("synth", cfg, cfg.out, overwrite=cfg.overwrite, seed=cfg.seed)
+    if stage.skipped:
+        return skipped(cfg.out)
+    with stage:
+        stage.metrics.update(build_corpus(cfg, stage.path))
+    splits = ", ".join(f"{name} {n}" for name, n in stage.metrics["splits"].items())
+    done(f"synth: {stage.metrics['rows']} rows ({splits}) in {stage.metrics['seconds']}s -> {cfg.out}")
