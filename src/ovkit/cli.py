@@ -47,11 +47,13 @@ def _register() -> None:
     _registered = True
     from ovkit.commands import (  # one module per command; add yours here
         _common,  # noqa: F401
+        convert,
         synth,
     )
 
     # The whole command surface, one line each (add yours in pipeline order):
     app.command("synth")(synth.synth)
+    app.command("convert")(convert.convert)
 
 
 def main() -> None:

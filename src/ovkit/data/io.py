@@ -21,14 +21,21 @@ REJECTS = "rejects.parquet"
 
 
 def parquet_files(path: Path | str) -> list[Path]:
-    """The parquet files that make up a dataset, in row order. Rejects files and hidden files are not data."""
+    """The parquet files that make up a dataset, in row order. In a directory written by ovkit only the
+    `part-*.parquet` files are data (side tables such as rejects.parquet or a plan sit beside them); in any other
+    directory every parquet file is, except rejects and hidden files."""
     path = Path(path)
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*.parquet") if p.name != REJECTS and not any(s.startswith(".") for s in p.relative_to(path).parts))
-        if files:
-            return files
+        files = sorted(
+            p
+            for p in path.rglob("*.parquet")
+            if p.name != REJECTS and not any(s.startswith(".") or ".tmp-" in s for s in p.relative_to(path).parts)
+        )
+        parts = [p for p in files if p.name.startswith("part-")]
+        if parts or files:
+            return parts or files
         raise OvkitError(f"{path}: directory holds no parquet files")
     raise OvkitError(f"{path}: no such file or directory")
 

@@ -1,0 +1,43 @@
+from pathlib import Path
+
+import typer
+
+from ovkit.commands._common import CONFIG, ON_ERROR, OUT, OVERWRITE, QUIET, SHARD, done, resolve, skipped
+
+
+def convert(
+    ctx: typer.Context,
+    input: Path = typer.Argument(None, help="A JSON / JSON-lines / parquet file, or a directory of parquet files."),
+    from_format: str = typer.Option(
+        "auto",
+        "--from",
+        "--from-format",
+        help="auto (detect from the keys/columns) | llava | sharegpt | onevision | ov-midtrain | ov-rl | verl (= roll).",
+    ),
+    out: Path = OUT,
+    image_root: Path = typer.Option(None, "--image-root", help="Folder that relative image paths start from (default: the input's folder)."),
+    source: str = typer.Option(None, "--source", help="`source` of rows whose input names none (default: the input's file name)."),
+    caption_prompt: str = typer.Option("Describe the image.", "--caption-prompt", help="ov-midtrain: the user turn after '<image>\\n'."),
+    rows_per_file: int = typer.Option(10_000, "--rows-per-file", help="Rows per output part file."),
+    shard: str = SHARD,
+    on_error: str = ON_ERROR,
+    overwrite: bool = OVERWRITE,
+    quiet: bool = QUIET,
+    config: Path = CONFIG,
+) -> None:
+    """Convert LLaVA / ShareGPT / LLaVA-OneVision / LLaVA-OV-1.5 / ROLL-verl data into the sample table."""
+    from ovkit.data.convert import ConvertConfig
+    from ovkit.data.convert import convert as run_convert
+    from ovkit.runs import Stage
+
+    cfg = resolve(ctx, ConvertConfig)
+    stage = Stage("convert", cfg, cfg.out_dir, inputs=[cfg.input], overwrite=cfg.overwrite)
+    if stage.skipped:
+        return skipped(cfg.out_dir)
+    with stage:
+        stage.metrics.update(run_convert(cfg, stage.path))
+    m = stage.metrics
+    done(
+        f"convert: {m['format']}{' (detected)' if m['detected'] else ''}: {m['rows_in']} records -> {m['rows_out']} rows"
+        f" in {m['files']} file(s) + {m['rejects']} rejects -> {cfg.out_dir}"
+    )

@@ -1,0 +1,751 @@
+"""`ovkit convert`: the data formats users already have (anchors.md section 7) -> the sample table.
+
+Every input record becomes one output row or one reject; nothing is dropped silently, so rows in == rows out +
+rejects. Records are read as a stream (a JSON list is decoded record by record, parquet batch by batch) and the
+output is written in part files of at most `rows_per_file` rows, so memory stays bounded by one part file and one
+batch, plus one id per row (duplicate ids are renamed, which needs the ids already emitted).
+
+Each format's mapping (`FORMATS` names them):
+- roles: human -> user, gpt -> assistant, system kept; any other role (function_call, observation, tool) is a reject.
+- `<image>` markers are kept where they are. A record with N images and no marker at all gets N `<image>\\n` at the
+  start of its first user turn (counted as `inserted_markers`); any other count mismatch is a reject.
+- images are embedded as bytes (the original encoded bytes, JPEG stays JPEG), so the output is self-contained; a
+  missing file or bytes that do not decode are a reject.
+- string columns/keys the format does not use are kept as columns; anything else is dropped and named in the
+  metrics (`dropped_columns`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ovkit.data.io import REJECTS, parquet_files, parse_shard, part_name, shard_bounds, write_table
+from ovkit.data.schema import IMAGE_TOKEN, OPTIONAL, REQUIRED, conform, row_problems
+from ovkit.errors import OvkitError, where
+
+FORMATS = {
+    "llava": "LLaVA-1.5 JSON: id, image (path or list of paths), conversations [{from: human|gpt, value}]",
+    "sharegpt": "ShareGPT / LLaMA-Factory: messages [{role, content}] or conversations [{from, value}], images, system",
+    "onevision": "LLaVA-OneVision-Data parquet: id, image, conversations, data_source",
+    "ov-midtrain": "LLaVA-OV-1.5 mid-training parquet: id, image, caption",
+    "ov-rl": "LLaVA-OV-1.5-RL parquet: id, images, problem, answer (list), answer_type, problem_type, source, prompt_type",
+    "verl": "ROLL / verl RL parquet: data_source, images, prompt (chat list), ability, reward_model.ground_truth",
+}
+ALIASES = {"roll": "verl", "llama-factory": "sharegpt", "llava-onevision": "onevision"}
+
+# Input keys each format turns into sample columns; every other string key is kept as a column of its own.
+CONSUMED = {
+    "llava": {"id", "image", "conversations", "data_source"},
+    "onevision": {"id", "image", "conversations", "data_source"},
+    "sharegpt": {"id", "messages", "conversations", "images", "system", "videos", "audios"},
+    "ov-midtrain": {"id", "image", "caption"},
+    "ov-rl": {"id", "images", "image", "problem", "answer", "answer_type", "problem_type", "source"},
+    "verl": {"id", "data_source", "images", "prompt", "ability", "reward_model", "extra_info"},
+}
+# Optional sample columns each format fills (present in every output file, so all parts share one schema).
+FILLS = {"ov-rl": ["category", "answer", "answer_type"], "verl": ["category", "answer"]}
+# Which input field a contract column came from, for error messages that point at the user's data.
+FIELD_OF = {
+    "llava": {"images": "image", "messages": "conversations"},
+    "onevision": {"images": "image", "messages": "conversations"},
+    "sharegpt": {"images": "images", "messages": "messages"},
+    "ov-midtrain": {"images": "image", "messages": "caption"},
+    "ov-rl": {"images": "images", "messages": "problem"},
+    "verl": {"images": "images", "messages": "prompt"},
+}
+ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+BATCH = 256  # records mapped and validated together
+FILE_BYTES = 512 << 20  # a part file is also closed once its images reach this size
+SAMPLE = 1000  # JSON records looked at to detect the format and the extra string keys
+CHUNK = 1 << 20  # characters read at a time from a JSON list
+MAX_RECORD_CHARS = 256 << 20  # one JSON record larger than this is treated as malformed
+
+
+@dataclass
+class ConvertConfig:
+    input: Path | None = None  # a JSON / JSON-lines / parquet file, or a directory of parquet files
+    from_format: str = "auto"  # one of FORMATS (or an alias); auto = detect from the keys/columns
+    out: Path | None = None  # dataset directory written (with --shard: OUT/part-I-of-N/)
+    image_root: Path | None = None  # relative image paths are resolved against it (default: the input's folder)
+    source: str | None = None  # `source` of rows whose input names none (default: the input's file name stem)
+    caption_prompt: str = "Describe the image."  # ov-midtrain: the user turn after `<image>\n`
+    rows_per_file: int = 10_000  # rows per output part file
+    shard: str | None = None  # 'I/N': convert records [I*n/N, (I+1)*n/N) only
+    on_error: str = "fail"  # fail | skip
+    overwrite: bool = False
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.input is None:
+            raise OvkitError("INPUT is required: the file or directory to convert")
+        if self.out is None:
+            raise OvkitError("--out is required")
+        self.input, self.out = Path(self.input), Path(self.out)
+        self.image_root = Path(self.image_root) if self.image_root is not None else None
+        self.from_format = ALIASES.get(str(self.from_format), str(self.from_format))
+        if self.from_format != "auto" and self.from_format not in FORMATS:
+            raise OvkitError(f"--from must be auto or one of {', '.join(FORMATS)}, got {self.from_format!r}")
+        if self.on_error not in ("fail", "skip"):
+            raise OvkitError(f"--on-error must be 'fail' or 'skip', got {self.on_error!r}")
+        if self.rows_per_file < 1:
+            raise OvkitError(f"--rows-per-file must be >= 1, got {self.rows_per_file}")
+        parse_shard(self.shard)  # raises with the flag's name
+
+    @property
+    def out_dir(self) -> Path:
+        """Where this run's stage directory goes: OUT, or OUT/part-I-of-N/ for one shard (read as one dataset)."""
+        shard = parse_shard(self.shard)
+        return self.out / part_name(shard).removesuffix(".parquet") if shard else self.out
+
+
+class BadRecord(Exception):
+    """A record that cannot become a sample: `field` is the input's key/column, `reason` says why."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(reason)
+        self.field, self.reason = field, reason
+
+
+@dataclass
+class Record:
+    file: Path
+    index: int  # position in `file`
+    number: int  # position in the whole input (all files), used for generated ids
+    raw: Any  # the decoded record (a dict when well-formed)
+    unparsed: str | None = None  # a JSON line that did not parse: why
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass
+class Input:
+    path: Path
+    kind: str  # json | jsonl | parquet
+    files: list[Path]
+
+    def records(self, lo: int = 0, hi: int | None = None) -> Iterator[Record]:
+        """Records number lo..hi-1 of the whole input, in order."""
+        if self.kind == "parquet":
+            yield from _parquet_records(self.files, lo, hi)
+            return
+        reader = _json_array if self.kind == "json" else _json_lines
+        for index, raw, unparsed in reader(self.files[0]):
+            if hi is not None and index >= hi:
+                return
+            if index >= lo:
+                yield Record(self.files[0], index, index, raw, unparsed)
+
+    def count(self) -> int:
+        if self.kind == "parquet":
+            return sum(_parquet_meta(f).num_rows for f in self.files)
+        return sum(1 for _ in (_json_array if self.kind == "json" else _json_lines)(self.files[0]))
+
+    def keys(self) -> tuple[list[str], dict[str, bool]]:
+        """The input's keys in order, and whether each holds strings (parquet: all files' schemas; JSON: a sample)."""
+        if self.kind == "parquet":
+            is_str: dict[str, bool] = {}
+            for f in self.files:
+                for fld in _parquet_meta(f).schema.to_arrow_schema():
+                    string = pa.types.is_string(fld.type) or pa.types.is_large_string(fld.type)
+                    is_str[fld.name] = is_str.get(fld.name, True) and string
+            return list(is_str), is_str
+        is_str = {}
+        for rec in _take(self.records(0, SAMPLE), SAMPLE):
+            if isinstance(rec.raw, dict):
+                for k, v in rec.raw.items():
+                    is_str[k] = is_str.get(k, False) or isinstance(v, str)
+        return list(is_str), is_str
+
+
+def open_input(path: Path) -> Input:
+    path = Path(path)
+    if path.is_dir():
+        return Input(path, "parquet", parquet_files(path))
+    if not path.is_file():
+        raise OvkitError(f"{path}: no such file or directory")
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    if path.suffix == ".parquet" or head == b"PAR1":
+        return Input(path, "parquet", [path])
+    if path.suffix == ".jsonl":
+        return Input(path, "jsonl", [path])
+    first = _first_char(path)
+    if first == "[":
+        return Input(path, "json", [path])
+    if first == "{" and _first_line_is_object(path):
+        return Input(path, "jsonl", [path])
+    raise OvkitError(f"{where(path)}: expected a parquet file, a JSON list of records or JSON lines")
+
+
+def _first_char(path: Path) -> str:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        while chunk := f.read(4096):
+            text = chunk.lstrip()
+            if text:
+                return text[0]
+    return ""
+
+
+def _first_line_is_object(path: Path) -> bool:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return isinstance(json.loads(line), dict)
+                except json.JSONDecodeError:
+                    return False
+    return False
+
+
+def _json_array(path: Path) -> Iterator[tuple[int, Any, None]]:
+    """Decode a JSON list one element at a time (a 665K-record LLaVA file is ~1 GB; it is never held whole)."""
+    dec = json.JSONDecoder()
+    with open(path, encoding="utf-8-sig") as f:
+        buf, pos, eof = _refill(f, "", 0)
+        pos = _skip_ws(buf, pos)
+        if buf[pos : pos + 1] != "[":
+            raise OvkitError(f"{where(path)}: expected a JSON list of records")
+        pos, index, after_record = pos + 1, 0, False
+        while True:
+            pos = _skip_ws(buf, pos)
+            if pos >= len(buf):
+                if eof:
+                    raise OvkitError(f"{where(path, f'index {index}')}: the file ends before the closing ']' (truncated?)")
+                buf, pos, eof = _refill(f, buf, pos)
+                continue
+            if buf[pos] == "]":
+                return
+            if after_record:
+                if buf[pos] != ",":
+                    raise OvkitError(f"{where(path, f'index {index}')}: expected ',' or ']' after record {index - 1}")
+                pos, after_record = pos + 1, False
+                continue
+            try:
+                obj, end = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError as e:
+                if eof or len(buf) - pos > MAX_RECORD_CHARS:  # a malformed list cannot be resynchronised: stop
+                    raise OvkitError(f"{where(path, f'index {index}')}: not valid JSON ({e.msg})") from None
+                buf, pos, eof = _refill(f, buf, pos)
+                continue
+            if end == len(buf) and not eof:  # a number or literal may continue in the next chunk
+                buf, pos, eof = _refill(f, buf, pos)
+                continue
+            yield index, obj, None
+            index, pos, after_record = index + 1, end, True
+
+
+def _refill(f, buf: str, pos: int) -> tuple[str, int, bool]:
+    try:
+        chunk = f.read(max(CHUNK, len(buf) - pos))  # grows geometrically while one record spans several chunks
+    except UnicodeDecodeError as e:
+        raise OvkitError(f"{where(f.name)}: not UTF-8 text ({e.reason} near byte {e.start} of a read)") from None
+    return buf[pos:] + chunk, 0, not chunk
+
+
+def _skip_ws(buf: str, pos: int) -> int:
+    while pos < len(buf) and buf[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """One record per non-blank line; a line that does not parse is a bad record (it can be skipped), not fatal."""
+    with open(path, encoding="utf-8-sig") as f:
+        index = 0
+        try:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    record, unparsed = json.loads(line), None
+                except json.JSONDecodeError as e:
+                    record, unparsed = line.rstrip("\n"), f"not valid JSON ({e.msg} at column {e.colno})"
+                yield index, record, unparsed
+                index += 1
+        except UnicodeDecodeError as e:
+            raise OvkitError(f"{where(path, f'index {index}')}: not UTF-8 text ({e.reason})") from None
+
+
+def _parquet_meta(f: Path) -> pq.FileMetaData:
+    try:
+        return pq.ParquetFile(f).metadata
+    except (pa.ArrowInvalid, OSError) as e:
+        raise OvkitError(f"{where(f)}: not a readable parquet file ({e})") from None
+
+
+def _parquet_records(files: list[Path], lo: int, hi: int | None) -> Iterator[Record]:
+    """Rows lo..hi-1 across the files, read batch by batch from the row groups that hold them."""
+    offset = 0
+    for f in files:
+        meta = _parquet_meta(f)
+        a, b = max(lo - offset, 0), meta.num_rows if hi is None else min(hi - offset, meta.num_rows)
+        if a < b:
+            groups, row = _row_groups(meta, a, b)
+            try:
+                for batch in pq.ParquetFile(f).iter_batches(batch_size=BATCH, row_groups=groups):
+                    for raw in batch.to_pylist():
+                        if a <= row < b:
+                            yield Record(f, row, offset + row, raw)
+                        row += 1
+                    if row >= b:
+                        break
+            except (pa.ArrowInvalid, OSError) as e:
+                raise OvkitError(f"{where(f, f'index {row}')}: cannot read the parquet data ({e})") from None
+        offset += meta.num_rows
+
+
+def _row_groups(meta: pq.FileMetaData, a: int, b: int) -> tuple[list[int], int]:
+    """The row groups holding rows a..b-1, and the first row of the first of them."""
+    groups, start, first = [], 0, None
+    for g in range(meta.num_row_groups):
+        end = start + meta.row_group(g).num_rows
+        if end > a and start < b:
+            groups.append(g)
+            first = start if first is None else first
+        start = end
+    return groups, first or 0
+
+
+def _take(it: Iterator[Any], n: int) -> list[Any]:
+    out = []
+    for x in it:
+        out.append(x)
+        if len(out) >= n:
+            break
+    return out
+
+
+# ---------------------------------------------------------------- detection
+
+
+def detect_format(keys: list[str]) -> tuple[str, str]:
+    """(format, why) from the input's keys/columns; no match or several matches is an error asking for --from."""
+    k = set(keys)
+    shown = ", ".join(keys[:20]) + (", ..." if len(keys) > 20 else "")
+    if set(REQUIRED) <= k:
+        raise OvkitError(f"the input is already a sample table (columns {shown}); use it directly, or name a format with --from")
+    matches = []
+    if {"prompt", "reward_model"} <= k:
+        matches.append(("verl", "prompt + reward_model"))
+    if {"problem", "answer"} <= k:
+        matches.append(("ov-rl", "problem + answer"))
+    if {"caption", "image"} <= k and "conversations" not in k:
+        matches.append(("ov-midtrain", "image + caption"))
+    if "messages" in k or ("conversations" in k and "images" in k):
+        matches.append(("sharegpt", " + ".join(x for x in ("messages", "conversations", "images") if x in k)))
+    if "conversations" in k and "messages" not in k and not ("images" in k and "image" not in k):
+        fmt = "onevision" if "data_source" in k else "llava"
+        matches.append((fmt, " + ".join(x for x in ("conversations", "image", "data_source") if x in k)))
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        choices = ",".join(FORMATS)
+        raise OvkitError(f"cannot tell the input's format from its keys ({shown}); name it with --from {{{choices}}}")
+    names = " or ".join(f"{m[0]} ({m[1]})" for m in matches)
+    raise OvkitError(f"the input could be {names}; name the format with --from")
+
+
+# ---------------------------------------------------------------- mapping one record
+
+
+class Converter:
+    """Maps records of one format to sample rows and keeps the counts the summary reports."""
+
+    def __init__(self, fmt: str, cfg: ConvertConfig, inp: Input, extras: list[str]):
+        self.fmt, self.cfg, self.extras = fmt, cfg, extras
+        self.root = cfg.image_root or (inp.path if inp.path.is_dir() else inp.path.parent)
+        self.name = inp.path.stem if inp.path.is_file() else inp.path.name
+        self.default_source = cfg.source or self.name
+        self.columns = [*REQUIRED, *FILLS.get(fmt, []), *[c for c in extras if c not in FILLS.get(fmt, [])]]
+        self.ids: set[str] = set()
+        self.counts: Counter[str] = Counter()
+
+    def row(self, rec: Record) -> dict[str, Any]:
+        if rec.unparsed is not None:
+            raise BadRecord("record", rec.unparsed)
+        if not isinstance(rec.raw, dict):
+            raise BadRecord("record", f"record is a {type(rec.raw).__name__}, not an object")
+        row = MAPPERS[self.fmt](rec.raw, self)
+        row["id"] = self._unique_id(row.get("id"), rec.number)
+        if not isinstance(row.get("source"), str) or not row["source"]:
+            given = rec.raw.get("source")
+            row["source"] = given if isinstance(given, str) and given else self.default_source
+        for k in self.extras:
+            if k not in row:
+                v = rec.raw.get(k)
+                if v is not None and not isinstance(v, str):
+                    self.counts[f"non-string {k}"] += 1  # reported: kept as null in this row
+                row[k] = v if isinstance(v, str) else None
+        return row
+
+    def _unique_id(self, rid: Any, number: int) -> str:
+        """The input's id; `<name>-<n>` where it has none; `<id>-<n>` when the id was already used earlier."""
+        rid = f"{self.name}-{number}" if rid is None or rid == "" else str(rid)
+        if rid in self.ids:
+            rid = f"{rid}-{number}"
+            self.counts["renamed_ids"] += 1
+        self.ids.add(rid)
+        return rid
+
+    def images(self, value: Any, field: str) -> list[dict[str, Any]]:
+        if value is None:
+            return []
+        items = value if isinstance(value, list) else [value]
+        return [self._image(v, f"{field}[{k}]" if isinstance(value, list) else field) for k, v in enumerate(items)]
+
+    def _image(self, value: Any, field: str) -> dict[str, Any]:
+        """One image as a self-contained cell: bytes as given (HF {bytes, path} struct or raw binary) or read from a
+        path relative to the image root. Decodability is checked later by the schema's row checks."""
+        if isinstance(value, (bytes, bytearray)):
+            return {"bytes": bytes(value), "path": None}
+        if isinstance(value, dict):
+            if value.get("bytes"):
+                return {"bytes": bytes(value["bytes"]), "path": value.get("path")}
+            value = value.get("path") or value.get("image")
+        if not isinstance(value, str) or not value:
+            raise BadRecord(field, f"no image bytes and no path ({type(value).__name__})")
+        path = Path(value.removeprefix("file://"))
+        full = path if path.is_absolute() else self.root / path
+        try:
+            return {"bytes": full.read_bytes(), "path": value}
+        except FileNotFoundError:
+            hint = "set --image-root to the folder the paths are relative to"
+            raise BadRecord(field, f"image file not found: {full} ({hint})") from None
+        except OSError as e:
+            raise BadRecord(field, f"cannot read image file {full}: {e.strerror}") from None
+
+    def markers(self, messages: list[dict[str, str]], n_images: int) -> list[dict[str, str]]:
+        """Images but no `<image>` marker anywhere: put one per image at the start of the first user turn."""
+        if n_images and not any(IMAGE_TOKEN in m["content"] for m in messages):
+            for m in messages:
+                if m["role"] == "user":
+                    m["content"] = f"{IMAGE_TOKEN}\n" * n_images + m["content"]
+                    self.counts["inserted_markers"] += 1
+                    break
+        return messages
+
+
+def _turns(turns: Any, field: str) -> list[dict[str, str]]:
+    """A chat list as {role, content} messages, from {from, value} (LLaVA/ShareGPT) or {role, content} (OpenAI)."""
+    if not isinstance(turns, list) or not turns:
+        raise BadRecord(field, "missing or empty chat list")
+    messages = []
+    for k, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise BadRecord(field, f"turn {k} is not an object")
+        role = t.get("from", t.get("role"))
+        if role not in ROLE_NAMES:
+            raise BadRecord(field, f"turn {k}: role {role!r} is not supported (human/user, gpt/assistant, system)")
+        messages.append({"role": ROLE_NAMES[role], "content": _content(t.get("value", t.get("content")), field, k)})
+    return messages
+
+
+def _content(value: Any, field: str, k: int) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # OpenAI-style content parts: images become markers where they stand
+        parts = []
+        for p in value:
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            elif kind in ("image", "image_url"):
+                parts.append(IMAGE_TOKEN)
+            else:
+                raise BadRecord(field, f"turn {k}: content part {p!r:.60} is neither text nor image")
+        return "".join(parts)
+    raise BadRecord(field, f"turn {k}: content is {type(value).__name__}, not text")
+
+
+def _text(raw: dict[str, Any], key: str) -> str:
+    v = raw.get(key)
+    if not isinstance(v, str) or not v.strip():
+        raise BadRecord(key, f"{key} is missing or empty")
+    return v
+
+
+def _optional_text(raw: dict[str, Any], key: str) -> str | None:
+    v = raw.get(key)
+    if v is not None and not isinstance(v, str):
+        raise BadRecord(key, f"{key} is {type(v).__name__}, not text")
+    return v
+
+
+def from_llava(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
+    """LLaVA-1.5 JSON and LLaVA-OneVision-Data parquet (which adds `data_source`)."""
+    images = c.images(raw.get("image"), "image")
+    messages = c.markers(_turns(raw.get("conversations"), "conversations"), len(images))
+    return {"id": raw.get("id"), "images": images, "messages": messages, "source": raw.get("data_source")}
+
+
+def from_sharegpt(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
+    for key in ("videos", "audios"):
+        if raw.get(key):
+            raise BadRecord(key, f"{key} are not supported (ovkit samples hold images only)")
+    field = "messages" if "messages" in raw else "conversations"
+    messages = _turns(raw.get(field), field)
+    system = _optional_text(raw, "system")
+    if system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    images = c.images(raw.get("images"), "images")
+    return {"id": raw.get("id"), "images": images, "messages": c.markers(messages, len(images)), "source": None}
+
+
+def from_midtrain(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
+    caption = _text(raw, "caption")
+    images = c.images(raw.get("image"), "image")
+    if len(images) != 1:
+        raise BadRecord("image", f"a caption record needs exactly one image, got {len(images)}")
+    messages = [
+        {"role": "user", "content": f"{IMAGE_TOKEN}\n{c.cfg.caption_prompt}"},
+        {"role": "assistant", "content": caption},
+    ]
+    return {"id": raw.get("id"), "images": images, "messages": messages, "source": None}
+
+
+def from_ov_rl(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
+    """Prompt-only messages; the stage instruction is added by the RL/eval command (`prompt_type` stays a column)."""
+    images = c.images(raw["images"] if "images" in raw else raw.get("image"), "images")
+    messages = c.markers([{"role": "user", "content": _text(raw, "problem")}], len(images))
+    answer_type = _optional_text(raw, "answer_type")  # released names; the rewards registry takes them as aliases
+    return {
+        "id": raw.get("id"),
+        "images": images,
+        "messages": messages,
+        "source": _optional_text(raw, "source"),
+        "category": _optional_text(raw, "problem_type"),
+        "answer": rl_answer(raw.get("answer"), answer_type, c.counts),
+        "answer_type": answer_type,
+    }
+
+
+# Scorers that read an `answer` holding a JSON list of strings as alternatives (ovkit.rewards.base.alternatives).
+TAKES_ALTERNATIVES = frozenset({"ocr", "multiple_choice", "string"})
+
+
+def rl_answer(value: Any, answer_type: str | None, counts: Counter[str]) -> str:
+    """The released RL data stores `answer` as a list of strings. One -> that string. Several -> a JSON list where
+    the answer type's scorer takes alternatives (any one is right), else the first (counted: `answers_cut_to_first`),
+    since a math, number or box scorer would read the list as one malformed answer."""
+    if isinstance(value, str) and value.strip():
+        return value
+    if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+        raise BadRecord("answer", f"answer must be a non-empty string or list of strings, got {value!r:.80}")
+    if len(value) == 1:
+        return value[0]
+    if _scorer(answer_type) in TAKES_ALTERNATIVES:
+        return json.dumps(value, ensure_ascii=False)
+    counts["answers_cut_to_first"] += 1
+    return value[0]
+
+
+def _scorer(answer_type: str | None) -> str | None:
+    from ovkit.rewards import resolve_scorer
+
+    try:
+        return resolve_scorer(answer_type) if answer_type else None
+    except OvkitError:  # a scorer ovkit does not know (yet): the RL command reports it
+        return None
+
+
+def from_verl(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
+    images = c.images(raw.get("images"), "images")
+    messages = c.markers(_turns(raw.get("prompt"), "prompt"), len(images))
+    rm = raw.get("reward_model")
+    truth = rm.get("ground_truth") if isinstance(rm, dict) else None
+    if truth is None:
+        raise BadRecord("reward_model", "reward_model.ground_truth is missing")
+    extra = raw.get("extra_info") if isinstance(raw.get("extra_info"), dict) else {}
+    return {
+        "id": raw.get("id") or extra.get("id"),
+        "images": images,
+        "messages": messages,
+        "source": _optional_text(raw, "data_source"),
+        "category": _optional_text(raw, "ability"),
+        "answer": truth if isinstance(truth, str) else json.dumps(truth, ensure_ascii=False),
+    }
+
+
+MAPPERS: dict[str, Callable[[dict[str, Any], Converter], dict[str, Any]]] = {
+    "llava": from_llava,
+    "sharegpt": from_sharegpt,
+    "onevision": from_llava,
+    "ov-midtrain": from_midtrain,
+    "ov-rl": from_ov_rl,
+    "verl": from_verl,
+}
+
+
+# ---------------------------------------------------------------- writing
+
+
+class Parts:
+    """Good rows, written as part files of at most `rows_per_file` rows (or FILE_BYTES of images), renamed to
+    part-k-of-K.parquet at the end so that the files sort into row order."""
+
+    def __init__(self, out_dir: Path, rows_per_file: int):
+        self.out_dir, self.rows_per_file = Path(out_dir), rows_per_file
+        self.pending: list[pa.Table] = []
+        self.rows = self.bytes = 0
+        self.written: list[Path] = []
+
+    def add(self, table: pa.Table) -> None:
+        while table.num_rows:
+            take = min(table.num_rows, self.rows_per_file - self.rows)
+            head, table = table.slice(0, take), table.slice(take)
+            self.pending.append(head)
+            self.rows += head.num_rows
+            self.bytes += head.column("images").nbytes
+            if self.rows >= self.rows_per_file or self.bytes >= FILE_BYTES:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            table = pa.concat_tables(self.pending)
+            self.written.append(write_table(conform(table), self.out_dir / f".chunk-{len(self.written):05d}.parquet"))
+        self.pending, self.rows, self.bytes = [], 0, 0
+
+    def finish(self, empty: pa.Table) -> list[Path]:
+        self.flush()
+        if not self.written:  # every record was rejected: still a well-formed (empty) dataset
+            self.written.append(write_table(conform(empty), self.out_dir / ".chunk-00000.parquet"))
+        n = len(self.written)
+        return [p.rename(self.out_dir / part_name((k, n))) for k, p in enumerate(self.written)]
+
+
+def sample_table(rows: list[dict[str, Any]], columns: list[str]) -> pa.Table:
+    types = {**REQUIRED, **OPTIONAL}
+    return pa.table({c: pa.array([r.get(c) for r in rows], type=types.get(c, pa.string())) for c in columns})
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (bytes, bytearray)):
+        return {"base64": base64.b64encode(v).decode()}
+    return str(v)
+
+
+@dataclass
+class Reject:
+    rec: Record
+    id: str | None
+    field: str
+    reason: str
+
+    def as_row(self) -> dict[str, Any]:
+        # The record as JSON (binary values as {"base64": ...}); a JSON line that did not parse, as it was.
+        rec = self.rec
+        record = rec.raw if rec.unparsed is not None else json.dumps(rec.raw, ensure_ascii=False, default=_jsonable)
+        return {"file": str(rec.file), "index": rec.index, "id": self.id, "field": self.field, "reason": self.reason, "record": record}
+
+    def message(self) -> str:
+        row = f"{self.id!r} (index {self.rec.index})" if self.id else f"index {self.rec.index}"
+        return f"{where(self.rec.file, row, self.field)}: {self.reason} (use --on-error skip to move bad records to {REJECTS})"
+
+
+REJECT_SCHEMA = pa.schema(
+    [("file", pa.string()), ("index", pa.int64()), ("id", pa.string()), ("field", pa.string()), ("reason", pa.string()),
+     ("record", pa.string())]
+)
+
+
+def convert_batch(records: list[Record], conv: Converter) -> tuple[pa.Table, list[Reject]]:
+    """Map a batch and validate it with the schema's row checks (markers, image decodability, bomb check)."""
+    rows, owners, rejects = [], [], []
+    for rec in records:
+        try:
+            row = conv.row(rec)
+        except BadRecord as e:
+            rid = rec.raw.get("id") if isinstance(rec.raw, dict) else None
+            rejects.append(Reject(rec, None if rid is None else str(rid), e.field, e.reason))
+            continue
+        rows.append(row)
+        owners.append(rec)
+    table = sample_table(rows, conv.columns)
+    fields = FIELD_OF[conv.fmt]
+    bad = {p.index: p for p in row_problems(table, check_images=True, seen_ids=set())}
+    for i, p in bad.items():
+        field = fields.get(p.column, p.column)
+        if field == "messages" and "messages" not in owners[i].raw:  # sharegpt data may use `conversations`
+            field = "conversations"
+        rejects.append(Reject(owners[i], rows[i]["id"], field, p.reason))
+    rejects.sort(key=lambda r: r.rec.number)
+    keep = [i for i in range(table.num_rows) if i not in bad]
+    return (table if not bad else table.take(keep)), rejects
+
+
+def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Convert `cfg.input` into the dataset directory `out_dir` (part files + rejects.parquet); returns the metrics."""
+    log = log or (lambda msg: None if cfg.quiet else print(msg, file=sys.stderr))
+    inp = open_input(cfg.input)
+    keys, is_str = inp.keys()
+    fmt, detected = cfg.from_format, cfg.from_format == "auto"
+    if detected:
+        fmt, why = detect_format(keys)
+        log(f"convert: {inp.path} looks like --from {fmt} ({why})")
+    extras = [k for k in keys if is_str[k] and k not in CONSUMED[fmt] and k not in REQUIRED]
+    dropped = [k for k in keys if not is_str[k] and k not in CONSUMED[fmt] and k not in REQUIRED]
+    if dropped:
+        log(f"convert: dropping columns that are not text: {', '.join(dropped)}")
+    conv = Converter(fmt, cfg, inp, extras)
+
+    shard = parse_shard(cfg.shard)
+    total = inp.count() if shard or inp.kind == "parquet" else None
+    lo, hi = shard_bounds(total, shard) if shard else (0, total)
+    parts, rejects, rows_in, rows_out = Parts(out_dir, cfg.rows_per_file), [], 0, 0
+    for batch in _batches(_progress(inp.records(lo, hi), None if hi is None else hi - lo, cfg.quiet)):
+        good, bad = convert_batch(batch, conv)
+        if bad and cfg.on_error == "fail":
+            raise OvkitError(bad[0].message())
+        rows_in += len(batch)
+        rows_out += good.num_rows
+        rejects.extend(bad)
+        parts.add(good)
+    files = parts.finish(sample_table([], conv.columns))
+    if rejects:
+        write_table(pa.Table.from_pylist([r.as_row() for r in rejects], schema=REJECT_SCHEMA), out_dir / REJECTS)
+    if rows_in != rows_out + len(rejects):  # the promise of every data stage; a mismatch is a bug
+        raise RuntimeError(f"rows in {rows_in} != rows out {rows_out} + rejects {len(rejects)}")
+    return {
+        "format": fmt,
+        "detected": detected,
+        "rows_in": rows_in,
+        "rows_out": rows_out,
+        "rejects": len(rejects),
+        "reject_fields": dict(Counter(r.field for r in rejects)),
+        "files": len(files),
+        "shard": cfg.shard,
+        "renamed_ids": conv.counts["renamed_ids"],
+        "inserted_markers": conv.counts["inserted_markers"],
+        "answers_cut_to_first": conv.counts["answers_cut_to_first"],
+        "kept_columns": extras,
+        "dropped_columns": dropped,
+        "null_non_string_values": {k.removeprefix("non-string "): n for k, n in conv.counts.items() if k.startswith("non-string ")},
+    }
+
+
+def _batches(records: Iterator[Record]) -> Iterator[list[Record]]:
+    batch: list[Record] = []
+    for rec in records:
+        batch.append(rec)
+        if len(batch) >= BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _progress(it: Iterator[Record], total: int | None, quiet: bool) -> Iterator[Record]:
+    from tqdm import tqdm
+
+    return iter(tqdm(it, total=total, disable=quiet, unit="rec", desc="convert", file=sys.stderr, mininterval=1.0))
