@@ -48,12 +48,14 @@ def _register() -> None:
     from ovkit.commands import (  # one module per command; add yours here
         _common,  # noqa: F401
         convert,
+        init_model,
         synth,
     )
 
     # The whole command surface, one line each (add yours in pipeline order):
     app.command("synth")(synth.synth)
     app.command("convert")(convert.convert)
+    app.command("init-model")(init_model.init_model)
 
 
 def main() -> None:

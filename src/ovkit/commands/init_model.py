@@ -1,0 +1,41 @@
+"""`ovkit init-model`: build the tiny default model, or compose a stage-0 VLM from a vision encoder and an LLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
+
+
+def init_model(
+    ctx: typer.Context,
+    out: Path = OUT,
+    preset: str = typer.Option(None, "--preset", help="tiny (default), or a published name (see --list-presets)."),
+    corpus: list[Path] = typer.Option(None, "--corpus", help="tiny: dataset(s) whose text trains the tokenizer (repeatable), e.g. data/ from `ovkit synth`."),
+    vision: Path = typer.Option(None, "--vision", help="Compose: local vision encoder directory (CLIP, SigLIP, ...)."),
+    llm: Path = typer.Option(None, "--llm", help="Compose: local causal LM directory (with its tokenizer)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compose: weight dtype (auto keeps the checkpoints'; float32, bfloat16, ...)."),
+    vision_feature_layer: int = typer.Option(-2, "--vision-feature-layer", help="Compose: encoder layer that feeds the projector."),
+    list_presets: bool = typer.Option(False, "--list-presets", help="Print the preset table and exit."),
+    seed: int = SEED,
+    overwrite: bool = OVERWRITE,
+    quiet: bool = QUIET,
+    config: Path = CONFIG,
+) -> None:
+    """Build the tiny model (Qwen2.5-VL architecture, tokenizer trained on --corpus) or compose --vision + --llm."""
+    from ovkit.models.presets import InitModelConfig, build, presets_table
+    from ovkit.runs import Stage
+
+    cfg = resolve(ctx, InitModelConfig)
+    if cfg.list_presets:
+        return done(presets_table())
+    inputs = [*cfg.corpus, *[p for p in (cfg.vision, cfg.llm) if p is not None]]
+    stage = Stage("init-model", cfg, cfg.out, inputs=inputs, overwrite=cfg.overwrite, seed=cfg.seed)
+    if stage.skipped:
+        return skipped(cfg.out)
+    with stage:
+        stage.metrics.update(build(cfg, stage.path))
+    m = stage.metrics
+    done(f"init-model: {m['preset']} ({m['architecture']}, {m['parameters'] / 1e6:.2f}M parameters) -> {cfg.out}")
