@@ -48,6 +48,7 @@ def _register() -> None:
     from ovkit.commands import (  # one module per command; add yours here
         _common,  # noqa: F401
         convert,
+        eval,
         init_model,
         synth,
     )
@@ -56,6 +57,7 @@ def _register() -> None:
     app.command("synth")(synth.synth)
     app.command("convert")(convert.convert)
     app.command("init-model")(init_model.init_model)
+    app.command("eval")(eval.evaluate)
 
 
 def main() -> None:

@@ -1,0 +1,66 @@
+"""`ovkit eval`: score a model on held-out rows per category; `ovkit eval --compare`: one table across runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ovkit.commands._common import CONFIG, OVERWRITE, QUIET, SEED, done, resolve, skipped
+
+
+def evaluate(
+    ctx: typer.Context,
+    data: list[Path] = typer.Argument(None, help="Eval datasets (parquet file or directory); with --compare: eval outputs (DIR or LABEL=DIR)."),
+    model: Path = typer.Option(None, "--model", help="Model directory (save_pretrained) or hub id."),
+    out: Path = typer.Option(None, "--out", help="Output directory (written atomically); with --compare: a markdown file for the table."),
+    compare: bool = typer.Option(False, "--compare", help="Tabulate finished evals (the DATA arguments) instead of running one."),
+    metric: str = typer.Option("reward", "--metric", help="--compare: reward, accuracy, pass@K or truncated."),
+    prompt: str = typer.Option("answer", "--prompt", help="Instruction added to each prompt: answer, think or none."),
+    engine: str = typer.Option("hf", "--engine", help="hf (transformers, any device) or vllm (GPU)."),
+    batch_size: int = typer.Option(64, "--batch-size", help="Sequences per generate call (rows x n), hf engine."),
+    max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="Tokens per completion (default: per category, 1.25 x its longest gold answer, at least 32; +256 with --prompt think)."),
+    n: int = typer.Option(1, "--n", help="Completions per row; more than 1 reports pass@k."),
+    temperature: float = typer.Option(None, "--temperature", help="0 = greedy (default: 0 for --n 1, 1.0 for --n > 1)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
+    limit: int = typer.Option(None, "--limit", help="At most this many rows per category (the first ones)."),
+    save_logprobs: bool = typer.Option(False, "--save-logprobs", help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards)."),
+    dtype: str = typer.Option(None, "--dtype", help="Load the weights as float32, bfloat16 or auto (default: as saved)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the model directory / hub."),
+    seed: int = SEED,
+    overwrite: bool = OVERWRITE,
+    quiet: bool = QUIET,
+    config: Path = CONFIG,
+) -> None:
+    """Evaluate a model on held-out rows: mean reward and accuracy per category, per source and overall."""
+    from ovkit.evaluate import EvalConfig, compare_table, load_run, run_eval
+    from ovkit.runs import Stage
+
+    cfg = resolve(ctx, EvalConfig)
+    if cfg.compare:
+        table = compare_table([load_run(p) for p in cfg.data], cfg.metric)
+        typer.echo(table, nl=False)
+        if cfg.out is not None:
+            _write_text(cfg.out, table)
+            done(f"eval --compare: {len(cfg.data)} runs -> {cfg.out}")
+        return
+    stage = Stage("eval", cfg, cfg.out, inputs=[*cfg.data, cfg.model], overwrite=cfg.overwrite, seed=cfg.seed, parent=cfg.model)
+    if stage.skipped:
+        return skipped(cfg.out)
+    with stage:
+        stage.metrics.update(run_eval(cfg, stage.path))
+    m = stage.metrics
+    done(
+        f"eval: reward {m['overall']:.3f}, accuracy {m['accuracy']:.3f} on {m['rows']} rows x {cfg.n} "
+        f"({len(m['categories'])} categories, {m['truncated']:.0%} truncated) in {m['seconds']['total']}s -> {cfg.out}"
+    )
+
+
+def _write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "compare.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

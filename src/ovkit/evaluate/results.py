@@ -1,0 +1,195 @@
+"""Eval outputs in the lmms-eval layout (anchors.md section 4), `summary.json`, and the table across runs.
+
+    OUT/<model-name>/<timestamp>_results.json          results / configs / versions / n-samples / config / git_hash / date
+    OUT/<model-name>/<timestamp>_samples_<task>.jsonl  one line per row: doc_id, target, input, resps, filtered_resps, metrics
+    OUT/summary.json                                   {"overall", "categories", "sources", "accuracy", "detail", "model", "n", ...}
+
+Tasks are the eval set's categories. Metric keys follow lmms-eval: `"<metric>,none"` and `"<metric>_stderr,none"`
+(the filter is `none`: completions are scored as generated).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ovkit.errors import OvkitError
+from ovkit.runs import write_json
+
+SUMMARY = "summary.json"
+FILTER = "none"
+
+
+def safe_name(text: str) -> str:
+    """A file-name-safe version of a task or model name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("_") or "unnamed"
+
+
+def model_name(model: str | Path) -> str:
+    """The `<model-name>` folder: a local directory's name, or a hub id with '/' as '__' (as lmms-eval writes it)."""
+    text = str(model).rstrip("/")
+    path = Path(text)
+    if path.exists():
+        return safe_name(path.resolve().name)
+    return safe_name(text.replace("/", "__"))
+
+
+def lmms_metrics(metrics: Mapping[str, float]) -> dict[str, Any]:
+    """Our aggregate metrics as lmms-eval's `"<metric>,none"` / `"<metric>_stderr,none"` keys."""
+    return {f"{k},{FILTER}": v for k, v in metrics.items() if k != "rows"}
+
+
+def write_results(
+    out: Path,
+    *,
+    model: str,
+    timestamp: str,
+    summary: Mapping[str, Any],
+    records: Sequence[Mapping[str, Any]],
+    task_configs: Mapping[str, Any],
+    n_original: Mapping[str, int],
+    run_config: Mapping[str, Any],
+    version: str,
+    seconds: float,
+) -> Path:
+    """Write `<out>/<model-name>/<timestamp>_results.json` and one `_samples_<task>.jsonl` per task."""
+    folder = Path(out) / model_name(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    tasks = summary["categories"]
+    results = {t: {"alias": t, **lmms_metrics(m)} for t, m in tasks.items()}
+    metric_names = [k for k in summary["overall"] if k != "rows" and not k.endswith("_stderr")]
+    doc = {
+        "results": results,
+        "groups": {"overall": {"alias": "overall", **lmms_metrics(summary["overall"])}},
+        "configs": dict(task_configs),
+        "versions": {t: version for t in tasks},
+        "n-shot": {t: 0 for t in tasks},
+        "higher_is_better": {t: {m: m != "truncated" for m in metric_names} for t in tasks},
+        "n-samples": {t: {"original": int(n_original.get(t, m["rows"])), "effective": int(m["rows"])} for t, m in tasks.items()},
+        "config": dict(run_config),
+        "git_hash": _git_hash(),
+        "date": timestamp,
+        "total_evaluation_time_seconds": f"{seconds:.2f}",
+    }
+    results_path = folder / f"{timestamp}_results.json"
+    write_json(results_path, doc)
+    for task in tasks:
+        lines = [json.dumps(_sample_line(r), ensure_ascii=False) for r in records if r["category"] == task]
+        (folder / f"{timestamp}_samples_{safe_name(task)}.jsonl").write_text("\n".join(lines) + "\n")
+    return results_path
+
+
+def _sample_line(r: Mapping[str, Any]) -> dict[str, Any]:
+    texts = [c["text"] for c in r["completions"]]
+    return {
+        "doc_id": r["doc_id"],
+        "id": r["id"],
+        "source": r["source"],
+        "target": r["answer"],
+        "input": r["input"],
+        "resps": [texts],
+        "filtered_resps": texts,
+        "rewards": [c["reward"] for c in r["completions"]],
+        "reward_parts": [c["parts"] for c in r["completions"]],
+        "finish_reasons": [c["finish_reason"] for c in r["completions"]],
+        **r["metrics"],
+    }
+
+
+def _git_hash() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+# -- comparing runs ------------------------------------------------------------------------------------------------
+
+
+def load_run(spec: str | Path) -> tuple[str, dict[str, Any]]:
+    """(label, summary) of one run: `PATH` or `LABEL=PATH`, where PATH is an eval output directory, its
+    summary.json, or an lmms-eval `*_results.json` (its tasks become the categories). The label defaults to the
+    directory's name."""
+    text = str(spec)
+    label, _, path_text = text.partition("=") if "=" in text and not Path(text).exists() else ("", "", text)
+    path = Path(path_text)
+    if path.is_dir():
+        path = path / SUMMARY
+        if not path.is_file():
+            raise OvkitError(f"{path.parent}: not an eval output (no {SUMMARY}); run `ovkit eval --model ... --out {path.parent}`")
+    if not path.is_file():
+        raise OvkitError(f"{path_text}: no such eval output")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise OvkitError(f"{path}: not readable JSON ({e})") from None
+    summary = doc if "categories" in doc else _summary_from_lmms(doc, path)
+    if not label:
+        label = path.parent.resolve().name or path.stem  # the eval output's directory (lmms-eval: the model folder)
+    return label, summary
+
+
+def _summary_from_lmms(doc: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    if "results" not in doc:
+        raise OvkitError(f"{path}: neither an ovkit {SUMMARY} nor an lmms-eval results file")
+    detail = {t: {k.split(",")[0]: v for k, v in m.items() if isinstance(v, (int, float))} for t, m in doc["results"].items()}
+    groups = doc.get("groups", {})
+    overall = {k.split(",")[0]: v for k, v in groups.get("overall", {}).items() if isinstance(v, (int, float))}
+    return {"categories": {}, "detail": {"categories": detail, "overall": overall}}
+
+
+def metric_value(summary: Mapping[str, Any], metric: str, category: str | None) -> float | None:
+    """One number of a run: `metric` of `category` (None = overall), or None where the run lacks it."""
+    detail = summary.get("detail", {})
+    where = detail.get("overall", {}) if category is None else detail.get("categories", {}).get(category, {})
+    value = where.get(metric)
+    if value is None and metric == summary.get("metric", "reward"):
+        value = summary.get("overall") if category is None else summary.get("categories", {}).get(category)
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+METRIC_TITLES = {
+    "reward": "mean reward x 100",
+    "accuracy": "accuracy x 100 (share of completions with reward >= 0.5)",
+    "truncated": "share of completions cut by --max-new-tokens x 100",
+}
+
+
+def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "reward") -> str:
+    """A markdown table, aligned so it also reads in a terminal: rows = categories (then `overall`, the mean over
+    all rows), columns = runs in the given order, values = `metric` x 100; `-` where a run lacks a category."""
+    if not runs:
+        raise OvkitError("--compare needs at least one eval output")
+    categories = sorted({c for _, s in runs for c in _categories(s)})
+    if not any(metric_value(s, metric, c) is not None for _, s in runs for c in [None, *categories]):
+        raise OvkitError(f"--metric {metric}: no run reports it (reward and accuracy always exist; pass@k needs --n > 1)")
+    header = ["category", *[label for label, _ in runs]]
+    body = [[c, *[_cell(metric_value(s, metric, c)) for _, s in runs]] for c in categories]
+    body.append(["**overall**", *[_cell(metric_value(s, metric, None)) for _, s in runs]])
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        return "| " + " | ".join([first, *[c.rjust(w) for c, w in zip(cells[1:], widths[1:])]]) + " |"
+
+    rule = "|" + "|".join(["-" * (widths[0] + 2), *["-" * (w + 1) + ":" for w in widths[1:]]]) + "|"
+    title = METRIC_TITLES.get(metric, f"{metric} x 100")
+    lines = [line(header), rule, *[line(r) for r in body]]
+    note = f"Held-out {title}; rows = categories, columns = runs; overall = mean over all rows."
+    counts = {label: int(s.get("detail", {}).get("overall", {}).get("rows", 0)) for label, s in runs}
+    if len(set(counts.values())) > 1:  # e.g. one run used --limit: its numbers are not comparable row for row
+        note += " Runs scored different rows: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + "."
+    return "\n".join([note, "", *lines]) + "\n"
+
+
+def _categories(summary: Mapping[str, Any]) -> list[str]:
+    return list(summary.get("detail", {}).get("categories", {}) or summary.get("categories", {}))
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"

@@ -1,0 +1,386 @@
+"""`ovkit eval`: generate on held-out rows, score with the rewards library, aggregate, write lmms-eval results."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from ovkit.errors import OvkitError, where
+
+UNCATEGORIZED = "uncategorized"  # the task of rows without a `category`
+MIN_NEW_TOKENS = 32  # the smallest per-category token budget when --max-new-tokens is not given
+THINK_EXTRA_TOKENS = 256  # room for the reasoning with --prompt think
+
+
+@dataclass
+class EvalConfig:
+    """Options of `ovkit eval` (evaluate a model) and `ovkit eval --compare` (tabulate finished evals)."""
+
+    data: list[Path] | None = None  # eval datasets; with --compare: eval outputs (summary.json dirs), LABEL=PATH allowed
+    model: Path | None = None  # model directory (save_pretrained) or hub id
+    out: Path | None = None  # output directory; with --compare: a markdown file to write the table to (optional)
+    compare: bool = False  # tabulate finished evals instead of running one
+    metric: str = "reward"  # --compare: reward | accuracy | pass@K | truncated
+    prompt: str = "answer"  # stage instruction added to each prompt: answer | think | none
+    engine: str = "hf"  # hf (transformers, any device) | vllm (GPU)
+    batch_size: int = 64  # sequences per generate call (prompts x n); hf engine
+    max_new_tokens: int | None = None  # default: per category, from its longest gold answer (token_budgets)
+    n: int = 1  # completions per row; > 1 reports pass@k
+    temperature: float | None = None  # default: 0 (greedy) for --n 1, 1.0 for --n > 1
+    top_p: float = 1.0
+    limit: int | None = None  # at most this many rows per category (the first ones), like lmms-eval's --limit
+    save_logprobs: bool = False  # also write OUT/rollouts.parquet (token ids, sampler logprobs, rewards)
+    dtype: str | None = None  # model weights' dtype when loading (float32, bfloat16, auto); default as saved
+    trust_remote_code: bool = False
+    seed: int = 0
+    overwrite: bool = False
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        from ovkit.generate import ENGINES
+        from ovkit.prompts import ALIASES, INSTRUCTIONS
+
+        if not self.data:
+            raise OvkitError("give the eval outputs to compare (ovkit eval --compare RUN...)" if self.compare else "give at least one eval dataset (ovkit eval --model DIR DATA... --out DIR)")
+        self.data = [Path(p) if not isinstance(p, Path) else p for p in self.data]
+        if self.compare:
+            return
+        if self.model is None:
+            raise OvkitError("--model is required")
+        if self.out is None:
+            raise OvkitError("--out is required")
+        self.prompt = ALIASES.get(self.prompt, self.prompt)
+        if self.prompt not in INSTRUCTIONS:
+            raise OvkitError(f"--prompt must be one of {', '.join(INSTRUCTIONS)}, got {self.prompt!r}")
+        if self.engine not in ENGINES:
+            raise OvkitError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        for name in ("batch_size", "n"):
+            if getattr(self, name) < 1:
+                raise OvkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise OvkitError(f"--limit must be >= 1, got {self.limit}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise OvkitError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature is None:
+            self.temperature = 0.0 if self.n == 1 else 1.0
+        if self.temperature < 0:
+            raise OvkitError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.n > 1 and self.temperature == 0:
+            raise OvkitError("--n > 1 needs --temperature > 0 (greedy completions are all the same)")
+        if not 0 < self.top_p <= 1:
+            raise OvkitError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+
+# -- the eval set ---------------------------------------------------------------------------------------------------
+
+
+def load_rows(paths: Sequence[Path], limit: int | None = None) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Rows of every eval dataset in order (at most `limit` per category), and each category's row count before the
+    limit. Every row needs an `answer` to score against."""
+    from ovkit.data.io import read_samples
+
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        table = read_samples(path).table
+        if "answer" not in table.column_names:
+            raise OvkitError(f"{where(path, column='answer')}: eval rows need a gold answer (this looks like a training split)")
+        for i, row in enumerate(table.to_pylist()):
+            if row.get("answer") is None:
+                rid = row["id"]
+                raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'answer')}: the gold answer is null")
+            row["category"] = row.get("category") or UNCATEGORIZED
+            rows.append(row)
+    original: dict[str, int] = {}
+    kept = []
+    for row in rows:
+        seen = original.get(row["category"], 0)
+        original[row["category"]] = seen + 1
+        if limit is None or seen < limit:
+            kept.append(row)
+    return kept, original
+
+
+# -- the run --------------------------------------------------------------------------------------------------------
+
+
+def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: Any = None) -> dict[str, Any]:
+    """Evaluate `cfg.model` on `cfg.data`, writing the results into `out_dir`. Returns headline metrics.
+
+    `engine`/`processor` may be given (tests, or a caller that already holds the model); otherwise they are built
+    from `cfg.model` with `cfg.engine`."""
+    from ovkit import __version__
+    from ovkit.evaluate.metrics import summarize
+    from ovkit.evaluate.results import write_results
+    from ovkit.runs import write_json
+
+    clock = {"start": time.perf_counter()}
+    timestamp = _dt.datetime.now().strftime("%Y%m%d_%H%M%S")
+    rows, n_original = load_rows(cfg.data, cfg.limit)
+    if engine is None:
+        engine, processor = build_engine(cfg)
+    clock["load"] = time.perf_counter()
+    prompts, images, inputs = encode_rows(rows, processor, cfg.prompt, progress=not cfg.quiet)
+    budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)
+    clock["encode"] = time.perf_counter()
+    completions = generate_rows(engine, cfg, rows, prompts, images, budgets)
+    clock["generate"] = time.perf_counter()
+    rewards = score(rows, completions, cfg.prompt)
+    clock["score"] = time.perf_counter()
+    records = make_records(rows, inputs, completions, rewards)
+    summary = summarize(records)
+    seconds = time.perf_counter() - clock["start"]
+    results_path = write_results(
+        out_dir,
+        model=str(cfg.model),
+        timestamp=timestamp,
+        summary=summary,
+        records=records,
+        task_configs=_task_configs(cfg, budgets),
+        n_original=n_original,
+        run_config=_run_config(cfg),
+        version=__version__,
+        seconds=seconds,
+    )
+    doc = _summary_doc(cfg, summary, budgets, results_path.relative_to(out_dir))
+    write_json(out_dir / "summary.json", doc)
+    if cfg.save_logprobs:
+        write_eval_rollouts(out_dir / "rollouts.parquet", rows, prompts, completions, rewards)
+    return {
+        "overall": doc["overall"],
+        "accuracy": doc["accuracy"]["overall"],
+        "categories": doc["categories"],
+        "rows": len(rows),
+        "completions": len(rows) * cfg.n,
+        "new_tokens": sum(len(c.token_ids) for outs in completions for c in outs),
+        "truncated": summary["overall"].get("truncated", 0.0),
+        "seconds": {
+            "load": round(clock["load"] - clock["start"], 2),
+            "encode": round(clock["encode"] - clock["load"], 2),
+            "generate": round(clock["generate"] - clock["encode"], 2),
+            "score": round(clock["score"] - clock["generate"], 2),
+            "total": round(seconds, 2),
+        },
+    }
+
+
+def encode_rows(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, *, progress: bool = False) -> tuple[list, list, list[str]]:
+    """(encoded prompts, PIL images, prompt text) per row, the stage instruction added to the last user turn."""
+    from tqdm.auto import tqdm
+
+    from ovkit.models.encode import decode_images, encode_prompt
+    from ovkit.prompts import with_instruction
+
+    prompts, images, inputs = [], [], []
+    for row in tqdm(rows, desc="encode", unit="row", leave=False, disable=not progress):
+        messages = with_instruction(row["messages"], prompt)
+        pics = decode_images(row["images"])
+        prompts.append(encode_prompt(processor, messages, pics))
+        images.append(pics)
+        inputs.append("\n".join(f"{m['role']}: {m['content']}" for m in messages))
+    return prompts, images, inputs
+
+
+def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, fixed: int | None) -> dict[str, int]:
+    """max_new_tokens per category (lmms-eval sets generation length per task too). Without --max-new-tokens: room
+    for the category's longest gold answer written as `<answer>X</answer>` plus the stop token, times 1.25, at least
+    32; with --prompt think another 256 for the reasoning. A fixed 32 would cut every SVG and detection answer."""
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    if fixed is not None:
+        return {c: fixed for c in categories}
+    tokenizer = getattr(processor, "tokenizer", processor)
+    longest: dict[str, int] = {}
+    for r in rows:
+        n = len(tokenizer.encode(f"<answer>{r['answer']}</answer>", add_special_tokens=False)) + 1
+        longest[r["category"]] = max(longest.get(r["category"], 0), n)
+    extra = THINK_EXTRA_TOKENS if prompt == "think" else 0
+    return {c: max(MIN_NEW_TOKENS, math.ceil(1.25 * longest[c])) + extra for c in categories}
+
+
+def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: dict[str, int]) -> list[list[Any]]:
+    """Completions per row; rows that share a token budget are generated together (one engine call each)."""
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(budgets[row["category"]], []).append(i)
+    out: list[list[Any]] = [[] for _ in rows]
+    for g, (budget, idx) in enumerate(sorted(groups.items())):
+        done = engine.generate(
+            [prompts[i] for i in idx],
+            n=cfg.n,
+            max_new_tokens=budget,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            seed=cfg.seed + g,
+            images=[images[i] for i in idx] if cfg.engine == "vllm" else None,
+        )
+        for i, completions in zip(idx, done):
+            out[i] = completions
+    return out
+
+
+def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:
+    """One record per row: what the results files and the metrics need."""
+    from ovkit.evaluate.metrics import row_metrics
+
+    records = []
+    doc_ids: dict[str, int] = {}
+    for row, text, outs, rs in zip(rows, inputs, completions, rewards):
+        doc_id = doc_ids.get(row["category"], 0)
+        doc_ids[row["category"]] = doc_id + 1
+        records.append(
+            {
+                "doc_id": doc_id,
+                "id": row["id"],
+                "category": row["category"],
+                "source": row["source"],
+                "answer": row["answer"],
+                "input": text,
+                "completions": [
+                    {"text": c.text, "reward": r.reward, "parts": r.parts, "finish_reason": c.finish_reason} for c, r in zip(outs, rs)
+                ],
+                "metrics": row_metrics([r.reward for r in rs], [c.finish_reason for c in outs]),
+            }
+        )
+    return records
+
+
+def build_engine(cfg: EvalConfig) -> tuple[Any, Any]:
+    from ovkit.generate import make_engine
+
+    if cfg.engine == "vllm":
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(cfg.model), trust_remote_code=cfg.trust_remote_code)
+        engine = make_engine(
+            "vllm", cfg.model, processor, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, dtype=cfg.dtype or "auto", progress=not cfg.quiet
+        )
+        return engine, processor
+    from ovkit.models import load
+
+    model, processor = load(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    _to_accelerator(model)
+    return make_engine("hf", model, processor, batch_size=cfg.batch_size, progress=not cfg.quiet), processor
+
+
+def _to_accelerator(model: Any) -> None:
+    import torch
+
+    if torch.cuda.is_available() and next(model.parameters()).device.type == "cpu":
+        model.to("cuda")
+
+
+def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], prompt: str) -> list[list[Any]]:
+    """Rewards of every completion, grouped per row like `completions`."""
+    from ovkit.rewards import score_batch
+
+    items = [
+        {
+            "id": row["id"],
+            "completion": c.text,
+            "answer": row["answer"],
+            "answer_type": row.get("answer_type"),
+            "source": row["source"],
+            "reward_kwargs": row.get("reward_kwargs"),
+            "prompt_type": "answer" if prompt == "none" else prompt,
+        }
+        for row, outs in zip(rows, completions)
+        for c in outs
+    ]
+    flat = score_batch(items)
+    grouped, i = [], 0
+    for outs in completions:
+        grouped.append(flat[i : i + len(outs)])
+        i += len(outs)
+    return grouped
+
+
+def write_eval_rollouts(path: Path, rows, prompts, completions, rewards) -> None:
+    """The eval's trajectories in the rollout schema (`ovkit.generate.rollouts`), for mismatch-report. The prompt
+    rows' image cells are copied as they are, so the file is self-contained."""
+    from ovkit.generate.rollouts import write_rollouts
+
+    out = []
+    for group, (row, prompt, outs, rs) in enumerate(zip(rows, prompts, completions, rewards)):
+        cells = [{"bytes": c.get("bytes"), "path": c.get("path")} for c in row["images"] or []]
+        for c, r in zip(outs, rs):
+            out.append(
+                {
+                    "prompt_id": row["id"],
+                    "group": group,
+                    "version": 0,
+                    "prompt_ids": list(prompt.input_ids),
+                    "response_ids": list(c.token_ids),
+                    "loss_mask": [1] * len(c.token_ids),
+                    "behave_logprobs": list(c.logprobs),
+                    "reward": float(r.reward),
+                    "reward_parts": r.parts,
+                    "finish_reason": c.finish_reason,
+                    "turns": 1,
+                    "category": row["category"],
+                    "source": row["source"],
+                    "answer": row["answer"],
+                    "answer_type": row.get("answer_type"),
+                    "completion": c.text,
+                    "images": cells,
+                }
+            )
+    write_rollouts(out, path)
+
+
+def _task_configs(cfg: EvalConfig, budgets: dict[str, int]) -> dict[str, Any]:
+    from ovkit.prompts import instruction
+
+    gen = {"temperature": cfg.temperature, "top_p": cfg.top_p, "do_sample": cfg.temperature > 0, "n": cfg.n}
+    return {
+        t: {
+            "task": t,
+            "dataset_path": [str(p) for p in cfg.data],
+            "dataset_filter": {"category": t},
+            "output_type": "generate_until",
+            "instruction": instruction(cfg.prompt),
+            "generation_kwargs": {"max_new_tokens": budgets[t], **gen},
+            "metric_list": [{"metric": m, "higher_is_better": m != "truncated"} for m in ("reward", "accuracy", "truncated")],
+            "scorer": "ovkit.rewards (per-row answer_type)",
+        }
+        for t in sorted(budgets)
+    }
+
+
+def _run_config(cfg: EvalConfig) -> dict[str, Any]:
+    args = f"pretrained={cfg.model}" + (f",dtype={cfg.dtype}" if cfg.dtype else "")
+    return {
+        "model": f"ovkit-{cfg.engine}",
+        "model_args": args,
+        "batch_size": cfg.batch_size,
+        "limit": cfg.limit,
+        "gen_kwargs": f"max_new_tokens={cfg.max_new_tokens or 'per task'},temperature={cfg.temperature},top_p={cfg.top_p},n={cfg.n}",
+        "random_seed": cfg.seed,
+        "prompt": cfg.prompt,
+    }
+
+
+def _summary_doc(cfg: EvalConfig, summary: dict[str, Any], budgets: dict[str, int], results_file: Path) -> dict[str, Any]:
+    """summary.json: headline numbers the pipeline table reads (mean reward), accuracy, and every metric in detail."""
+    return {
+        "model": str(cfg.model),
+        "metric": "reward",
+        "overall": summary["overall"]["reward"],
+        "categories": {k: v["reward"] for k, v in summary["categories"].items()},
+        "sources": {k: v["reward"] for k, v in summary["sources"].items()},
+        "accuracy": {
+            "overall": summary["overall"]["accuracy"],
+            "categories": {k: v["accuracy"] for k, v in summary["categories"].items()},
+            "sources": {k: v["accuracy"] for k, v in summary["sources"].items()},
+        },
+        "n": cfg.n,
+        "rows": int(summary["overall"]["rows"]),
+        "prompt": cfg.prompt,
+        "temperature": cfg.temperature,
+        "max_new_tokens": dict(sorted(budgets.items())),
+        "data": [str(p) for p in cfg.data],
+        "results": str(results_file),
+        "detail": summary,
+    }

@@ -1,0 +1,333 @@
+"""Batched generation with transformers: the engine that runs everywhere, CPU included.
+
+How a batch is generated: prompts are sorted by length, cut into batches of `batch_size` sequences, left-padded
+(`collate_prompts`: per-token tensors such as Qwen-VL's `mm_token_type_ids` are padded like `input_ids`; per-image
+tensors such as `pixel_values` / `image_grid_thw` are concatenated in batch order) and handed to `model.generate`,
+which computes the Qwen-VL 3D RoPE positions and rope deltas from the attention mask. Tests check that a batch gives
+the same greedy tokens as one prompt at a time, and that generation with and without the KV cache agrees.
+
+Where the log-probs come from: sampling is done by `generate` (`do_sample=True`, its own temperature/top-k/top-p
+switched off) with one logits processor of ours, `_SampledDistribution`, that turns the fp32 logits into the
+log-probabilities of the distribution we want (`sampling_logprobs`: temperature, then top-p renormalised) and
+returns them as the scores `generate` samples from. So the distribution sampled from is ours by construction, and at
+each step the processor gathers the log-prob of the token sampled at the step before (it is the last column of
+`input_ids`), which keeps memory at one batch x vocab row instead of `output_scores`' steps x batch x vocab. The
+model's own `generation_config` (repetition penalty, top-k, ... of a hub checkpoint) is set aside while we generate
+so that nothing else reshapes the distribution. A test checks that, at temperature 1 and top-p 1, the logprobs equal
+log_softmax of a teacher-forced forward pass of the same model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from ovkit.errors import OvkitError
+from ovkit.generate import Completion
+
+# Tensors of an encoded prompt with one value per token; everything else in `Encoded.mm` is per image.
+PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTS = ("int8",)
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """Log-probabilities (fp32) of the distribution a sampler draws from: logits / temperature, then the smallest
+    set of tokens whose probability reaches `top_p` kept and renormalised (the rest get -inf). Temperature 0 means
+    greedy decoding; the model's untempered distribution is returned (its argmax is the greedy token)."""
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    if temperature > 0 and top_p < 1.0:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        probs = sorted_logp.exp()
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= top_p  # the top token always stays (mass before it is 0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logp = torch.log_softmax(logits.masked_fill(drop, float("-inf")), dim=-1)
+    return logp
+
+
+class _SampledDistribution(LogitsProcessor):
+    """The only logits processor in play: returns `sampling_logprobs` as the scores `generate` samples from, and
+    records the log-prob of each sampled token (gathered one step later, when the token is in `input_ids`)."""
+
+    def __init__(self, temperature: float, top_p: float):
+        self.temperature = temperature
+        self.top_p = top_p
+        self.previous: torch.Tensor | None = None
+        self.taken: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.previous is not None:
+            self.taken.append(self.previous.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.previous = sampling_logprobs(scores, self.temperature, self.top_p)
+        return self.previous
+
+    def logprobs(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, steps) log-probs of `new_tokens` (the generated part of `generate`'s output)."""
+        steps = new_tokens.shape[1]
+        taken = list(self.taken[:steps])
+        if len(taken) < steps:  # the last sampled token was never fed back through the processor
+            taken.append(self.previous.gather(1, new_tokens[:, -1:]).squeeze(1))
+        return torch.stack(taken, dim=1) if taken else new_tokens.new_zeros((new_tokens.shape[0], 0), dtype=torch.float)
+
+
+def collate_prompts(prompts: Sequence[Any], pad_id: int) -> dict[str, Any]:
+    """Left-pad encoded prompts into one batch for `generate`: input_ids, attention_mask, per-token tensors padded
+    the same way (0 in the padding), per-image tensors concatenated in batch order."""
+    width = max(p.length for p in prompts)
+    batch = len(prompts)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    per_token_names = sorted({k for p in prompts for k in _per_token(p)})
+    per_token = {k: torch.zeros((batch, width), dtype=torch.long) for k in per_token_names}
+    for i, p in enumerate(prompts):
+        start = width - p.length
+        input_ids[i, start:] = torch.tensor(p.input_ids, dtype=torch.long)
+        attention_mask[i, start:] = 1
+        for k, values in _per_token(p).items():
+            per_token[k][i, start:] = torch.as_tensor(values, dtype=torch.long).reshape(-1)
+    out: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, **per_token}
+    for key in sorted({k for p in prompts for k in p.mm}):
+        parts = [p.mm[key] for p in prompts if key in p.mm]
+        if not all(isinstance(t, torch.Tensor) for t in parts):
+            raise OvkitError(f"cannot batch the processor output {key!r}: it is not a tensor")
+        try:
+            out[key] = torch.cat(parts, dim=0)
+        except RuntimeError as e:
+            raise OvkitError(f"cannot batch the processor output {key!r} of different shapes ({e}); use --batch-size 1") from None
+    return out
+
+
+def _per_token(prompt: Any) -> dict[str, Any]:
+    """Per-token values of an Encoded prompt: its `per_token` dict, or per-token keys left in `mm` by older code."""
+    found = dict(getattr(prompt, "per_token", None) or {})
+    for k in PER_TOKEN_KEYS:
+        if k in prompt.mm and k not in found:
+            found[k] = prompt.mm[k]
+    return found
+
+
+def stop_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
+    """Tokens that end a completion: the model's eos ids, the tokenizer's eos and ChatML's <|im_end|>."""
+    ids: list[int] = []
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.extend(eos if isinstance(eos, (list, tuple)) else [eos])
+    ids.append(getattr(tokenizer, "eos_token_id", None))
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    ids.append(vocab.get("<|im_end|>"))
+    out = [int(i) for i in dict.fromkeys(ids) if i is not None]
+    if not out:
+        raise OvkitError("the model and tokenizer define no end-of-sequence token; generation could never stop")
+    return out
+
+
+def _dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise OvkitError(f"--sampler-dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+class HFEngine:
+    """Generation with a transformers model.
+
+    The sampler is the learner model itself when no `dtype`/`quant` is asked for (colocated: nothing to sync), else a
+    copy cast to `dtype`, or dynamically int8-quantised (`torch.ao.quantization.quantize_dynamic` on every Linear,
+    fp32 activations; CPU only) to reproduce low-precision sampling. `batch_size` counts sequences (prompts x n).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        *,
+        dtype: Any = None,
+        quant: str | None = None,
+        batch_size: int = 32,
+        use_cache: bool = True,
+        progress: bool = False,
+    ):
+        if quant is not None and quant not in QUANTS:
+            raise OvkitError(f"--quant must be one of {', '.join(QUANTS)} (or none), got {quant!r}")
+        if batch_size < 1:
+            raise OvkitError(f"--batch-size must be >= 1, got {batch_size}")
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.dtype = _dtype(dtype)
+        self.quant = quant
+        self.batch_size = batch_size
+        self.use_cache = use_cache
+        self.progress = progress
+        self.stop_ids = stop_token_ids(self.tokenizer, model)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else self.stop_ids[0]
+        self.model = self._sampler(model)
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+
+    def _sampler(self, model: Any) -> Any:
+        """The model to sample from: `model` itself, or a cast / quantised copy of it."""
+        param = next(model.parameters())
+        if self.quant == "int8":
+            if param.device.type != "cpu":
+                raise OvkitError("--quant int8 (torch dynamic quantisation) runs on CPU only; use --sampler-dtype bfloat16 on GPU")
+            from torch.ao.quantization import quantize_dynamic
+
+            sampler = copy.deepcopy(model).float().eval()
+            with warnings.catch_warnings():  # torch.ao.quantization is deprecated in favour of torchao, still works
+                warnings.simplefilter("ignore", DeprecationWarning)
+                warnings.simplefilter("ignore", UserWarning)
+                return quantize_dynamic(sampler, {torch.nn.Linear}, dtype=torch.qint8)
+        if self.dtype is None or self.dtype == param.dtype:
+            return model
+        return copy.deepcopy(model).to(self.dtype).eval()
+
+    def update_weights(self, model: Any) -> None:
+        """Copy the learner's current weights into the sampler (cast to its dtype, or re-quantised)."""
+        if model is self.model:
+            return
+        if self.quant is not None:
+            self.model = self._sampler(model)
+            return
+        mine = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name not in mine:
+                    raise OvkitError(f"update_weights: the sampler has no parameter {name!r}; was it built from another model?")
+                mine[name].copy_(p.detach())
+
+    # -- generation ------------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        *,
+        n: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        images: Any = None,  # accepted for parity with VLLMEngine; the encoded prompts already hold the pixels
+    ) -> list[list[Completion]]:
+        """Per prompt, `n` completions (temperature 0: greedy, computed once and repeated)."""
+        _check_sampling(n, max_new_tokens, temperature, top_p)
+        copies = n if temperature > 0 else 1
+        order = sorted(range(len(prompts)), key=lambda i: -prompts[i].length)
+        seqs = [(i, k) for i in order for k in range(copies)]  # (prompt, sample) in the order they are generated
+        results: list[list[Completion | None]] = [[None] * copies for _ in prompts]
+        chunks = [seqs[s : s + self.batch_size] for s in range(0, len(seqs), self.batch_size)]
+        bar = _progress(len(seqs), self.progress)
+        for c, chunk in enumerate(chunks):
+            batch = [prompts[i] for i, _ in chunk]
+            with _seeded(seed * 1_000_003 + c, self.model):
+                done = self._generate_batch(batch, max_new_tokens, temperature, top_p)
+            for (i, k), completion in zip(chunk, done):
+                results[i][k] = completion
+            bar.update(len(chunk))
+        bar.close()
+        if copies == n:
+            return results  # type: ignore[return-value]
+        return [[dataclasses.replace(r[0], token_ids=list(r[0].token_ids), logprobs=list(r[0].logprobs)) for _ in range(n)] for r in results]
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: Sequence[Any], max_new_tokens: int, temperature: float, top_p: float) -> list[Completion]:
+        model = self.model
+        device = next(model.parameters()).device
+        inputs = collate_prompts(prompts, self.pad_id)
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        if self.dtype is not None and "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        recorder = _SampledDistribution(temperature, top_p)
+        sampling = dict(temperature=1.0, top_p=1.0, top_k=0) if temperature > 0 else {}  # ours do the work
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            use_cache=self.use_cache,
+            **sampling,
+        )
+        with _plain_generation_config(model), _eval_mode(model):
+            out = model.generate(**inputs, generation_config=config, logits_processor=LogitsProcessorList([recorder]))
+        new = out[:, inputs["input_ids"].shape[1] :]
+        logprobs = recorder.logprobs(new).tolist()
+        return [self._completion(row, lp) for row, lp in zip(new.tolist(), logprobs)]
+
+    def _completion(self, tokens: list[int], logprobs: list[float]) -> Completion:
+        stops = set(self.stop_ids)
+        end = next((j for j, t in enumerate(tokens) if t in stops), None)
+        if end is None:
+            ids, reason, text_ids = tokens, "length", tokens
+        else:
+            ids, reason, text_ids = tokens[: end + 1], "stop", tokens[:end]
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        return Completion(token_ids=ids, text=text, logprobs=[float(x) for x in logprobs[: len(ids)]], finish_reason=reason)
+
+
+def _check_sampling(n: int, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if n < 1:
+        raise OvkitError(f"--n must be >= 1, got {n}")
+    if max_new_tokens < 1:
+        raise OvkitError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise OvkitError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise OvkitError(f"--top-p must be in (0, 1], got {top_p}")
+
+
+@contextmanager
+def _seeded(seed: int, model: Any) -> Iterator[None]:
+    """Seed torch's global generator (the one `generate` samples with) without disturbing the caller's stream."""
+    device = next(model.parameters()).device
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+@contextmanager
+def _plain_generation_config(model: Any) -> Iterator[None]:
+    """`generate` fills unset options from `model.generation_config` (a hub checkpoint's repetition penalty, top-k,
+    min-p, ...). Set it aside so the only change to the logits is ours."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+@contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+class _NoBar:
+    def update(self, k: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="seq", leave=False)

@@ -1,0 +1,129 @@
+"""The rollout table: one row per sampled trajectory, written by eval (`--save-logprobs`) and rl-train, read by
+rl-train and mismatch-report. Token-in/token-out: the learner re-scores exactly `prompt_ids + response_ids`, never
+a re-tokenised text (anchors.md section 9, "decode-then-re-encode token drift").
+
+| column | arrow type | meaning |
+|---|---|---|
+| `prompt_id` | string | the `id` of the prompt row |
+| `group` | int64 | trajectories sampled for the same prompt in the same step share a group (GRPO's group) |
+| `version` | int64 | policy version (weight-sync count / step) of the sampler that produced it; 0 for eval |
+| `prompt_ids` | list<int32> | prompt token ids as the model saw them (image placeholders expanded) |
+| `response_ids` | list<int32> | every token after the prompt: sampled tokens and, in multi-turn rollouts, the tokens of later user turns/observations |
+| `loss_mask` | list<int8> | per response token: 1 = sampled by the policy (trained on), 0 = environment/observation token |
+| `behave_logprobs` | list<float32> | per response token: the sampler's log-prob (after temperature/top-p); 0 where loss_mask is 0 |
+| `reward` | float64 | the trajectory's reward in [0, 1] |
+| `reward_parts` | string (JSON) | the reward's named parts (accuracy, format, iou, timeout, ...) |
+| `finish_reason` | string | stop / length (multi-turn: of the last turn; `abort`/`error` when an environment failed) |
+| `turns` | int32 | assistant turns in the trajectory (1 for single-turn) |
+| `category`, `source`, `answer`, `answer_type` | string | copied from the prompt row |
+
+Optional columns: `completion` (string, the decoded response), `images` (the prompt row's images, same type as the
+sample table, so mismatch-report can re-run the learner on multimodal prompts without the dataset). Any other column
+is kept.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import pyarrow as pa
+
+from ovkit.data.io import parquet_files, read_table, write_table
+from ovkit.data.schema import IMAGE
+from ovkit.errors import OvkitError, where
+
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("group", pa.int64()),
+        ("version", pa.int64()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("response_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("behave_logprobs", pa.list_(pa.float32())),
+        ("reward", pa.float64()),
+        ("reward_parts", pa.string()),
+        ("finish_reason", pa.string()),
+        ("turns", pa.int32()),
+        ("category", pa.string()),
+        ("source", pa.string()),
+        ("answer", pa.string()),
+        ("answer_type", pa.string()),
+    ]
+)
+OPTIONAL_COLUMNS: dict[str, pa.DataType] = {"completion": pa.string(), "images": pa.list_(IMAGE)}
+FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
+ROLLOUTS_FILE = "rollouts.parquet"
+
+
+def rollouts_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
+    """Build a rollout table from dicts with the schema's keys (`reward_parts` may be a dict; `loss_mask` defaults to
+    all ones, `turns` to 1, `version` to 0). Checks every row (`check_rollouts`)."""
+    rows = [_defaults(r) for r in rows]
+    names = [f.name for f in ROLLOUT_SCHEMA]
+    extra = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in names]
+    columns = {f.name: pa.array([r.get(f.name) for r in rows], type=f.type) for f in ROLLOUT_SCHEMA}
+    for k in extra:
+        columns[k] = pa.array([r.get(k) for r in rows], type=OPTIONAL_COLUMNS.get(k))
+    table = pa.table(columns) if rows else ROLLOUT_SCHEMA.empty_table()
+    check_rollouts(table)
+    return table
+
+
+def _defaults(row: Mapping[str, Any]) -> dict[str, Any]:
+    r = dict(row)
+    n = len(r.get("response_ids") or [])
+    r.setdefault("loss_mask", [1] * n)
+    r.setdefault("version", 0)
+    r.setdefault("turns", 1)
+    if not isinstance(r.get("reward_parts"), (str, type(None))):
+        r["reward_parts"] = json.dumps(r["reward_parts"], sort_keys=True, default=_plain)
+    return r
+
+
+def _plain(v: Any) -> Any:
+    return float(v) if hasattr(v, "__float__") else str(v)
+
+
+def check_rollouts(table: pa.Table, path: Path | str = "<rollouts>") -> None:
+    """Every required column with its type, and per row: one mask value and one log-prob per response token."""
+    for f in ROLLOUT_SCHEMA:
+        if f.name not in table.column_names:
+            raise OvkitError(f"{where(path, column=f.name)}: required rollout column is missing (columns: {', '.join(table.column_names)})")
+        got = table.schema.field(f.name).type
+        if not got.equals(f.type) and not pa.types.is_null(got):
+            raise OvkitError(f"{where(path, 'every row', f.name)}: type is {got}, expected {f.type}")
+    ids = table.column("prompt_id").to_pylist()
+    resp = table.column("response_ids").to_pylist()
+    masks = table.column("loss_mask").to_pylist()
+    logps = table.column("behave_logprobs").to_pylist()
+    reasons = table.column("finish_reason").to_pylist()
+    for i, (rid, r, m, lp, fr) in enumerate(zip(ids, resp, masks, logps, reasons)):
+        n = len(r or [])
+        if len(m or []) != n:
+            raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'loss_mask')}: {len(m or [])} values for {n} response tokens")
+        if len(lp or []) != n:
+            raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'behave_logprobs')}: {len(lp or [])} values for {n} response tokens")
+        if fr not in FINISH_REASONS:
+            raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'finish_reason')}: {fr!r} is not one of {', '.join(sorted(FINISH_REASONS))}")
+
+
+def write_rollouts(rows: pa.Table | Iterable[Mapping[str, Any]], path: Path | str) -> Path:
+    """Write a rollout table (or rows) to one parquet file, atomically."""
+    table = rows if isinstance(rows, pa.Table) else rollouts_table(rows)
+    check_rollouts(table, path)
+    return write_table(table, path)
+
+
+def read_rollouts(path: Path | str, columns: Iterable[str] | None = None) -> pa.Table:
+    """Read a rollout file, a directory of rollout shards, or a run directory holding `rollouts.parquet`."""
+    path = Path(path)
+    if path.is_dir() and (path / ROLLOUTS_FILE).is_file():
+        path = path / ROLLOUTS_FILE
+    parquet_files(path)  # a clear error for a missing path
+    table = read_table(path, columns=list(columns) if columns is not None else None)
+    if columns is None or set(ROLLOUT_SCHEMA.names) <= set(columns):
+        check_rollouts(table, path)
+    return table

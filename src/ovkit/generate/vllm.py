@@ -1,0 +1,135 @@
+"""Generation with a colocated vLLM engine (GPU only; `pip install 'ovkit[vllm]'`). vLLM is imported when the engine
+is built, so ovkit works without it.
+
+The engine runs in this process (`distributed_executor_backend="external_launcher"`, as TRL's colocate mode does),
+which lets `update_weights` write a learner's parameters straight into vLLM's model (`load_weights`) between RL
+steps. `logprobs_mode="processed_logprobs"` makes vLLM report log-probs of the distribution it sampled from (after
+temperature and top-p), the same contract as `HFEngine` (vLLM >= 0.10.2).
+
+Prompts are the same `Encoded` objects HFEngine takes: their token ids (image placeholders already expanded by the
+processor) go to vLLM as `prompt_token_ids`, and the prompt's PIL images as `multi_modal_data`, which vLLM
+re-processes itself, so multimodal prompts need `images=` (one list of PIL images per prompt).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Sequence
+
+from ovkit.errors import OvkitError
+from ovkit.generate import Completion
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        path: Path | str,
+        processor: Any = None,
+        *,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+        trust_remote_code: bool = False,
+        seed: int = 0,
+        batch_size: int | None = None,  # accepted for parity with HFEngine; vLLM schedules its own batches
+        progress: bool = False,
+        **llm_kwargs: Any,
+    ):
+        try:
+            import vllm
+        except ImportError:
+            raise OvkitError("--engine vllm needs vLLM, which needs a CUDA GPU: pip install 'ovkit[vllm]' (or use --engine hf)") from None
+        _single_process_env()
+        kwargs = dict(
+            model=str(path),
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_sleep_mode=enable_sleep_mode,
+            trust_remote_code=trust_remote_code,
+            seed=seed,
+            distributed_executor_backend="external_launcher",
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except TypeError as e:
+            if "logprobs_mode" in str(e):
+                raise OvkitError(f"vLLM {vllm.__version__} cannot report sampled log-probs (logprobs_mode); install vllm>=0.10.2") from None
+            raise
+        self._vllm = vllm
+        self.progress = progress
+        self.tokenizer = getattr(processor, "tokenizer", processor) if processor is not None else self.llm.get_tokenizer()
+        from ovkit.generate.hf import stop_token_ids
+
+        self.stop_ids = stop_token_ids(self.tokenizer)
+
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        *,
+        n: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> list[list[Completion]]:
+        """Per prompt, `n` completions. `images`: the PIL images of each prompt (needed when prompts have any)."""
+        from ovkit.generate.hf import _check_sampling
+
+        _check_sampling(n, max_new_tokens, temperature, top_p)
+        requests = [self._request(p, images[i] if images is not None else None) for i, p in enumerate(prompts)]
+        params = [
+            self._vllm.SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                seed=seed * 1_000_003 + i * n,  # one seed per prompt: reproducible, not shared across prompts
+                logprobs=0,  # the sampled token's log-prob only
+                stop_token_ids=self.stop_ids,
+                skip_special_tokens=True,
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=self.progress)
+        return [[self._completion(o) for o in out.outputs] for out in outputs]
+
+    def _request(self, prompt: Any, images: Sequence[Any] | None) -> dict[str, Any]:
+        request: dict[str, Any] = {"prompt_token_ids": list(prompt.input_ids)}
+        if prompt.mm:
+            if not images:
+                raise OvkitError("VLLMEngine.generate: a prompt has images; pass them as images=[[PIL images], ...]")
+            request["multi_modal_data"] = {"image": list(images) if len(images) > 1 else images[0]}
+        return request
+
+    def _completion(self, output: Any) -> Completion:
+        ids = list(output.token_ids)
+        logprobs = [float(step[t].logprob) for step, t in zip(output.logprobs or [], ids)]
+        reason = "stop" if output.finish_reason == "stop" else "length"
+        return Completion(token_ids=ids, text=output.text, logprobs=logprobs, finish_reason=reason)
+
+    def update_weights(self, model: Any) -> None:
+        """Write the learner's parameters into vLLM's model in place (colocated), then drop cached prefixes."""
+        runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+        for name, param in model.named_parameters():
+            runner.model.load_weights([(name, param.detach())])
+        self.llm.reset_prefix_cache()
+
+
+def _single_process_env() -> None:
+    """`external_launcher` joins a torch.distributed group; outside torchrun make it a group of one."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})

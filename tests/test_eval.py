@@ -1,0 +1,274 @@
+"""ovkit eval: scoring and aggregation on a hand-built eval set with forced completions (a stub engine), pass@k,
+the lmms-eval results layout, --save-logprobs rollouts, --compare, and the command end to end on the tiny model."""
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = ["How many circles? <answer>3</answer>", "Where is the red circle? [10, 10, 30, 30]", "cat moon A B C"] * 20
+BOX = {"coords": "pixel", "image_size": [84, 84]}
+
+# (id, category, source, question, answer, answer_type, reward_kwargs, forced completion, expected reward)
+ROWS = [
+    ("c0", "counting", "synth/counting", "Q-c0 how many?", "3", "number", None, "<answer>3</answer>", 1.0),
+    ("c1", "counting", "other/counting", "Q-c1 how many?", "2", "number", None, "<answer>5</answer>", 0.0),
+    ("s0", "spatial", "synth/spatial", "Q-s0 where? A. B. C.", "B", "multiple_choice", None, "<answer>B</answer>", 1.0),
+    ("s1", "spatial", "synth/spatial", "Q-s1 where? A. B. C.", "A", "multiple_choice", None, "<answer>A</answer>", 1.0),
+    ("s2", "spatial", "synth/spatial", "Q-s2 where? A. B. C.", "C", "multiple_choice", None, "I do not know", 0.0),
+    ("g0", "grounding", "synth/grounding", "Q-g0 box?", "[10, 10, 30, 30]", "bbox", BOX, "<answer>[10, 10, 20, 30]</answer>", 0.5),
+    ("g1", "grounding", "synth/grounding", "Q-g1 box?", "[10, 10, 30, 30]", "bbox", BOX, "<answer>[10, 10, 20, 20]</answer>", 0.25),
+    ("o0", None, "synth/ocr", "Q-o0 read it", "cat moon", "ocr", None, "<answer>cat moon</answer>", 1.0),
+]
+FORCED = {q: completion for _, _, _, q, _, _, _, completion, _ in ROWS}
+
+
+def _img(colour=(200, 30, 30)):
+    from PIL import Image
+
+    return Image.new("RGB", (84, 84), colour)
+
+
+@pytest.fixture(scope="module")
+def eval_set(tmp_path_factory):
+    from ovkit.data import image_cell, samples_table, write_samples
+
+    rows = []
+    for rid, cat, src, q, answer, atype, kwargs, _, _ in ROWS:
+        row = {
+            "id": rid,
+            "images": [image_cell(_img())],
+            "messages": [{"role": "user", "content": f"<image>\n{q}"}],
+            "source": src,
+            "answer": answer,
+            "answer_type": atype,
+            "reward_kwargs": json.dumps(kwargs) if kwargs else None,
+        }
+        if cat:
+            row["category"] = cat
+        rows.append(row)
+    out = tmp_path_factory.mktemp("eval")
+    write_samples(samples_table(rows), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def processor():
+    from ovkit.models.tiny import tiny_processor, train_tokenizer
+
+    return tiny_processor(train_tokenizer(TEXTS))
+
+
+class ForcedEngine:
+    """Returns fixed completions: the i-th of n samples of a prompt is `answers[question][i]` (a stub for tests)."""
+
+    def __init__(self, tokenizer, answers):
+        self.tokenizer = tokenizer
+        self.answers = answers
+        self.calls = []
+
+    def generate(self, prompts, *, n=1, max_new_tokens=64, temperature=1.0, top_p=1.0, seed=0, images=None):
+        from ovkit.generate import Completion
+
+        self.calls.append({"prompts": len(prompts), "max_new_tokens": max_new_tokens, "n": n})
+        out = []
+        for p in prompts:
+            text = self.tokenizer.decode(p.input_ids)
+            question = next(q for q in self.answers if q in text)
+            texts = self.answers[question]
+            texts = [texts] * n if isinstance(texts, str) else texts[:n]
+            ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+            out.append([Completion(i, t, [-0.5] * len(i), "stop") for i, t in zip(ids, texts)])
+        return out
+
+
+def _run(tmp_path, eval_set, processor, answers=FORCED, **kw):
+    from ovkit.evaluate import EvalConfig, run_eval
+
+    cfg = EvalConfig(data=[eval_set], model=Path("models/tiny-sft"), out=tmp_path, **kw)
+    engine = ForcedEngine(processor.tokenizer, answers)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    metrics = run_eval(cfg, tmp_path, engine=engine, processor=processor)
+    return metrics, json.loads((tmp_path / "summary.json").read_text()), engine
+
+
+def test_scores_and_aggregates_forced_completions(tmp_path, eval_set, processor):
+    metrics, summary, _ = _run(tmp_path, eval_set, processor)
+    rewards = [r[-1] for r in ROWS]
+    assert summary["overall"] == pytest.approx(sum(rewards) / len(rewards))  # mean over rows, not over categories
+    assert summary["categories"] == pytest.approx({"counting": 0.5, "spatial": 2 / 3, "grounding": 0.375, "uncategorized": 1.0})
+    assert summary["sources"]["synth/counting"] == 1.0 and summary["sources"]["other/counting"] == 0.0
+    # accuracy = share with reward >= 0.5: the IoU-0.5 box counts, the IoU-0.25 one does not
+    assert summary["accuracy"]["categories"]["grounding"] == 0.5
+    assert summary["accuracy"]["overall"] == pytest.approx(5 / 8)
+    assert summary["model"] == "models/tiny-sft" and summary["n"] == 1 and summary["rows"] == 8
+    detail = summary["detail"]["categories"]["spatial"]
+    assert detail["rows"] == 3 and detail["reward_stderr"] == pytest.approx(math.sqrt((1 / 3) / 3))
+    assert metrics["overall"] == summary["overall"] and metrics["truncated"] == 0.0
+
+
+def test_results_follow_the_lmms_eval_layout(tmp_path, eval_set, processor):
+    _run(tmp_path, eval_set, processor)
+    [folder] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert folder.name == "models__tiny-sft"  # <out>/<model-name>/: not a local directory, so named like a hub id
+    [results_file] = folder.glob("*_results.json")
+    stamp = results_file.name[: -len("_results.json")]
+    doc = json.loads(results_file.read_text())
+    assert set(doc["results"]) == {"counting", "spatial", "grounding", "uncategorized"}
+    assert doc["results"]["spatial"]["reward,none"] == pytest.approx(2 / 3)
+    assert doc["results"]["spatial"]["alias"] == "spatial" and "reward_stderr,none" in doc["results"]["spatial"]
+    assert doc["n-samples"]["spatial"] == {"original": 3, "effective": 3}
+    assert doc["config"]["model_args"] == "pretrained=models/tiny-sft"
+    assert {"configs", "versions", "git_hash", "date"} <= set(doc)
+    for task, n in [("counting", 2), ("spatial", 3), ("grounding", 2), ("uncategorized", 1)]:
+        lines = [json.loads(x) for x in (folder / f"{stamp}_samples_{task}.jsonl").read_text().splitlines()]
+        assert [x["doc_id"] for x in lines] == list(range(n))
+        assert {"doc_id", "target", "input", "filtered_resps", "resps", "reward"} <= set(lines[0])
+    line = json.loads((folder / f"{stamp}_samples_counting.jsonl").read_text().splitlines()[1])
+    assert line["target"] == "2" and line["filtered_resps"] == ["<answer>5</answer>"] and line["reward"] == 0.0
+    assert "Put ONLY your final answer within <answer></answer>." in line["input"]  # the instruction was added
+
+
+def test_model_folder_name(tmp_path):
+    from ovkit.evaluate.results import model_name
+
+    (tmp_path / "runs" / "sft").mkdir(parents=True)
+    assert model_name(tmp_path / "runs" / "sft") == "sft"  # a local checkpoint: its directory name
+    assert model_name("Qwen/Qwen2.5-VL-3B-Instruct") == "Qwen__Qwen2.5-VL-3B-Instruct"  # a hub id, as lmms-eval
+
+
+def test_token_budget_per_category_fits_the_longest_gold_answer(tmp_path, eval_set, processor):
+    _, summary, engine = _run(tmp_path, eval_set, processor)
+    budgets = summary["max_new_tokens"]
+    assert set(budgets) == {"counting", "spatial", "grounding", "uncategorized"} and min(budgets.values()) >= 32
+    assert sum(c["prompts"] for c in engine.calls) == 8 and {c["max_new_tokens"] for c in engine.calls} == set(budgets.values())
+    from ovkit.evaluate.run import token_budgets
+
+    rows = [{"category": "svg", "answer": "<svg>" + "x" * 300 + "</svg>"}]
+    long = token_budgets(rows, processor, "answer", None)["svg"]
+    assert long >= 1.25 * len(processor.tokenizer.encode("<answer>" + rows[0]["answer"] + "</answer>"))
+    assert token_budgets(rows, processor, "think", None)["svg"] == long + 256
+    assert token_budgets(rows, processor, "answer", 7) == {"svg": 7}
+
+
+def test_pass_at_k_matches_the_combinatorial_definition():
+    from ovkit.evaluate import pass_at_k
+
+    for n, c, k in itertools.product(range(1, 8), range(0, 8), range(1, 8)):
+        if c > n or k > n:
+            continue
+        wrong = n - c
+        exact = 1 - math.comb(wrong, k) / math.comb(n, k)  # comb(wrong, k) = 0 when wrong < k
+        assert pass_at_k(n, c, k) == pytest.approx(exact), (n, c, k)
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(10, 0, 5) == 0.0 and pass_at_k(10, 10, 1) == 1.0
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+
+
+def test_n_samples_report_pass_at_k(tmp_path, eval_set, processor):
+    answers = dict(FORCED)
+    answers["Q-c1 how many?"] = ["<answer>1</answer>", "<answer>2</answer>", "<answer>0</answer>", "<answer>9</answer>"]
+    _, summary, engine = _run(tmp_path, eval_set, processor, answers=answers, n=4)
+    assert engine.calls[0]["n"] == 4 and summary["n"] == 4
+    counting = summary["detail"]["categories"]["counting"]
+    # c0: 4 of 4 right; c1: 1 of 4 right -> pass@1 = (1 + 0.25) / 2, pass@2 = (1 + 0.5) / 2, pass@4 = 1
+    assert counting["reward"] == pytest.approx(0.625)
+    assert counting["pass@1"] == pytest.approx(0.625) and counting["pass@2"] == pytest.approx(0.75) and counting["pass@4"] == 1.0
+
+
+def test_limit_keeps_the_first_rows_of_each_category(tmp_path, eval_set, processor):
+    _, summary, _ = _run(tmp_path, eval_set, processor, limit=1)
+    assert summary["rows"] == 4 and summary["categories"]["spatial"] == 1.0  # s0 only
+    doc = json.loads(next((tmp_path / "models__tiny-sft").glob("*_results.json")).read_text())
+    assert doc["n-samples"]["spatial"] == {"original": 3, "effective": 1}
+
+
+def test_save_logprobs_writes_rollouts_mismatch_report_can_read(tmp_path, eval_set, processor):
+    from ovkit.generate.rollouts import read_rollouts
+
+    _run(tmp_path, eval_set, processor, save_logprobs=True)
+    table = read_rollouts(tmp_path)
+    rows = {r["prompt_id"]: r for r in table.to_pylist()}
+    assert len(rows) == 8 and rows["g0"]["reward"] == pytest.approx(0.5) and rows["g0"]["category"] == "grounding"
+    r = rows["c0"]
+    assert r["response_ids"] == processor.tokenizer.encode("<answer>3</answer>", add_special_tokens=False)
+    assert r["behave_logprobs"] == [-0.5] * len(r["response_ids"]) and r["loss_mask"] == [1] * len(r["response_ids"])
+    assert r["finish_reason"] == "stop" and r["answer"] == "3" and r["answer_type"] == "number" and len(r["images"]) == 1
+    assert json.loads(r["reward_parts"])["accuracy"] == 1.0
+    assert processor.tokenizer.decode(r["prompt_ids"]).endswith("<|im_start|>assistant\n")
+
+
+def test_compare_prints_one_table_across_runs(tmp_path, eval_set, processor, cli):
+    _run(tmp_path / "eval-sft", eval_set, processor)
+    perfect = {q: f"<answer>{a}</answer>" for _, _, _, q, a, _, _, _, _ in ROWS}
+    _run(tmp_path / "eval-rl", eval_set, processor, answers=perfect)
+    code, out, err = cli("eval", "--compare", tmp_path / "eval-sft", f"rl={tmp_path / 'eval-rl'}", "--out", tmp_path / "final.md")
+    assert code == 0, err
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert [c.strip() for c in table[0].split("|")[1:-1]] == ["category", "eval-sft", "rl"]  # labels: dir or LABEL=
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table[2:]}
+    assert list(cells) == ["counting", "grounding", "spatial", "uncategorized", "**overall**"]  # overall last
+    assert cells["spatial"] == ["66.7", "100.0"] and cells["**overall**"] == ["59.4", "100.0"]
+    assert len({len(line) for line in table}) == 1  # aligned columns
+    assert (tmp_path / "final.md").read_text() in out
+    code, out, _ = cli("eval", "--compare", tmp_path / "eval-sft", "--metric", "accuracy")
+    assert code == 0 and "accuracy" in out and "| **overall**" in out and "62.5" in out
+    lmms = next((tmp_path / "eval-rl").glob("*/*_results.json"))  # an lmms-eval results file reads too
+    code, out, _ = cli("eval", "--compare", f"lmms={lmms}")
+    assert code == 0
+    header, *_, overall = [line for line in out.splitlines() if line.startswith("|")]
+    assert [c.strip() for c in header.split("|")[1:-1]] == ["category", "lmms"]
+    assert overall.split("|")[2].strip() == "100.0"
+
+
+def test_compare_errors_name_the_problem(tmp_path, cli):
+    code, _, err = cli("eval", "--compare", tmp_path / "missing")
+    assert code == 2 and "no such eval output" in err
+    code, _, err = cli("eval", "--compare")
+    assert code == 2 and "eval outputs to compare" in err
+
+
+def test_config_errors_are_usage_errors(tmp_path, eval_set, cli):
+    code, _, err = cli("eval", eval_set, "--out", tmp_path / "o")
+    assert code == 2 and "--model is required" in err
+    code, _, err = cli("eval", eval_set, "--model", tmp_path, "--out", tmp_path / "o", "--n", "2", "--temperature", "0")
+    assert code == 2 and "--temperature" in err
+    code, _, err = cli("eval", eval_set, "--model", tmp_path, "--out", tmp_path / "o", "--prompt", "chatty")
+    assert code == 2 and "--prompt" in err
+
+
+def test_example_config_is_valid():
+    from ovkit.config import load_yaml, merge
+    from ovkit.evaluate import EvalConfig
+
+    values = load_yaml(ROOT / "examples" / "tiny" / "eval.yaml")
+    cfg = merge(EvalConfig, {"data": [Path("data/eval")], "model": Path("runs/sft"), "out": Path("runs/eval-sft")}, {"data", "model", "out"}, values)
+    assert cfg.prompt in ("answer", "think") and cfg.engine == "hf"
+
+
+def test_eval_command_end_to_end_on_the_tiny_model(tmp_path, eval_set, cli):
+    from ovkit.generate.rollouts import read_rollouts
+    from ovkit.models.tiny import build_tiny
+
+    model = build_tiny(tmp_path / "tiny", TEXTS, seed=0)
+    out = tmp_path / "eval-tiny"
+    args = ["eval", "--model", model, eval_set, "--out", out, "--max-new-tokens", "6", "--save-logprobs", "--quiet"]
+    code, stdout, err = cli(*args)
+    assert code == 0, err
+    assert stdout.startswith("eval: reward") and "8 rows" in stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["categories"]) == {"counting", "spatial", "grounding", "uncategorized"}
+    assert 0.0 <= summary["overall"] <= 1.0
+    provenance = json.loads((out / "ovkit.json").read_text())
+    assert provenance["command"] == "eval" and provenance["metrics"]["rows"] == 8
+    table = read_rollouts(out)
+    assert table.num_rows == 8
+    for r in table.to_pylist():
+        assert 0 < len(r["response_ids"]) <= 6 and all(lp <= 0 for lp in r["behave_logprobs"])
+    code, stdout, _ = cli(*args)
+    assert code == 0 and "skipped" in stdout

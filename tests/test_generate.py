@@ -1,0 +1,344 @@
+"""ovkit.generate: batched generation equals one prompt at a time, KV cache changes nothing, the sampler's log-probs
+are those of the distribution sampled from, low-precision samplers and weight sync, the rollout table."""
+
+import math
+
+import pytest
+
+TEXTS = [
+    "<image>\nHow many circles are there?",
+    "What colour is the square? red green blue yellow",
+    "Put ONLY your final answer within <answer></answer>.",
+    "<answer>3</answer> <think>one two three</think>",
+    "the words cat moon, a bar chart: A is 3, B is 5",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny preset with weights spread wider than its init, so greedy decoding picks varied tokens (an untrained
+    model repeats one token, which would make batch/cache comparisons vacuous)."""
+    import torch
+
+    from ovkit.models import load
+    from ovkit.models.tiny import build_tiny
+
+    model, processor = load(build_tiny(tmp_path_factory.mktemp("tiny"), TEXTS, seed=0))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval(), processor
+
+
+def _img(w=84, h=84, colour=(200, 30, 30)):
+    from PIL import Image
+
+    img = Image.new("RGB", (w, h), colour)
+    for x in range(10, 30):  # some structure, so images differ beyond their colour
+        img.putpixel((x, x), (255 - colour[0], 255, 0))
+    return img
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    """Prompts of different lengths: one image, a wide image, two images, text only."""
+    from ovkit.models.encode import encode_prompt
+
+    _, processor = tiny
+    return [
+        encode_prompt(processor, [{"role": "user", "content": "<image>\nHow many circles are there?"}], [_img()]),
+        encode_prompt(processor, [{"role": "user", "content": "What colour is the square?"}], []),
+        encode_prompt(processor, [{"role": "user", "content": "<image>\nthe words\n<image>\ncompare"}], [_img(168, 84, (0, 90, 200)), _img()]),
+        encode_prompt(processor, [{"role": "user", "content": "<image>\nA bar chart: A is 3, B is 5. What is B?"}], [_img(colour=(20, 200, 20))]),
+    ]
+
+
+def _engine(tiny, **kw):
+    from ovkit.generate import HFEngine
+
+    model, processor = tiny
+    return HFEngine(model, processor, **kw)
+
+
+def test_batched_greedy_equals_one_prompt_at_a_time(tiny, prompts):
+    batched = _engine(tiny, batch_size=8).generate(prompts, temperature=0, max_new_tokens=10)
+    single = _engine(tiny, batch_size=1).generate(prompts, temperature=0, max_new_tokens=10)
+    assert len({tuple(c[0].token_ids) for c in batched}) > 1  # the prompts really lead to different outputs
+    for b, s in zip(batched, single):
+        assert b[0].token_ids == s[0].token_ids
+        assert b[0].logprobs == pytest.approx(s[0].logprobs, abs=1e-4)
+
+
+def test_greedy_with_and_without_kv_cache_agree(tiny, prompts):
+    cached = _engine(tiny, use_cache=True).generate(prompts, temperature=0, max_new_tokens=10)
+    uncached = _engine(tiny, use_cache=False).generate(prompts, temperature=0, max_new_tokens=10)
+    for a, b in zip(cached, uncached):
+        assert a[0].token_ids == b[0].token_ids
+        assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
+
+
+def _teacher_forced_logits(model, prompt, response):
+    """Logits that predicted each response token, from one forward pass over prompt + response."""
+    import torch
+
+    inputs = prompt.model_inputs(labels=False)
+    ids = torch.tensor([prompt.input_ids + response])
+    inputs["input_ids"] = ids
+    inputs["attention_mask"] = torch.ones_like(ids)
+    for k, v in prompt.per_token.items():
+        inputs[k] = torch.tensor([v + [0] * len(response)])
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with torch.no_grad():
+        logits = model(**inputs).logits[0].float()
+    return logits[prompt.length - 1 : -1]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_sampler_logprobs_equal_teacher_forced_logprobs(tiny, prompts, temperature, top_p):
+    import torch
+
+    from ovkit.generate import sampling_logprobs
+
+    model, _ = tiny
+    out = _engine(tiny, batch_size=8).generate(prompts, n=2, temperature=temperature, top_p=top_p, max_new_tokens=8, seed=3)
+    for prompt, completions in zip(prompts, out):
+        assert len(completions) == 2
+        for c in completions:
+            assert len(c.logprobs) == len(c.token_ids) > 0
+            logits = _teacher_forced_logits(model, prompt, c.token_ids)
+            if (temperature, top_p) == (1.0, 1.0):
+                expected = torch.log_softmax(logits, dim=-1)  # the model's own distribution, nothing else
+            else:
+                expected = sampling_logprobs(logits, temperature, top_p)
+            want = expected.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+            assert torch.isfinite(want).all()  # every sampled token was inside the top-p set
+            assert c.logprobs == pytest.approx(want.tolist(), abs=1e-4)
+
+
+def test_sampling_logprobs_renormalise_the_top_p_set():
+    import torch
+
+    from ovkit.generate import sampling_logprobs
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    assert sampling_logprobs(logits, 1.0, 1.0).exp().tolist()[0] == pytest.approx([0.5, 0.3, 0.2])
+    kept = sampling_logprobs(logits, 1.0, 0.6).exp().tolist()[0]  # 0.5 < 0.6, so the 0.3 token joins; 0.2 is cut
+    assert kept == pytest.approx([0.625, 0.375, 0.0])
+    assert sampling_logprobs(logits, 1.0, 0.4).exp().tolist()[0] == pytest.approx([1.0, 0.0, 0.0])
+    hot = sampling_logprobs(logits, 2.0, 1.0).exp()[0]
+    want = torch.tensor([0.5, 0.3, 0.2]).sqrt()
+    assert hot.tolist() == pytest.approx((want / want.sum()).tolist())
+
+
+def test_seed_makes_sampling_reproducible_and_n_gives_n_completions(tiny, prompts):
+    engine = _engine(tiny)
+    a = engine.generate(prompts[:2], n=3, temperature=1.0, max_new_tokens=6, seed=7)
+    b = engine.generate(prompts[:2], n=3, temperature=1.0, max_new_tokens=6, seed=7)
+    c = engine.generate(prompts[:2], n=3, temperature=1.0, max_new_tokens=6, seed=8)
+    assert [len(x) for x in a] == [3, 3]
+    ids = lambda out: [[s.token_ids for s in x] for x in out]  # noqa: E731
+    assert ids(a) == ids(b)
+    assert ids(a) != ids(c)
+    greedy = engine.generate(prompts[:1], n=2, temperature=0, max_new_tokens=6)[0]
+    assert greedy[0].token_ids == greedy[1].token_ids and greedy[0] is not greedy[1]
+
+
+def test_generation_stops_at_a_stop_token(tiny, prompts):
+    engine = _engine(tiny)
+    free = engine.generate(prompts[:1], temperature=0, max_new_tokens=10)[0][0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+    k = next(i for i, t in enumerate(free.token_ids) if i >= 2 and t not in free.token_ids[:i])
+    engine.stop_ids = [*engine.stop_ids, free.token_ids[k]]  # make the k-th greedy token a stop token
+    stopped = engine.generate(prompts[:1], temperature=0, max_new_tokens=10)[0][0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: k + 1]  # the stop token is kept (the learner trains on it)
+    assert stopped.logprobs == pytest.approx(free.logprobs[: k + 1], abs=1e-5)
+    assert stopped.text == engine.tokenizer.decode(free.token_ids[:k], skip_special_tokens=True)
+
+
+def test_stop_tokens_include_im_end(tiny):
+    from ovkit.generate.hf import stop_token_ids
+
+    _, processor = tiny
+    assert processor.tokenizer.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(processor.tokenizer)
+
+
+def test_collate_left_pads_tokens_and_concatenates_images(tiny, prompts):
+    from ovkit.generate.hf import collate_prompts
+
+    batch = collate_prompts(prompts, pad_id=0)
+    width = max(p.length for p in prompts)
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == batch["mm_token_type_ids"].shape == (4, width)
+    for i, p in enumerate(prompts):
+        pad = width - p.length
+        assert batch["attention_mask"][i].tolist() == [0] * pad + [1] * p.length
+        assert batch["input_ids"][i, pad:].tolist() == p.input_ids
+        assert batch["mm_token_type_ids"][i, pad:].tolist() == p.per_token["mm_token_type_ids"]
+    grids = [g for p in prompts if "image_grid_thw" in p.mm for g in p.mm["image_grid_thw"].tolist()]
+    assert batch["image_grid_thw"].tolist() == grids  # images in batch order: 1 + 0 + 2 + 1
+    assert batch["pixel_values"].shape[0] == sum(p.mm["pixel_values"].shape[0] for p in prompts if p.mm)
+
+
+def test_engine_samples_from_the_learner_itself_unless_asked_otherwise(tiny):
+    model, _ = tiny
+    assert _engine(tiny).model is model
+    assert _engine(tiny, dtype="float32").model is model
+
+
+def test_bfloat16_sampler_is_a_synced_copy(tiny, prompts):
+    import copy
+
+    import torch
+
+    learner = copy.deepcopy(tiny[0])
+    from ovkit.generate import HFEngine
+
+    engine = HFEngine(learner, tiny[1], dtype="bfloat16")
+    assert engine.model is not learner and next(engine.model.parameters()).dtype == torch.bfloat16
+    assert next(learner.parameters()).dtype == torch.float32
+    out = engine.generate(prompts[:2], temperature=1.0, max_new_tokens=5)
+    assert all(math.isfinite(x) for c in out for x in c[0].logprobs)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(0.01)
+    engine.update_weights(learner)
+    for (name, mine), theirs in zip(engine.model.named_parameters(), learner.parameters()):
+        assert torch.equal(mine, theirs.to(torch.bfloat16)), name
+
+
+def test_int8_sampler_is_close_to_fp32_and_requantises_on_update(tiny, prompts):
+    import copy
+
+    import torch
+
+    from ovkit.generate import HFEngine
+
+    learner = copy.deepcopy(tiny[0])
+    engine = HFEngine(learner, tiny[1], quant="int8")
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    assert any(isinstance(m, DynamicQuantizedLinear) for m in engine.model.modules())
+    assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())
+    fp32 = _engine(tiny).generate(prompts[:2], temperature=0, max_new_tokens=4)
+    int8 = engine.generate(prompts[:2], temperature=0, max_new_tokens=4)
+    for a, b in zip(fp32, int8):
+        assert len(b[0].logprobs) == 4 and all(math.isfinite(x) for x in b[0].logprobs)
+        assert a[0].logprobs[0] != b[0].logprobs[0]  # low precision really changes the distribution
+        assert abs(a[0].logprobs[0] - b[0].logprobs[0]) < 1.0
+    before = engine.model
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.mul_(0.5)
+    engine.update_weights(learner)
+    assert engine.model is not before
+    after = engine.generate(prompts[:1], temperature=0, max_new_tokens=4)[0][0]
+    assert after.logprobs != int8[0][0].logprobs
+
+
+def test_bad_options_are_user_errors(tiny, prompts):
+    from ovkit.errors import OvkitError
+    from ovkit.generate import make_engine
+
+    with pytest.raises(OvkitError, match="--engine"):
+        make_engine("nope", tiny[0], tiny[1])
+    with pytest.raises(OvkitError, match="--sampler-dtype"):
+        _engine(tiny, dtype="int4")
+    with pytest.raises(OvkitError, match="--quant"):
+        _engine(tiny, quant="int4")
+    with pytest.raises(OvkitError, match="--top-p"):
+        _engine(tiny).generate(prompts[:1], top_p=0)
+    with pytest.raises(OvkitError, match="--temperature"):
+        _engine(tiny).generate(prompts[:1], temperature=-1)
+
+
+def test_make_engine_loads_a_model_directory(tiny, tmp_path):
+    from ovkit.generate import HFEngine, make_engine
+
+    model, processor = tiny
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    engine = make_engine("hf", tmp_path)
+    assert isinstance(engine, HFEngine)
+
+
+# -- the rollout table ----------------------------------------------------------------------------------------------
+
+
+def _rollout(**kw):
+    row = {
+        "prompt_id": "p0",
+        "group": 0,
+        "prompt_ids": [1, 2, 3],
+        "response_ids": [4, 5],
+        "behave_logprobs": [-0.1, -0.2],
+        "reward": 1.0,
+        "reward_parts": {"accuracy": 1.0, "format": 1.0},
+        "finish_reason": "stop",
+        "category": "counting",
+        "source": "synth/counting",
+        "answer": "3",
+        "answer_type": "number",
+    }
+    row.update(kw)
+    return row
+
+
+def test_rollouts_round_trip(tmp_path):
+    import json
+
+    from ovkit.generate.rollouts import ROLLOUT_SCHEMA, read_rollouts, write_rollouts
+
+    path = write_rollouts([_rollout(), _rollout(prompt_id="p1", group=1, completion="<answer>3</answer>")], tmp_path / "rollouts.parquet")
+    table = read_rollouts(tmp_path)  # a run directory holding rollouts.parquet
+    assert table.column_names[: len(ROLLOUT_SCHEMA)] == ROLLOUT_SCHEMA.names
+    rows = table.to_pylist()
+    assert rows[0]["loss_mask"] == [1, 1] and rows[0]["turns"] == 1 and rows[0]["version"] == 0
+    assert json.loads(rows[0]["reward_parts"]) == {"accuracy": 1.0, "format": 1.0}
+    assert rows[1]["completion"] == "<answer>3</answer>" and rows[0]["completion"] is None
+    assert read_rollouts(path).num_rows == 2
+
+
+def test_rollouts_reject_misaligned_rows(tmp_path):
+    from ovkit.errors import OvkitError
+    from ovkit.generate.rollouts import write_rollouts
+
+    with pytest.raises(OvkitError, match="behave_logprobs.*1 values for 2"):
+        write_rollouts([_rollout(behave_logprobs=[-0.1])], tmp_path / "r.parquet")
+    with pytest.raises(OvkitError, match="loss_mask"):
+        write_rollouts([_rollout(loss_mask=[1])], tmp_path / "r.parquet")
+    with pytest.raises(OvkitError, match="finish_reason"):
+        write_rollouts([_rollout(finish_reason="eos")], tmp_path / "r.parquet")
+
+
+# -- vLLM (GPU only) ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_vllm_engine_matches_hf_greedy_and_reports_sampled_logprobs(tiny, prompts, tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a CUDA GPU")
+    from ovkit.generate import HFEngine, VLLMEngine
+
+    model, processor = tiny
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    images = [[_img()], [], [_img(168, 84, (0, 90, 200)), _img()], [_img(colour=(20, 200, 20))]]
+    engine = VLLMEngine(tmp_path, processor, dtype="float32", gpu_memory_utilization=0.2, max_model_len=512)
+    hf = HFEngine(model.to("cuda"), processor).generate(prompts, temperature=0, max_new_tokens=8)
+    out = engine.generate(prompts, temperature=0, max_new_tokens=8, images=images)
+    for a, b in zip(hf, out):
+        assert b[0].token_ids == a[0].token_ids
+        assert b[0].logprobs == pytest.approx(a[0].logprobs, abs=1e-2)
+    sampled = engine.generate(prompts, n=2, temperature=1.0, max_new_tokens=8, images=images)
+    for prompt, completions in zip(prompts, sampled):
+        for c in completions:
+            logits = _teacher_forced_logits(model, prompt, c.token_ids)
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids, device=logits.device)[:, None]).squeeze(1)
+            assert c.logprobs == pytest.approx(want.tolist(), abs=1e-2)
+    engine.update_weights(model)  # in-place reload keeps generating
+    assert engine.generate(prompts[:1], temperature=0, max_new_tokens=8, images=images[:1])[0][0].token_ids == hf[0][0].token_ids
