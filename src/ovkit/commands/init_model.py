@@ -24,7 +24,7 @@ def init_model(
     quiet: bool = QUIET,
     config: Path = CONFIG,
 ) -> None:
-    """Build the tiny model (Qwen2.5-VL architecture, tokenizer trained on --corpus) or compose --vision + --llm."""
+    """Build the tiny model (Qwen2.5-VL architecture, tokenizer trained on --corpus) or the tiny CLIP, or compose --vision + --llm."""
     from ovkit.models.presets import InitModelConfig, build, presets_table
     from ovkit.runs import Stage
 
@@ -38,4 +38,5 @@ def init_model(
     with stage:
         stage.metrics.update(build(cfg, stage.path))
     m = stage.metrics
-    done(f"init-model: {m['preset']} ({m['architecture']}, {m['parameters'] / 1e6:.2f}M parameters) -> {cfg.out}")
+    arch = m.get("architecture", "CLIPModel, contrastive loss {loss_first} -> {loss_last}".format(**m) if "loss_last" in m else "")
+    done(f"init-model: {m['preset']} ({arch}, {m['parameters'] / 1e6:.2f}M parameters) -> {cfg.out}")

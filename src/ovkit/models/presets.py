@@ -45,6 +45,14 @@ PRESETS: dict[str, Preset] = {
             notes="built offline by `ovkit init-model --preset tiny --corpus DATA --out DIR`",
         ),
         Preset(
+            "tiny-clip",
+            "tiny-clip",
+            "CLIP dual encoder, ~0.5M parameters (vision hidden 128 x 3 layers on 84x84 images, text hidden 128 x 2 "
+            "layers), trained contrastively on the image/caption pairs of --corpus: the embedded default's concept "
+            "encoder for `ovkit balance --method embed`.",
+            notes="built offline by `ovkit init-model --preset tiny-clip --corpus data/pretrain --out DIR`",
+        ),
+        Preset(
             "qwen2.5-vl-3b",
             "hub",
             "Qwen2.5-VL 3B Instruct: the architecture of `tiny` at full size (native-resolution ViT, 2x2 merger).",
@@ -149,7 +157,7 @@ class InitModelConfig:
                 "as --model to the stages"
             )
         elif not self.corpus:
-            raise OvkitError("--corpus is required for --preset tiny: a dataset whose text trains the tokenizer (e.g. the "
+            raise OvkitError(f"--corpus is required for --preset {self.preset}: a dataset whose text trains the tokenizer (e.g. the "
                              "directory `ovkit synth --out data/` wrote)")
 
     def _check_compose(self) -> None:
@@ -170,6 +178,10 @@ def build(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
     """Build the model `cfg` asks for into `out_dir`; returns headline metrics."""
     if cfg.vision is not None:
         return _compose(cfg, out_dir)
+    if cfg.preset == "tiny-clip":
+        from ovkit.balance.encoder import build_tiny_clip
+
+        return build_tiny_clip(out_dir, cfg.corpus, seed=cfg.seed, quiet=cfg.quiet)
     return _tiny(cfg, out_dir)
 
 
