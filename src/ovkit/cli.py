@@ -48,6 +48,7 @@ def _register() -> None:
     from ovkit.commands import (  # one module per command; add yours here
         _common,  # noqa: F401
         balance,
+        caption,
         convert,
         eval,
         init_model,
@@ -57,6 +58,7 @@ def _register() -> None:
     # The whole command surface, one line each (add yours in pipeline order):
     app.command("synth")(synth.synth)
     app.command("balance")(balance.balance)
+    app.command("caption")(caption.caption)
     app.command("convert")(convert.convert)
     app.command("init-model")(init_model.init_model)
     app.command("eval")(eval.evaluate)
