@@ -52,6 +52,7 @@ def _register() -> None:
         convert,
         eval,
         init_model,
+        pack,
         synth,
     )
 
@@ -61,6 +62,7 @@ def _register() -> None:
     app.command("caption")(caption.caption)
     app.command("convert")(convert.convert)
     app.command("init-model")(init_model.init_model)
+    app.command("pack")(pack.pack)
     app.command("eval")(eval.evaluate)
 
 
