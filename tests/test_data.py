@@ -175,3 +175,32 @@ def test_metadata_has_no_timestamps(tmp_path):
     b = write_samples(samples_table([row(0)]), tmp_path / "b")
     assert a.read_bytes() == b.read_bytes()
     assert json.loads(pq.read_schema(a).metadata[b"huggingface"])["info"]["features"]["images"]["_type"] == "List"
+
+
+@pytest.mark.parametrize("case", ["empty_file", "missing_column", "wrong_type", "corrupt_image", "bomb"])
+def test_bad_inputs_exit_2_through_a_command_and_write_nothing(cli, tmp_path, case):
+    """The same bad files through a real data stage: exit code 2, one line naming the file (and row, column), and
+    no output directory left behind."""
+    f = tmp_path / "bad.parquet"
+    good = row(0)
+    if case == "empty_file":
+        f.write_bytes(b"")
+    elif case == "missing_column":
+        write_raw(f, samples_table([good]).drop_columns(["messages"]))
+    elif case == "wrong_type":
+        write_raw(f, samples_table([good]).set_column(1, "images", pa.array(["x.png"])))
+    elif case == "corrupt_image":
+        write_raw(f, samples_table([good | {"images": [{"bytes": b"\x89PNG garbage", "path": None}]}]))
+    elif case == "bomb":
+        write_raw(f, samples_table([good | {"images": [{"bytes": bomb_png(), "path": None}]}]))
+    (tmp_path / "concepts.txt").write_text("red\n")
+    code, out, err = cli("balance", f, "--concepts", tmp_path / "concepts.txt", "--method", "text", "--out", tmp_path / "o")
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: file ") and "bad.parquet" in lines[0], err
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
+    assert not list(tmp_path.glob("o.tmp-*"))
+    if case not in ("empty_file",):
+        assert "column '" in lines[0]
+    if case in ("corrupt_image", "bomb"):
+        assert "row 'r0' (index 0)" in lines[0]
