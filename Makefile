@@ -55,13 +55,50 @@ clean-run:
 # ---------------------------------------------------------------------------------------------------------------
 # The pipeline on the embedded default.
 
+DATA   := $(RUN)/data
+MODELS := $(RUN)/models
+EVALS  := $(RUN)/eval
+
 # 1. The synthetic corpus: pretrain captions (en/zh), instructions, RL prompts and held-out eval sets, concepts.
-$(RUN)/data/ovkit.json: | setup
-	$(OVKIT) synth --out $(RUN)/data --seed $(SEED)
+$(DATA)/ovkit.json: | setup
+	$(OVKIT) synth --out $(DATA) --seed $(SEED) --quiet
 
-# 2. The stage-0 model: a tiny Qwen2.5-VL-architecture VLM and a tokenizer trained on the corpus text.
-$(RUN)/models/stage0/ovkit.json: $(RUN)/data/ovkit.json
-	$(OVKIT) init-model --preset tiny --corpus $(RUN)/data --out $(RUN)/models/stage0 --seed $(SEED)
+# 2. The stage-0 model: a tiny Qwen2.5-VL-architecture VLM with a tokenizer trained on the corpus text
+#    (on a cluster: `init-model --vision DIR --llm DIR` composes one from a pretrained ViT and LLM).
+$(MODELS)/stage0/ovkit.json: $(DATA)/ovkit.json
+	$(OVKIT) init-model --preset tiny --corpus $(DATA) --out $(MODELS)/stage0 --seed $(SEED) --quiet
 
-full-pipeline: setup $(RUN)/models/stage0/ovkit.json
-	@echo "pipeline finished: outputs under $(RUN)"
+# 3. Concept balancing: a tiny CLIP stands in for MetaCLIP; each caption image gets its top-2 concepts and the
+#    pretraining split is redrawn by inverse concept frequency (report.json, long_tail.png).
+$(MODELS)/clip/ovkit.json: $(DATA)/ovkit.json
+	$(OVKIT) init-model --preset tiny-clip --corpus $(DATA)/pretrain --out $(MODELS)/clip --seed $(SEED) --quiet
+
+$(DATA)/pretrain-balanced/ovkit.json: $(MODELS)/clip/ovkit.json
+	$(OVKIT) balance $(DATA)/pretrain --concepts $(DATA)/concepts.txt --encoder $(MODELS)/clip \
+		--concept-template "a {}" --top-k 2 --out $(DATA)/pretrain-balanced --seed $(SEED) --quiet
+
+# 4. Recaptioning, as a plumbing demonstration only: the untrained stage-0 model captions one eighth of the balanced
+#    split. Concept recall against the synthetic ground truth decides whether recaptions replace the targets; with
+#    a captioner this weak they do not, and the training stages read the balanced split.
+CAPTIONED := $(DATA)/pretrain-captioned/part-00000-of-00008/ovkit.json
+$(CAPTIONED): $(DATA)/pretrain-balanced/ovkit.json $(MODELS)/stage0/ovkit.json
+	@echo "caption: plumbing demonstration with the untrained tiny captioner (the recipe uses a strong VLM here)"
+	$(OVKIT) caption $(DATA)/pretrain-balanced --model $(MODELS)/stage0 --shard 0/8 \
+		--out $(DATA)/pretrain-captioned --config examples/tiny/caption.yaml --seed $(SEED) --quiet
+
+# 5. Offline packing: exact token lengths from the model's own processor, global best-fit-decreasing into rows of
+#    1024 tokens (stats.json, fill.png); the supervised stages read the plan and train on packed rows.
+$(RUN)/plans/pretrain/ovkit.json: $(DATA)/pretrain-balanced/ovkit.json $(MODELS)/stage0/ovkit.json
+	$(OVKIT) pack $(DATA)/pretrain-balanced --model $(MODELS)/stage0 --max-len 1024 --out $(RUN)/plans/pretrain \
+		--cache $(RUN)/cache --seed $(SEED) --quiet
+
+# Held-out evaluation after every stage: the same eval split, answer-only prompts, greedy.
+$(EVALS)/%/summary.json: $(MODELS)/%/ovkit.json
+	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/$* $(DATA)/eval --out $(EVALS)/$* --quiet
+
+STAGES := stage0
+
+full-pipeline: setup $(CAPTIONED) $(RUN)/plans/pretrain/ovkit.json $(foreach s,$(STAGES),$(EVALS)/$(s)/summary.json)
+	@echo
+	@echo "Held-out score per category after each stage (mean reward; $(RUN)/table.md):"
+	@$(OVKIT) eval --compare $(foreach s,$(STAGES),$(s)=$(EVALS)/$(s)) --out $(RUN)/table.md
