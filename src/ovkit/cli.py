@@ -47,12 +47,15 @@ def _register() -> None:
     _registered = True
     from ovkit.commands import (  # one module per command; add yours here
         _common,  # noqa: F401
+        align,
         balance,
         caption,
         convert,
         eval,
         init_model,
+        midtrain,
         pack,
+        sft,
         synth,
     )
 
@@ -63,6 +66,9 @@ def _register() -> None:
     app.command("convert")(convert.convert)
     app.command("init-model")(init_model.init_model)
     app.command("pack")(pack.pack)
+    app.command("align")(align.align)
+    app.command("midtrain")(midtrain.midtrain)
+    app.command("sft")(sft.sft)
     app.command("eval")(eval.evaluate)
 
 

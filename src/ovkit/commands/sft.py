@@ -1,0 +1,46 @@
+"""`ovkit sft`: stage 2 of the recipe, instruction tuning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ovkit.commands import _train_options as T
+from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED
+
+
+def sft(
+    ctx: typer.Context,
+    data: list[Path] = T.DATA,
+    model: Path = T.MODEL,
+    out: Path = OUT,
+    plan: Path = T.PLAN,
+    trainable: list[str] = T.TRAINABLE,
+    freeze_vision: bool = T.FREEZE_VISION,
+    lr: float = T.LR,
+    min_lr: float = T.MIN_LR,
+    warmup_ratio: float = T.WARMUP_RATIO,
+    weight_decay: float = T.WEIGHT_DECAY,
+    max_grad_norm: float = T.MAX_GRAD_NORM,
+    batch_size: int = T.BATCH_SIZE,
+    grad_accum: int = T.GRAD_ACCUM,
+    max_steps: int = T.MAX_STEPS,
+    epochs: float = T.EPOCHS,
+    max_len: int = T.MAX_LEN,
+    precision: str = T.PRECISION,
+    gradient_checkpointing: bool = T.GRADIENT_CHECKPOINTING,
+    save_every: int = T.SAVE_EVERY,
+    keep_checkpoints: int = T.KEEP_CHECKPOINTS,
+    resume: bool = T.RESUME,
+    report_to: list[str] = T.REPORT_TO,
+    trust_remote_code: bool = T.TRUST_REMOTE_CODE,
+    seed: int = SEED,
+    overwrite: bool = OVERWRITE,
+    quiet: bool = QUIET,
+    config: Path = CONFIG,
+) -> None:
+    """Stage 2 (instruction tuning): train every parameter (lr 1e-5) on instruction conversations."""
+    from ovkit.train import SFTConfig
+
+    T.run(ctx, SFTConfig)

@@ -1,0 +1,100 @@
+"""Metrics go to a Logger; where they end up (console line, metrics.jsonl, TensorBoard, nowhere) is decided once,
+when the Logger is built, so the training loop never branches on logging.
+
+The console line is one dense, readable line per step (nanochat's style):
+    step 00042 | loss 2.3100 | lr 1.00e-05 | tok/s 5400 | pad 3% | 3.1m
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Sink(Protocol):
+    def write(self, step: int, metrics: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+def step_line(step: int, m: dict[str, Any]) -> str:
+    return (
+        f"step {step:05d} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | tok/s {m['tok_per_s']:.0f} | "
+        f"pad {100 * m['pad_frac']:.0f}% | {m['elapsed_s'] / 60:.1f}m"
+    )
+
+
+class ConsoleSink:
+    """The step line on stderr, above a tqdm bar over the total steps."""
+
+    def __init__(self, total: int, start: int, *, desc: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=start, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        self.bar.write(step_line(step, metrics), file=sys.stderr)
+        self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class JsonlSink:
+    """One JSON object per step appended to metrics.jsonl. On resume, lines after the checkpoint's step are dropped
+    first, so the file holds every step exactly once."""
+
+    def __init__(self, path: Path, *, resume_step: int = 0):
+        self.path = Path(path)
+        if self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        self.fh = open(self.path, "a", buffering=1)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        self.fh.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class TensorBoardSink:
+    def __init__(self, logdir: Path, *, resume_step: int = 0):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(logdir), purge_step=resume_step + 1 if resume_step else None)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                self.writer.add_scalar(f"train/{k}", v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Logger:
+    """Fans metrics out to sinks. Processes other than the main one get no sinks."""
+
+    def __init__(self, sinks: list[Sink]):
+        self.sinks = sinks
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for s in self.sinks:
+            s.write(step, metrics)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+def make_logger(run_dir: Path, *, main: bool, quiet: bool, report_to: list[str], total: int, start: int, desc: str) -> Logger:
+    if not main:
+        return Logger([])
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", resume_step=start)]
+    if "tensorboard" in report_to:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard", resume_step=start))
+    if not quiet:
+        sinks.append(ConsoleSink(total, start, desc=desc))
+    return Logger(sinks)
