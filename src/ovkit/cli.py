@@ -55,6 +55,8 @@ def _register() -> None:
         init_model,
         midtrain,
         pack,
+        rl_curate,
+        rl_train,
         sft,
         synth,
     )
@@ -70,6 +72,8 @@ def _register() -> None:
     app.command("midtrain")(midtrain.midtrain)
     app.command("sft")(sft.sft)
     app.command("eval")(eval.evaluate)
+    app.command("rl-curate")(rl_curate.rl_curate)
+    app.command("rl-train")(rl_train.rl_train)
 
 
 def main() -> None:

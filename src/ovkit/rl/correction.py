@@ -1,0 +1,174 @@
+"""Off-policy weights: the behaviour weight of decoupled PPO and the sampler/learner mismatch corrections.
+
+Every trajectory was sampled by the sampler (`behave_logprobs`), which may be several versions old and may compute
+probabilities differently from the learner (bf16/int8 kernels, vLLM). The learner recomputes `prox_logprobs` at the
+start of the step, and one log-ratio per token, `prox - behave`, carries both gaps. What to do with it:
+
+* the behaviour weight of AReaL's decoupled PPO, w = exp(prox - behave), capped (5.0 in LLaVA-OV-1.5-RL) with
+  action `mask` (tokens above the cap train nothing) or `clamp` (w = min(w, cap)), at `token` or `sequence` level
+  (a sequence's weight is the geometric mean of its token ratios, AReaL's `agg: mean`);
+* one of the mismatch corrections, which replace that weight (they treat the same ratio; multiplying both would
+  count it twice), while the behaviour cap stays as the outer guard:
+  - `token-tis`: w_t = min(rho_t, C)                                     (TIS, Yao et al. 2025)
+  - `seq-tis`:   w = min(prod_t rho_t, C) for every token of the sequence (Liu, Li et al. 2025)
+  - `token-mis`: w_t = rho_t, tokens with rho_t outside [lower, C] masked (MIS, token level)
+  - `seq-mis`:   w = prod_t rho_t, sequences outside [lower, C] masked     (Seq-MIS; verl preset 0.5_2.0)
+  - `geo-rs`:    sequences whose geometric mean ratio is outside [geo_lower, geo_upper] masked; the behaviour weight
+                 is kept (Geo-RS; verl preset seq_mean_k1 in 0.999_1.001)
+* a veto (verl `rollout_token_veto_threshold`): a sequence with any token ratio below it is masked entirely.
+
+Log-ratios are clamped to +-20 before exp (verl's SAFETY_BOUND). A batch in which every token is masked gives zero
+weights and `all_masked` in the stats; the loss is then exactly zero and the step is logged, not a crash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MODES = ("none", "token-tis", "seq-tis", "token-mis", "seq-mis", "geo-rs")
+
+# verl's option values (`rollout_is`, `rollout_rs`) and preset names, accepted for --correction.
+VERL_ALIASES = {
+    "token": "token-tis",
+    "sequence": "seq-tis",
+    "token_tis": "token-tis",
+    "tis": "token-tis",
+    "seq_tis": "seq-tis",
+    "sequence_tis": "seq-tis",
+    "token_k1": "token-mis",
+    "token_mis": "token-mis",
+    "seq_sum_k1": "seq-mis",
+    "seq_mis": "seq-mis",
+    "sequence_mis": "seq-mis",
+    "seq_mean_k1": "geo-rs",
+    "geo_rs": "geo-rs",
+    "geometric": "geo-rs",
+}
+
+SAFETY_BOUND = 20.0
+
+
+def canonical_mode(name: str) -> str:
+    """Our name for a correction mode, given ours or verl's."""
+    name = str(name).strip().lower()
+    mode = VERL_ALIASES.get(name, name.replace("_", "-"))
+    if mode not in MODES:
+        raise ValueError(f"unknown correction {name!r}; choose one of {', '.join(MODES)} (verl names: {', '.join(VERL_ALIASES)})")
+    return mode
+
+
+@dataclass
+class Correction:
+    """How the off-policy ratio prox/behave becomes a per-token weight (see the module docstring)."""
+
+    mode: str = "none"
+    upper: float = 2.0  # C: truncation (TIS) or rejection (MIS) threshold
+    lower: float | None = None  # MIS: mask below; TIS: clamp below; None = no lower bound
+    geo_lower: float = 0.999
+    geo_upper: float = 1.001
+    veto: float | None = None  # mask a sequence if any token ratio is below this
+    behave_cap: float | None = 5.0  # None: no cap
+    behave_action: str = "mask"  # mask | clamp
+    behave_level: str = "token"  # token | sequence
+
+    def __post_init__(self) -> None:
+        self.mode = canonical_mode(self.mode)
+        if self.behave_action not in ("mask", "clamp"):
+            raise ValueError(f"behaviour-weight action must be mask or clamp, got {self.behave_action!r}")
+        if self.behave_level not in ("token", "sequence"):
+            raise ValueError(f"behaviour-weight level must be token or sequence, got {self.behave_level!r}")
+        if self.upper <= 0 or (self.lower is not None and self.lower > self.upper):
+            raise ValueError(f"correction thresholds need 0 <= lower <= upper, got lower={self.lower} upper={self.upper}")
+        if self.geo_lower > self.geo_upper:
+            raise ValueError(f"geometric bounds need lower <= upper, got {self.geo_lower} > {self.geo_upper}")
+
+
+@dataclass
+class OffPolicyWeights:
+    weights: torch.Tensor  # [N, T] float, 0 where a token trains nothing
+    keep: torch.Tensor  # [N, T] bool: response tokens that still train
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum(-1, keepdim=True)
+
+
+def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return per_seq.expand_as(mask).to(torch.float32)
+
+
+def off_policy_weights(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor, corr: Correction) -> OffPolicyWeights:
+    """Weights for the policy-gradient loss, one per token of the [N, T] layout (`mask` = response tokens)."""
+    mask = mask.bool()
+    m = mask.to(torch.float32)
+    log_ratio = torch.where(mask, (prox_logprobs - behave_logprobs).float(), torch.zeros_like(m)).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    n_tok = m.sum(-1, keepdim=True).clamp(min=1)
+    token_ratio = log_ratio.exp()
+    seq_ratio = _broadcast(_seq_sum(log_ratio, m).clamp(-SAFETY_BOUND, SAFETY_BOUND).exp(), m)
+    geo_ratio = _broadcast((_seq_sum(log_ratio, m) / n_tok).exp(), m)
+
+    behave_weight = token_ratio if corr.behave_level == "token" else geo_ratio
+    keep = mask.clone()
+    above_cap = torch.zeros_like(mask)
+    if corr.behave_cap is not None:
+        above_cap = mask & (behave_weight > corr.behave_cap)
+        if corr.behave_action == "mask":
+            keep &= ~above_cap
+        else:
+            behave_weight = behave_weight.clamp(max=corr.behave_cap)
+
+    weight, rejected = _correct(corr, token_ratio, seq_ratio, geo_ratio, behave_weight, mask)
+    keep &= ~rejected
+    vetoed = torch.zeros_like(mask)
+    if corr.veto is not None:
+        vetoed = _broadcast((mask & (token_ratio < corr.veto)).any(-1, keepdim=True), m).bool() & mask
+        keep &= ~vetoed
+    weight = torch.where(keep, weight, torch.zeros_like(weight))
+    stats = _stats(behave_weight, weight, above_cap, rejected, vetoed, keep, mask, corr)
+    return OffPolicyWeights(weight, keep, stats)
+
+
+def _correct(corr: Correction, token_ratio, seq_ratio, geo_ratio, behave_weight, mask):
+    """(weight, rejected) for the chosen mode; `rejected` marks tokens the correction masks."""
+    lo = corr.lower
+    none = torch.zeros_like(mask)
+    if corr.mode == "none":
+        return behave_weight, none
+    if corr.mode in ("token-tis", "seq-tis"):
+        ratio = token_ratio if corr.mode == "token-tis" else seq_ratio
+        return ratio.clamp(min=lo, max=corr.upper), none
+    if corr.mode in ("token-mis", "seq-mis"):
+        ratio = token_ratio if corr.mode == "token-mis" else seq_ratio
+        outside = (ratio > corr.upper) | ((ratio < lo) if lo is not None else none)
+        return ratio, outside & mask
+    outside = (geo_ratio < corr.geo_lower) | (geo_ratio > corr.geo_upper)  # geo-rs
+    return behave_weight, outside & mask
+
+
+def _stats(behave_weight, weight, above_cap, rejected, vetoed, keep, mask, corr: Correction) -> dict[str, float]:
+    n = max(int(mask.sum()), 1)
+    bw = behave_weight[mask]
+    kept = weight[keep]
+    seqs = mask.any(-1)
+    seq_dropped = seqs & ~keep.any(-1)
+    stats = {
+        "behave_weight/mean": float(bw.mean()) if bw.numel() else 0.0,
+        "behave_weight/max": float(bw.max()) if bw.numel() else 0.0,
+        "behave_weight/min": float(bw.min()) if bw.numel() else 0.0,
+        "behave_weight/above_cap_frac": float(above_cap.sum()) / n,
+        "masked/behave_frac": float(above_cap.sum()) / n if corr.behave_action == "mask" else 0.0,
+        "masked/correction_frac": float(rejected.sum()) / n,
+        "masked/veto_frac": float(vetoed.sum()) / n,
+        "masked/token_frac": 1.0 - float(keep.sum()) / n,
+        "masked/seq_frac": float(seq_dropped.sum()) / max(int(seqs.sum()), 1),
+        "is_weight/mean": float(kept.mean()) if kept.numel() else 0.0,
+        "is_weight/std": float(kept.std(unbiased=False)) if kept.numel() else 0.0,
+        "is_weight/min": float(kept.min()) if kept.numel() else 0.0,
+        "is_weight/max": float(kept.max()) if kept.numel() else 0.0,
+        "is_weight/ess": float(kept.sum() ** 2 / (kept.numel() * (kept**2).sum())) if kept.numel() and float((kept**2).sum()) > 0 else 0.0,
+        "all_masked": float(not bool(keep.any())),
+    }
+    return stats

@@ -1,0 +1,286 @@
+"""`ovkit rl-curate`: keep the RL prompts a model can learn from, split into the two curriculum stages.
+
+LLaVA-OneVision-1.5-RL's curation: sample N rollouts per prompt with the starting model, score them with the rule
+rewards, and keep medium-difficulty prompts. Per prompt, pass@1 is the mean reward of the N rollouts and pass@N the
+best one (for 0/1 rewards: whether any rollout is right). Two selection rules:
+
+* `mean` (the released code): keep iff min_reward < pass@1 < max_reward (defaults 0 and 0.6): drop what the model
+  never solves and what it already solves;
+* `gap` (the write-up's "discrepancy-driven" version): keep iff pass@N - pass@1 >= min_gap: the model can solve the
+  prompt but does not do so reliably ("latent capability").
+
+Sources listed in `keep_sources` are kept whatever their difficulty (the release keeps some sources whole).
+
+The stage split. The release trains stage 1 (answer-only, 19.9K) mostly on perception (grounding, counting, OCR,
+spatial) and stage 2 (chain-of-thought, 49.2K) on reasoning (STEM, charts, diagrams, code); the write-up shows the
+thinking mode winning on code/SVG and the fast mode on grounding/counting. ovkit's rule: a row with the released
+`prompt_type` column goes where it says (normal -> stage 1, default -> stage 2); otherwise a row whose `category`
+is in `stage2_categories` (default: math, chart, science, diagram, svg, code, stem, coding) goes to stage 2 and every
+other row to stage 1.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ovkit.errors import OvkitError
+
+STAGE2_CATEGORIES = ("math", "chart", "science", "diagram", "svg", "code", "stem", "coding")
+SELECT_RULES = ("mean", "gap")
+PROMPT_TYPE_STAGE = {"normal": 1, "answer": 1, "default": 2, "think": 2}
+
+
+@dataclass
+class CurateConfig:
+    """Options of `ovkit rl-curate`."""
+
+    data: Path | None = None  # RL prompts (answer, answer_type)
+    model: Path | None = None  # the model RL will start from (the SFT checkpoint)
+    out: Path | None = None
+    n: int = 16  # rollouts per prompt
+    limit: int | None = None  # at most this many prompts per category (the first ones), to fit a budget
+    select: str = "mean"  # mean: min_reward < pass@1 < max_reward; gap: pass@N - pass@1 >= min_gap
+    min_reward: float = 0.0
+    max_reward: float = 0.6
+    min_gap: float = 0.25
+    keep_sources: list[str] = field(default_factory=list)  # sources kept whatever their difficulty
+    stage2_categories: list[str] = field(default_factory=lambda: list(STAGE2_CATEGORIES))
+    prompt: str = "auto"  # instruction the rollouts are sampled with: auto (the row's stage: 1 answer, 2 think) | answer | think
+    engine: str = "hf"
+    batch_size: int = 64  # sequences per generate call (prompts x n)
+    max_new_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_pixels: int = 512 * 512
+    system_prompt: bool = True
+    rollout_images: bool = True  # store the prompt images in the rollout table (mismatch-report re-runs the model)
+    reward_workers: int = 2
+    shard: str | None = None
+    trust_remote_code: bool = False
+    seed: int = 0
+    overwrite: bool = False
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("data", "model", "out"):
+            if getattr(self, name) is None:
+                raise OvkitError(f"{'DATA' if name == 'data' else '--' + name} is required")
+            setattr(self, name, Path(getattr(self, name)))
+        checks = [
+            (self.n >= 1, "--n must be >= 1"),
+            (self.limit is None or self.limit >= 1, "--limit must be >= 1"),
+            (self.select in SELECT_RULES, f"--select must be one of {', '.join(SELECT_RULES)}"),
+            (self.min_reward < self.max_reward, "need --min-reward < --max-reward"),
+            (0 <= self.min_gap <= 1, "--min-gap must be in [0, 1]"),
+            (self.prompt in ("auto", "answer", "think", "normal", "default"), "--prompt must be auto, answer or think"),
+            (self.batch_size >= 1 and self.max_new_tokens >= 1, "--batch-size and --max-new-tokens must be >= 1"),
+            (self.engine in ("hf", "vllm"), "--engine must be hf or vllm"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise OvkitError(message)
+        self.keep_sources = list(self.keep_sources or [])
+        self.stage2_categories = list(self.stage2_categories or [])
+
+
+@dataclass
+class PromptStats:
+    id: str
+    category: str
+    source: str
+    pass_at_1: float  # mean reward of the n rollouts
+    pass_at_n: float  # best reward of the n rollouts
+    accuracy: float  # share of fully correct rollouts
+    kept: bool
+    stage: int  # 1 or 2 (where it would go), whether kept or not
+
+
+def select(pass1: float, passn: float, source: str, cfg: CurateConfig) -> bool:
+    if any(s and s in source for s in cfg.keep_sources):
+        return True
+    if cfg.select == "gap":
+        return passn - pass1 >= cfg.min_gap - 1e-12
+    return cfg.min_reward < pass1 < cfg.max_reward
+
+
+def stage_of(row: dict[str, Any], stage2_categories: Sequence[str]) -> int:
+    """The documented split rule: `prompt_type` if the row has one, else the category."""
+    ptype = row.get("prompt_type")
+    if ptype:
+        if str(ptype).lower() not in PROMPT_TYPE_STAGE:
+            raise OvkitError(f"row {row.get('id')!r}, column 'prompt_type': expected normal or default, got {ptype!r}")
+        return PROMPT_TYPE_STAGE[str(ptype).lower()]
+    return 2 if (row.get("category") or "") in stage2_categories else 1
+
+
+def mode_of(stage: int, prompt: str) -> str:
+    """The instruction a row's rollouts are sampled with: its stage's (auto) or the one asked for."""
+    from ovkit.prompts import ALIASES
+
+    return {1: "answer", 2: "think"}[stage] if prompt == "auto" else ALIASES.get(prompt, prompt)
+
+
+def prompt_stats(groups, rows: Sequence[dict[str, Any]], cfg: CurateConfig) -> list[PromptStats]:
+    out = []
+    for g, row in zip(groups, rows):
+        rewards = g.task_rewards
+        pass1, passn = sum(rewards) / len(rewards), max(rewards)
+        acc = sum(p.get("accuracy", 0.0) >= 1.0 for p in g.parts) / len(g.parts)
+        kept = select(pass1, passn, g.prompt.source, cfg)
+        out.append(PromptStats(g.prompt.id, g.prompt.category, g.prompt.source, pass1, passn, acc, kept, stage_of(row, cfg.stage2_categories)))
+    return out
+
+
+def sample_groups(cfg: CurateConfig, engine, prompts, mode: str, bar) -> list:
+    """N scored rollouts for every prompt, in generate calls of about `batch_size` sequences."""
+    from ovkit.rl.rollout import Group, score_groups
+
+    per_call = max(1, cfg.batch_size // cfg.n)
+    groups: list = []
+    for start in range(0, len(prompts), per_call):
+        chunk = prompts[start : start + per_call]
+        outs = engine.generate(
+            [p.encoded for p in chunk], n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            top_p=cfg.top_p, seed=cfg.seed * 7919 + start, images=[p.images for p in chunk],
+        )  # fmt: skip
+        batch = [Group(p, start + i, 0, list(cs)) for i, (p, cs) in enumerate(zip(chunk, outs))]
+        score_groups(batch, mode=mode, format_weight=0.0, workers=cfg.reward_workers)
+        groups.extend(batch)
+        bar.update(len(chunk))
+    return groups
+
+
+def rollout_all(cfg: CurateConfig, engine, processor, table, stages: Sequence[int]) -> list:
+    """One scored group per row, in row order; each row sampled with the instruction of `mode_of` its stage."""
+    from tqdm.auto import tqdm
+
+    from ovkit.rl.rollout import encode_prompts
+
+    groups: list = [None] * table.num_rows
+    bar = tqdm(total=table.num_rows, desc="rl-curate", unit="prompt", leave=False, disable=cfg.quiet)
+    for mode in ("answer", "think"):
+        rows = [i for i, st in enumerate(stages) if mode_of(st, cfg.prompt) == mode]
+        if not rows:
+            continue
+        prompts = encode_prompts(table.take(rows), processor, mode=mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels)
+        for i, g in zip(rows, sample_groups(cfg, engine, prompts, mode, bar)):
+            g.index = i
+            groups[i] = g
+    bar.close()
+    return groups
+
+
+def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Write stage1/, stage2/, rollouts/, curation.parquet, stats.json and difficulty.png into `out_dir`."""
+    import pyarrow as pa
+
+    from ovkit.data import read_samples, write_samples, write_table
+    from ovkit.generate import make_engine
+    from ovkit.models import load
+    from ovkit.rl.rollout import groups_table
+
+    table = limit_per_category(read_samples(cfg.data, shard=shard).table, cfg.limit)
+    if cfg.engine == "hf":
+        model, processor = load(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        engine = make_engine("hf", model, processor, batch_size=cfg.batch_size)
+    else:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        engine = make_engine("vllm", cfg.model, processor, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+    rows = table.to_pylist()
+    groups = rollout_all(cfg, engine, processor, table, [stage_of(r, cfg.stage2_categories) for r in rows])
+    stats = prompt_stats(groups, rows, cfg)
+
+    annotated = table.append_column("pass_at_1", pa.array([s.pass_at_1 for s in stats], pa.float64()))
+    annotated = annotated.append_column("pass_at_n", pa.array([s.pass_at_n for s in stats], pa.float64()))
+    for stage in (1, 2):
+        keep = [i for i, s in enumerate(stats) if s.kept and s.stage == stage]
+        write_samples(annotated.take(keep), out_dir / f"stage{stage}", shard)
+    write_table(groups_table(groups, with_images=cfg.rollout_images), out_dir / "rollouts" / _part(shard))
+    write_table(pa.Table.from_pylist([vars(s) for s in stats]), out_dir / "curation.parquet")
+    summary = summarise(stats, cfg)
+    (out_dir / "stats.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    plot_difficulty(stats, cfg, out_dir / "difficulty.png")
+    return summary
+
+
+def limit_per_category(table, limit: int | None):
+    """The first `limit` rows of each category, in their original order (all rows when limit is None)."""
+    if limit is None:
+        return table
+    seen: dict[str, int] = {}
+    keep = []
+    cats = table.column("category").to_pylist() if "category" in table.column_names else [None] * table.num_rows
+    for i, cat in enumerate(cats):
+        seen[cat] = seen.get(cat, 0) + 1
+        if seen[cat] <= limit:
+            keep.append(i)
+    return table.take(keep)
+
+
+def _part(shard: tuple[int, int] | None) -> str:
+    from ovkit.data import part_name
+
+    return part_name(shard)
+
+
+def summarise(stats: Sequence[PromptStats], cfg: CurateConfig) -> dict[str, Any]:
+    """Counts and mean pass@1 / pass@N, overall and per category (deterministic: no timings)."""
+    def block(items: Sequence[PromptStats]) -> dict[str, Any]:
+        n = max(len(items), 1)
+        return {
+            "prompts": len(items),
+            "kept": sum(s.kept for s in items),
+            "stage1": sum(s.kept and s.stage == 1 for s in items),
+            "stage2": sum(s.kept and s.stage == 2 for s in items),
+            "pass_at_1": round(sum(s.pass_at_1 for s in items) / n, 6),
+            "pass_at_n": round(sum(s.pass_at_n for s in items) / n, 6),
+            "accuracy": round(sum(s.accuracy for s in items) / n, 6),
+            "never_solved": sum(s.pass_at_n <= 0 for s in items),
+            "always_solved": sum(s.pass_at_1 >= 1 for s in items),
+        }
+
+    cats = sorted({s.category for s in stats})
+    return {
+        "rule": cfg.select,
+        "window": [cfg.min_reward, cfg.max_reward] if cfg.select == "mean" else None,
+        "min_gap": cfg.min_gap if cfg.select == "gap" else None,
+        "n": cfg.n,
+        **block(stats),
+        "categories": {c: block([s for s in stats if s.category == c]) for c in cats},
+        "histogram": histogram([s.pass_at_1 for s in stats], bins=10),
+    }
+
+
+def histogram(values: Sequence[float], bins: int = 10) -> dict[str, int]:
+    """Counts of pass@1 in [0, 0.1), ..., [0.9, 1.0]."""
+    counts = [0] * bins
+    for v in values:
+        counts[min(int(v * bins), bins - 1)] += 1
+    return {f"{i / bins:.1f}-{(i + 1) / bins:.1f}": c for i, c in enumerate(counts)}
+
+
+def plot_difficulty(stats: Sequence[PromptStats], cfg: CurateConfig, path: Path) -> None:
+    """Histogram of pass@1 (kept prompts stacked on the rest) and pass@N against pass@1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    bins = [i / 20 for i in range(21)]
+    left.hist([[s.pass_at_1 for s in stats if s.kept], [s.pass_at_1 for s in stats if not s.kept]], bins=bins, stacked=True, label=["kept", "dropped"], color=["tab:green", "tab:gray"])
+    if cfg.select == "mean":
+        left.axvspan(cfg.min_reward, cfg.max_reward, color="tab:green", alpha=0.08)
+    left.set(xlabel="pass@1 (mean reward over rollouts)", ylabel="prompts", title=f"difficulty ({cfg.n} rollouts per prompt)")
+    left.legend()
+    right.scatter([s.pass_at_1 for s in stats], [s.pass_at_n for s in stats], c=["tab:green" if s.kept else "tab:gray" for s in stats], s=12)
+    right.plot([0, 1], [0, 1], color="black", lw=0.5)
+    right.set(xlabel="pass@1", ylabel=f"pass@{cfg.n}", title="latent capability: pass@N - pass@1", xlim=(-0.02, 1.02), ylim=(-0.02, 1.02))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)

@@ -1,0 +1,292 @@
+"""`ovkit rl-train` on the tiny model: a training step moves the weights only with a learning signal, an all-masked
+batch is logged and trains nothing, both curriculum stages run end to end, an asynchronous run with ETA = 2 never
+consumes a sample staler than 2, and a run killed with SIGKILL resumes onto the same trajectory."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ovkit.data import image_cell, samples_table, write_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+COLOURS = {"red": (220, 40, 40), "blue": (40, 60, 220), "green": (40, 170, 60)}
+
+
+def _image(n: int, colour: str):
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (56, 56), "white")
+    draw = ImageDraw.Draw(img)
+    for k in range(n):
+        x, y = 4 + (k % 2) * 26, 4 + (k // 2) * 26
+        draw.rectangle([x, y, x + 20, y + 20], fill=COLOURS[colour])
+    return img
+
+
+def _rows():
+    rows = []
+    for i, (n, colour) in enumerate([(1, "red"), (2, "blue"), (3, "green"), (4, "red"), (2, "green"), (1, "blue")]):
+        rows.append(
+            {
+                "id": f"count-{i}",
+                "images": [image_cell(_image(n, colour))],
+                "messages": [{"role": "user", "content": "<image>\nHow many squares are there?"}],
+                "source": "test/count",
+                "category": "counting" if i % 2 == 0 else "math",
+                "answer": str(n),
+                "answer_type": "number",
+            }
+        )
+    return rows
+
+
+@pytest.fixture(scope="session")
+def rl_assets(tmp_path_factory):
+    """A tiny model and a 6-prompt RL table, built once per session (shared with test_rl_curate)."""
+    from ovkit.models.tiny import build_tiny
+
+    base = tmp_path_factory.getbasetemp() / "rl-assets"
+    if not (base / "model" / "config.json").is_file():
+        rows = _rows()
+        texts = [m["content"] for r in rows for m in r["messages"]] + ["<answer>3</answer>", "<think>count</think><answer>2</answer>"] * 20
+        build_tiny(base / "model", texts, seed=0)
+        write_samples(samples_table(rows), base / "data")
+    return base / "model", base / "data"
+
+
+@pytest.fixture()
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 contended cores: one OpenMP thread each is far faster than a spinning team
+    yield
+    torch.set_num_threads(n)
+
+
+TINY = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-ratio", "0", "--no-system-prompt", "--rollout-batch-size", "16", "--micro-batch-size", "8", "--reward-workers", "1"]
+
+
+def _cfg(model, data, out, **kw):
+    from ovkit.rl.trainer import RLTrainConfig
+
+    base = dict(data=[data], model=model, out=out, prompts_per_step=2, group_size=4, max_new_tokens=6, lr=1e-3, warmup_ratio=0.0, weight_decay=0.0, system_prompt=False, max_staleness=0, micro_batch_size=8, reward_workers=1)
+    return RLTrainConfig(**{**base, **kw})
+
+
+def _groups(model, processor, data, cfg, rewards):
+    from ovkit.data import read_samples
+    from ovkit.generate import HFEngine
+    from ovkit.rl.rollout import Sampling, encode_prompts, generate_groups
+
+    prompts = encode_prompts(read_samples(data).table, processor, mode="answer", system=False)
+    groups = generate_groups(HFEngine(model, processor), prompts, [0, 1], 0, Sampling(4, 6, seed=1))
+    for g, r in zip(groups, rewards):
+        g.task_rewards, g.rewards, g.format_rewards, g.parts = list(r), list(r), [0.0] * 4, [{"accuracy": x} for x in r]
+    return groups
+
+
+def _step(model_dir, data, tmp_path, rewards, **kw):
+    from ovkit.models import load
+    from ovkit.rl.trainer import _optimizer, _trainable, train_step
+
+    cfg = _cfg(model_dir, data, tmp_path / "unused", **kw)
+    model, processor = load(model_dir)
+    model.eval()
+    groups = _groups(model, processor, data, cfg, rewards)
+    params = _trainable(model, cfg)
+    optimizer, _ = _optimizer(params, cfg, 1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    metrics = train_step(model, optimizer, params, groups, 0, processor.tokenizer.pad_token_id, cfg.correction_config(), None, cfg)
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    return metrics, changed
+
+
+def test_a_step_trains_only_with_a_learning_signal(rl_assets, tmp_path, one_thread):
+    model_dir, data = rl_assets
+    metrics, changed = _step(model_dir, data, tmp_path, [[1, 0, 1, 0], [0.5, 0.5, 0.5, 0.5]])
+    assert changed, "a group with different rewards must move the weights"
+    assert metrics["frac_reward_zero_std"] == 0.5
+    assert metrics["mismatch/delta_logp_max"] < 1e-3  # fp32 sampler and learner agree on the same weights
+    assert metrics["staleness/hist"] == {"0": 8}
+    metrics, changed = _step(model_dir, data, tmp_path, [[1, 1, 1, 1], [0, 0, 0, 0]])
+    assert not changed and metrics["advantage/abs_mean"] == 0  # tied groups: zero advantage, no update
+
+
+def test_an_all_masked_batch_is_logged_and_trains_nothing(rl_assets, tmp_path, one_thread):
+    model_dir, data = rl_assets
+    # token-MIS with the window [0.5, 0.6]: every ratio is ~1, so every token is rejected
+    metrics, changed = _step(model_dir, data, tmp_path, [[1, 0, 1, 0], [1, 0, 0, 0]], correction="token-mis", correction_threshold=0.6, correction_lower=0.5)
+    assert metrics["all_masked"] == 1.0 and metrics["masked/token_frac"] == 1.0
+    assert metrics["skipped_updates"] == 1 and metrics["grad_norm"] == 0.0
+    assert not changed
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+REQUIRED = [
+    "reward/mean", "reward/std", "accuracy", "length/mean", "clip/frac", "entropy", "grad_norm", "mismatch/learner_ppl",
+    "mismatch/sampler_ppl", "mismatch/vllm_kl", "mismatch/delta_logp_max", "mismatch/delta_logp_mean", "behave_weight/mean",
+    "is_weight/mean", "masked/token_frac", "staleness/hist", "time/rollout", "time/train", "time/sync", "samples_per_s",
+]  # fmt: skip
+
+
+def test_stage1_then_stage2_end_to_end(rl_assets, tmp_path, cli, one_thread):
+    model_dir, data = rl_assets
+    out1, out2 = tmp_path / "rl1", tmp_path / "rl2"
+    code, stdout, err = cli("rl-train", data, "--model", model_dir, "--out", out1, "--stage", "1", "--max-steps", "2", "--max-staleness", "0", "--save-rollouts", "--quiet", *TINY)
+    assert code == 0, err
+    assert "rl-train stage 1: 2 steps" in stdout
+    rows = _metrics(out1)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(k in r for r in rows for k in REQUIRED)
+    assert (out1 / "model.safetensors").is_file() and (out1 / "ovkit.json").is_file() and (out1 / "config.yaml").is_file()
+    assert not (tmp_path / "rl1.partial").exists()
+    from ovkit.generate.rollouts import read_rollouts
+
+    rollouts = read_rollouts(out1 / "rollouts")
+    assert rollouts.num_rows == 2 * 2 * 4 and set(rollouts.column("version").to_pylist()) == {0, 1}
+
+    code, stdout, err = cli("rl-train", data, "--model", out1, "--out", out2, "--stage", "2", "--max-steps", "1", "--max-staleness", "0", "--quiet", *TINY)
+    assert code == 0, err
+    prov = json.loads((out2 / "ovkit.json").read_text())
+    assert prov["parent"]["command"] == "rl-train" and prov["config"]["stage"] == 2 and prov["config"]["format-weight"] == 0.1
+    assert "reward/format" in _metrics(out2)[0]
+    from ovkit.models import load
+
+    load(out2)  # the curriculum's output is an ordinary HF model directory
+
+    code, stdout, _ = cli("rl-train", data, "--model", model_dir, "--out", out1, "--max-steps", "2", *TINY)
+    assert code == 0 and "skipped" in stdout
+
+
+def test_async_eta2_never_consumes_a_sample_staler_than_2(rl_assets, tmp_path, one_thread):
+    from ovkit.generate.rollouts import read_rollouts
+    from ovkit.rl.trainer import train_rl
+
+    model_dir, data = rl_assets
+    out = tmp_path / "async"
+    summary = train_rl(_cfg(model_dir, data, out, max_staleness=2, max_steps=5, save_rollouts=True, quiet=True))
+    rows = _metrics(out)
+    assert max(r["staleness/max"] for r in rows) <= 2
+    assert summary["max_staleness_seen"] >= 1  # the rollout thread did run ahead of the learner
+    # every sample's version tag, checked against the step that consumed it
+    for path in sorted((out / "rollouts").glob("step-*.parquet")):
+        consumed_at = int(path.stem.split("-")[1]) - 1
+        versions = read_rollouts(path).column("version").to_pylist()
+        assert all(0 <= consumed_at - v <= 2 for v in versions), (path.name, versions)
+
+
+def test_interrupted_run_resumes_on_the_same_trajectory(rl_assets, tmp_path, monkeypatch, one_thread):
+    """In-process: the run dies right after its step-2 checkpoint; --resume finishes it exactly as a straight run."""
+    from safetensors.torch import load_file
+
+    from ovkit.errors import OvkitError
+    from ovkit.rl import trainer
+
+    model_dir, data = rl_assets
+    kw = dict(max_steps=4, save_every=1, keep_checkpoints=1, quiet=True)
+    trainer.train_rl(_cfg(model_dir, data, tmp_path / "straight", **kw))
+
+    save = trainer.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        path = save(*args, **kwargs)
+        if path.name == "step-000002":
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_rl(_cfg(model_dir, data, tmp_path / "cut", **kw))
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    with pytest.raises(OvkitError, match="--resume"):
+        trainer.train_rl(_cfg(model_dir, data, tmp_path / "cut", **kw))
+    summary = trainer.train_rl(_cfg(model_dir, data, tmp_path / "cut", resume=True, **kw))
+    assert summary["resumed_from"].endswith("step-000002")
+    assert [r["step"] for r in _metrics(tmp_path / "cut")] == [1, 2, 3, 4]
+    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_on_the_same_trajectory(rl_assets, tmp_path):
+    """kill -9 after the step-2 checkpoint, --resume, and the result equals an uninterrupted run (sync mode)."""
+    from safetensors.torch import load_file
+
+    model_dir, data = rl_assets
+    args = [sys.executable, "-m", "ovkit", "rl-train", str(data), "--model", str(model_dir), "--max-steps", "4", "--max-staleness", "0", "--save-every", "1", "--keep-checkpoints", "1", "--quiet", *TINY]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([*args, "--out", str(tmp_path / "straight")], check=True, env=env, capture_output=True)
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([*args, "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = tmp_path / "killed.partial" / "checkpoints" / "step-000002" / "ovkit.json"
+    deadline = time.time() + 300
+    while not ckpt.is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert ckpt.is_file() and not out.exists()
+
+    again = subprocess.run([*args, "--out", str(out)], env=env, capture_output=True, text=True)
+    assert again.returncode == 2 and "--resume" in again.stderr  # an unfinished run is never silently discarded
+    subprocess.run([*args, "--out", str(out), "--resume"], check=True, env=env, capture_output=True)
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
+    assert json.loads((out / "ovkit.json").read_text())["metrics"]["resumed_from"].endswith("step-000002")
+    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+@pytest.mark.parametrize("sampler", [{"sampler_quant": "int8"}, {"sampler_dtype": "bfloat16"}], ids=["int8", "bf16"])
+def test_low_precision_sampler_shows_up_as_mismatch(rl_assets, tmp_path, sampler, one_thread):
+    """The INT8 / bf16 rollout ablation on CPU: the sampler's log-probs differ from the fp32 learner's, and the
+    mismatch metrics see it (an fp32 sampler agrees to ~1e-6, test_a_step_trains_only_with_a_learning_signal)."""
+    from ovkit.rl.trainer import train_rl
+
+    model_dir, data = rl_assets
+    train_rl(_cfg(model_dir, data, tmp_path / "out", max_steps=2, correction="token-tis", quiet=True, **sampler))
+    rows = _metrics(tmp_path / "out")
+    assert all(r["mismatch/delta_logp_max"] > 1e-3 and r["mismatch/vllm_kl"] > 0 for r in rows)
+    assert all(r["is_weight/max"] <= 2.0 + 1e-6 for r in rows)  # token-TIS truncates at C = 2
+
+
+def test_config_validation_names_the_flag(tmp_path):
+    from ovkit.errors import OvkitError
+    from ovkit.rl.trainer import RLTrainConfig
+
+    ok = dict(data=[tmp_path], model=tmp_path, out=tmp_path / "o")
+    for bad, flag in [({"stage": 3}, "--stage"), ({"correction": "nope"}, "--correction"), ({"loss_agg": "x"}, "--loss-agg"), ({"max_staleness": -1}, "--max-staleness"), ({"max_steps": 2, "epochs": 1.0}, "--epochs")]:
+        with pytest.raises(OvkitError, match=flag):
+            RLTrainConfig(**ok, **bad)
+    assert RLTrainConfig(**ok, correction="seq_mean_k1").correction == "geo-rs"
+    assert RLTrainConfig(**ok, stage=2).format_weight == 0.1
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*/rl-stage*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_shipped_configs_validate(path, tmp_path):
+    from ovkit.config import load_yaml, merge
+    from ovkit.rl.trainer import RLTrainConfig
+
+    values = load_yaml(path)
+    cfg = merge(RLTrainConfig, {"data": [tmp_path], "model": tmp_path, "out": tmp_path / "o"}, {"data", "model", "out"}, values, path)
+    assert cfg.stage == (1 if "stage1" in path.name else 2)
+    assert yaml.safe_load(path.read_text())
+
+
+def test_help_options_are_documented(cli):
+    import re
+
+    code, out, _ = cli("rl-train", "--help")
+    assert code == 0
+    page = (ROOT / "commands" / "rl-train.md").read_text()
+    missing = sorted({o for o in re.findall(r"--[a-z][a-z0-9-]+", out) if o not in page})
+    assert not missing, missing
