@@ -54,6 +54,7 @@ def _register() -> None:
         eval,
         init_model,
         midtrain,
+        mismatch_report,
         pack,
         rl_curate,
         rl_train,
@@ -74,6 +75,7 @@ def _register() -> None:
     app.command("eval")(eval.evaluate)
     app.command("rl-curate")(rl_curate.rl_curate)
     app.command("rl-train")(rl_train.rl_train)
+    app.command("mismatch-report")(mismatch_report.mismatch_report)
 
 
 def main() -> None:

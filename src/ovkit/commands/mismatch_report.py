@@ -1,0 +1,60 @@
+"""`ovkit mismatch-report`: recompute the learner's log-probs of rollouts and report the sampler/learner gap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
+
+_O = typer.Option
+
+
+def mismatch_report(
+    ctx: typer.Context,
+    rollouts: Path = typer.Argument(None, help="Rollout table: eval --save-logprobs OUT, rl-curate OUT/rollouts, rl-train OUT/rollouts, or one parquet file.", show_default=False),
+    model: Path = _O(None, "--model", help="The learner: a model directory (save_pretrained)."),
+    out: Path = OUT,
+    generate: Path = _O(None, "--generate", help="Sample fresh rollouts from these prompt rows (RL/eval table) instead of reading ROLLOUTS."),
+    sampler: list[str] = _O(None, "--sampler", help="With --generate: fp32, bf16, fp16, int8 (CPU) or vllm (GPU); repeat to compare (default bf16)."),
+    data: Path = _O(None, "--data", help="Prompt rows (matched by prompt_id) for the images of rollout tables that store none (rl-train)."),
+    temperature: float = _O(None, "--temperature", help="Sampling temperature; the learner divides its logits by it (default: the rollouts' producer's, else 1.0)."),
+    top_p: float = _O(None, "--top-p", help="With --generate: nucleus sampling mass (default 1.0)."),
+    n: int = _O(4, "--n", help="With --generate: completions per prompt."),
+    limit: int = _O(None, "--limit", help="With --generate: at most this many prompt rows per category (the first ones)."),
+    max_new_tokens: int = _O(64, "--max-new-tokens", help="With --generate: tokens per completion."),
+    prompt: str = _O("answer", "--prompt", help="With --generate: stage instruction added to prompts: answer, think or none."),
+    system_prompt: bool = _O(True, "--system-prompt/--no-system-prompt", help="With --generate: prepend the recipe's system prompt (as rl-train)."),
+    max_pixels: int = _O(262144, "--max-pixels", help="Downscale images to at most this many pixels, as the sampler did (0: never; eval does not downscale)."),
+    batch_size: int = _O(16, "--batch-size", help="Rollouts per learner forward pass (and sequences per generate call)."),
+    dtype: str = _O("float32", "--dtype", help="The learner's weights: float32, bfloat16 or float16."),
+    correction_threshold: float = _O(2.0, "--correction-threshold", "--rollout-is-threshold", help="rl-train's C: TIS truncation / MIS rejection bound."),
+    correction_lower: float = _O(None, "--correction-lower", help="rl-train's lower bound (MIS masks below it, TIS clamps to it)."),
+    geo_lower: float = _O(0.999, "--geo-lower", help="geo-rs: lower bound on the geometric-mean ratio."),
+    geo_upper: float = _O(1.001, "--geo-upper", help="geo-rs: upper bound on the geometric-mean ratio."),
+    behave_cap: float = _O(5.0, "--behave-cap", help="rl-train's behaviour-weight cap, reported as a mask rate (0: not reported)."),
+    veto_threshold: float = _O(None, "--veto-threshold", "--rollout-token-veto-threshold", help="Also report the veto: sequences with any token ratio below this."),
+    max_points: int = _O(20000, "--max-points", help="Tokens drawn in the scatter plots (a seeded sample beyond that)."),
+    trust_remote_code: bool = _O(False, "--trust-remote-code", help="Allow model code from the model directory."),
+    seed: int = SEED,
+    overwrite: bool = OVERWRITE,
+    quiet: bool = QUIET,
+    config: Path = CONFIG,
+) -> None:
+    """Recompute the learner's log-probs of saved (or freshly sampled) rollouts and report the sampler/learner
+    mismatch: vllm-kl (K3), k1, PPLs, chi-square, max/mean |dp|, importance weights, what each rl-train correction
+    would clip or mask, and where the gap sits (sampler probability, turn, length, category, source)."""
+    from ovkit.mismatch import MismatchConfig, run_mismatch
+    from ovkit.runs import Stage
+
+    cfg = resolve(ctx, MismatchConfig)
+    inputs = [p for p in (cfg.rollouts, cfg.generate, cfg.data) if p is not None]
+    stage = Stage("mismatch-report", cfg, cfg.out, inputs=inputs, overwrite=cfg.overwrite, seed=cfg.seed, parent=cfg.model)
+    if stage.skipped:
+        return skipped(cfg.out)
+    with stage:
+        stage.metrics.update(run_mismatch(cfg, stage.path))
+    runs = ", ".join(f"{name} {m['k3_kl']:.3e}" for name, m in stage.metrics.items())
+    tokens = sum(m["tokens"] for m in stage.metrics.values())
+    done(f"mismatch-report: vllm-kl (K3) {runs} over {tokens:,} tokens -> {cfg.out}/report.html")

@@ -1,0 +1,279 @@
+"""`ovkit mismatch-report`: the options, and the run that ties sampling, re-scoring, analyses and the report together."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ovkit.errors import OvkitError
+from ovkit.mismatch.metrics import EMPTY_MESSAGE, Scores, Thresholds
+
+PROMPT_MODES = ("answer", "think", "none")
+
+
+@dataclass
+class MismatchConfig:
+    """Options of `ovkit mismatch-report`."""
+
+    rollouts: Path | None = None  # a rollout table (eval --save-logprobs, rl-curate, rl-train --save-rollouts)
+    model: Path | None = None  # the learner: a model directory
+    out: Path | None = None
+    generate: Path | None = None  # sample fresh rollouts from these prompt rows instead of reading ROLLOUTS
+    sampler: list[str] = field(default_factory=list)  # with --generate: fp32 | bf16 | fp16 | int8 | vllm (repeatable; default bf16)
+    data: Path | None = None  # prompt rows for the images of rollout tables that carry none (matched by prompt_id)
+    temperature: float | None = None  # default: the rollouts' producer's (its config.yaml), else 1.0
+    top_p: float | None = None  # --generate: nucleus mass (default 1.0); ROLLOUTS: read from the producer for the note
+    n: int = 4  # --generate: completions per prompt
+    limit: int | None = None  # --generate: at most this many prompt rows per category (the first ones)
+    max_new_tokens: int = 64  # --generate
+    prompt: str = "answer"  # --generate: stage instruction (answer | think | none)
+    system_prompt: bool = True  # --generate: prepend the recipe's system prompt, as rl-train does
+    max_pixels: int = 512 * 512  # images downscaled to at most this many pixels, as rl-curate / rl-train do (0: never)
+    batch_size: int = 16  # rollouts per learner forward pass (and sequences per generate call)
+    dtype: str = "float32"  # the learner's weights: float32 | bfloat16 | float16
+    correction_threshold: float = 2.0  # rl-train's C (TIS truncation / MIS rejection)
+    correction_lower: float | None = None
+    geo_lower: float = 0.999
+    geo_upper: float = 1.001
+    behave_cap: float = 5.0  # rl-train's behaviour-weight cap (0: not reported)
+    veto_threshold: float | None = None
+    max_points: int = 20000  # tokens drawn in the scatter plots (a seeded sample beyond that)
+    trust_remote_code: bool = False
+    seed: int = 0
+    overwrite: bool = False
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        from ovkit.mismatch.sample import canonical_sampler
+
+        if self.model is None:
+            raise OvkitError("--model is required (the learner)")
+        if self.out is None:
+            raise OvkitError("--out is required")
+        if (self.rollouts is None) == (self.generate is None):
+            raise OvkitError("give either ROLLOUTS (a saved rollout table) or --generate DATA, not both" if self.rollouts else "give ROLLOUTS (a saved rollout table) or --generate DATA --sampler ...")
+        for name in ("rollouts", "model", "out", "generate", "data"):
+            if getattr(self, name) is not None:
+                setattr(self, name, Path(getattr(self, name)))
+        if self.sampler and self.generate is None:
+            raise OvkitError("--sampler goes with --generate (ROLLOUTS were already sampled)")
+        self.sampler = list(dict.fromkeys(canonical_sampler(s) for s in (self.sampler or (["bf16"] if self.generate else []))))
+        checks = [
+            (self.temperature is None or self.temperature >= 0, "--temperature must be >= 0 (0 = greedy)"),
+            (self.top_p is None or 0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
+            (self.n >= 1, "--n must be >= 1"),
+            (self.limit is None or self.limit >= 1, "--limit must be >= 1"),
+            (self.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+            (self.prompt in PROMPT_MODES, f"--prompt must be one of {', '.join(PROMPT_MODES)}"),
+            (self.max_pixels >= 0, "--max-pixels must be >= 0 (0: no downscaling)"),
+            (self.batch_size >= 1, "--batch-size must be >= 1"),
+            (self.dtype in ("float32", "bfloat16", "float16"), "--dtype must be float32, bfloat16 or float16"),
+            (self.correction_threshold > 0, "--correction-threshold must be > 0"),
+            (self.correction_lower is None or 0 <= self.correction_lower <= self.correction_threshold, "--correction-lower must be in [0, --correction-threshold]"),
+            (self.geo_lower <= self.geo_upper, "need --geo-lower <= --geo-upper"),
+            (self.behave_cap >= 0, "--behave-cap must be >= 0 (0: not reported)"),
+            (self.max_points >= 1, "--max-points must be >= 1"),
+            (self.generate is None or self.temperature != 0 or self.n == 1, "--n > 1 needs --temperature > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise OvkitError(message)
+
+    @property
+    def thresholds(self) -> Thresholds:
+        return Thresholds(self.correction_threshold, self.correction_lower, self.geo_lower, self.geo_upper, self.behave_cap or None, self.veto_threshold)
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+
+
+def producer_sampling(rollouts: Path) -> dict[str, Any] | None:
+    """Temperature and top-p from the config of the command that wrote `rollouts` (its OUT/ovkit.json, found at the
+    rollout path or up to two directories above it: eval OUT/rollouts.parquet, rl-curate / rl-train OUT/rollouts/)."""
+    from ovkit.runs import read_provenance
+
+    start = rollouts if rollouts.is_dir() else rollouts.parent
+    for d in [start, *list(start.parents)[:2]]:
+        prov = read_provenance(d)
+        config = (prov or {}).get("config") or {}
+        if config.get("temperature") is not None:
+            return {"temperature": config["temperature"], "top_p": config.get("top_p"), "from": f"{prov.get('command')} config in {d}"}
+    return None
+
+
+def first_per_category(table: Any, limit: int | None) -> Any:
+    if limit is None:
+        return table
+    cats = table.column("category").to_pylist() if "category" in table.column_names else [None] * table.num_rows
+    seen: dict[Any, int] = {}
+    keep = []
+    for i, c in enumerate(cats):
+        seen[c] = seen.get(c, 0) + 1
+        if seen[c] <= limit:
+            keep.append(i)
+    return table.take(keep)
+
+
+def check_not_empty(rows: Sequence[dict[str, Any]], source: str) -> None:
+    if not any(any(r.get("loss_mask") or []) for r in rows):
+        raise OvkitError(f"{source}: {EMPTY_MESSAGE}")
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
+    """Write report.json, report.md, report.html, figures/, logprobs.parquet (and rollouts/ with --generate) into
+    `out_dir`; return the headline metrics per run."""
+    import torch
+
+    from ovkit.models import load
+
+    inputs: list[tuple[str, list[dict[str, Any]], str]] = []
+    if cfg.rollouts is not None:
+        from ovkit.generate.rollouts import read_rollouts
+
+        rows = read_rollouts(cfg.rollouts).to_pylist()
+        check_not_empty(rows, str(cfg.rollouts))
+        inputs.append(("rollouts", rows, str(cfg.rollouts)))
+    model, processor = load(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device).eval()
+    temperature, temperature_from, top_p = _sampling(cfg)
+    if cfg.generate is not None:
+        inputs += _generate_all(cfg, model, processor, out_dir, temperature, top_p)
+
+    from ovkit.mismatch.score import data_images
+
+    images_for = data_images(cfg.data)
+    runs: dict[str, dict[str, Any]] = {}
+    figures: dict[str, dict[str, bytes]] = {}
+    logprob_rows: list[dict[str, Any]] = []
+    for name, rows, source in inputs:
+        run, scores, table_rows = _one_run(cfg, model, processor, rows, source, name, temperature, images_for)
+        runs[name] = run
+        logprob_rows += table_rows
+        figures[name] = _figures(cfg, scores, run)
+    doc = {
+        "model": str(cfg.model),
+        "learner_dtype": cfg.dtype,
+        "device": device,
+        "temperature": temperature,
+        "temperature_from": temperature_from,
+        "top_p": top_p,
+        "thresholds": asdict(cfg.thresholds),
+        "runs": runs,
+    }
+    _write(out_dir, doc, figures, logprob_rows)
+    return {name: {k: run["metrics"][k] for k in ("tokens", "k3_kl", "kl", "training_ppl", "rollout_ppl", "chi2_token", "max_mismatch_mean")} for name, run in runs.items()}
+
+
+def _sampling(cfg: MismatchConfig) -> tuple[float, str, float | None]:
+    """(temperature, where it came from, top-p): the options with --generate; for ROLLOUTS, --temperature or the
+    producer's config."""
+    if cfg.generate is not None:
+        if cfg.temperature is None:
+            return 1.0, "default", cfg.top_p or 1.0
+        return cfg.temperature, "--temperature", cfg.top_p or 1.0
+    found = producer_sampling(cfg.rollouts)
+    if cfg.temperature is not None:
+        return cfg.temperature, "--temperature", (found or {}).get("top_p")
+    if found is not None:
+        return float(found["temperature"]), found["from"], found.get("top_p")
+    return 1.0, "default: the rollouts' producer is unknown", None
+
+
+def _generate_all(cfg: MismatchConfig, model, processor, out_dir: Path, temperature: float, top_p: float) -> list:
+    from ovkit.data import read_samples
+    from ovkit.generate.rollouts import write_rollouts
+    from ovkit.mismatch.sample import generate_rollouts, make_sampler
+    from ovkit.rl.rollout import encode_prompts
+
+    table = first_per_category(read_samples(cfg.generate).table, cfg.limit)
+    prompts = encode_prompts(table, processor, mode=cfg.prompt, system=cfg.system_prompt, max_pixels=cfg.max_pixels or None)
+    out = []
+    for name in cfg.sampler:
+        engine = make_sampler(name, model, processor, model_dir=cfg.model, batch_size=cfg.batch_size, seed=cfg.seed, quiet=cfg.quiet)
+        rollouts = generate_rollouts(engine, prompts, n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=top_p, seed=cfg.seed, prompt_mode="answer" if cfg.prompt == "none" else cfg.prompt)
+        del engine
+        path = write_rollouts(rollouts, out_dir / "rollouts" / f"{name}.parquet")
+        rows = rollouts.to_pylist()
+        check_not_empty(rows, f"sampler {name}")
+        out.append((name, rows, f"sampled with {name} from {cfg.generate} -> {path.relative_to(out_dir)}"))
+    return out
+
+
+def _one_run(cfg: MismatchConfig, model, processor, rows, source: str, name: str, temperature: float, images_for):
+    from ovkit.mismatch.analyses import analyse
+    from ovkit.mismatch.score import rescore
+
+    res = rescore(model, processor, rows, temperature=temperature, batch_size=cfg.batch_size, max_pixels=cfg.max_pixels or None, images_for=images_for, progress=not cfg.quiet)
+    meta = {key: [r.get(key) for r in rows] for key in ("prompt_id", "category", "source", "reward")}
+    scores = Scores.from_lists(res.learner, [r["behave_logprobs"] for r in rows], res.compared, res.turns, meta)
+    if scores.tokens == 0:
+        raise OvkitError(f"{source}: {EMPTY_MESSAGE}" + (" (every sampled token follows a multimodal placeholder)" if res.cut_tokens else ""))
+    run = {
+        "rollouts": source,
+        "counts": {"rollouts": len(rows), "responses": scores.n, "compared_tokens": scores.tokens, "cut_tokens": res.cut_tokens},
+        **analyse(scores, cfg.thresholds),
+    }
+    table_rows = [
+        {
+            "run": name,
+            "index": i,
+            "prompt_id": r.get("prompt_id"),
+            "group": r.get("group"),
+            "learner_logprobs": res.learner[i],
+            "behave_logprobs": r["behave_logprobs"],
+            "compared": res.compared[i],
+            "turn_ids": res.turns[i],
+        }
+        for i, r in enumerate(rows)
+    ]
+    return run, scores, table_rows
+
+
+def _figures(cfg: MismatchConfig, scores: Scores, run: dict[str, Any]) -> dict[str, bytes]:
+    from ovkit.mismatch.figures import run_figures
+
+    return run_figures(scores, run, max_points=cfg.max_points, seed=cfg.seed)
+
+
+def _write(out_dir: Path, doc: dict[str, Any], figures: dict[str, dict[str, bytes]], logprob_rows: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+
+    from ovkit.data.io import write_table
+    from ovkit.mismatch import figures as figs
+    from ovkit.mismatch.report import html_page, markdown
+    from ovkit.runs import write_json
+
+    paths: dict[str, dict[str, str]] = {}
+    for name, pngs in figures.items():
+        (out_dir / "figures" / name).mkdir(parents=True, exist_ok=True)
+        paths[name] = {}
+        for stem, png in pngs.items():
+            rel = f"figures/{name}/{stem}.png"
+            (out_dir / rel).write_bytes(png)
+            paths[name][stem] = rel
+        doc["runs"][name]["figures"] = paths[name]
+    compare_png = figs.compare(doc["runs"]) if len(doc["runs"]) > 1 else None
+    if compare_png is not None:
+        (out_dir / "figures" / "compare.png").write_bytes(compare_png)
+    write_json(out_dir / "report.json", json.loads(json.dumps(doc, default=float)))
+    (out_dir / "report.md").write_text(markdown(doc, paths))
+    (out_dir / "report.html").write_text(html_page(doc, figures, compare_png))
+    schema = pa.schema(
+        [
+            ("run", pa.string()),
+            ("index", pa.int64()),
+            ("prompt_id", pa.string()),
+            ("group", pa.int64()),
+            ("learner_logprobs", pa.list_(pa.float32())),
+            ("behave_logprobs", pa.list_(pa.float32())),
+            ("compared", pa.list_(pa.int8())),
+            ("turn_ids", pa.list_(pa.int32())),
+        ]
+    )
+    write_table(pa.Table.from_pylist(logprob_rows, schema=schema), out_dir / "logprobs.parquet")

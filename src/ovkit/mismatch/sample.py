@@ -1,0 +1,64 @@
+"""Rollouts from a chosen sampler configuration, for `mismatch-report --generate DATA --sampler ...`.
+
+Each sampler samples the same prompts with the same seed from the learner's weights, computed differently:
+
+| sampler | what samples | how |
+|---|---|---|
+| `fp32` | the learner model itself, in float32 | `HFEngine(dtype="float32")`: KV-cached, left-padded batched decoding |
+| `bf16`, `fp16` | a copy cast to bfloat16 / float16 | `HFEngine(dtype=...)` (fp16 wants a GPU) |
+| `int8` | a dynamically int8-quantised copy (every Linear) | `HFEngine(quant="int8")`, CPU only (Yao et al.'s INT8 rollouts) |
+| `vllm` | vLLM on the model directory | `VLLMEngine` (GPU, `pip install 'ovkit[vllm]'`) |
+
+Even `fp32` is not bit-identical to the learner: batched, cached decoding sums in another order than one
+teacher-forced pass, which is the floor every other sampler is compared against. Prompts are encoded as rl-train
+encodes them (`ovkit.rl.rollout.encode_prompts`: stage instruction, optional system prompt, pixel cap), scored with
+the rewards library, and written in the rollout schema with the prompt images (`ovkit.generate.rollouts`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ovkit.errors import OvkitError
+
+SAMPLERS = {
+    "fp32": {"dtype": "float32"},
+    "bf16": {"dtype": "bfloat16"},
+    "fp16": {"dtype": "float16"},
+    "int8": {"quant": "int8"},
+    "vllm": {},
+}
+ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "hf": "fp32"}
+
+
+def canonical_sampler(name: str) -> str:
+    name = ALIASES.get(str(name).strip().lower(), str(name).strip().lower())
+    if name not in SAMPLERS:
+        raise OvkitError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {name!r}")
+    return name
+
+
+def make_sampler(name: str, model: Any, processor: Any, *, model_dir: Any, batch_size: int, seed: int, quiet: bool):
+    from ovkit.generate import make_engine
+
+    if name == "vllm":
+        return make_engine("vllm", model_dir, processor, dtype="auto", seed=seed, progress=not quiet)
+    return make_engine("hf", model, processor, batch_size=batch_size, progress=not quiet, **SAMPLERS[name])
+
+
+def generate_rollouts(engine: Any, prompts: list, *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int, prompt_mode: str) -> Any:
+    """`n` scored completions per prompt -> a rollout table (with the prompt images)."""
+    from ovkit.rl.rollout import Group, groups_table, score_groups
+
+    outs = engine.generate(
+        [p.encoded for p in prompts],
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        images=[p.images for p in prompts],
+    )
+    groups = [Group(p, i, 0, list(cs)) for i, (p, cs) in enumerate(zip(prompts, outs))]
+    score_groups(groups, mode=prompt_mode, format_weight=0.0, workers=1)
+    return groups_table(groups, with_images=True)
