@@ -128,7 +128,9 @@ def test_adversarial_batch_is_bounded_and_in_order():
     results = score_batch(items, workers=2, timeout=ITEM_LIMIT)
     assert time.perf_counter() - start < -(-len(items) // 2) * ITEM_LIMIT + SLACK
     assert [r.reward for r in results] == [0.0, 1.0, 0.0, 0.0]
-    assert results[0].parts["timeout"] and results[3].parts["timeout"]
+    # The sleeping code must be stopped by the time limit; the expression bombs only have to come back within the
+    # bound with 0 (depending on the machine, math-verify gives up on the power tower before the limit).
+    assert results[3].parts["timeout"]
 
 
 # ---- the code sandbox ------------------------------------------------------------------------------------------------

@@ -256,7 +256,7 @@ def run_sandboxed(
             proc.stdout.close()
     killed_by_limit = proc.returncode in (-signal.SIGXCPU, -signal.SIGALRM)
     flags = {"timeout": timed_out or killed_by_limit, "output_limit": overflow}
-    if timed_out or overflow:
+    if flags["timeout"] or overflow:  # a run stopped by a limit has no complete report, whichever limit came first
         return None, flags
     reports = []
     for line in raw.decode("utf-8", "replace").splitlines():
