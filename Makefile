@@ -14,6 +14,10 @@ RUN    ?= runs/tiny
 SEED   ?= 0
 STAMP  := $(VENV)/.ovkit-installed
 
+# One torch thread per process: the tiny model's matrices are too small to gain from two, and with any other load on
+# a 2-core box two OpenMP threads ran 3-20x slower than one (measured on training, generation and curation).
+export OMP_NUM_THREADS ?= 1
+
 # torch and torchvision must be a matching pair. These pairs install from the local wheel cache of the CPU
 # development machines (DESIGN.md, "Facts verified"); on any other machine pip resolves them normally. GPU users
 # who manage torch themselves: `make setup TORCH_PAIR=` skips the pin.
@@ -24,7 +28,7 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: setup test test-slow full-pipeline clean-run bench help
+.PHONY: setup test test-slow full-pipeline mismatch-demo clean-run bench help
 
 help:
 	@sed -n '2,7p' Makefile
@@ -48,6 +52,7 @@ bench: setup
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	$(BIN)/python bench/pack.py
 	$(BIN)/python bench/rewards.py
+	$(BIN)/python bench/train.py
 
 clean-run:
 	rm -rf $(RUN)
@@ -92,13 +97,54 @@ $(RUN)/plans/pretrain/ovkit.json: $(DATA)/pretrain-balanced/ovkit.json $(MODELS)
 	$(OVKIT) pack $(DATA)/pretrain-balanced --model $(MODELS)/stage0 --max-len 1024 --out $(RUN)/plans/pretrain \
 		--cache $(RUN)/cache --seed $(SEED) --quiet
 
+# 6. Stage 1, alignment: projector (and, for a from-scratch tiny LLM, the LLM) on the packed captions; ViT frozen.
+$(MODELS)/align/ovkit.json: $(RUN)/plans/pretrain/ovkit.json
+	$(OVKIT) align $(DATA)/pretrain-balanced --plan $(RUN)/plans/pretrain --model $(MODELS)/stage0 \
+		--out $(MODELS)/align --config examples/tiny/align.yaml --seed $(SEED) --resume --quiet
+
+# 7. Stage 1.5, mid-training: everything trains on the concept-balanced captions.
+$(MODELS)/midtrain/ovkit.json: $(MODELS)/align/ovkit.json
+	$(OVKIT) midtrain $(DATA)/pretrain-balanced --plan $(RUN)/plans/pretrain --model $(MODELS)/align \
+		--out $(MODELS)/midtrain --config examples/tiny/midtrain.yaml --seed $(SEED) --resume --quiet
+
+# 8. Stage 2, instruction tuning on the synthetic instructions (answer-only and think formats).
+$(MODELS)/sft/ovkit.json: $(MODELS)/midtrain/ovkit.json
+	$(OVKIT) sft $(DATA)/instruct --model $(MODELS)/midtrain --out $(MODELS)/sft \
+		--config examples/tiny/sft.yaml --seed $(SEED) --resume --quiet
+
+# 9. RL data curation: 8 rollouts per prompt with the SFT model; keep prompts with 0 < pass@1 < 0.6 and split them
+#    into the answer-only (stage 1) and chain-of-thought (stage 2) sets.
+$(RUN)/rl-data/ovkit.json: $(MODELS)/sft/ovkit.json
+	$(OVKIT) rl-curate $(DATA)/rl --model $(MODELS)/sft --out $(RUN)/rl-data --n 8 --limit 24 \
+		--max-new-tokens 64 --no-system-prompt --seed $(SEED) --quiet
+
+# 10. GRPO, stage 1 (answer-only) then stage 2 (think), decoupled PPO with the capped behaviour weight.
+$(MODELS)/rl1/ovkit.json: $(RUN)/rl-data/ovkit.json
+	$(OVKIT) rl-train $(RUN)/rl-data/stage1 --model $(MODELS)/sft --out $(MODELS)/rl1 \
+		--config examples/tiny/rl-stage1.yaml --seed $(SEED) --quiet
+
+$(MODELS)/rl2/ovkit.json: $(MODELS)/rl1/ovkit.json
+	$(OVKIT) rl-train $(RUN)/rl-data/stage2 --model $(MODELS)/rl1 --out $(MODELS)/rl2 \
+		--config examples/tiny/rl-stage2.yaml --seed $(SEED) --quiet
+
+# 11. Sampler/learner mismatch of the final model: fp32, bf16 and int8 samplers against the fp32 learner.
+$(RUN)/mismatch/ovkit.json: $(MODELS)/rl2/ovkit.json
+	$(OVKIT) mismatch-report --model $(MODELS)/rl2 --generate $(DATA)/eval --limit 4 --n 4 --max-new-tokens 32 \
+		--sampler fp32 --sampler bf16 --sampler int8 --seed $(SEED) --out $(RUN)/mismatch --quiet
+
+# The same comparison on the SFT model alone (Yao et al. 2025; "When speed kills stability"): prints vllm-kl per
+# sampler; fp32 is float noise, bf16 and int8 the real gap. Report: $(RUN)/mismatch-demo/report.html
+mismatch-demo: $(MODELS)/sft/ovkit.json
+	$(OVKIT) mismatch-report --model $(MODELS)/sft --generate $(DATA)/rl --limit 4 --n 4 --max-new-tokens 32 \
+		--sampler fp32 --sampler bf16 --sampler int8 --seed $(SEED) --out $(RUN)/mismatch-demo
+
 # Held-out evaluation after every stage: the same eval split, answer-only prompts, greedy.
 $(EVALS)/%/summary.json: $(MODELS)/%/ovkit.json
 	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/$* $(DATA)/eval --out $(EVALS)/$* --quiet
 
-STAGES := stage0
+STAGES := stage0 align midtrain sft rl1 rl2
 
-full-pipeline: setup $(CAPTIONED) $(RUN)/plans/pretrain/ovkit.json $(foreach s,$(STAGES),$(EVALS)/$(s)/summary.json)
+full-pipeline: setup $(CAPTIONED) $(foreach s,$(STAGES),$(EVALS)/$(s)/summary.json) $(RUN)/mismatch/ovkit.json
 	@echo
 	@echo "Held-out score per category after each stage (mean reward; $(RUN)/table.md):"
 	@$(OVKIT) eval --compare $(foreach s,$(STAGES),$(s)=$(EVALS)/$(s)) --out $(RUN)/table.md
