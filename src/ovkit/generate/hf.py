@@ -317,17 +317,7 @@ def _eval_mode(model: Any) -> Iterator[None]:
         model.train(was_training)
 
 
-class _NoBar:
-    def update(self, k: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="generate", unit="seq", leave=False)
+    return tqdm(total=total, desc="generate", unit="seq", leave=False, disable=not enabled)

@@ -234,17 +234,7 @@ def _forward(model: Any, processor: Any, chunk: Sequence[_Row], temperature: flo
     return [logp[i, r.prompt_len - 1 : r.prompt_len - 1 + r.kept].double().tolist() for i, r in enumerate(chunk)]
 
 
-class _NoBar:
-    def update(self, k: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="learner log-probs", unit="rollout", leave=False)
+    return tqdm(total=total, desc="learner log-probs", unit="rollout", leave=False, disable=not enabled)
