@@ -43,3 +43,11 @@ def done(msg: str) -> None:
 
 def skipped(out: Path) -> None:
     typer.echo(f"{out} is complete; skipped (use --overwrite to redo it)")
+
+# Multi-turn rollouts (ovkit.envs, ovkit.rl.multiturn): the same six options on rl-train, rl-curate and eval.
+ENV = typer.Option(None, "--env", help="Multi-turn rollouts with an environment: zoom, verifier, or package.module:factory (see docs/environments.md).")
+ENV_ARG = typer.Option(None, "--env-arg", help="Environment argument key=value (repeatable), e.g. --env-arg max_attempts=3.")
+MAX_TURNS = typer.Option(3, "--max-turns", help="Multi-turn: assistant turns at most (then the rollout ends as max_turns).")
+MAX_RESPONSE_TOKENS = typer.Option(None, "--max-response-tokens", help="Multi-turn: token budget after the prompt, sampled + observation tokens (then truncated).")
+ENV_RETRIES = typer.Option(2, "--env-retries", help="Multi-turn: extra tries of an environment call that raised or timed out (then env_error).")
+ENV_TIMEOUT = typer.Option(30.0, "--env-timeout", help="Multi-turn: seconds per environment call.")

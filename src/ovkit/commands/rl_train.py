@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
+from ovkit.commands._common import CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
 
 _O = typer.Option
 
@@ -63,6 +63,12 @@ def rl_train(
     resume: bool = _O(False, "--resume", help="Continue the unfinished run in OUT.partial/ from its last checkpoint."),
     report_to: list[str] = _O(None, "--report-to", help="Extra metric sink: tensorboard (metrics.jsonl is always written)."),
     reward_workers: int = _O(2, "--reward-workers", help="Processes for the sandboxed scorers (math, svg, code)."),
+    env: str = ENV,
+    env_arg: list[str] = ENV_ARG,
+    max_turns: int = MAX_TURNS,
+    max_response_tokens: int = MAX_RESPONSE_TOKENS,
+    env_retries: int = ENV_RETRIES,
+    env_timeout: float = ENV_TIMEOUT,
     trust_remote_code: bool = _O(False, "--trust-remote-code", help="Allow model code from the model directory."),
     seed: int = SEED,
     overwrite: bool = OVERWRITE,

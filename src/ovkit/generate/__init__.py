@@ -27,7 +27,21 @@ class Completion:
     token_ids: list[int]  # the sampled tokens, the stop token (eos / <|im_end|>) included when finish_reason is stop
     text: str  # the decoded tokens without the stop token and special tokens
     logprobs: list[float] = field(default_factory=list)  # one per token_ids entry, under the sampled distribution
-    finish_reason: str = "length"  # "stop": a stop token ended it; "length": max_new_tokens did
+    finish_reason: str = "length"  # "stop": a stop token ended it; "length": max_new_tokens did; "error": an env failed
+    # Multi-turn trajectories (ovkit.rl.multiturn) also hold the environment's observation tokens in `token_ids`:
+    loss_mask: list[int] | None = None  # per token: 1 sampled by the policy, 0 observation (log-prob 0); None = all 1
+    turn_ids: list[int] | None = None  # per token: the assistant turn it belongs to (observations: the turn before)
+    turns: int = 1  # assistant turns
+    termination: str | None = None  # completed | env_done | max_turns | truncated | env_error (None: single-turn)
+    per_token: dict[str, list[int]] = field(default_factory=dict)  # per-token processor values (mm_token_type_ids)
+    mm: dict[str, Any] = field(default_factory=dict)  # processor outputs of the observation images, one tensor per key
+    images: list = field(default_factory=list)  # the observation images (PIL), in order
+    reward_scale: float = 1.0  # the environment's multiplier on the task reward (e.g. a discount per extra turn)
+    turn_texts: list[str] = field(default_factory=list)  # each assistant turn's text (`text` is the last one)
+
+    @property
+    def mask(self) -> list[int]:
+        return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.token_ids)
 
 
 ENGINES = ("hf", "vllm")

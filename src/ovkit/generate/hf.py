@@ -59,15 +59,18 @@ class _SampledDistribution(LogitsProcessor):
     """The only logits processor in play: returns `sampling_logprobs` as the scores `generate` samples from, and
     records the log-prob of each sampled token (gathered one step later, when the token is in `input_ids`)."""
 
-    def __init__(self, temperature: float, top_p: float):
+    def __init__(self, temperature: float, top_p: float, suppress_ids: Sequence[int] = ()):
         self.temperature = temperature
         self.top_p = top_p
+        self.suppress = list(suppress_ids)
         self.previous: torch.Tensor | None = None
         self.taken: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.previous is not None:
             self.taken.append(self.previous.gather(1, input_ids[:, -1:]).squeeze(1))
+        if self.suppress:
+            scores = scores.float().index_fill(-1, torch.as_tensor(self.suppress, device=scores.device), float("-inf"))
         self.previous = sampling_logprobs(scores, self.temperature, self.top_p)
         return self.previous
 
@@ -218,8 +221,10 @@ class HFEngine:
         top_p: float = 1.0,
         seed: int = 0,
         images: Any = None,  # accepted for parity with VLLMEngine; the encoded prompts already hold the pixels
+        suppress_ids: Sequence[int] = (),
     ) -> list[list[Completion]]:
-        """Per prompt, `n` completions (temperature 0: greedy, computed once and repeated)."""
+        """Per prompt, `n` completions (temperature 0: greedy, computed once and repeated). `suppress_ids` are never
+        sampled (multi-turn rollouts: image placeholders, which the next turn's forward would read as images)."""
         _check_sampling(n, max_new_tokens, temperature, top_p)
         copies = n if temperature > 0 else 1
         order = sorted(range(len(prompts)), key=lambda i: -prompts[i].length)
@@ -230,7 +235,7 @@ class HFEngine:
         for c, chunk in enumerate(chunks):
             batch = [prompts[i] for i, _ in chunk]
             with _seeded(seed * 1_000_003 + c, self.model):
-                done = self._generate_batch(batch, max_new_tokens, temperature, top_p)
+                done = self._generate_batch(batch, max_new_tokens, temperature, top_p, suppress_ids)
             for (i, k), completion in zip(chunk, done):
                 results[i][k] = completion
             bar.update(len(chunk))
@@ -240,14 +245,14 @@ class HFEngine:
         return [[dataclasses.replace(r[0], token_ids=list(r[0].token_ids), logprobs=list(r[0].logprobs)) for _ in range(n)] for r in results]
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Any], max_new_tokens: int, temperature: float, top_p: float) -> list[Completion]:
+    def _generate_batch(self, prompts: Sequence[Any], max_new_tokens: int, temperature: float, top_p: float, suppress_ids: Sequence[int] = ()) -> list[Completion]:
         model = self.model
         device = next(model.parameters()).device
         inputs = collate_prompts(prompts, self.pad_id)
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         if self.dtype is not None and "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
             inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
-        recorder = _SampledDistribution(temperature, top_p)
+        recorder = _SampledDistribution(temperature, top_p, suppress_ids)
         sampling = dict(temperature=1.0, top_p=1.0, top_k=0) if temperature > 0 else {}  # ours do the work
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,

@@ -17,9 +17,11 @@ a re-tokenised text (anchors.md section 9, "decode-then-re-encode token drift").
 | `turns` | int32 | assistant turns in the trajectory (1 for single-turn) |
 | `category`, `source`, `answer`, `answer_type` | string | copied from the prompt row |
 
-Optional columns: `completion` (string, the decoded response), `images` (the prompt row's images, same type as the
-sample table, so mismatch-report can re-run the learner on multimodal prompts without the dataset). Any other column
-is kept.
+Optional columns: `completion` (string, the decoded response), `images` (the prompt row's images, then any images
+an environment returned, same type as the sample table, so mismatch-report can re-run the learner on multimodal
+prompts without the dataset), and for multi-turn rollouts `turn_ids` (list<int32>, one per response token: its
+assistant turn, 0 = first; observation tokens carry the turn before them) and `termination` (string: completed,
+env_done, max_turns, truncated, env_error). Any other column is kept.
 """
 
 from __future__ import annotations
@@ -53,7 +55,12 @@ ROLLOUT_SCHEMA = pa.schema(
         ("answer_type", pa.string()),
     ]
 )
-OPTIONAL_COLUMNS: dict[str, pa.DataType] = {"completion": pa.string(), "images": pa.list_(IMAGE)}
+OPTIONAL_COLUMNS: dict[str, pa.DataType] = {
+    "completion": pa.string(),
+    "images": pa.list_(IMAGE),
+    "turn_ids": pa.list_(pa.int32()),  # multi-turn: each response token's assistant turn (observations: the one before)
+    "termination": pa.string(),  # multi-turn: completed | env_done | max_turns | truncated | env_error
+}
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
 ROLLOUTS_FILE = "rollouts.parquet"
 

@@ -81,8 +81,10 @@ class VLLMEngine:
         top_p: float = 1.0,
         seed: int = 0,
         images: Sequence[Sequence[Any]] | None = None,
+        suppress_ids: Sequence[int] = (),
     ) -> list[list[Completion]]:
-        """Per prompt, `n` completions. `images`: the PIL images of each prompt (needed when prompts have any)."""
+        """Per prompt, `n` completions. `images`: the PIL images of each prompt (needed when prompts have any);
+        `suppress_ids`: tokens never sampled (a -100 logit bias, applied before vLLM's processed log-probs)."""
         from ovkit.generate.hf import _check_sampling
 
         _check_sampling(n, max_new_tokens, temperature, top_p)
@@ -97,6 +99,7 @@ class VLLMEngine:
                 logprobs=0,  # the sampled token's log-prob only
                 stop_token_ids=self.stop_ids,
                 skip_special_tokens=True,
+                **({"logit_bias": {int(t): -100.0 for t in suppress_ids}} if suppress_ids else {}),
             )
             for i in range(len(prompts))
         ]

@@ -120,6 +120,11 @@ def encode_prompt(processor, messages: Sequence[dict[str, Any]], images: Sequenc
     return _tokenize(processor, msgs, images, generation_prompt=True)
 
 
+def encode_messages(processor, messages: Sequence[dict[str, Any]], images: Sequence = (), *, generation_prompt: bool) -> Encoded:
+    """Tokenize `messages` exactly as rendered by the chat template (labels all IGNORE)."""
+    return _tokenize(processor, messages, images, generation_prompt=generation_prompt)
+
+
 def image_token_count(processor, width: int, height: int) -> int:
     """How many tokens one `width` x `height` image becomes in the model's input (placeholder expansion only; the
     template's own wrapper tokens such as <|vision_start|> are not counted). Uses the processor's size rule where it

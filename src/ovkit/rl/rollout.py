@@ -64,8 +64,9 @@ def _reward_kwargs(value: Any, rid: str) -> Any:
         raise OvkitError(f"row {rid!r}, column 'reward_kwargs': not JSON ({e})") from None
 
 
-def encode_prompts(table: Any, processor: Any, *, mode: str, system: bool, max_pixels: int | None = None) -> list[Prompt]:
-    """Encode every row of an RL sample table: the stage instruction appended (ovkit.prompts), images capped."""
+def encode_prompts(table: Any, processor: Any, *, mode: str, system: bool, max_pixels: int | None = None, extra: str = "") -> list[Prompt]:
+    """Encode every row of an RL sample table: the stage instruction appended (ovkit.prompts), then `extra` (an
+    environment's instruction, e.g. the zoom tool's syntax), images capped."""
     from ovkit.models.encode import decode_images, encode_prompt
     from ovkit.prompts import with_instruction
 
@@ -76,7 +77,7 @@ def encode_prompts(table: Any, processor: Any, *, mode: str, system: bool, max_p
     for row in rows:
         messages = [m for m in row["messages"] if m["role"] != "assistant"]
         images = [cap_pixels(im, max_pixels) for im in decode_images(row.get("images"))]
-        encoded = encode_prompt(processor, with_instruction(messages, mode, system=system), images)
+        encoded = encode_prompt(processor, with_extra(with_instruction(messages, mode, system=system), extra), images)
         out.append(
             Prompt(
                 id=str(row["id"]),
@@ -90,6 +91,18 @@ def encode_prompts(table: Any, processor: Any, *, mode: str, system: bool, max_p
                 image_cells=list(row.get("images") or []),
             )
         )
+    return out
+
+
+def with_extra(messages: list[dict[str, Any]], extra: str) -> list[dict[str, Any]]:
+    """`extra` appended to the last user turn (on its own line)."""
+    if not extra:
+        return messages
+    out = [dict(m) for m in messages]
+    for m in reversed(out):
+        if m["role"] == "user":
+            m["content"] = f"{m['content']}\n{extra}"
+            break
     return out
 
 
@@ -118,10 +131,15 @@ def score_groups(groups: Sequence[Group], *, mode: str, format_weight: float, wo
         for c in g.completions:
             task = next(scored)
             fmt = float(task.parts.get("format", 0.0))
-            g.task_rewards.append(float(task.reward))
+            parts = dict(task.parts)
+            reward = float(task.reward)
+            if c.termination is not None:  # multi-turn: the environment may discount the task reward (per extra turn)
+                reward *= c.reward_scale
+                parts.update(turns=c.turns, termination=c.termination, reward_scale=c.reward_scale)
+            g.task_rewards.append(reward)
             g.format_rewards.append(float(fmt))
-            g.rewards.append((1.0 - format_weight) * float(task.reward) + format_weight * fmt)
-            g.parts.append(dict(task.parts))
+            g.rewards.append((1.0 - format_weight) * reward + format_weight * fmt)
+            g.parts.append(parts)
 
 
 def prompt_order(n_prompts: int, index: int, seed: int) -> int:
@@ -139,11 +157,16 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    episodes: Any = None  # an ovkit.rl.multiturn.EpisodeRunner: multi-turn rollouts with an environment
 
 
 def generate_groups(engine: Any, prompts: Sequence[Prompt], indices: Sequence[int], version: int, s: Sampling) -> list[Group]:
-    """Sample `group_size` completions for the prompts at stream positions `indices` (one generate call)."""
+    """Sample `group_size` completions for the prompts at stream positions `indices` (one generate call, or one
+    multi-turn rollout of all of them)."""
     chosen = [prompts[prompt_order(len(prompts), k, s.seed)] for k in indices]
+    if s.episodes is not None:
+        outs = s.episodes.run(chosen, n=s.group_size, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed * 7919 + indices[0])
+        return [Group(p, k, version, list(cs)) for p, k, cs in zip(chosen, indices, outs)]
     outs = engine.generate(
         [p.encoded for p in chosen],
         n=s.group_size,
@@ -254,11 +277,17 @@ class AsyncRollouts:
             torch.set_num_threads(self.threads_before)
 
 
-def groups_table(groups: Sequence[Group], *, with_images: bool = False) -> Any:
+def groups_table(groups: Sequence[Group], *, with_images: bool = False, tokenizer: Any = None) -> Any:
     """The rollout table (ovkit.generate.rollouts: one row per trajectory) that mismatch-report reads. `reward` is
-    the task reward; `reward_parts` add accuracy, format and the scorer's parts."""
+    the task reward; `reward_parts` add accuracy, format and the scorer's parts. Multi-turn trajectories add
+    `turn_ids` and `termination`, their `completion` is the whole transcript (with `tokenizer`), and the `images`
+    column (the prompt's images, then the observations') is always written when an environment returned images."""
+    from ovkit.data import image_cell
     from ovkit.generate.rollouts import rollouts_table
+    from ovkit.rl.multiturn import transcript
 
+    multiturn = any(c.termination is not None for g in groups for c in g.completions)
+    with_images = with_images or any(c.images for g in groups for c in g.completions)
     rows = []
     for g in groups:
         for k, c in enumerate(g.completions):
@@ -268,6 +297,8 @@ def groups_table(groups: Sequence[Group], *, with_images: bool = False) -> Any:
                 "version": g.version,
                 "prompt_ids": list(g.prompt.encoded.input_ids),
                 "response_ids": list(c.token_ids),
+                "loss_mask": c.mask,
+                "turns": c.turns,
                 "behave_logprobs": [float(x) for x in c.logprobs],
                 "reward": float(g.task_rewards[k]),
                 "reward_parts": {**g.parts[k], "optimised": g.rewards[k]},
@@ -278,7 +309,12 @@ def groups_table(groups: Sequence[Group], *, with_images: bool = False) -> Any:
                 "answer_type": g.prompt.answer_type,
                 "completion": c.text,
             }
+            if multiturn:
+                row["turn_ids"] = list(c.turn_ids or [0] * len(c.token_ids))
+                row["termination"] = c.termination or "completed"
+                if tokenizer is not None:
+                    row["completion"] = transcript(tokenizer, c.token_ids)
             if with_images:
-                row["images"] = g.prompt.image_cells
+                row["images"] = list(g.prompt.image_cells) + [image_cell(im) for im in c.images]
             rows.append(row)
     return rollouts_table(rows)

@@ -47,7 +47,7 @@ TRAJECTORY = (
     "data", "model", "stage", "engine", "sampler_dtype", "sampler_quant", "prompts_per_step", "group_size",
     "max_new_tokens", "temperature", "top_p", "lr", "weight_decay", "warmup_ratio", "max_grad_norm", "eps_clip",
     "eps_clip_high", "reward_bias", "reward_scale", "loss_agg", "kl_coef", "correction", "max_staleness",
-    "ppo_minibatches", "format_weight", "system_prompt", "seed",
+    "ppo_minibatches", "format_weight", "system_prompt", "seed", "env", "env_arg", "max_turns", "max_response_tokens",
 )
 
 
@@ -105,14 +105,23 @@ class RLTrainConfig:
     resume: bool = False  # continue the run in OUT.partial/ from its last checkpoint
     report_to: list[str] = field(default_factory=list)  # tensorboard
     reward_workers: int = 2
+    env: str | None = None  # multi-turn: an environment (ovkit.envs: zoom, verifier, or package.module:factory)
+    env_arg: Any = None  # its arguments: key=value strings (--env-arg, repeatable) or a mapping (YAML)
+    max_turns: int = 3  # multi-turn: assistant turns at most
+    max_response_tokens: int | None = None  # multi-turn: token budget after the prompt (sampled + observation)
+    env_retries: int = 2  # multi-turn: extra tries of a failed environment call
+    env_timeout: float = 30.0  # multi-turn: seconds per environment call
     trust_remote_code: bool = False
     seed: int = 0
     overwrite: bool = False
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        from ovkit.rl.multiturn import check_env_options
+
         if not self.data:
             raise OvkitError("DATA is required: RL sample tables (e.g. rl-curate's OUT/stage1)")
+        check_env_options(self)
         self.data = [Path(p) for p in (self.data if isinstance(self.data, (list, tuple)) else [self.data])]
         for name in ("model", "out"):
             if getattr(self, name) is None:
@@ -202,6 +211,7 @@ class Trajectories:
     group_ids: torch.Tensor  # [N]
     rewards: torch.Tensor  # [N] the optimised reward (task and format mixed)
     versions: list[int]
+    turn_ids: torch.Tensor | None = None  # [N, T-1] the assistant turn of each response token (multi-turn)
 
     @property
     def size(self) -> int:
@@ -237,44 +247,66 @@ def multimodal_token_ids(model) -> set[int]:
     return found
 
 
-def _trainable_tokens(token_ids: Sequence[int], forbidden: set[int]) -> int:
-    """How many leading response tokens the learner can re-read: up to the first multimodal placeholder."""
-    return next((j for j, t in enumerate(token_ids) if t in forbidden), len(token_ids))
+def _trainable_tokens(token_ids: Sequence[int], forbidden: set[int], loss_mask: Sequence[int] | None = None) -> int:
+    """How many leading response tokens the learner can re-read: up to the first multimodal placeholder the policy
+    sampled (an observation's image placeholders, loss mask 0, are real images and stay)."""
+    mask = loss_mask if loss_mask is not None else [1] * len(token_ids)
+    return next((j for j, (t, m) in enumerate(zip(token_ids, mask)) if m and t in forbidden), len(token_ids))
 
 
 def build_trajectories(groups: Sequence[Group], pad_id: int, forbidden: set[int] = frozenset()) -> Trajectories:
     """Trajectories of the groups; a response is cut before any multimodal placeholder it sampled (the rest trains
-    nothing, its reward still counts)."""
+    nothing, its reward still counts). Multi-turn trajectories train only their sampled tokens (loss mask 1); their
+    observation images are appended to the prompt's processor outputs, once per key. A trajectory whose environment
+    failed (env_error) trains nothing and sits in a group of its own, so its reward moves no other advantage."""
     pairs = [(g, c, r) for g in groups for c, r in zip(g.completions, g.rewards)]
-    cut = [_trainable_tokens(c.token_ids, forbidden) for _, c, _ in pairs]
+    cut = [_trainable_tokens(c.token_ids, forbidden, c.loss_mask) for _, c, _ in pairs]
     width = max(g.prompt.encoded.length + n for (g, _, _), n in zip(pairs, cut))
     n = len(pairs)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)
-    keys = sorted({k for g, _, _ in pairs for k in g.prompt.encoded.per_token})
+    keys = sorted({k for g, c, _ in pairs for k in (*g.prompt.encoded.per_token, *c.per_token)})
     per_token = {k: torch.zeros((n, width), dtype=torch.long) for k in keys}
     mask = torch.zeros((n, width - 1), dtype=torch.bool)
     behave = torch.zeros((n, width - 1), dtype=torch.float32)
+    turns = torch.zeros((n, width - 1), dtype=torch.long)
+    group_ids = [g.index for g, _, _ in pairs]
+    mm = []
     for i, (g, c, _) in enumerate(pairs):
         enc, L, R = g.prompt.encoded, g.prompt.encoded.length, cut[i]
         input_ids[i, :L] = torch.tensor(enc.input_ids)
         input_ids[i, L : L + R] = torch.tensor(c.token_ids[:R], dtype=torch.long)
         attention_mask[i, : L + R] = 1
         for k, values in enc.per_token.items():
-            per_token[k][i, :L] = torch.as_tensor(values).reshape(-1)  # response tokens are text (0)
-        mask[i, L - 1 : L + R - 1] = True
+            per_token[k][i, :L] = torch.as_tensor(values).reshape(-1)  # sampled response tokens are text (0)
+        for k, values in c.per_token.items():
+            per_token[k][i, L : L + R] = torch.as_tensor(values[:R], dtype=torch.long)
+        if c.termination != "env_error":
+            mask[i, L - 1 : L + R - 1] = torch.tensor(c.mask[:R], dtype=torch.bool)
+        else:
+            group_ids[i] = -1 - i
         behave[i, L - 1 : L + R - 1] = torch.tensor(c.logprobs[:R], dtype=torch.float32)
+        if c.turn_ids is not None:
+            turns[i, L - 1 : L + R - 1] = torch.tensor(c.turn_ids[:R], dtype=torch.long)
+        mm.append(_with_observations(enc.mm, c.mm) if c.mm else enc.mm)
     return Trajectories(
         input_ids=input_ids,
         attention_mask=attention_mask,
         per_token=per_token,
-        mm=[g.prompt.encoded.mm for g, _, _ in pairs],
+        mm=mm,
         mask=mask,
         behave_logprobs=behave,
-        group_ids=torch.tensor([g.index for g, _, _ in pairs]),
+        group_ids=torch.tensor(group_ids),
         rewards=torch.tensor([r for _, _, r in pairs], dtype=torch.float32),
         versions=[g.version for g, _, _ in pairs],
+        turn_ids=turns,
     )
+
+
+def _with_observations(prompt_mm: dict[str, Any], observation_mm: dict[str, Any]) -> dict[str, Any]:
+    from ovkit.rl.multiturn import merge_mm
+
+    return merge_mm([prompt_mm, observation_mm])
 
 
 def sequence_logprobs(model, batch: Trajectories, idx: Sequence[int], temperature: float, *, entropy: bool = False):
@@ -399,6 +431,7 @@ def train_step(model, optimizer, params, groups: Sequence[Group], step: int, pad
         "frac_reward_zero_std": zero_std_fraction(batch.rewards, batch.group_ids),
         **({"kl": upd.kl} if cfg.kl_coef else {}),
         **mismatch_stats(prox, batch.behave_logprobs, batch.mask),
+        **turn_mismatch_stats(prox, batch),
         **opw.stats,
         **staleness_metrics(step, batch.versions),
     }
@@ -413,13 +446,49 @@ def staleness_metrics(step: int, versions: Sequence[int]) -> dict[str, Any]:
     }
 
 
-def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
+def turn_mismatch_stats(prox: torch.Tensor, batch: Trajectories) -> dict[str, float]:
+    """Mismatch of first-turn tokens vs later-turn tokens (004 section 3.4.1: later turns drift more)."""
+    if batch.turn_ids is None or not (batch.mask & (batch.turn_ids > 0)).any():
+        return {}
+    out = {}
+    for name, where in (("first_turn", batch.turn_ids == 0), ("later_turns", batch.turn_ids > 0)):
+        stats = mismatch_stats(prox, batch.behave_logprobs, batch.mask & where)
+        out.update({f"mismatch/{name}/{k}": stats[f"mismatch/{k}"] for k in ("vllm_kl", "delta_logp_mean", "log_ppl_abs_diff") if f"mismatch/{k}" in stats})
+    return out
+
+
+def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
     trajectories = [(g, i) for g in groups for i in range(len(g.completions))]
     task = [g.task_rewards[i] for g, i in trajectories]
-    out = reward_stats(task, [g.prompt.category for g, _ in trajectories], [g.parts[i].get("accuracy", 0.0) >= 1.0 for g, i in trajectories])
+    out: dict[str, Any] = reward_stats(task, [g.prompt.category for g, _ in trajectories], [g.parts[i].get("accuracy", 0.0) >= 1.0 for g, i in trajectories])
     out["reward/format"] = sum(g.format_rewards[i] for g, i in trajectories) / len(trajectories)
     out["reward/optimised"] = sum(g.rewards[i] for g, i in trajectories) / len(trajectories)
-    out.update(length_stats([len(g.completions[i].token_ids) for g, i in trajectories], [g.completions[i].finish_reason == "length" for g, i in trajectories]))
+    completions = [g.completions[i] for g, i in trajectories]
+    out.update(length_stats([sum(c.mask) for c in completions], [c.finish_reason == "length" for c in completions]))
+    if any(c.termination is not None for c in completions):
+        out.update(turn_stats(completions, task))
+    return out
+
+
+def turn_stats(completions: Sequence[Any], rewards: Sequence[float]) -> dict[str, Any]:
+    """Multi-turn rollouts: turn-count distribution, termination reasons, reward by turn count."""
+    from collections import Counter
+
+    from ovkit.rl.multiturn import TERMINATIONS
+
+    n = len(completions)
+    turns = [c.turns for c in completions]
+    reasons = Counter(c.termination for c in completions)
+    out: dict[str, Any] = {
+        "turns/mean": sum(turns) / n,
+        "turns/max": max(turns),
+        "turns/hist": {str(k): v for k, v in sorted(Counter(turns).items())},
+        "length/observation_tokens": sum(len(c.token_ids) - sum(c.mask) for c in completions) / n,
+    }
+    out.update({f"termination/{r}": reasons.get(r, 0) / n for r in TERMINATIONS})
+    for t in sorted(set(turns)):
+        values = [r for r, k in zip(rewards, turns) if k == t]
+        out[f"reward/by_turns/{t}"] = sum(values) / len(values)
     return out
 
 
@@ -464,7 +533,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
             rollouts.sync(model, step + 1)
             t3 = time.perf_counter()
             if cfg.save_rollouts:
-                _save_rollouts(cfg.partial, step + 1, groups)
+                _save_rollouts(cfg.partial, step + 1, groups, processor)
             n = sum(len(g.completions) for g in groups)
             state.update(step=step + 1, samples=state["samples"] + n, elapsed_s=time.perf_counter() - t_start)
             metrics = {
@@ -548,12 +617,14 @@ def _prompts(cfg: RLTrainConfig, processor) -> list:
     """Every row of every DATA path (several: e.g. the shards of a sharded rl-curate); empty tables are skipped."""
     from ovkit.data import parquet_files, read_samples
 
+    from ovkit.rl.multiturn import env_instruction
+
     prompts = []
     for path in cfg.data:
         if sum(pq_rows(f) for f in parquet_files(path)) == 0:
             continue
         table = read_samples(path).table
-        prompts += encode_prompts(table, processor, mode=cfg.mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels)
+        prompts += encode_prompts(table, processor, mode=cfg.mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels, extra=env_instruction(cfg))
     if not prompts:
         raise OvkitError(f"DATA {', '.join(map(str, cfg.data))}: no RL prompts (an rl-curate stage set can be empty when the model solves all or none of the prompts)")
     return prompts
@@ -604,9 +675,12 @@ def _rollouts(cfg: RLTrainConfig, model, processor, prompts):
 
     from ovkit.rl.rollout import score_groups
 
+    from ovkit.rl.multiturn import make_runner
+
     engine = make_sampler(cfg, model, processor)
     engine.update_weights(model)  # a resumed run's sampler starts from the checkpoint's weights
-    sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed)
+    episodes = make_runner(cfg, engine, processor, mode=cfg.mode, max_pixels=cfg.max_pixels, model=model)
+    sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed, episodes=episodes)
     score = partial(score_groups, mode=cfg.mode, format_weight=cfg.format_weight, workers=cfg.reward_workers)
     if cfg.max_staleness == 0:
         return SyncRollouts(engine, prompts, cfg.prompts_per_step, sampling, score)
@@ -678,8 +752,8 @@ def _load_state(cfg: RLTrainConfig, ckpt: Path, optimizer, scheduler) -> dict[st
     return json.loads((ckpt / TRAINER_STATE).read_text())
 
 
-def _save_rollouts(run_dir: Path, step: int, groups: Sequence[Group]) -> None:
+def _save_rollouts(run_dir: Path, step: int, groups: Sequence[Group], tokenizer: Any = None) -> None:
     from ovkit.rl.rollout import groups_table
     from ovkit.data import write_table
 
-    write_table(groups_table(groups), Path(run_dir) / "rollouts" / f"step-{step:06d}.parquet")
+    write_table(groups_table(groups, tokenizer=getattr(tokenizer, "tokenizer", tokenizer)), Path(run_dir) / "rollouts" / f"step-{step:06d}.parquet")

@@ -1,0 +1,426 @@
+"""Multi-turn rollouts: the model acts, an environment (ovkit.envs) answers, its observation is appended with loss
+mask 0, until the model finishes, the environment says done, or a turn / token budget runs out.
+
+The design is slime's unified VLM/LLM multi-turn rollout (002 in the references), and it guards against the
+failures users of peer systems report (anchors.md section 9):
+
+- Token-in/token-out. The context is a list of token ids: the model's own tokens are appended exactly as sampled,
+  never decoded and re-encoded (which drifts: a decoded-then-retokenised turn can split differently).
+- Observation tokens are the delta of the chat template against a fixed dummy conversation (slime's trick):
+  render `DUMMY` and `DUMMY + [observation]` and keep the tokens after the dummy assistant turn's end-of-turn token,
+  so the template's system prompt / tool preamble is never repeated per turn. The template text between an
+  end-of-turn token and the next turn (Qwen's "\\n") is part of the delta, so the context is exactly what the template
+  renders for the whole conversation. Observation tokens get loss mask 0 and no log-prob.
+- Images of later turns are processed when they arrive (capped to --max-pixels like the prompt's) and really
+  placed in the context: their placeholder tokens are expanded, their per-token values (Qwen-VL's
+  `mm_token_type_ids`) kept, and their processor outputs kept per turn and concatenated once per key at the end
+  (`merge_mm`). Image placeholder tokens are never sampled (`suppress_ids`): the next turn would read them as images.
+- Every turn is length-checked: generation stops at the token budget (`max_response_tokens`, everything after the
+  prompt) and the model's context length; an observation that does not fit ends the trajectory as `truncated`.
+- An environment call that raises or hangs is retried up to `env_retries` times, each call limited to
+  `env_timeout` seconds, and then ends the trajectory as `env_error`, so a rollout always finishes.
+
+Termination reasons: completed (the environment took the response as final), env_done (the environment ended the
+episode for its own reason), max_turns, truncated (a turn hit max_new_tokens or a budget), env_error.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ovkit.errors import OvkitError
+
+TERMINATIONS = ("completed", "env_done", "max_turns", "truncated", "env_error")
+DUMMY = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
+
+
+@dataclass
+class MultiTurn:
+    """How multi-turn rollouts run (the `--env`, `--max-turns`, ... options of rl-train, rl-curate and eval)."""
+
+    env: Any  # ovkit.envs.EnvSpec
+    max_turns: int = 3  # assistant turns at most
+    max_response_tokens: int | None = None  # budget for all tokens after the prompt, sampled + observation
+    max_context: int | None = None  # prompt + response tokens at most (None: the model's max_position_embeddings)
+    env_retries: int = 2  # extra tries of a failed environment call, per call
+    env_timeout: float = 30.0  # seconds per environment call
+    max_pixels: int | None = 512 * 512  # observation images are capped like the prompt's
+    mode: str = "answer"  # the prompt mode, for environments that score answers (ovkit.envs.VerifierEnv)
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise OvkitError(f"--max-turns must be >= 1, got {self.max_turns}")
+        if self.max_response_tokens is not None and self.max_response_tokens < 1:
+            raise OvkitError(f"--max-response-tokens must be >= 1, got {self.max_response_tokens}")
+        if self.env_retries < 0 or self.env_timeout <= 0:
+            raise OvkitError("need --env-retries >= 0 and --env-timeout > 0")
+
+
+# ------------------------------------------------------------------------------------------------ observations
+
+
+class ObservationEncoder:
+    """Observation messages -> the tokens appended to a context (the delta against a dummy conversation)."""
+
+    def __init__(self, processor: Any, stop_ids: Sequence[int]):
+        from ovkit.models.encode import encode_messages
+
+        self.processor = processor
+        base = encode_messages(processor, DUMMY, [], generation_prompt=False).input_ids
+        ends = [i for i, t in enumerate(base) if t in set(stop_ids)]
+        if not ends:
+            raise OvkitError(f"the chat template of {type(processor).__name__} writes no end-of-turn token after an assistant turn; multi-turn rollouts need one")
+        self.trim = ends[-1] + 1  # everything up to and including the dummy assistant turn's end-of-turn token
+        self.prefix = base[: self.trim]
+        self.end_of_turn = base[ends[-1]]
+
+    def encode(self, message: dict[str, Any], images: Sequence[Any]) -> Any:
+        """An Encoded holding only the observation turn and the next generation prompt."""
+        from ovkit.models.encode import Encoded, encode_messages
+
+        role = str(message.get("role", "user"))
+        full = encode_messages(self.processor, [*DUMMY, {"role": role, "content": str(message.get("content", ""))}], images, generation_prompt=True)
+        if full.input_ids[: self.trim] != self.prefix:
+            raise OvkitError(f"the chat template renders the conversation before a {role!r} observation differently from the conversation alone; the observation cannot be appended as a delta")
+        ids = full.input_ids[self.trim :]
+        return Encoded(input_ids=ids, labels=[-100] * len(ids), mm=full.mm, per_token={k: v[self.trim :] for k, v in full.per_token.items()})
+
+
+def merge_mm(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per-turn processor outputs -> one tensor per key, concatenated once (in turn order)."""
+    import torch
+
+    keys = dict.fromkeys(k for p in parts for k in p)
+    return {k: torch.cat([p[k] for p in parts if k in p], dim=0) for k in keys}
+
+
+# ------------------------------------------------------------------------------------------------ one trajectory
+
+
+@dataclass
+class Episode:
+    """One trajectory being rolled out: the prompt and everything after it."""
+
+    prompt: Any  # ovkit.rl.rollout.Prompt
+    env: Any
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)
+    per_token: dict[str, list[int]] = field(default_factory=dict)
+    mm_parts: list[dict[str, Any]] = field(default_factory=list)
+    images: list = field(default_factory=list)
+    turn_texts: list[str] = field(default_factory=list)
+    turns: int = 0
+    finish_reason: str = "length"
+    termination: str | None = None
+    reward_scale: float = 1.0
+    _context_mm: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.per_token = {k: [] for k in self.prompt.encoded.per_token}
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float], mask: int, turn: int, per_token: dict[str, Sequence[int]] | None = None) -> None:
+        n = len(ids)
+        self.token_ids += list(ids)
+        self.logprobs += list(logprobs) if mask else [0.0] * n
+        self.loss_mask += [mask] * n
+        self.turn_ids += [turn] * n
+        per_token = per_token or {}
+        for k in set(self.per_token) | set(per_token):
+            if k not in self.per_token:
+                self.per_token[k] = [0] * (len(self.token_ids) - n)
+            self.per_token[k] += [int(v) for v in per_token[k]] if k in per_token else [0] * n
+
+    def add_images(self, mm: dict[str, Any], images: Sequence[Any]) -> None:
+        if mm:
+            self.mm_parts.append(mm)
+            self._context_mm = None
+        self.images += list(images)
+
+    def context(self) -> Any:
+        """The whole context as an Encoded prompt for the next turn's generation."""
+        from ovkit.models.encode import Encoded
+
+        enc = self.prompt.encoded
+        if self._context_mm is None:
+            self._context_mm = merge_mm([enc.mm, *self.mm_parts]) if self.mm_parts else dict(enc.mm)
+        per_token = {k: list(enc.per_token.get(k, [0] * enc.length)) + v for k, v in self.per_token.items()}
+        ids = list(enc.input_ids) + self.token_ids
+        return Encoded(input_ids=ids, labels=[-100] * len(ids), mm=self._context_mm, per_token=per_token)
+
+    def completion(self) -> Any:
+        from ovkit.generate import Completion
+
+        return Completion(
+            token_ids=self.token_ids,
+            text=self.turn_texts[-1] if self.turn_texts else "",
+            logprobs=self.logprobs,
+            finish_reason="error" if self.termination == "env_error" else self.finish_reason,
+            loss_mask=self.loss_mask,
+            turn_ids=self.turn_ids,
+            turns=self.turns,
+            termination=self.termination,
+            per_token=self.per_token if any(any(v) for v in self.per_token.values()) else {},
+            mm=merge_mm(self.mm_parts),
+            images=self.images,
+            reward_scale=self.reward_scale,
+            turn_texts=self.turn_texts,
+        )
+
+
+def task_of(prompt: Any, mode: str) -> dict[str, Any]:
+    """What an environment factory gets: the RL row as the model sees it."""
+    return {
+        "id": prompt.id,
+        "images": list(prompt.images),
+        "answer": prompt.answer,
+        "answer_type": prompt.answer_type,
+        "source": prompt.source,
+        "category": prompt.category,
+        "reward_kwargs": prompt.reward_kwargs,
+        "mode": mode,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ environment calls
+
+
+class EnvFailure(Exception):
+    pass
+
+
+def call_env(fn: Callable, *args: Any, timeout: float, retries: int) -> Any:
+    """fn(*args) in a worker thread, `timeout` s per try, `retries` extra tries; EnvFailure when all fail. A hung
+    call's thread cannot be killed from Python: it is abandoned (a daemon) and the trajectory moves on."""
+    errors = []
+    for _ in range(retries + 1):
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn(*args)
+            except BaseException as e:  # noqa: BLE001 -- reported as the environment's failure
+                box["error"] = e
+
+        worker = threading.Thread(target=run, name="ovkit-env", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            errors.append(f"timed out after {timeout:g} s")
+        elif "error" in box:
+            errors.append(f"{type(box['error']).__name__}: {box['error']}")
+        else:
+            return box.get("value")
+    raise EnvFailure("; ".join(errors))
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+
+
+class EpisodeRunner:
+    """Runs multi-turn rollouts for a batch of prompts with one engine: every turn is one batched generate call over
+    the trajectories still running, then one environment step each."""
+
+    def __init__(self, engine: Any, processor: Any, cfg: MultiTurn, model: Any = None):
+        from ovkit.rl.trainer import multimodal_token_ids
+
+        self.engine, self.cfg = engine, cfg
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.stop_ids = set(getattr(engine, "stop_ids", None) or [])
+        self.encoder = ObservationEncoder(processor, list(self.stop_ids))
+        model = model if model is not None else getattr(engine, "model", None)
+        self.suppress = sorted(multimodal_token_ids(model)) if model is not None and hasattr(model, "config") else []
+        self.max_context = cfg.max_context or _max_positions(model)
+        self.failures: list[str] = []  # environment failures of the last run, for the log
+
+    def run(self, prompts: Sequence[Any], *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[list[Any]]:
+        """Per prompt, `n` multi-turn trajectories as Completions (token_ids after the prompt, loss_mask, turn_ids)."""
+        episodes = [Episode(p, None) for p in prompts for _ in range(n)]
+        self.failures = []
+        for e in episodes:
+            self._start(e)
+        for turn in range(self.cfg.max_turns):
+            running = [e for e in episodes if e.termination is None]
+            if not running:
+                break
+            acting = self._generate(running, turn, max_new_tokens, temperature, top_p, seed)
+            for e in acting:
+                self._observe(e, turn)
+        for e in episodes:
+            e.termination = e.termination or "max_turns"
+            if e.env is not None and callable(getattr(e.env, "close", None)):
+                try:
+                    call_env(e.env.close, timeout=self.cfg.env_timeout, retries=0)
+                except EnvFailure:
+                    pass
+        done = [e.completion() for e in episodes]
+        return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _start(self, e: Episode) -> None:
+        try:
+            e.env = self.cfg.env.build(task_of(e.prompt, self.cfg.mode))
+            call_env(e.env.reset, timeout=self.cfg.env_timeout, retries=self.cfg.env_retries)
+        except EnvFailure as err:
+            self._fail(e, f"reset: {err}")
+
+    def _budget(self, e: Episode) -> int:
+        """Tokens the trajectory may still add."""
+        left = self.max_context - e.prompt.encoded.length - len(e.token_ids) if self.max_context else 1 << 30
+        if self.cfg.max_response_tokens is not None:
+            left = min(left, self.cfg.max_response_tokens - len(e.token_ids))
+        return left
+
+    def _generate(self, running: list[Episode], turn: int, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[Episode]:
+        """One assistant turn for every running trajectory; returns those whose turn ended with a stop token."""
+        ready = []
+        for e in running:
+            if self._budget(e) < 1:
+                e.termination = "truncated"
+            else:
+                ready.append(e)
+        if not ready:
+            return []
+        cap = min(max_new_tokens, max(self._budget(e) for e in ready))
+        outs = self.engine.generate(
+            [e.context() for e in ready], n=1, max_new_tokens=cap, temperature=temperature, top_p=top_p,
+            seed=seed * 7919 + turn, images=[list(e.prompt.images) + e.images for e in ready], suppress_ids=self.suppress,
+        )  # fmt: skip
+        acting = []
+        for e, (c,) in zip(ready, outs):
+            allowed = min(max_new_tokens, self._budget(e))
+            ids, logprobs, reason = list(c.token_ids), list(c.logprobs), c.finish_reason
+            placeholder = next((j for j, t in enumerate(ids) if t in self.suppress), None)
+            if placeholder is not None:  # an engine that could not suppress them: the turn ends before it
+                ids, reason = ids[:placeholder], "length"
+            if len(ids) > allowed:
+                ids, reason = ids[:allowed], "length"
+            text = c.text if len(ids) == len(c.token_ids) else self._decode(ids)
+            e.append(ids, logprobs[: len(ids)], 1, turn)
+            e.turns += 1
+            e.turn_texts.append(text)
+            e.finish_reason = reason
+            if reason != "stop":
+                e.termination = "truncated"
+            else:
+                acting.append(e)
+        return acting
+
+    def _observe(self, e: Episode, turn: int) -> None:
+        """The environment's step on the turn just generated, and its observation appended."""
+        try:
+            obs, done, info = _unpack(call_env(e.env.step, e.turn_texts[-1], timeout=self.cfg.env_timeout, retries=self.cfg.env_retries))
+        except EnvFailure as err:
+            return self._fail(e, f"step: {err}")
+        if "reward_scale" in info:
+            e.reward_scale = float(info["reward_scale"])
+        if done:
+            from ovkit.envs import REASONS
+
+            reason = info.get("reason", "completed")
+            e.termination = reason if reason in REASONS else "completed"
+            return
+        if turn + 1 >= self.cfg.max_turns:
+            e.termination = "max_turns"
+            return
+        try:
+            message = call_env(e.env.format_observation, obs, timeout=self.cfg.env_timeout, retries=self.cfg.env_retries)
+            delta, images = self._encode(message)
+        except (EnvFailure, OvkitError) as err:
+            return self._fail(e, f"observation: {err}")
+        glue = [] if e.token_ids and e.token_ids[-1] == self.encoder.end_of_turn else [self.encoder.end_of_turn]
+        if len(glue) + delta.length > self._budget(e) - 1:  # the observation and at least one sampled token must fit
+            e.termination = "truncated"
+            return
+        per_token = {k: [0] * len(glue) + list(v) for k, v in delta.per_token.items()}
+        e.append(glue + delta.input_ids, [], 0, turn, per_token)
+        e.add_images(delta.mm, images)
+
+    def _encode(self, message: Any) -> tuple[Any, list]:
+        from ovkit.data.schema import IMAGE_TOKEN
+        from ovkit.rl.rollout import cap_pixels
+
+        if not isinstance(message, dict) or "content" not in message:
+            raise OvkitError(f"format_observation must return a dict with role, content and images, got {type(message).__name__}")
+        images = [cap_pixels(im.convert("RGB"), self.cfg.max_pixels) for im in message.get("images") or []]
+        markers = str(message["content"]).count(IMAGE_TOKEN)
+        if markers != len(images):
+            raise OvkitError(f"the observation has {markers} {IMAGE_TOKEN} markers and {len(images)} images")
+        return self.encoder.encode(message, images), images
+
+    def _fail(self, e: Episode, why: str) -> None:
+        e.termination = "env_error"
+        self.failures.append(f"{e.prompt.id}: {why}")
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
+
+
+def _unpack(result: Any) -> tuple[Any, bool, dict]:
+    if not isinstance(result, tuple) or len(result) != 3:
+        raise EnvFailure(f"step must return (observation, done, info), got {type(result).__name__}")
+    obs, done, info = result
+    return obs, bool(done), dict(info or {})
+
+
+def _max_positions(model: Any) -> int | None:
+    config = getattr(model, "config", None)
+    for cfg in (getattr(config, "text_config", None), config):
+        value = getattr(cfg, "max_position_embeddings", None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+PAD_RUN = re.compile(r"(<\|image_pad\|>)+")
+
+
+def transcript(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """The whole response (model turns and observations) as text, special tokens kept, image placeholder runs
+    collapsed: what a person reads in the rollout table's `completion` column."""
+    return PAD_RUN.sub("<|image_pad|>", tokenizer.decode(list(token_ids), skip_special_tokens=False))
+
+
+# ------------------------------------------------------------------------------------------------ from the options
+
+
+def check_env_options(cfg: Any) -> None:
+    """Check a stage config's multi-turn options (env, env_arg, max_turns, ...): --env is built once here so a bad
+    name, import path or argument fails before any model is loaded."""
+    from ovkit.envs import load_env, parse_env_args
+
+    cfg.env_arg = parse_env_args(cfg.env_arg)
+    if cfg.env is None:
+        if cfg.env_arg:
+            raise OvkitError("--env-arg needs --env")
+        return
+    load_env(cfg.env, cfg.env_arg)
+    MultiTurn(env=None, max_turns=cfg.max_turns, max_response_tokens=cfg.max_response_tokens, env_retries=cfg.env_retries, env_timeout=cfg.env_timeout)
+
+
+def env_instruction(cfg: Any) -> str:
+    """The prompt line of the environment class (e.g. the zoom syntax), '' without --env."""
+    from ovkit.envs import load_env
+
+    return load_env(cfg.env, cfg.env_arg).instruction if cfg.env else ""
+
+
+def make_runner(cfg: Any, engine: Any, processor: Any, *, mode: str, max_pixels: int | None, model: Any = None) -> EpisodeRunner | None:
+    """The EpisodeRunner of a stage config with --env, else None (single-turn)."""
+    from ovkit.envs import load_env
+
+    if not cfg.env:
+        return None
+    mt = MultiTurn(
+        env=load_env(cfg.env, cfg.env_arg),
+        max_turns=cfg.max_turns,
+        max_response_tokens=cfg.max_response_tokens,
+        env_retries=cfg.env_retries,
+        env_timeout=cfg.env_timeout,
+        max_pixels=max_pixels,
+        mode=mode,
+    )
+    return EpisodeRunner(engine, processor, mt, model=model)

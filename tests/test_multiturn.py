@@ -1,0 +1,452 @@
+"""Multi-turn rollouts (ovkit.rl.multiturn, ovkit.envs): the context is exactly the chat template's rendering of
+the whole conversation (no repeated preamble, the model's tokens kept as sampled), loss masks and log-probs line up
+with sampled vs observation tokens, budgets and termination reasons, failing and hanging environments, an image
+returned on turn 2 really changes the model's turn-2 logits, and the learner re-reads the trajectories exactly."""
+
+import time
+
+import pytest
+import torch
+
+from ovkit.data import image_cell, samples_table
+from ovkit.generate import Completion
+
+TEXTS = [
+    "<image>\nHow many squares are there? Put ONLY your final answer within <answer></answer>.",
+    "<answer>3</answer> <zoom>[10,10,40,40]</zoom> Your answer is incorrect. Try again.",
+    "Region [0,0,42,42] enlarged:",
+] * 20
+
+
+def _image(colour=(220, 40, 40), size=84):
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), "white")
+    ImageDraw.Draw(img).rectangle([10, 10, 40, 40], fill=colour)
+    return img
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from ovkit.models import load
+    from ovkit.models.tiny import build_tiny
+
+    model, processor = load(build_tiny(tmp_path_factory.mktemp("mt"), TEXTS, seed=0))
+    return model.eval(), processor
+
+
+def _prompts(processor, n=1, answer="2", extra=""):
+    from ovkit.rl.rollout import encode_prompts
+
+    rows = [
+        {
+            "id": f"p{i}",
+            "images": [image_cell(_image())],
+            "messages": [{"role": "user", "content": "<image>\nHow many squares are there?"}],
+            "source": "test/count",
+            "category": "counting",
+            "answer": answer,
+            "answer_type": "number",
+        }
+        for i in range(n)
+    ]
+    return encode_prompts(samples_table(rows), processor, mode="answer", system=True, extra=extra)
+
+
+class Scripted:
+    """An engine that answers turn k of every trajectory with script[k] (text + end-of-turn), log-prob -0.5 each."""
+
+    def __init__(self, processor, script, stop=True):
+        from ovkit.generate.hf import stop_token_ids
+
+        self.tok = processor.tokenizer
+        self.script, self.stop = script, stop
+        self.end = self.tok.convert_tokens_to_ids("<|im_end|>")
+        self.stop_ids = stop_token_ids(self.tok)
+        self.calls = []
+
+    def generate(self, prompts, *, n, max_new_tokens, temperature, top_p, seed, images=None, suppress_ids=()):
+        self.calls.append([p.length for p in prompts])
+        turn = len(self.calls) - 1
+        text = self.script[min(turn, len(self.script) - 1)]
+        ids = self.tok.encode(text, add_special_tokens=False) + ([self.end] if self.stop else [])
+        ids = ids[:max_new_tokens]
+        reason = "stop" if ids and ids[-1] == self.end else "length"
+        return [[Completion(ids, text, [-0.5] * len(ids), reason)] for _ in prompts]
+
+
+def _runner(engine, processor, env, model=None, **kw):
+    from ovkit.envs import EnvSpec, load_env
+    from ovkit.rl.multiturn import EpisodeRunner, MultiTurn
+
+    args = kw.pop("env_args", {})
+    spec = load_env(env, args) if isinstance(env, str) else EnvSpec(env.__name__, env, args)
+    return EpisodeRunner(engine, processor, MultiTurn(env=spec, **kw), model=model)
+
+
+def _run(runner, prompts, n=1, max_new_tokens=32):
+    return runner.run(prompts, n=n, max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, seed=0)
+
+
+# ------------------------------------------------------------------------------------------------ token layout
+
+
+def test_context_is_the_templates_rendering_of_the_whole_conversation(tiny):
+    """No system prompt or preamble repeats, and the template's glue between turns is there: the prompt plus the
+    trajectory's tokens equal the chat template applied to the conversation as a whole."""
+    from ovkit.models.encode import encode_messages
+
+    _, processor = tiny
+    (prompt,) = _prompts(processor)
+    engine = Scripted(processor, ["<answer>3</answer>", "<answer>2</answer>"])
+    (c,), = _run(_runner(engine, processor, "verifier"), [prompt])
+    assert (c.turns, c.termination, c.reward_scale) == (2, "completed", pytest.approx(0.8))
+    conversation = [
+        {"role": "system", "content": "You are a helpful AI assistant."},
+        {"role": "user", "content": "<image>\nHow many squares are there?\nPut ONLY your final answer within <answer></answer>."},
+        {"role": "assistant", "content": "<answer>3</answer>"},
+        {"role": "user", "content": "Your answer is incorrect. Try again."},
+        {"role": "assistant", "content": "<answer>2</answer>"},
+    ]
+    whole = encode_messages(processor, conversation, [_image()], generation_prompt=False).input_ids
+    ours = prompt.encoded.input_ids + c.token_ids
+    assert ours == whole[: len(ours)] and len(whole) - len(ours) <= 1  # the template's trailing newline is never sampled
+    assert processor.tokenizer.decode(ours).count("You are a helpful AI assistant.") == 1
+
+
+def test_loss_mask_logprobs_and_turn_ids_line_up(tiny):
+    _, processor = tiny
+    prompts = _prompts(processor)
+    engine = Scripted(processor, ["<answer>3</answer>", "<answer>4</answer>", "<answer>5</answer>"])
+    (c,), = _run(_runner(engine, processor, "verifier", max_turns=3, env_args={"max_attempts": 5}), prompts)
+    tok = processor.tokenizer
+    sampled = [t for t, m in zip(c.token_ids, c.mask) if m]
+    observed = [t for t, m in zip(c.token_ids, c.mask) if not m]
+    per_turn = tok.encode("<answer>3</answer>", add_special_tokens=False) + [engine.end]
+    assert len(sampled) == 3 * len(per_turn) and c.turns == 3 and c.termination == "max_turns"
+    assert all(lp == -0.5 for lp, m in zip(c.logprobs, c.mask) if m)
+    assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.mask) if not m)
+    assert tok.decode(observed).count("Your answer is incorrect. Try again.") == 2
+    assert "assistant" in tok.decode(observed)  # the next generation prompt is context, not a target
+    runs = [(t, m) for t, m in zip(c.turn_ids, c.mask)]
+    assert sorted(set(c.turn_ids)) == [0, 1, 2] and c.turn_ids == sorted(c.turn_ids)
+    assert all(m == 1 for t, m in runs if t == 2)  # no observation after the last turn
+    assert c.turn_texts == ["<answer>3</answer>", "<answer>4</answer>", "<answer>5</answer>"] and c.text == "<answer>5</answer>"
+
+
+def test_observation_images_are_placed_and_their_tokens_typed(tiny):
+    """A zoom observation: the image placeholders of the crop are in the context, typed as image tokens, and the
+    crop's processor outputs are kept."""
+    _, processor = tiny
+    prompts = _prompts(processor)
+    engine = Scripted(processor, ["<zoom>[0,0,42,42]</zoom>", "<answer>1</answer>"])
+    (c,), = _run(_runner(engine, processor, "zoom"), prompts)
+    assert (c.turns, c.termination) == (2, "completed")
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    n_pad = sum(1 for t in c.token_ids if t == pad)
+    assert n_pad > 0 and all(m == 0 for t, m in zip(c.token_ids, c.mask) if t == pad)
+    assert [t == pad for t in c.token_ids] == [v == 1 for v in c.per_token["mm_token_type_ids"]]
+    assert len(c.images) == 1 and c.images[0].size == (84, 84)  # 42 x 42 enlarged twice
+    merge = processor.image_processor.merge_size ** 2
+    assert int(c.mm["image_grid_thw"].prod(-1).sum()) == n_pad * merge
+
+
+# ------------------------------------------------------------------------------------------------ budgets, reasons
+
+
+def test_termination_reasons_and_budgets(tiny):
+    _, processor = tiny
+    prompts = _prompts(processor)
+    answer_right = Scripted(processor, ["<answer>2</answer>"])
+    (c,), = _run(_runner(answer_right, processor, "verifier"), prompts)
+    assert (c.turns, c.termination, c.reward_scale) == (1, "completed", 1.0)
+    always_wrong = Scripted(processor, ["<answer>3</answer>"])
+    (c,), = _run(_runner(always_wrong, processor, "verifier", max_turns=5, env_args={"max_attempts": 2, "discount": 0.5}), prompts)
+    assert (c.turns, c.termination, c.reward_scale) == (2, "env_done", 0.5)
+    (c,), = _run(_runner(Scripted(processor, ["<answer>3</answer>"]), processor, "verifier", max_turns=2, env_args={"max_attempts": 9}), prompts)
+    assert (c.turns, c.termination) == (2, "max_turns")
+    no_stop = Scripted(processor, ["<answer>3</answer>"], stop=False)
+    (c,), = _run(_runner(no_stop, processor, "verifier"), prompts)
+    assert (c.turns, c.termination, c.finish_reason) == (1, "truncated", "length")
+    budget = 12  # one turn (7 tokens) fits; the observation does not
+    (c,), = _run(_runner(Scripted(processor, ["<answer>3</answer>"]), processor, "verifier", max_response_tokens=budget), prompts)
+    assert c.termination == "truncated" and len(c.token_ids) <= budget and c.turns == 1
+    (c,), = _run(_runner(Scripted(processor, ["<answer>3</answer>"]), processor, "verifier", max_response_tokens=5), prompts, max_new_tokens=32)
+    assert c.termination == "truncated" and len(c.token_ids) == 5
+
+
+class Flaky:
+    """Fails (raises, or hangs) on its first `fails` step calls, then behaves like the verifier."""
+
+    def __init__(self, task, fails=1, hang=0.0, calls=None):
+        from ovkit.envs import VerifierEnv
+
+        self.inner, self.fails, self.hang, self.calls = VerifierEnv(task), fails, hang, calls if calls is not None else []
+
+    def reset(self):
+        self.inner.reset()
+
+    def step(self, text):
+        self.calls.append(text)
+        if self.fails > 0:
+            self.fails -= 1
+            if self.hang:
+                time.sleep(self.hang)
+            raise RuntimeError("the tool server is down")
+        return self.inner.step(text)
+
+    def format_observation(self, obs):
+        return self.inner.format_observation(obs)
+
+
+def test_a_failing_environment_is_retried_then_ends_the_rollout(tiny):
+    _, processor = tiny
+    prompts = _prompts(processor)
+    calls = []
+    (c,), = _run(_runner(Scripted(processor, ["<answer>2</answer>"]), processor, Flaky, env_args={"fails": 2, "calls": calls}, env_retries=2), prompts)
+    assert (c.termination, len(calls)) == ("completed", 3)  # two failures, then the retry budget's last try works
+    calls = []
+    runner = _runner(Scripted(processor, ["<answer>2</answer>"]), processor, Flaky, env_args={"fails": 5, "calls": calls}, env_retries=1)
+    (c,), = _run(runner, prompts)
+    assert (c.termination, c.finish_reason, len(calls)) == ("env_error", "error", 2)
+    assert "the tool server is down" in runner.failures[0]
+
+
+def test_a_hanging_environment_times_out(tiny):
+    _, processor = tiny
+    prompts = _prompts(processor)
+    runner = _runner(Scripted(processor, ["<answer>2</answer>"]), processor, Flaky, env_args={"fails": 9, "hang": 30.0}, env_retries=1, env_timeout=0.2)
+    t0 = time.perf_counter()
+    (c,), = _run(runner, prompts)
+    assert c.termination == "env_error" and time.perf_counter() - t0 < 5
+    assert "timed out" in runner.failures[0]
+
+
+def test_bad_env_specs_fail_before_any_model_is_loaded(tmp_path):
+    from ovkit.errors import OvkitError
+    from ovkit.rl.trainer import RLTrainConfig
+
+    base = dict(data=[tmp_path], model=tmp_path, out=tmp_path / "o")
+    with pytest.raises(OvkitError, match="not one of zoom, verifier"):
+        RLTrainConfig(**base, env="nope")
+    with pytest.raises(OvkitError, match="cannot import"):
+        RLTrainConfig(**base, env="no_such_module:make")
+    with pytest.raises(OvkitError, match="--env-arg needs --env"):
+        RLTrainConfig(**base, env_arg=["max_attempts=2"])
+    with pytest.raises(OvkitError, match="expected key=value"):
+        RLTrainConfig(**base, env="verifier", env_arg=["max_attempts"])
+    assert RLTrainConfig(**base, env="verifier", env_arg=["max_attempts=2", "discount=0.5"]).env_arg == {"max_attempts": 2, "discount": 0.5}
+    assert RLTrainConfig(**base, env="ovkit.envs.zoom:ZoomEnv").env == "ovkit.envs.zoom:ZoomEnv"  # an import path
+
+
+# ------------------------------------------------------------------------------------------------ environments
+
+
+def test_zoom_env_parses_crops_and_bounds():
+    from ovkit.envs import ZoomEnv
+
+    env = ZoomEnv({"images": [_image(size=100)]}, max_zooms=1)
+    env.reset()
+    obs, done, info = env.step("<zoom>[10, 20, 30, 50]</zoom>")
+    assert not done and info["zoom"] == "ok" and obs["image"].size == (40, 60)
+    message = env.format_observation(obs)
+    assert message["content"].count("<image>") == 1 and message["images"] == [obs["image"]]
+    assert env.step("<zoom>[0,0,50,50]</zoom>")[2]["zoom"] == "exhausted"
+    env = ZoomEnv({"images": [_image(size=100)]})
+    assert env.step("<zoom>[90, 90, 500, 500]</zoom>")[0]["image"].size == (28, 28)  # clamped to the image, min side
+    assert env.step("<zoom>[50, 50, 50, 80]</zoom>")[2]["zoom"] == "empty"
+    assert env.step("<zoom>where?</zoom>")[2]["zoom"] == "unparsed"
+    assert env.step("<answer>3</answer>") == (None, True, {"reason": "completed"})
+
+
+def test_verifier_env_discounts_by_attempt():
+    from ovkit.envs import VerifierEnv
+
+    env = VerifierEnv({"answer": "4", "answer_type": "number", "source": "t"}, max_attempts=3, discount=0.5)
+    env.reset()
+    obs, done, info = env.step("<answer>3</answer>")
+    assert not done and obs["text"].startswith("Your answer is incorrect") and info["accuracy"] == 0
+    obs, done, info = env.step("<answer>4</answer>")
+    assert done and info["reason"] == "completed" and info["reward_scale"] == 0.5
+
+
+def test_multiturn_reward_is_the_last_answer_discounted(tiny):
+    from ovkit.rl.rollout import Group, score_groups
+
+    _, processor = tiny
+    prompts = _prompts(processor)
+    (cs,) = _run(_runner(Scripted(processor, ["<answer>3</answer>", "<answer>2</answer>"]), processor, "verifier", env_args={"discount": 0.8}), prompts)
+    group = Group(prompts[0], 0, 0, cs)
+    score_groups([group], mode="answer", format_weight=0.0, workers=1)
+    assert group.task_rewards == [pytest.approx(0.8)]
+    assert group.parts[0]["turns"] == 2 and group.parts[0]["termination"] == "completed" and group.parts[0]["accuracy"] == 1.0
+
+
+# ------------------------------------------------------------------------------------------------ with a real model
+
+
+class ColourEnv:
+    """Answers the first turn with a 56x56 image of one colour, then accepts anything."""
+
+    def __init__(self, task, colour="red"):
+        self.colour, self.turn = colour, 0
+
+    def reset(self):
+        self.turn = 0
+
+    def step(self, text):
+        from PIL import Image
+
+        self.turn += 1
+        if self.turn > 1:
+            return None, True, {}
+        return {"image": Image.new("RGB", (56, 56), self.colour)}, False, {}
+
+    def format_observation(self, obs):
+        return {"role": "user", "content": "<image>\nLook again.", "images": [obs["image"]]}
+
+
+@pytest.fixture(scope="module")
+def spread(tiny):
+    """The tiny model with weights spread wider than its init, so that inputs move its logits visibly."""
+    import copy
+
+    model, processor = tiny
+    model = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval(), processor
+
+
+def _colour_run(model, processor, colour):
+    prompts = _prompts(processor)
+    engine = Scripted(processor, ["<zoom>[0,0,42,42]</zoom>", "<answer>2</answer>"])
+    (cs,) = _run(_runner(engine, processor, ColourEnv, model=model, env_args={"colour": colour}), prompts)
+    return prompts[0], cs[0]
+
+
+def test_an_image_returned_on_turn_two_changes_the_turn_two_logits(spread):
+    """The sampler's context (what the next generate call reads) and the learner's batch both see the new image:
+    turn-2 logits move with its colour, turn-1 logits do not (causal), and the same colour gives the same logits."""
+    from ovkit.rl.multiturn import Episode
+    from ovkit.rl.rollout import Group
+    from ovkit.rl.trainer import build_trajectories, forward_all
+
+    model, processor = spread
+    runs = {c: _colour_run(model, processor, c) for c in ("red", "blue")}
+    last = {}
+    for colour, (prompt, c) in runs.items():
+        ctx = Episode(prompt, None)
+        ctx.append(c.token_ids, c.logprobs, 1, 0, c.per_token)
+        ctx.add_images(c.mm, c.images)
+        with torch.no_grad():
+            last[colour] = model(**ctx.context().model_inputs(labels=False)).logits[0, -1]
+    assert (last["red"] - last["blue"]).abs().max() > 1e-3
+    (prompt, red), (_, blue) = runs["red"], runs["blue"]
+    assert red.token_ids == blue.token_ids  # the same tokens (a 56x56 image either way): only the pixels differ
+    batch = build_trajectories([Group(prompt, 0, 0, [red, blue], rewards=[0.0, 0.0])], processor.tokenizer.pad_token_id)
+    logp, _ = forward_all(model, batch, 2, 1.0)
+    turn2 = batch.mask[0] & (batch.turn_ids[0] == 1)
+    turn1 = batch.mask[0] & (batch.turn_ids[0] == 0)
+    assert turn2.any() and turn1.any()
+    assert (logp[0][turn2] - logp[1][turn2]).abs().max() > 1e-3
+    assert torch.allclose(logp[0][turn1], logp[1][turn1], atol=1e-5)
+    again = _colour_run(model, processor, "red")[1]
+    batch = build_trajectories([Group(prompt, 0, 0, [red, again], rewards=[0.0, 0.0])], processor.tokenizer.pad_token_id)
+    logp, _ = forward_all(model, batch, 2, 1.0)
+    assert torch.allclose(logp[0], logp[1], atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def zoomer(tmp_path_factory):
+    """The tiny model taught (150 steps, ~15 s) to call the zoom tool on turn 1 and answer after the zoomed image:
+    real two-turn rollouts with an image observation. Saved, with a 2-prompt RL table, for the command tests."""
+    from ovkit.data import write_samples
+    from ovkit.envs import ZoomEnv
+    from ovkit.models import load
+    from ovkit.models.encode import encode_sample
+    from ovkit.models.tiny import build_tiny
+    from ovkit.prompts import ANSWER_PROMPT, SYSTEM_PROMPT
+
+    base = tmp_path_factory.mktemp("zoomer")
+    model, processor = load(build_tiny(base / "init", TEXTS, seed=0))
+    question = f"<image>\nHow many squares are there?\n{ANSWER_PROMPT}\n{ZoomEnv.instruction}"
+    img = _image()
+    crop = img.crop((0, 0, 42, 42)).resize((84, 84))
+    first = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}, {"role": "assistant", "content": "<zoom>[0,0,42,42]</zoom>"}]
+    second = [*first, {"role": "user", "content": "Region [0,0,42,42] enlarged:\n<image>"}, {"role": "assistant", "content": "<answer>1</answer>"}]
+    examples = [encode_sample(processor, first, [img]), encode_sample(processor, second, [img, crop])]
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(150):
+        loss = sum(model(**e.model_inputs()).loss for e in examples)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    model.save_pretrained(base / "model")
+    processor.save_pretrained(base / "model")
+    rows = [
+        {"id": f"q{i}", "images": [image_cell(_image())], "messages": [{"role": "user", "content": "<image>\nHow many squares are there?"}],
+         "source": "test/count", "category": "counting", "answer": "1", "answer_type": "number"}
+        for i in range(2)
+    ]  # fmt: skip
+    write_samples(samples_table(rows), base / "data")
+    return model, processor, base
+
+
+def test_the_learner_re_reads_multi_turn_trajectories_exactly(zoomer):
+    """fp32 sampler and learner on the same weights: every sampled token of every turn gets the same log-prob from
+    the learner's batch (observation image, its rope positions and token types included) as from the sampler."""
+    from ovkit.envs import ZoomEnv
+    from ovkit.generate import HFEngine
+    from ovkit.rl.rollout import Group
+    from ovkit.rl.trainer import build_trajectories, forward_all, multimodal_token_ids
+
+    model, processor, _ = zoomer
+    prompts = _prompts(processor, n=2, answer="1", extra=ZoomEnv.instruction)
+    runner = _runner(HFEngine(model, processor), processor, "zoom", model=model)
+    outs = runner.run(prompts, n=3, max_new_tokens=16, temperature=0.5, top_p=1.0, seed=0)
+    completions = [c for cs in outs for c in cs]
+    assert sum(c.turns == 2 and len(c.images) == 1 for c in completions) >= 2  # the model zooms, then answers
+    groups = [Group(p, i, 0, cs, rewards=[0.0] * len(cs)) for i, (p, cs) in enumerate(zip(prompts, outs))]
+    batch = build_trajectories(groups, processor.tokenizer.pad_token_id, multimodal_token_ids(model))
+    logp, _ = forward_all(model, batch, 4, 0.5)
+    later = batch.mask & (batch.turn_ids > 0)
+    assert later.sum() > 0
+    assert (logp - batch.behave_logprobs)[batch.mask].abs().max() < 1e-3
+
+
+def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_path):
+    """`ovkit rl-train --env zoom` end to end: per-turn metrics are logged, the saved rollouts carry loss masks,
+    turn ids, terminations and the observation images, and mismatch-report splits first vs later turns on them."""
+    import json
+
+    from ovkit.generate.rollouts import read_rollouts
+
+    _, _, base = zoomer
+    out = tmp_path / "rl"
+    args = ["--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "16", "--max-steps", "2", "--lr", "1e-4",
+            "--warmup-ratio", "0", "--max-staleness", "0", "--temperature", "0.5", "--reward-workers", "1", "--quiet"]  # fmt: skip
+    code, stdout, err = cli("rl-train", base / "data", "--model", base / "model", "--out", out, "--env", "zoom", "--max-turns", "3", "--save-rollouts", *args)
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(sum(r[f"termination/{k}"] for k in ("completed", "env_done", "max_turns", "truncated", "env_error")) == pytest.approx(1.0) for r in rows)
+    assert all(sum(r["turns/hist"].values()) == 6 for r in rows) and any(r["turns/max"] >= 2 for r in rows)
+    assert any("mismatch/later_turns/vllm_kl" in r for r in rows) and any(k.startswith("reward/by_turns/") for k in rows[0])
+    table = read_rollouts(out / "rollouts" / "step-000001.parquet")
+    for row in table.to_pylist():
+        assert len(row["turn_ids"]) == len(row["response_ids"]) == len(row["loss_mask"])
+        assert row["turns"] == max(row["turn_ids"]) + 1 and row["termination"] in ("completed", "max_turns", "truncated")
+        assert len(row["images"]) >= 1 and row["completion"].count("<|im_start|>assistant") == row["turns"] - 1
+    report = tmp_path / "report"
+    code, stdout, err = cli("mismatch-report", out / "rollouts", "--model", base / "model", "--quiet", "--out", report)
+    assert code == 0, err
+    by_turn = json.loads((report / "report.json").read_text())["runs"]["rollouts"]["by_turn"]
+    names = [r["turn"] for r in by_turn]
+    assert names[:2] == ["first", "later"] and "2" in names
+    assert all(r["tokens"] > 0 for r in by_turn)
