@@ -450,3 +450,26 @@ def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_pat
     names = [r["turn"] for r in by_turn]
     assert names[:2] == ["first", "later"] and "2" in names
     assert all(r["tokens"] > 0 for r in by_turn)
+
+
+def test_eval_and_rl_curate_run_the_same_loop(zoomer, cli, tmp_path):
+    """`eval --env` and `rl-curate --env` roll out through the environment: records and rollouts carry the turns,
+    and the multi-turn summary adds up."""
+    import json
+
+    from ovkit.generate.rollouts import read_rollouts
+
+    _, _, base = zoomer
+    code, _, err = cli("eval", base / "data", "--model", base / "model", "--out", tmp_path / "ev", "--env", "zoom", "--max-new-tokens", "16",
+                       "--n", "2", "--temperature", "0.5", "--save-logprobs", "--quiet")  # fmt: skip
+    assert code == 0, err
+    summary = json.loads((tmp_path / "ev" / "summary.json").read_text())["multiturn"]
+    assert summary["turns/max"] >= 2 and sum(summary["turns/hist"].values()) == 4
+    rollouts = read_rollouts(tmp_path / "ev" / "rollouts.parquet").to_pylist()
+    assert any(r["turns"] == 2 and 0 in r["loss_mask"] for r in rollouts) and all(len(r["images"]) >= 1 for r in rollouts)
+    code, _, err = cli("rl-curate", base / "data", "--model", base / "model", "--out", tmp_path / "cu", "--env", "verifier", "--env-arg", "max_attempts=2",
+                       "--n", "2", "--max-new-tokens", "16", "--reward-workers", "1", "--quiet")  # fmt: skip
+    assert code == 0, err
+    curated = read_rollouts(tmp_path / "cu" / "rollouts").to_pylist()
+    assert len(curated) == 4 and all(r["termination"] in ("completed", "env_done", "truncated", "max_turns") for r in curated)
+    assert all(json.loads(r["reward_parts"])["turns"] == r["turns"] for r in curated)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import CONFIG, OVERWRITE, QUIET, SEED, done, resolve, skipped
+from ovkit.commands._common import CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OVERWRITE, QUIET, SEED, done, resolve, skipped
 
 
 def evaluate(
@@ -26,6 +26,12 @@ def evaluate(
     limit: int = typer.Option(None, "--limit", help="At most this many rows per category (the first ones)."),
     save_logprobs: bool = typer.Option(False, "--save-logprobs", help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards)."),
     dtype: str = typer.Option(None, "--dtype", help="Load the weights as float32, bfloat16 or auto (default: as saved)."),
+    env: str = ENV,
+    env_arg: list[str] = ENV_ARG,
+    max_turns: int = MAX_TURNS,
+    max_response_tokens: int = MAX_RESPONSE_TOKENS,
+    env_retries: int = ENV_RETRIES,
+    env_timeout: float = ENV_TIMEOUT,
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the model directory / hub."),
     seed: int = SEED,
     overwrite: bool = OVERWRITE,

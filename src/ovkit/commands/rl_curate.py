@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, SHARD, done, resolve, skipped
+from ovkit.commands._common import CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OUT, OVERWRITE, QUIET, SEED, SHARD, done, resolve, skipped
 
 _O = typer.Option
 
@@ -34,6 +34,12 @@ def rl_curate(
     system_prompt: bool = _O(True, "--system-prompt/--no-system-prompt", help="Prepend the recipe's system prompt."),
     rollout_images: bool = _O(True, "--rollout-images/--no-rollout-images", help="Store prompt images in OUT/rollouts (mismatch-report needs them for multimodal prompts)."),
     reward_workers: int = _O(2, "--reward-workers", help="Processes for the sandboxed scorers (math, svg, code)."),
+    env: str = ENV,
+    env_arg: list[str] = ENV_ARG,
+    max_turns: int = MAX_TURNS,
+    max_response_tokens: int = MAX_RESPONSE_TOKENS,
+    env_retries: int = ENV_RETRIES,
+    env_timeout: float = ENV_TIMEOUT,
     shard: str = SHARD,
     trust_remote_code: bool = _O(False, "--trust-remote-code", help="Allow model code from the model directory."),
     seed: int = SEED,

@@ -681,7 +681,7 @@ def convert_batch(records: list[Record], conv: Converter) -> tuple[pa.Table, lis
         rejects.append(Reject(owners[i], rows[i]["id"], field, p.reason))
     rejects.sort(key=lambda r: r.rec.number)
     keep = [i for i in range(table.num_rows) if i not in bad]
-    return (table if not bad else table.take(keep)), rejects
+    return (table if not bad else table.take(pa.array(keep, pa.int64()))), rejects
 
 
 def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:

@@ -106,10 +106,10 @@ def read_samples(
             raise OvkitError(f"{where(f, f'{rid!r} (index {a + p.index})', p.column)}: {p.reason} (use --on-error skip to move bad rows to {REJECTS})")
         bad_idx = {p.index: p for p in problems}
         keep = [i for i in range(t.num_rows) if i not in bad_idx]
-        good.append(t.take(keep))
+        good.append(t.take(pa.array(keep, pa.int64())))
         rows.extend(offset - n + a + i for i in keep)
         if bad_idx:
-            rej = t.take(sorted(bad_idx))
+            rej = t.take(pa.array(sorted(bad_idx), pa.int64()))
             reasons = [f"{f.name} row {a + i}, column '{bad_idx[i].column}': {bad_idx[i].reason}" for i in sorted(bad_idx)]
             bad.append(rej.append_column("reason", pa.array(reasons, pa.string())))
     if not good:

@@ -35,6 +35,12 @@ class EvalConfig:
     limit: int | None = None  # at most this many rows per category (the first ones), like lmms-eval's --limit
     save_logprobs: bool = False  # also write OUT/rollouts.parquet (token ids, sampler logprobs, rewards)
     dtype: str | None = None  # model weights' dtype when loading (float32, bfloat16, auto); default as saved
+    env: str | None = None  # multi-turn: evaluate under an environment's loop (ovkit.envs)
+    env_arg: Any = None
+    max_turns: int = 3
+    max_response_tokens: int | None = None
+    env_retries: int = 2
+    env_timeout: float = 30.0
     trust_remote_code: bool = False
     seed: int = 0
     overwrite: bool = False
@@ -43,6 +49,9 @@ class EvalConfig:
     def __post_init__(self) -> None:
         from ovkit.generate import ENGINES
         from ovkit.prompts import ALIASES, INSTRUCTIONS
+        from ovkit.rl.multiturn import check_env_options
+
+        check_env_options(self)
 
         if not self.data:
             raise OvkitError("give the eval outputs to compare (ovkit eval --compare RUN...)" if self.compare else "give at least one eval dataset (ovkit eval --model DIR DATA... --out DIR)")
@@ -123,10 +132,12 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: A
     if engine is None:
         engine, processor = build_engine(cfg)
     clock["load"] = time.perf_counter()
-    prompts, images, inputs = encode_rows(rows, processor, cfg.prompt, progress=not cfg.quiet)
+    from ovkit.rl.multiturn import env_instruction
+
+    prompts, images, inputs = encode_rows(rows, processor, cfg.prompt, progress=not cfg.quiet, extra=env_instruction(cfg))
     budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)
     clock["encode"] = time.perf_counter()
-    completions = generate_rows(engine, cfg, rows, prompts, images, budgets)
+    completions = generate_rows(engine, cfg, rows, prompts, images, budgets, processor)
     clock["generate"] = time.perf_counter()
     rewards = score(rows, completions, cfg.prompt)
     clock["score"] = time.perf_counter()
@@ -146,9 +157,14 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: A
         seconds=seconds,
     )
     doc = _summary_doc(cfg, summary, budgets, results_path.relative_to(out_dir))
+    if cfg.env:
+        from ovkit.rl.trainer import turn_stats
+
+        flat = [(c, r.reward) for outs, rs in zip(completions, rewards) for c, r in zip(outs, rs)]
+        doc["multiturn"] = turn_stats([c for c, _ in flat], [r for _, r in flat])
     write_json(out_dir / "summary.json", doc)
     if cfg.save_logprobs:
-        write_eval_rollouts(out_dir / "rollouts.parquet", rows, prompts, completions, rewards)
+        write_eval_rollouts(out_dir / "rollouts.parquet", rows, prompts, completions, rewards, getattr(processor, "tokenizer", processor))
     return {
         "overall": doc["overall"],
         "accuracy": doc["accuracy"]["overall"],
@@ -167,16 +183,18 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: A
     }
 
 
-def encode_rows(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, *, progress: bool = False) -> tuple[list, list, list[str]]:
-    """(encoded prompts, PIL images, prompt text) per row, the stage instruction added to the last user turn."""
+def encode_rows(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, *, progress: bool = False, extra: str = "") -> tuple[list, list, list[str]]:
+    """(encoded prompts, PIL images, prompt text) per row, the stage instruction (then an environment's, `extra`)
+    added to the last user turn."""
     from tqdm.auto import tqdm
 
     from ovkit.models.encode import decode_images, encode_prompt
     from ovkit.prompts import with_instruction
+    from ovkit.rl.rollout import with_extra
 
     prompts, images, inputs = [], [], []
     for row in tqdm(rows, desc="encode", unit="row", leave=False, disable=not progress):
-        messages = with_instruction(row["messages"], prompt)
+        messages = with_extra(with_instruction(row["messages"], prompt), extra)
         pics = decode_images(row["images"])
         prompts.append(encode_prompt(processor, messages, pics))
         images.append(pics)
@@ -200,13 +218,24 @@ def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, f
     return {c: max(MIN_NEW_TOKENS, math.ceil(1.25 * longest[c])) + extra for c in categories}
 
 
-def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: dict[str, int]) -> list[list[Any]]:
-    """Completions per row; rows that share a token budget are generated together (one engine call each)."""
+def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: dict[str, int], processor: Any = None) -> list[list[Any]]:
+    """Completions per row; rows that share a token budget are generated together (one engine call each, or one
+    multi-turn rollout with --env)."""
+    from ovkit.rl.multiturn import make_runner
+
     groups: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
         groups.setdefault(budgets[row["category"]], []).append(i)
     out: list[list[Any]] = [[] for _ in rows]
+    mode = "answer" if cfg.prompt == "none" else cfg.prompt
+    episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=None) if cfg.env else None
     for g, (budget, idx) in enumerate(sorted(groups.items())):
+        if episodes is not None:
+            tasks = [_as_prompt(rows[i], prompts[i], images[i]) for i in idx]
+            done = episodes.run(tasks, n=cfg.n, max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + g)
+            for i, completions in zip(idx, done):
+                out[i] = completions
+            continue
         done = engine.generate(
             [prompts[i] for i in idx],
             n=cfg.n,
@@ -219,6 +248,17 @@ def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: 
         for i, completions in zip(idx, done):
             out[i] = completions
     return out
+
+
+def _as_prompt(row: dict[str, Any], encoded: Any, images: list) -> Any:
+    """An eval row as the RL Prompt the multi-turn loop (and its environments) read."""
+    from ovkit.rl.rollout import Prompt, _reward_kwargs
+
+    return Prompt(
+        id=str(row["id"]), encoded=encoded, answer=str(row.get("answer") or ""), answer_type=row.get("answer_type"),
+        source=str(row.get("source") or ""), category=str(row.get("category") or ""),
+        reward_kwargs=_reward_kwargs(row.get("reward_kwargs"), str(row["id"])), images=images, image_cells=list(row.get("images") or []),
+    )  # fmt: skip
 
 
 def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:
@@ -239,7 +279,7 @@ def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:
                 "answer": row["answer"],
                 "input": text,
                 "completions": [
-                    {"text": c.text, "reward": r.reward, "parts": r.parts, "finish_reason": c.finish_reason} for c, r in zip(outs, rs)
+                    {"text": c.text, "reward": r.reward, "parts": r.parts, "finish_reason": c.finish_reason, **_turns(c)} for c, r in zip(outs, rs)
                 ],
                 "metrics": row_metrics([r.reward for r in rs], [c.finish_reason for c in outs]),
             }
@@ -290,6 +330,8 @@ def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], 
         for c in outs
     ]
     flat = score_batch(items)
+    cs = [c for outs in completions for c in outs]
+    flat = [_discounted(r, c) if c.termination is not None else r for r, c in zip(flat, cs)]
     grouped, i = [], 0
     for outs in completions:
         grouped.append(flat[i : i + len(outs)])
@@ -297,10 +339,24 @@ def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], 
     return grouped
 
 
-def write_eval_rollouts(path: Path, rows, prompts, completions, rewards) -> None:
+def _discounted(r: Any, c: Any) -> Any:
+    """A multi-turn completion's reward: the last answer's, times the environment's reward scale."""
+    from ovkit.rewards import Reward
+
+    return Reward(r.reward * c.reward_scale, {**r.parts, "turns": c.turns, "termination": c.termination, "reward_scale": c.reward_scale})
+
+
+def _turns(c: Any) -> dict[str, Any]:
+    """Multi-turn fields of a completion record (none for single-turn)."""
+    return {} if c.termination is None else {"turns": c.turns, "termination": c.termination, "turn_texts": list(c.turn_texts)}
+
+
+def write_eval_rollouts(path: Path, rows, prompts, completions, rewards, tokenizer: Any = None) -> None:
     """The eval's trajectories in the rollout schema (`ovkit.generate.rollouts`), for mismatch-report. The prompt
-    rows' image cells are copied as they are, so the file is self-contained."""
+    rows' image cells are copied as they are (then any observation images), so the file is self-contained."""
+    from ovkit.data import image_cell
     from ovkit.generate.rollouts import write_rollouts
+    from ovkit.rl.multiturn import transcript
 
     out = []
     for group, (row, prompt, outs, rs) in enumerate(zip(rows, prompts, completions, rewards)):
@@ -313,20 +369,22 @@ def write_eval_rollouts(path: Path, rows, prompts, completions, rewards) -> None
                     "version": 0,
                     "prompt_ids": list(prompt.input_ids),
                     "response_ids": list(c.token_ids),
-                    "loss_mask": [1] * len(c.token_ids),
+                    "loss_mask": c.mask,
                     "behave_logprobs": list(c.logprobs),
                     "reward": float(r.reward),
                     "reward_parts": r.parts,
                     "finish_reason": c.finish_reason,
-                    "turns": 1,
+                    "turns": c.turns,
                     "category": row["category"],
                     "source": row["source"],
                     "answer": row["answer"],
                     "answer_type": row.get("answer_type"),
                     "completion": c.text,
-                    "images": cells,
+                    "images": cells + [image_cell(im) for im in c.images],
                 }
             )
+            if c.termination is not None:
+                out[-1].update(turn_ids=list(c.turn_ids), termination=c.termination, completion=transcript(tokenizer, c.token_ids) if tokenizer else c.text)
     write_rollouts(out, path)
 
 

@@ -106,6 +106,11 @@ class VLLMEngine:
         outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=self.progress)
         return [[self._completion(o) for o in out.outputs] for out in outputs]
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + completion vLLM accepts (multi-turn rollouts stop before it)."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
     def _request(self, prompt: Any, images: Sequence[Any] | None) -> dict[str, Any]:
         request: dict[str, Any] = {"prompt_token_ids": list(prompt.input_ids)}
         if prompt.mm:

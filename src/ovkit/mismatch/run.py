@@ -104,16 +104,9 @@ def producer_sampling(rollouts: Path) -> dict[str, Any] | None:
 
 
 def first_per_category(table: Any, limit: int | None) -> Any:
-    if limit is None:
-        return table
-    cats = table.column("category").to_pylist() if "category" in table.column_names else [None] * table.num_rows
-    seen: dict[Any, int] = {}
-    keep = []
-    for i, c in enumerate(cats):
-        seen[c] = seen.get(c, 0) + 1
-        if seen[c] <= limit:
-            keep.append(i)
-    return table.take(keep)
+    from ovkit.rl.curate import limit_per_category
+
+    return limit_per_category(table, limit)
 
 
 def check_not_empty(rows: Sequence[dict[str, Any]], source: str) -> None:

@@ -58,6 +58,12 @@ class CurateConfig:
     system_prompt: bool = True
     rollout_images: bool = True  # store the prompt images in the rollout table (mismatch-report re-runs the model)
     reward_workers: int = 2
+    env: str | None = None  # multi-turn rollouts with an environment (ovkit.envs): difficulty under the tool loop
+    env_arg: Any = None
+    max_turns: int = 3
+    max_response_tokens: int | None = None
+    env_retries: int = 2
+    env_timeout: float = 30.0
     shard: str | None = None
     trust_remote_code: bool = False
     seed: int = 0
@@ -65,6 +71,9 @@ class CurateConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        from ovkit.rl.multiturn import check_env_options
+
+        check_env_options(self)
         for name in ("data", "model", "out"):
             if getattr(self, name) is None:
                 raise OvkitError(f"{'DATA' if name == 'data' else '--' + name} is required")
@@ -134,18 +143,20 @@ def prompt_stats(groups, rows: Sequence[dict[str, Any]], cfg: CurateConfig) -> l
     return out
 
 
-def sample_groups(cfg: CurateConfig, engine, prompts, mode: str, bar) -> list:
-    """N scored rollouts for every prompt, in generate calls of about `batch_size` sequences."""
+def sample_groups(cfg: CurateConfig, engine, prompts, mode: str, bar, episodes=None) -> list:
+    """N scored rollouts for every prompt, in generate calls of about `batch_size` sequences (multi-turn rollouts
+    with `episodes`, an ovkit.rl.multiturn.EpisodeRunner)."""
     from ovkit.rl.rollout import Group, score_groups
 
     per_call = max(1, cfg.batch_size // cfg.n)
     groups: list = []
     for start in range(0, len(prompts), per_call):
         chunk = prompts[start : start + per_call]
-        outs = engine.generate(
-            [p.encoded for p in chunk], n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            top_p=cfg.top_p, seed=cfg.seed * 7919 + start, images=[p.images for p in chunk],
-        )  # fmt: skip
+        sampling = dict(n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed * 7919 + start)
+        if episodes is not None:
+            outs = episodes.run(chunk, **sampling)
+        else:
+            outs = engine.generate([p.encoded for p in chunk], images=[p.images for p in chunk], **sampling)
         batch = [Group(p, start + i, 0, list(cs)) for i, (p, cs) in enumerate(zip(chunk, outs))]
         score_groups(batch, mode=mode, format_weight=0.0, workers=cfg.reward_workers)
         groups.extend(batch)
@@ -157,6 +168,7 @@ def rollout_all(cfg: CurateConfig, engine, processor, table, stages: Sequence[in
     """One scored group per row, in row order; each row sampled with the instruction of `mode_of` its stage."""
     from tqdm.auto import tqdm
 
+    from ovkit.rl.multiturn import env_instruction, make_runner
     from ovkit.rl.rollout import encode_prompts
 
     groups: list = [None] * table.num_rows
@@ -165,8 +177,9 @@ def rollout_all(cfg: CurateConfig, engine, processor, table, stages: Sequence[in
         rows = [i for i, st in enumerate(stages) if mode_of(st, cfg.prompt) == mode]
         if not rows:
             continue
-        prompts = encode_prompts(table.take(rows), processor, mode=mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels)
-        for i, g in zip(rows, sample_groups(cfg, engine, prompts, mode, bar)):
+        prompts = encode_prompts(table.take(rows), processor, mode=mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels, extra=env_instruction(cfg))
+        episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels)
+        for i, g in zip(rows, sample_groups(cfg, engine, prompts, mode, bar, episodes)):
             g.index = i
             groups[i] = g
     bar.close()
@@ -199,8 +212,8 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
     annotated = annotated.append_column("pass_at_n", pa.array([s.pass_at_n for s in stats], pa.float64()))
     for stage in (1, 2):
         keep = [i for i, s in enumerate(stats) if s.kept and s.stage == stage]
-        write_samples(annotated.take(keep), out_dir / f"stage{stage}", shard)
-    write_table(groups_table(groups, with_images=cfg.rollout_images), out_dir / "rollouts" / _part(shard))
+        write_samples(annotated.take(pa.array(keep, pa.int64())), out_dir / f"stage{stage}", shard)
+    write_table(groups_table(groups, with_images=cfg.rollout_images, tokenizer=getattr(processor, "tokenizer", processor)), out_dir / "rollouts" / _part(shard))
     write_table(pa.Table.from_pylist([vars(s) for s in stats]), out_dir / "curation.parquet")
     summary = summarise(stats, cfg)
     (out_dir / "stats.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -210,6 +223,8 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
 
 def limit_per_category(table, limit: int | None):
     """The first `limit` rows of each category, in their original order (all rows when limit is None)."""
+    import pyarrow as pa
+
     if limit is None:
         return table
     seen: dict[str, int] = {}
@@ -219,7 +234,7 @@ def limit_per_category(table, limit: int | None):
         seen[cat] = seen.get(cat, 0) + 1
         if seen[cat] <= limit:
             keep.append(i)
-    return table.take(keep)
+    return table.take(pa.array(keep, pa.int64()))
 
 
 def _part(shard: tuple[int, int] | None) -> str:

@@ -233,8 +233,9 @@ class EpisodeRunner:
         self.stop_ids = set(getattr(engine, "stop_ids", None) or [])
         self.encoder = ObservationEncoder(processor, list(self.stop_ids))
         model = model if model is not None else getattr(engine, "model", None)
-        self.suppress = sorted(multimodal_token_ids(model)) if model is not None and hasattr(model, "config") else []
-        self.max_context = cfg.max_context or _max_positions(model)
+        has_config = model is not None and hasattr(model, "config")
+        self.suppress = sorted(multimodal_token_ids(model) if has_config else _placeholder_ids(processor))
+        self.max_context = cfg.max_context or (_max_positions(model) if has_config else getattr(engine, "max_model_len", None))
         self.failures: list[str] = []  # environment failures of the last run, for the log
 
     def run(self, prompts: Sequence[Any], *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[list[Any]]:
@@ -364,6 +365,14 @@ def _unpack(result: Any) -> tuple[Any, bool, dict]:
         raise EnvFailure(f"step must return (observation, done, info), got {type(result).__name__}")
     obs, done, info = result
     return obs, bool(done), dict(info or {})
+
+
+def _placeholder_ids(processor: Any) -> set[int]:
+    """Image/video placeholder tokens from the processor, for engines without a transformers model (vLLM)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    names = [getattr(processor, a, None) for a in ("image_token", "video_token")] + ["<|vision_start|>", "<|vision_end|>"]
+    return {vocab[n] for n in names if isinstance(n, str) and n in vocab}
 
 
 def _max_positions(model: Any) -> int | None:
