@@ -28,7 +28,7 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: setup test test-slow full-pipeline mismatch-demo clean-run bench help
+.PHONY: setup test test-slow full-pipeline mismatch-demo multiturn-demo clean-run bench help
 
 help:
 	@sed -n '2,7p' Makefile
@@ -137,6 +137,19 @@ $(RUN)/mismatch/ovkit.json: $(MODELS)/rl2/ovkit.json
 mismatch-demo: $(MODELS)/sft/ovkit.json
 	$(OVKIT) mismatch-report --model $(MODELS)/sft --generate $(DATA)/rl --limit 4 --n 4 --max-new-tokens 32 \
 		--sampler fp32 --sampler bf16 --sampler int8 --seed $(SEED) --out $(RUN)/mismatch-demo
+
+# Multi-turn agentic RL (ovkit.envs, docs/environments.md) on the synthetic data, from the SFT model:
+#  1. GRPO with verifier feedback: "incorrect, try again" up to 3 attempts, reward x0.8 per extra attempt; the sampler
+#     runs in bf16, so the step metrics split a real mismatch into first-turn and later-turn tokens;
+#  2. the mismatch report of its first step's rollouts (sampled from the SFT weights): first vs later turns;
+#  3. the zoom tool under eval: the model may ask for an enlarged crop before it answers.
+multiturn-demo: $(RUN)/rl-data/ovkit.json
+	$(OVKIT) rl-train $(RUN)/rl-data/stage1 --model $(MODELS)/sft --out $(MODELS)/rl-multiturn \
+		--config examples/tiny/rl-multiturn.yaml --seed $(SEED) --quiet
+	$(OVKIT) mismatch-report $(MODELS)/rl-multiturn/rollouts/step-000001.parquet --model $(MODELS)/sft \
+		--data $(RUN)/rl-data/stage1 --out $(RUN)/mismatch-multiturn --overwrite --quiet
+	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/sft $(DATA)/eval --env zoom \
+		--out $(EVALS)/sft-zoom --quiet
 
 # Held-out evaluation after every stage: the same eval split, answer-only prompts, greedy.
 $(EVALS)/%/summary.json: $(MODELS)/%/ovkit.json

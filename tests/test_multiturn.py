@@ -473,3 +473,18 @@ def test_eval_and_rl_curate_run_the_same_loop(zoomer, cli, tmp_path):
     curated = read_rollouts(tmp_path / "cu" / "rollouts").to_pylist()
     assert len(curated) == 4 and all(r["termination"] in ("completed", "env_done", "truncated", "max_turns") for r in curated)
     assert all(json.loads(r["reward_parts"])["turns"] == r["turns"] for r in curated)
+
+
+def test_asynchronous_multi_turn_rl_train(zoomer, cli, tmp_path):
+    """Multi-turn rollouts run in the rollout thread too (--max-staleness 1), with the verifier's feedback loop."""
+    import json
+
+    _, _, base = zoomer
+    out = tmp_path / "rl-async"
+    code, _, err = cli("rl-train", base / "data", "--model", base / "model", "--out", out, "--env", "verifier", "--env-arg", "max_attempts=2",
+                       "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "12", "--max-steps", "3", "--lr", "1e-4",
+                       "--warmup-ratio", "0", "--max-staleness", "1", "--reward-workers", "1", "--quiet")  # fmt: skip
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and max(r["staleness/max"] for r in rows) <= 1
+    assert all(sum(r["turns/hist"].values()) == 4 and r["turns/max"] <= 2 for r in rows)

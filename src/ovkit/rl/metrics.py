@@ -93,6 +93,7 @@ def console_line(step: int, m: dict[str, Any]) -> str:
         f"reward {m.get('reward/mean', 0):.3f}",
         f"acc {m.get('accuracy', 0):.2f}",
         f"len {m.get('length/mean', 0):.1f}",
+        *([f"turns {m['turns/mean']:.2f}"] if "turns/mean" in m else []),
         f"clip {m.get('clip/frac', 0):.3f}",
         f"ent {m.get('entropy', 0):.2f}",
         f"vllm-kl {m.get('mismatch/vllm_kl', 0):.1e}",

@@ -258,6 +258,11 @@ class EpisodeRunner:
                     call_env(e.env.close, timeout=self.cfg.env_timeout, retries=0)
                 except EnvFailure:
                     pass
+        if self.failures:  # the trajectories end as env_error; say why, once per call
+            import sys
+
+            more = f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
+            print(f"ovkit: warning: environment failed: {self.failures[0]}{more}", file=sys.stderr, flush=True)
         done = [e.completion() for e in episodes]
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
