@@ -222,6 +222,17 @@ def test_a_hanging_environment_times_out(tiny):
     assert "timed out" in runner.failures[0]
 
 
+def test_environment_calls_of_a_turn_run_concurrently(tiny):
+    """Eight trajectories whose tool takes 0.4 s per call: a turn's calls overlap (about 0.4 s, not 3.2 s)."""
+    _, processor = tiny
+    prompts = _prompts(processor, n=4)
+    runner = _runner(Scripted(processor, ["<answer>2</answer>"]), processor, Flaky, env_args={"fails": 1, "hang": 0.4}, env_retries=1, env_timeout=5.0)
+    t0 = time.perf_counter()
+    outs = _run(runner, prompts, n=2)
+    assert all(c.termination == "completed" for cs in outs for c in cs)
+    assert time.perf_counter() - t0 < 2.0
+
+
 def test_bad_env_specs_fail_before_any_model_is_loaded(tmp_path):
     from ovkit.errors import OvkitError
     from ovkit.rl.trainer import RLTrainConfig

@@ -47,6 +47,7 @@ class MultiTurn:
     max_context: int | None = None  # prompt + response tokens at most (None: the model's max_position_embeddings)
     env_retries: int = 2  # extra tries of a failed environment call, per call
     env_timeout: float = 30.0  # seconds per environment call
+    env_workers: int = 16  # environment calls of one turn that run at once (threads)
     max_pixels: int | None = 512 * 512  # observation images are capped like the prompt's
     mode: str = "answer"  # the prompt mode, for environments that score answers (ovkit.envs.VerifierEnv)
 
@@ -194,28 +195,57 @@ class EnvFailure(Exception):
 
 
 def call_env(fn: Callable, *args: Any, timeout: float, retries: int) -> Any:
-    """fn(*args) in a worker thread, `timeout` s per try, `retries` extra tries; EnvFailure when all fail. A hung
-    call's thread cannot be killed from Python: it is abandoned (a daemon) and the trajectory moves on."""
-    errors = []
+    """fn(*args) with `timeout` s per try and `retries` extra tries; EnvFailure when every try fails."""
+    (result,) = call_env_all([(fn, args)], timeout=timeout, retries=retries)
+    if isinstance(result, EnvFailure):
+        raise result
+    return result
+
+
+def call_env_all(calls: Sequence[tuple[Callable, tuple]], *, timeout: float, retries: int, workers: int = 16) -> list[Any]:
+    """Every fn(*args) in its own worker thread, at most `workers` at once, `timeout` s per try, `retries` extra
+    tries of the calls that raised or timed out; a call that never succeeded returns an EnvFailure (not raised).
+    The environments of different trajectories are different objects, so their calls run concurrently (a slow tool
+    costs one timeout per turn, not one per trajectory). A hung call's thread cannot be killed from Python: it is
+    abandoned (a daemon) and the trajectory moves on."""
+    import time
+
+    results: list[Any] = [None] * len(calls)
+    errors: list[list[str]] = [[] for _ in calls]
+    pending = list(range(len(calls)))
     for _ in range(retries + 1):
-        box: dict[str, Any] = {}
+        failed = []
+        for first in range(0, len(pending), max(1, workers)):
+            chunk = pending[first : first + max(1, workers)]
+            boxes = {i: {} for i in chunk}
+            threads = {i: threading.Thread(target=_into, args=(boxes[i], *calls[i]), name="ovkit-env", daemon=True) for i in chunk}
+            for t in threads.values():
+                t.start()
+            deadline = time.monotonic() + timeout
+            for i in chunk:
+                threads[i].join(max(0.0, deadline - time.monotonic()))
+                if threads[i].is_alive():
+                    errors[i].append(f"timed out after {timeout:g} s")
+                elif "error" in boxes[i]:
+                    err = boxes[i]["error"]
+                    errors[i].append(f"{type(err).__name__}: {err}")
+                else:
+                    results[i] = boxes[i].get("value")
+                    continue
+                failed.append(i)
+        pending = failed
+        if not pending:
+            break
+    for i in pending:
+        results[i] = EnvFailure("; ".join(errors[i]))
+    return results
 
-        def run() -> None:
-            try:
-                box["value"] = fn(*args)
-            except BaseException as e:  # noqa: BLE001 -- reported as the environment's failure
-                box["error"] = e
 
-        worker = threading.Thread(target=run, name="ovkit-env", daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if worker.is_alive():
-            errors.append(f"timed out after {timeout:g} s")
-        elif "error" in box:
-            errors.append(f"{type(box['error']).__name__}: {box['error']}")
-        else:
-            return box.get("value")
-    raise EnvFailure("; ".join(errors))
+def _into(box: dict[str, Any], fn: Callable, args: tuple) -> None:
+    try:
+        box["value"] = fn(*args)
+    except BaseException as e:  # noqa: BLE001 -- reported as the environment's failure
+        box["error"] = e
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -240,24 +270,22 @@ class EpisodeRunner:
 
     def run(self, prompts: Sequence[Any], *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[list[Any]]:
         """Per prompt, `n` multi-turn trajectories as Completions (token_ids after the prompt, loss_mask, turn_ids)."""
-        episodes = [Episode(p, None) for p in prompts for _ in range(n)]
+        episodes = [Episode(p, self.cfg.env.build(task_of(p, self.cfg.mode))) for p in prompts for _ in range(n)]
         self.failures = []
-        for e in episodes:
-            self._start(e)
+        for e, result in zip(episodes, self._call([(e.env.reset, ()) for e in episodes])):
+            if isinstance(result, EnvFailure):
+                self._fail(e, f"reset: {result}")
         for turn in range(self.cfg.max_turns):
             running = [e for e in episodes if e.termination is None]
             if not running:
                 break
             acting = self._generate(running, turn, max_new_tokens, temperature, top_p, seed)
-            for e in acting:
-                self._observe(e, turn)
+            for e, result in zip(acting, self._call([(e.env.step, (e.turn_texts[-1],)) for e in acting])):
+                self._observe(e, turn, result)
         for e in episodes:
             e.termination = e.termination or "max_turns"
-            if e.env is not None and callable(getattr(e.env, "close", None)):
-                try:
-                    call_env(e.env.close, timeout=self.cfg.env_timeout, retries=0)
-                except EnvFailure:
-                    pass
+        closing = [(e.env.close, ()) for e in episodes if callable(getattr(e.env, "close", None))]
+        call_env_all(closing, timeout=self.cfg.env_timeout, retries=0, workers=self.cfg.env_workers)
         if self.failures:  # the trajectories end as env_error; say why, once per call
             import sys
 
@@ -266,12 +294,8 @@ class EpisodeRunner:
         done = [e.completion() for e in episodes]
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _start(self, e: Episode) -> None:
-        try:
-            e.env = self.cfg.env.build(task_of(e.prompt, self.cfg.mode))
-            call_env(e.env.reset, timeout=self.cfg.env_timeout, retries=self.cfg.env_retries)
-        except EnvFailure as err:
-            self._fail(e, f"reset: {err}")
+    def _call(self, calls: Sequence[tuple[Callable, tuple]]) -> list[Any]:
+        return call_env_all(calls, timeout=self.cfg.env_timeout, retries=self.cfg.env_retries, workers=self.cfg.env_workers)
 
     def _budget(self, e: Episode) -> int:
         """Tokens the trajectory may still add."""
@@ -315,10 +339,12 @@ class EpisodeRunner:
                 acting.append(e)
         return acting
 
-    def _observe(self, e: Episode, turn: int) -> None:
-        """The environment's step on the turn just generated, and its observation appended."""
+    def _observe(self, e: Episode, turn: int, result: Any) -> None:
+        """The environment's step result on the turn just generated; its observation appended."""
         try:
-            obs, done, info = _unpack(call_env(e.env.step, e.turn_texts[-1], timeout=self.cfg.env_timeout, retries=self.cfg.env_retries))
+            if isinstance(result, EnvFailure):
+                raise result
+            obs, done, info = _unpack(result)
         except EnvFailure as err:
             return self._fail(e, f"step: {err}")
         if "reward_scale" in info:
