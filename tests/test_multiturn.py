@@ -212,6 +212,22 @@ def test_a_failing_environment_is_retried_then_ends_the_rollout(tiny):
     assert "the tool server is down" in runner.failures[0]
 
 
+def _broken_factory(task):
+    if task["id"] == "p1":
+        raise ValueError("no such episode")
+    from ovkit.envs import VerifierEnv
+
+    return VerifierEnv(task)
+
+
+def test_a_factory_that_raises_ends_only_its_trajectory(tiny):
+    _, processor = tiny
+    runner = _runner(Scripted(processor, ["<answer>2</answer>"]), processor, _broken_factory)
+    outs = _run(runner, _prompts(processor, n=2))
+    assert [c.termination for cs in outs for c in cs] == ["completed", "env_error"]
+    assert outs[1][0].token_ids == [] and "no such episode" in runner.failures[0]
+
+
 def test_a_hanging_environment_times_out(tiny):
     _, processor = tiny
     prompts = _prompts(processor)
@@ -246,6 +262,8 @@ def test_bad_env_specs_fail_before_any_model_is_loaded(tmp_path):
         RLTrainConfig(**base, env_arg=["max_attempts=2"])
     with pytest.raises(OvkitError, match="expected key=value"):
         RLTrainConfig(**base, env="verifier", env_arg=["max_attempts"])
+    with pytest.raises(OvkitError, match="--env-arg max_attemps"):
+        RLTrainConfig(**base, env="verifier", env_arg=["max_attemps=2"])  # a misspelt argument, caught before loading
     assert RLTrainConfig(**base, env="verifier", env_arg=["max_attempts=2", "discount=0.5"]).env_arg == {"max_attempts": 2, "discount": 0.5}
     assert RLTrainConfig(**base, env="ovkit.envs.zoom:ZoomEnv").env == "ovkit.envs.zoom:ZoomEnv"  # an import path
 

@@ -96,6 +96,7 @@ def _sample_line(r: Mapping[str, Any]) -> dict[str, Any]:
         "rewards": [c["reward"] for c in r["completions"]],
         "reward_parts": [c["parts"] for c in r["completions"]],
         "finish_reasons": [c["finish_reason"] for c in r["completions"]],
+        **({"turn_texts": [c["turn_texts"] for c in r["completions"]]} if "turn_texts" in r["completions"][0] else {}),
         **r["metrics"],
     }
 

@@ -174,7 +174,7 @@ def _images(encoder: ImageEncoder, row: dict[str, Any], ids: list[int], images_f
         if cells is None:
             raise OvkitError(
                 f"rollout of prompt {rid!r}: its tokens hold {wanted} image placeholders but the rollout table has no "
-                "images column; pass --data with the prompt rows (rl-train --save-rollouts stores no images)"
+                "images column; pass --data with the prompt rows (rl-train --save-rollouts stores images only when an environment returned some)"
             )
         raise OvkitError(
             f"rollout of prompt {rid!r}: its tokens hold {wanted} image placeholders, its images make {found.placeholders}; "

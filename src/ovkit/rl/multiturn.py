@@ -26,6 +26,7 @@ episode for its own reason), max_turns, truncated (a turn hit max_new_tokens or 
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 from dataclasses import dataclass, field
@@ -265,14 +266,16 @@ class EpisodeRunner:
         model = model if model is not None else getattr(engine, "model", None)
         has_config = model is not None and hasattr(model, "config")
         self.suppress = sorted(multimodal_token_ids(model) if has_config else _placeholder_ids(processor))
-        self.max_context = cfg.max_context or (_max_positions(model) if has_config else getattr(engine, "max_model_len", None))
+        limits = [cfg.max_context, _max_positions(model) if has_config else None, getattr(engine, "max_model_len", None)]
+        self.max_context = cfg.max_context or min((x for x in limits if x), default=None)
         self.failures: list[str] = []  # environment failures of the last run, for the log
 
     def run(self, prompts: Sequence[Any], *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[list[Any]]:
         """Per prompt, `n` multi-turn trajectories as Completions (token_ids after the prompt, loss_mask, turn_ids)."""
-        episodes = [Episode(p, self.cfg.env.build(task_of(p, self.cfg.mode))) for p in prompts for _ in range(n)]
         self.failures = []
-        for e, result in zip(episodes, self._call([(e.env.reset, ()) for e in episodes])):
+        episodes = [self._episode(p) for p in prompts for _ in range(n)]
+        starting = [e for e in episodes if e.termination is None]
+        for e, result in zip(starting, self._call([(e.env.reset, ()) for e in starting])):
             if isinstance(result, EnvFailure):
                 self._fail(e, f"reset: {result}")
         for turn in range(self.cfg.max_turns):
@@ -284,7 +287,7 @@ class EpisodeRunner:
                 self._observe(e, turn, result)
         for e in episodes:
             e.termination = e.termination or "max_turns"
-        closing = [(e.env.close, ()) for e in episodes if callable(getattr(e.env, "close", None))]
+        closing = [(e.env.close, ()) for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))]
         call_env_all(closing, timeout=self.cfg.env_timeout, retries=0, workers=self.cfg.env_workers)
         if self.failures:  # the trajectories end as env_error; say why, once per call
             import sys
@@ -293,6 +296,17 @@ class EpisodeRunner:
             print(f"ovkit: warning: environment failed: {self.failures[0]}{more}", file=sys.stderr, flush=True)
         done = [e.completion() for e in episodes]
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _episode(self, prompt: Any) -> Episode:
+        """A trajectory with its own environment; a factory that raises ends it as env_error (the rollout goes on)."""
+        e = Episode(prompt, None)
+        try:
+            e.env = self.cfg.env.build(task_of(prompt, self.cfg.mode))
+        except OvkitError:
+            raise  # bad --env-arg values or an object without the interface: the run cannot work
+        except Exception as err:  # noqa: BLE001 -- the environment's failure, reported like a failed step
+            self._fail(e, f"build: {type(err).__name__}: {err}")
+        return e
 
     def _call(self, calls: Sequence[tuple[Callable, tuple]]) -> list[Any]:
         return call_env_all(calls, timeout=self.cfg.env_timeout, retries=self.cfg.env_retries, workers=self.cfg.env_workers)
@@ -347,8 +361,8 @@ class EpisodeRunner:
             obs, done, info = _unpack(result)
         except EnvFailure as err:
             return self._fail(e, f"step: {err}")
-        if "reward_scale" in info:
-            e.reward_scale = float(info["reward_scale"])
+        if "reward_scale" in info:  # a multiplier on a reward in [0, 1]: kept in [0, 1]
+            e.reward_scale = min(1.0, max(0.0, float(info["reward_scale"])))
         if done:
             from ovkit.envs import REASONS
 
@@ -437,7 +451,13 @@ def check_env_options(cfg: Any) -> None:
         if cfg.env_arg:
             raise OvkitError("--env-arg needs --env")
         return
-    load_env(cfg.env, cfg.env_arg)
+    spec = load_env(cfg.env, cfg.env_arg)
+    try:  # the arguments' names, against the factory's signature (their values are the factory's to check)
+        inspect.signature(spec.factory).bind({}, **spec.args)
+    except TypeError as e:
+        raise OvkitError(f"--env {cfg.env}: --env-arg {', '.join(spec.args) or '(none)'}: {e}") from None
+    except ValueError:
+        pass  # a builtin without a signature
     MultiTurn(env=None, max_turns=cfg.max_turns, max_response_tokens=cfg.max_response_tokens, env_retries=cfg.env_retries, env_timeout=cfg.env_timeout)
 
 
