@@ -5,6 +5,7 @@ returned on turn 2 really changes the model's turn-2 logits, and the learner re-
 
 import time
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -472,6 +473,11 @@ def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_pat
         assert len(row["turn_ids"]) == len(row["response_ids"]) == len(row["loss_mask"])
         assert row["turns"] == max(row["turn_ids"]) + 1 and row["termination"] in ("completed", "max_turns", "truncated")
         assert len(row["images"]) >= 1 and row["completion"].count("<|im_start|>assistant") == row["turns"] - 1
+    from ovkit.errors import OvkitError
+    from ovkit.generate.rollouts import write_rollouts
+
+    with pytest.raises(OvkitError, match="termination"):
+        write_rollouts(table.set_column(table.column_names.index("termination"), "termination", pa.array(["finished"] * table.num_rows)), tmp_path / "bad.parquet")
     report = tmp_path / "report"
     code, stdout, err = cli("mismatch-report", out / "rollouts", "--model", base / "model", "--quiet", "--out", report)
     assert code == 0, err

@@ -62,6 +62,7 @@ OPTIONAL_COLUMNS: dict[str, pa.DataType] = {
     "termination": pa.string(),  # multi-turn: completed | env_done | max_turns | truncated | env_error
 }
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
+TERMINATIONS = ("completed", "env_done", "max_turns", "truncated", "env_error")  # as ovkit.rl.multiturn
 ROLLOUTS_FILE = "rollouts.parquet"
 
 
@@ -115,6 +116,14 @@ def check_rollouts(table: pa.Table, path: Path | str = "<rollouts>") -> None:
             raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'behave_logprobs')}: {len(lp or [])} values for {n} response tokens")
         if fr not in FINISH_REASONS:
             raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'finish_reason')}: {fr!r} is not one of {', '.join(sorted(FINISH_REASONS))}")
+    if "turn_ids" in table.column_names:
+        for i, (rid, r, t) in enumerate(zip(ids, resp, table.column("turn_ids").to_pylist())):
+            if t is not None and len(t) != len(r or []):
+                raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'turn_ids')}: {len(t)} values for {len(r or [])} response tokens")
+    if "termination" in table.column_names:
+        for i, (rid, t) in enumerate(zip(ids, table.column("termination").to_pylist())):
+            if t is not None and t not in TERMINATIONS:
+                raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'termination')}: {t!r} is not one of {', '.join(TERMINATIONS)}")
 
 
 def write_rollouts(rows: pa.Table | Iterable[Mapping[str, Any]], path: Path | str) -> Path:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 from ovkit.errors import OvkitError
 
-TERMINATIONS = ("completed", "env_done", "max_turns", "truncated", "env_error")
+from ovkit.generate.rollouts import TERMINATIONS  # completed, env_done, max_turns, truncated, env_error
 DUMMY = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
 
 
