@@ -142,12 +142,16 @@ mismatch-demo: $(MODELS)/sft/ovkit.json
 #  1. GRPO with verifier feedback: "incorrect, try again" up to 3 attempts, reward x0.8 per extra attempt; the sampler
 #     runs in bf16, so the step metrics split a real mismatch into first-turn and later-turn tokens;
 #  2. the mismatch report of its first step's rollouts (sampled from the SFT weights): first vs later turns;
-#  3. the zoom tool under eval: the model may ask for an enlarged crop before it answers.
+#  3. fresh verifier episodes from fp32, bf16 and int8 samplers: the first vs later turn gap per sampler;
+#  4. the zoom tool under eval: the model may ask for an enlarged crop before it answers.
 multiturn-demo: $(RUN)/rl-data/ovkit.json
 	$(OVKIT) rl-train $(RUN)/rl-data/stage1 --model $(MODELS)/sft --out $(MODELS)/rl-multiturn \
 		--config examples/tiny/rl-multiturn.yaml --seed $(SEED) --quiet
 	$(OVKIT) mismatch-report $(MODELS)/rl-multiturn/rollouts/step-000001.parquet --model $(MODELS)/sft \
 		--data $(RUN)/rl-data/stage1 --out $(RUN)/mismatch-multiturn --overwrite --quiet
+	$(OVKIT) mismatch-report --generate $(RUN)/rl-data/stage1 --model $(MODELS)/sft --env verifier --limit 4 --n 4 \
+		--max-new-tokens 32 --no-system-prompt --sampler fp32 --sampler bf16 --sampler int8 --seed $(SEED) \
+		--out $(RUN)/mismatch-multiturn-samplers --overwrite --quiet
 	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/sft $(DATA)/eval --env zoom \
 		--out $(EVALS)/sft-zoom --quiet
 

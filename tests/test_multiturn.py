@@ -523,3 +523,23 @@ def test_asynchronous_multi_turn_rl_train(zoomer, cli, tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and max(r["staleness/max"] for r in rows) <= 1
     assert all(sum(r["turns/hist"].values()) == 4 and r["turns/max"] <= 2 for r in rows)
+
+
+def test_mismatch_report_generates_multi_turn_rollouts_per_sampler(zoomer, cli, tmp_path):
+    """`mismatch-report --generate DATA --env zoom`: each sampler rolls out the same episodes' prompts through the
+    environment, and every run's by-turn table has first and later turns."""
+    import json
+
+    _, _, base = zoomer
+    out = tmp_path / "mm"
+    code, stdout, err = cli("mismatch-report", "--generate", base / "data", "--model", base / "model", "--env", "zoom", "--sampler", "fp32",
+                            "--sampler", "bf16", "--n", "3", "--max-new-tokens", "16", "--temperature", "0.5", "--quiet", "--out", out)  # fmt: skip
+    assert code == 0, err
+    runs = json.loads((out / "report.json").read_text())["runs"]
+    for name in ("fp32", "bf16"):
+        names = [r["turn"] for r in runs[name]["by_turn"]]
+        assert names[:2] == ["first", "later"], (name, names)
+    fp32 = {r["turn"]: r for r in runs["fp32"]["by_turn"]}
+    assert fp32["later"]["k3_kl"] < 1e-6  # fp32 sampler, fp32 learner: later turns re-read exactly too
+    code, _, err = cli("mismatch-report", out / "rollouts" / "fp32.parquet", "--model", base / "model", "--env", "zoom", "--out", tmp_path / "x")
+    assert code == 2 and "--env goes with --generate" in err

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
+from ovkit.commands._common import CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
 
 _O = typer.Option
 
@@ -36,6 +36,12 @@ def mismatch_report(
     behave_cap: float = _O(5.0, "--behave-cap", help="rl-train's behaviour-weight cap, reported as a mask rate (0: not reported)."),
     veto_threshold: float = _O(None, "--veto-threshold", "--rollout-token-veto-threshold", help="Also report the veto: sequences with any token ratio below this."),
     max_points: int = _O(20000, "--max-points", help="Tokens drawn in the scatter plots (a seeded sample beyond that)."),
+    env: str = ENV,
+    env_arg: list[str] = ENV_ARG,
+    max_turns: int = MAX_TURNS,
+    max_response_tokens: int = MAX_RESPONSE_TOKENS,
+    env_retries: int = ENV_RETRIES,
+    env_timeout: float = ENV_TIMEOUT,
     trust_remote_code: bool = _O(False, "--trust-remote-code", help="Allow model code from the model directory."),
     seed: int = SEED,
     overwrite: bool = OVERWRITE,

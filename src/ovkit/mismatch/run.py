@@ -40,6 +40,12 @@ class MismatchConfig:
     behave_cap: float = 5.0  # rl-train's behaviour-weight cap (0: not reported)
     veto_threshold: float | None = None
     max_points: int = 20000  # tokens drawn in the scatter plots (a seeded sample beyond that)
+    env: str | None = None  # --generate: multi-turn rollouts with an environment (ovkit.envs)
+    env_arg: Any = None
+    max_turns: int = 3
+    max_response_tokens: int | None = None
+    env_retries: int = 2
+    env_timeout: float = 30.0
     trust_remote_code: bool = False
     seed: int = 0
     overwrite: bool = False
@@ -47,6 +53,11 @@ class MismatchConfig:
 
     def __post_init__(self) -> None:
         from ovkit.mismatch.sample import canonical_sampler
+        from ovkit.rl.multiturn import check_env_options
+
+        check_env_options(self)
+        if self.env and self.generate is None:
+            raise OvkitError("--env goes with --generate (ROLLOUTS were already sampled)")
 
         if self.model is None:
             raise OvkitError("--model is required (the learner)")
@@ -182,14 +193,17 @@ def _generate_all(cfg: MismatchConfig, model, processor, out_dir: Path, temperat
     from ovkit.data import read_samples
     from ovkit.generate.rollouts import write_rollouts
     from ovkit.mismatch.sample import generate_rollouts, make_sampler
+    from ovkit.rl.multiturn import env_instruction, make_runner
     from ovkit.rl.rollout import encode_prompts
 
     table = first_per_category(read_samples(cfg.generate).table, cfg.limit)
-    prompts = encode_prompts(table, processor, mode=cfg.prompt, system=cfg.system_prompt, max_pixels=cfg.max_pixels or None)
+    prompts = encode_prompts(table, processor, mode=cfg.prompt, system=cfg.system_prompt, max_pixels=cfg.max_pixels or None, extra=env_instruction(cfg))
+    mode = "answer" if cfg.prompt == "none" else cfg.prompt
     out = []
     for name in cfg.sampler:
         engine = make_sampler(name, model, processor, model_dir=cfg.model, batch_size=cfg.batch_size, seed=cfg.seed, quiet=cfg.quiet)
-        rollouts = generate_rollouts(engine, prompts, n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=top_p, seed=cfg.seed, prompt_mode="answer" if cfg.prompt == "none" else cfg.prompt)
+        episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels or None, model=model)
+        rollouts = generate_rollouts(engine, prompts, n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=top_p, seed=cfg.seed, prompt_mode=mode, episodes=episodes)
         del engine
         path = write_rollouts(rollouts, out_dir / "rollouts" / f"{name}.parquet")
         rows = rollouts.to_pylist()

@@ -46,19 +46,18 @@ def make_sampler(name: str, model: Any, processor: Any, *, model_dir: Any, batch
     return make_engine("hf", model, processor, batch_size=batch_size, progress=not quiet, **SAMPLERS[name])
 
 
-def generate_rollouts(engine: Any, prompts: list, *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int, prompt_mode: str) -> Any:
-    """`n` scored completions per prompt -> a rollout table (with the prompt images)."""
+def generate_rollouts(engine: Any, prompts: list, *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int, prompt_mode: str, episodes: Any = None) -> Any:
+    """`n` scored completions per prompt -> a rollout table (with the prompt images); multi-turn trajectories with
+    `episodes` (an ovkit.rl.multiturn.EpisodeRunner over `engine`)."""
     from ovkit.rl.rollout import Group, groups_table, score_groups
 
-    outs = engine.generate(
-        [p.encoded for p in prompts],
-        n=n,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        images=[p.images for p in prompts],
-    )
+    if episodes is not None:
+        outs = episodes.run(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    else:
+        outs = engine.generate(
+            [p.encoded for p in prompts], n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            seed=seed, images=[p.images for p in prompts],
+        )  # fmt: skip
     groups = [Group(p, i, 0, list(cs)) for i, (p, cs) in enumerate(zip(prompts, outs))]
     score_groups(groups, mode=prompt_mode, format_weight=0.0, workers=1)
-    return groups_table(groups, with_images=True)
+    return groups_table(groups, with_images=True, tokenizer=getattr(engine, "tokenizer", None))
