@@ -115,6 +115,69 @@ def test_context_is_the_templates_rendering_of_the_whole_conversation(tiny):
     assert processor.tokenizer.decode(ours).count("You are a helpful AI assistant.") == 1
 
 
+_CONTENT = (
+    "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}{%- elif 'text' in part -%}"
+    "{{- part['text'] -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
+)
+TOOLS_TEMPLATE = (  # Qwen2.5's shape: tool schemas in a system preamble, tool results as a user turn
+    "{%- if tools -%}{{- '<|im_start|>system\\nYou may call these tools:\\n' -}}{%- for t in tools -%}{{- t | tojson -}}"
+    "{{- '\\n' -}}{%- endfor -%}{{- '<|im_end|>\\n' -}}{%- endif -%}{%- for message in messages -%}"
+    "{%- if message['role'] == 'tool' -%}{{- '<|im_start|>user\\n<tool_response>\\n' -}}" + _CONTENT + "{{- '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}" + _CONTENT + "{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+class CounterTool:
+    """A tool-calling environment: its schema goes to the chat template, its results come back as "tool" turns."""
+
+    tools = [{"type": "function", "function": {"name": "count", "description": "Count the squares.", "parameters": {"type": "object", "properties": {}}}}]
+
+    def __init__(self, task):
+        self.calls = 0
+
+    def reset(self):
+        self.calls = 0
+
+    def step(self, text):
+        self.calls += 1
+        return ({"text": "2 squares"}, False, {}) if "<tool_call>" in text else (None, True, {})
+
+    def format_observation(self, obs):
+        return {"role": "tool", "content": obs["text"], "images": []}
+
+
+def test_a_tool_preamble_is_rendered_once(tiny):
+    """With an environment's tool schemas, the template's tool preamble is in the prompt once and never again: tool
+    results join as the template's "tool" turns, the delta trims the preamble (slime's dummy-prefix trick)."""
+    import copy
+
+    from ovkit.models.encode import encode_messages
+    from ovkit.rl.rollout import encode_prompts
+
+    _, processor = tiny
+    processor = copy.deepcopy(processor)
+    processor.chat_template = TOOLS_TEMPLATE
+    rows = [{"id": "t", "images": [image_cell(_image())], "messages": [{"role": "user", "content": "<image>\nHow many squares?"}], "source": "s", "category": "counting", "answer": "2", "answer_type": "number"}]
+    (prompt,) = encode_prompts(samples_table(rows), processor, mode="none", system=False, tools=CounterTool.tools)
+    engine = Scripted(processor, ["<tool_call>count</tool_call>", "<tool_call>count</tool_call>", "<answer>2</answer>"])
+    (c,), = _run(_runner(engine, processor, CounterTool), [prompt])
+    assert (c.turns, c.termination) == (3, "completed")
+    ours = processor.tokenizer.decode(prompt.encoded.input_ids + c.token_ids)
+    assert ours.count("You may call these tools") == 1 and ours.count("<tool_response>") == 2
+    conversation = [
+        {"role": "user", "content": "<image>\nHow many squares?"},
+        {"role": "assistant", "content": "<tool_call>count</tool_call>"},
+        {"role": "tool", "content": "2 squares"},
+        {"role": "assistant", "content": "<tool_call>count</tool_call>"},
+        {"role": "tool", "content": "2 squares"},
+        {"role": "assistant", "content": "<answer>2</answer>"},
+    ]
+    whole = encode_messages(processor, conversation, [_image()], generation_prompt=False, tools=CounterTool.tools).input_ids
+    assert prompt.encoded.input_ids + c.token_ids == whole[: len(whole) - 1]  # all but the template's trailing newline
+
+
 def test_loss_mask_logprobs_and_turn_ids_line_up(tiny):
     _, processor = tiny
     prompts = _prompts(processor)

@@ -14,7 +14,9 @@ the references). An environment is any object with:
 `info` may carry `"reason"`: "completed" (the default: the model's response was its final one) or "env_done" (the
 environment stopped the episode for its own reason, e.g. out of attempts), and `"reward_scale"` (multiplies the
 trajectory's task reward; e.g. a discount per extra turn). The class may define `instruction`, a line appended to
-the prompt's last user turn so the model knows what it can do (e.g. the zoom tool's syntax).
+the prompt's last user turn so the model knows what it can do (e.g. the zoom tool's syntax), and `tools`, function
+schemas passed to the chat template (`apply_chat_template(..., tools=...)`), which renders them once, in the
+prompt's preamble; observations then use the template's roles (e.g. "tool") without repeating it.
 
 Environments are built per trajectory by a factory `factory(task, **env_args)`, where `task` is a dict of the RL
 row: id, images (PIL, capped as the model sees them), answer, answer_type, source, category, reward_kwargs, mode.
@@ -49,6 +51,12 @@ class EnvSpec:
     @property
     def instruction(self) -> str:
         return str(getattr(self.factory, "instruction", "") or "")
+
+    @property
+    def tools(self) -> list[dict] | None:
+        """Tool schemas (OpenAI / HF function format) the chat template renders into the prompt, if the class has any."""
+        tools = getattr(self.factory, "tools", None)
+        return list(tools) if tools else None
 
     def build(self, task: dict[str, Any]) -> Any:
         try:

@@ -132,9 +132,9 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: A
     if engine is None:
         engine, processor = build_engine(cfg)
     clock["load"] = time.perf_counter()
-    from ovkit.rl.multiturn import env_instruction
+    from ovkit.rl.multiturn import env_instruction, env_tools
 
-    prompts, images, inputs = encode_rows(rows, processor, cfg.prompt, progress=not cfg.quiet, extra=env_instruction(cfg))
+    prompts, images, inputs = encode_rows(rows, processor, cfg.prompt, progress=not cfg.quiet, extra=env_instruction(cfg), tools=env_tools(cfg))
     budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)
     clock["encode"] = time.perf_counter()
     completions = generate_rows(engine, cfg, rows, prompts, images, budgets, processor)
@@ -183,7 +183,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: A
     }
 
 
-def encode_rows(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, *, progress: bool = False, extra: str = "") -> tuple[list, list, list[str]]:
+def encode_rows(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, *, progress: bool = False, extra: str = "", tools: Any = None) -> tuple[list, list, list[str]]:
     """(encoded prompts, PIL images, prompt text) per row, the stage instruction (then an environment's, `extra`)
     added to the last user turn."""
     from tqdm.auto import tqdm
@@ -196,7 +196,7 @@ def encode_rows(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, *, 
     for row in tqdm(rows, desc="encode", unit="row", leave=False, disable=not progress):
         messages = with_extra(with_instruction(row["messages"], prompt), extra)
         pics = decode_images(row["images"])
-        prompts.append(encode_prompt(processor, messages, pics))
+        prompts.append(encode_prompt(processor, messages, pics, tools=tools))
         images.append(pics)
         inputs.append("\n".join(f"{m['role']}: {m['content']}" for m in messages))
     return prompts, images, inputs

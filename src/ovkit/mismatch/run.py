@@ -193,11 +193,11 @@ def _generate_all(cfg: MismatchConfig, model, processor, out_dir: Path, temperat
     from ovkit.data import read_samples
     from ovkit.generate.rollouts import write_rollouts
     from ovkit.mismatch.sample import generate_rollouts, make_sampler
-    from ovkit.rl.multiturn import env_instruction, make_runner
+    from ovkit.rl.multiturn import env_instruction, env_tools, make_runner
     from ovkit.rl.rollout import encode_prompts
 
     table = first_per_category(read_samples(cfg.generate).table, cfg.limit)
-    prompts = encode_prompts(table, processor, mode=cfg.prompt, system=cfg.system_prompt, max_pixels=cfg.max_pixels or None, extra=env_instruction(cfg))
+    prompts = encode_prompts(table, processor, mode=cfg.prompt, system=cfg.system_prompt, max_pixels=cfg.max_pixels or None, extra=env_instruction(cfg), tools=env_tools(cfg))
     mode = "answer" if cfg.prompt == "none" else cfg.prompt
     out = []
     for name in cfg.sampler:

@@ -110,19 +110,20 @@ def encode_sample(processor, messages: Sequence[dict[str, Any]], images: Sequenc
     return full
 
 
-def encode_prompt(processor, messages: Sequence[dict[str, Any]], images: Sequence = ()) -> Encoded:
+def encode_prompt(processor, messages: Sequence[dict[str, Any]], images: Sequence = (), *, tools: Sequence[dict] | None = None) -> Encoded:
     """Tokenize a prompt for generation (the generation prompt appended; labels all IGNORE). If the messages end
     with an assistant turn (an SFT row), the prompt is everything before it, so that
-    `encode_prompt(m).input_ids + answer tokens == encode_sample(m).input_ids`."""
+    `encode_prompt(m).input_ids + answer tokens == encode_sample(m).input_ids`. `tools` (JSON schemas) go to the
+    chat template, which renders them where it puts tool preambles (Qwen: the system turn)."""
     msgs = list(messages)
     if msgs and msgs[-1]["role"] == "assistant":
         msgs = msgs[: _last_assistant(msgs)]
-    return _tokenize(processor, msgs, images, generation_prompt=True)
+    return _tokenize(processor, msgs, images, generation_prompt=True, tools=tools)
 
 
-def encode_messages(processor, messages: Sequence[dict[str, Any]], images: Sequence = (), *, generation_prompt: bool) -> Encoded:
+def encode_messages(processor, messages: Sequence[dict[str, Any]], images: Sequence = (), *, generation_prompt: bool, tools: Sequence[dict] | None = None) -> Encoded:
     """Tokenize `messages` exactly as rendered by the chat template (labels all IGNORE)."""
-    return _tokenize(processor, messages, images, generation_prompt=generation_prompt)
+    return _tokenize(processor, messages, images, generation_prompt=generation_prompt, tools=tools)
 
 
 def image_token_count(processor, width: int, height: int) -> int:
@@ -157,14 +158,15 @@ def _last_assistant(messages: Sequence[dict[str, Any]]) -> int:
     raise OvkitError("the conversation has no assistant turn to train on")
 
 
-def _tokenize(processor, messages: Sequence[dict[str, Any]], images: Sequence, *, generation_prompt: bool) -> Encoded:
+def _tokenize(processor, messages: Sequence[dict[str, Any]], images: Sequence, *, generation_prompt: bool, tools: Sequence[dict] | None = None) -> Encoded:
     hf = to_hf_messages(messages)
     n_images = sum(1 for m in hf for p in m["content"] if p["type"] == "image")
     if n_images > len(images):
         raise OvkitError(f"the messages have {n_images} {IMAGE_TOKEN} markers but the row has {len(images)} images")
     if getattr(processor, "chat_template", None) is None:
         raise OvkitError(f"{type(processor).__name__} has no chat template; give the model directory one (chat_template.jinja)")
-    text = processor.apply_chat_template(hf, tokenize=False, add_generation_prompt=generation_prompt)
+    extra = {"tools": list(tools)} if tools else {}
+    text = processor.apply_chat_template(hf, tokenize=False, add_generation_prompt=generation_prompt, **extra)
     kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
     if n_images:
         kwargs["images"] = list(images[:n_images])

@@ -168,7 +168,7 @@ def rollout_all(cfg: CurateConfig, engine, processor, table, stages: Sequence[in
     """One scored group per row, in row order; each row sampled with the instruction of `mode_of` its stage."""
     from tqdm.auto import tqdm
 
-    from ovkit.rl.multiturn import env_instruction, make_runner
+    from ovkit.rl.multiturn import env_instruction, env_tools, make_runner
     from ovkit.rl.rollout import encode_prompts
 
     groups: list = [None] * table.num_rows
@@ -177,7 +177,7 @@ def rollout_all(cfg: CurateConfig, engine, processor, table, stages: Sequence[in
         rows = [i for i, st in enumerate(stages) if mode_of(st, cfg.prompt) == mode]
         if not rows:
             continue
-        prompts = encode_prompts(table.take(rows), processor, mode=mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels, extra=env_instruction(cfg))
+        prompts = encode_prompts(table.take(rows), processor, mode=mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels, extra=env_instruction(cfg), tools=env_tools(cfg))
         episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels)
         for i, g in zip(rows, sample_groups(cfg, engine, prompts, mode, bar, episodes)):
             g.index = i

@@ -67,11 +67,11 @@ class MultiTurn:
 class ObservationEncoder:
     """Observation messages -> the tokens appended to a context (the delta against a dummy conversation)."""
 
-    def __init__(self, processor: Any, stop_ids: Sequence[int]):
+    def __init__(self, processor: Any, stop_ids: Sequence[int], tools: Sequence[dict] | None = None):
         from ovkit.models.encode import encode_messages
 
-        self.processor = processor
-        base = encode_messages(processor, DUMMY, [], generation_prompt=False).input_ids
+        self.processor, self.tools = processor, tools
+        base = encode_messages(processor, DUMMY, [], generation_prompt=False, tools=tools).input_ids
         ends = [i for i, t in enumerate(base) if t in set(stop_ids)]
         if not ends:
             raise OvkitError(f"the chat template of {type(processor).__name__} writes no end-of-turn token after an assistant turn; multi-turn rollouts need one")
@@ -84,7 +84,7 @@ class ObservationEncoder:
         from ovkit.models.encode import Encoded, encode_messages
 
         role = str(message.get("role", "user"))
-        full = encode_messages(self.processor, [*DUMMY, {"role": role, "content": str(message.get("content", ""))}], images, generation_prompt=True)
+        full = encode_messages(self.processor, [*DUMMY, {"role": role, "content": str(message.get("content", ""))}], images, generation_prompt=True, tools=self.tools)
         if full.input_ids[: self.trim] != self.prefix:
             raise OvkitError(f"the chat template renders the conversation before a {role!r} observation differently from the conversation alone; the observation cannot be appended as a delta")
         ids = full.input_ids[self.trim :]
@@ -262,7 +262,7 @@ class EpisodeRunner:
         self.engine, self.cfg = engine, cfg
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.stop_ids = set(getattr(engine, "stop_ids", None) or [])
-        self.encoder = ObservationEncoder(processor, list(self.stop_ids))
+        self.encoder = ObservationEncoder(processor, list(self.stop_ids), tools=cfg.env.tools)
         model = model if model is not None else getattr(engine, "model", None)
         has_config = model is not None and hasattr(model, "config")
         self.suppress = sorted(multimodal_token_ids(model) if has_config else _placeholder_ids(processor))
@@ -466,6 +466,13 @@ def env_instruction(cfg: Any) -> str:
     from ovkit.envs import load_env
 
     return load_env(cfg.env, cfg.env_arg).instruction if cfg.env else ""
+
+
+def env_tools(cfg: Any) -> list[dict] | None:
+    """The environment class's tool schemas for the chat template, None without --env or without tools."""
+    from ovkit.envs import load_env
+
+    return load_env(cfg.env, cfg.env_arg).tools if cfg.env else None
 
 
 def make_runner(cfg: Any, engine: Any, processor: Any, *, mode: str, max_pixels: int | None, model: Any = None) -> EpisodeRunner | None:

@@ -617,14 +617,14 @@ def _prompts(cfg: RLTrainConfig, processor) -> list:
     """Every row of every DATA path (several: e.g. the shards of a sharded rl-curate); empty tables are skipped."""
     from ovkit.data import parquet_files, read_samples
 
-    from ovkit.rl.multiturn import env_instruction
+    from ovkit.rl.multiturn import env_instruction, env_tools
 
     prompts = []
     for path in cfg.data:
         if sum(pq_rows(f) for f in parquet_files(path)) == 0:
             continue
         table = read_samples(path).table
-        prompts += encode_prompts(table, processor, mode=cfg.mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels, extra=env_instruction(cfg))
+        prompts += encode_prompts(table, processor, mode=cfg.mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels, extra=env_instruction(cfg), tools=env_tools(cfg))
     if not prompts:
         raise OvkitError(f"DATA {', '.join(map(str, cfg.data))}: no RL prompts (an rl-curate stage set can be empty when the model solves all or none of the prompts)")
     return prompts
