@@ -14,7 +14,9 @@ failures users of peer systems report (anchors.md section 9):
 - Images of later turns are processed when they arrive (capped to --max-pixels like the prompt's) and really
   placed in the context: their placeholder tokens are expanded, their per-token values (Qwen-VL's
   `mm_token_type_ids`) kept, and their processor outputs kept per turn and concatenated once per key at the end
-  (`merge_mm`). Image placeholder tokens are never sampled (`suppress_ids`): the next turn would read them as images.
+  (`merge_mm`) for the learner; the next turn's generate call needs them whole, so the context re-merges only when a
+  new image arrives. Image placeholder tokens are never sampled (`suppress_ids`): the next turn would read them as
+  images.
 - Every turn is length-checked: generation stops at the token budget (`max_response_tokens`, everything after the
   prompt) and the model's context length; an observation that does not fit ends the trajectory as `truncated`.
 - An environment call that raises or hangs is retried up to `env_retries` times, each call limited to
@@ -33,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ovkit.errors import OvkitError
-
 from ovkit.generate.rollouts import TERMINATIONS  # completed, env_done, max_turns, truncated, env_error
+
 DUMMY = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
 
 
