@@ -259,6 +259,8 @@ def build_trajectories(groups: Sequence[Group], pad_id: int, forbidden: set[int]
     nothing, its reward still counts). Multi-turn trajectories train only their sampled tokens (loss mask 1); their
     observation images are appended to the prompt's processor outputs, once per key. A trajectory whose environment
     failed (env_error) trains nothing and sits in a group of its own, so its reward moves no other advantage."""
+    from ovkit.rl.multiturn import merge_mm
+
     pairs = [(g, c, r) for g in groups for c, r in zip(g.completions, g.rewards)]
     cut = [_trainable_tokens(c.token_ids, forbidden, c.loss_mask) for _, c, _ in pairs]
     width = max(g.prompt.encoded.length + n for (g, _, _), n in zip(pairs, cut))
@@ -288,7 +290,7 @@ def build_trajectories(groups: Sequence[Group], pad_id: int, forbidden: set[int]
         behave[i, L - 1 : L + R - 1] = torch.tensor(c.logprobs[:R], dtype=torch.float32)
         if c.turn_ids is not None:
             turns[i, L - 1 : L + R - 1] = torch.tensor(c.turn_ids[:R], dtype=torch.long)
-        mm.append(_with_observations(enc.mm, c.mm) if c.mm else enc.mm)
+        mm.append(merge_mm([enc.mm, c.mm]) if c.mm else enc.mm)  # the observations' images after the prompt's
     return Trajectories(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -301,12 +303,6 @@ def build_trajectories(groups: Sequence[Group], pad_id: int, forbidden: set[int]
         versions=[g.version for g, _, _ in pairs],
         turn_ids=turns,
     )
-
-
-def _with_observations(prompt_mm: dict[str, Any], observation_mm: dict[str, Any]) -> dict[str, Any]:
-    from ovkit.rl.multiturn import merge_mm
-
-    return merge_mm([prompt_mm, observation_mm])
 
 
 def sequence_logprobs(model, batch: Trajectories, idx: Sequence[int], temperature: float, *, entropy: bool = False):
