@@ -606,3 +606,41 @@ def test_mismatch_report_generates_multi_turn_rollouts_per_sampler(zoomer, cli, 
     assert fp32["later"]["k3_kl"] < 1e-6  # fp32 sampler, fp32 learner: later turns re-read exactly too
     code, _, err = cli("mismatch-report", out / "rollouts" / "fp32.parquet", "--model", base / "model", "--env", "zoom", "--out", tmp_path / "x")
     assert code == 2 and "--env goes with --generate" in err
+
+
+def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tmp_path, monkeypatch):
+    """The run dies after its step-1 checkpoint; --resume finishes it exactly as a straight run: the episodes (their
+    seeds and the environments' answers) are a function of the seed and the step, like single-turn rollouts."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from ovkit.rl import trainer
+
+    _, _, base = zoomer
+
+    def cfg(out, **kw):
+        return trainer.RLTrainConfig(
+            data=[base / "data"], model=base / "model", out=out, env="zoom", max_turns=3, prompts_per_step=2, group_size=4,
+            max_new_tokens=16, temperature=1.3, lr=1e-3, warmup_ratio=0.0, max_staleness=0, max_steps=2, save_every=1,
+            keep_checkpoints=1, reward_workers=1, quiet=True, **kw,
+        )  # fmt: skip
+
+    trainer.train_rl(cfg(tmp_path / "straight"))
+    save = trainer.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        path = save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_rl(cfg(tmp_path / "cut"))
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    assert trainer.train_rl(cfg(tmp_path / "cut", resume=True))["resumed_from"].endswith("step-000001")
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("straight", "cut")}
+    assert all(r["grad_norm"] > 0 for r in rows["straight"]) and any(r["turns/max"] >= 2 for r in rows["straight"])  # not vacuous
+    assert [r["turns/hist"] for r in rows["straight"]] == [r["turns/hist"] for r in rows["cut"]]
+    assert [r["reward/mean"] for r in rows["straight"]] == [r["reward/mean"] for r in rows["cut"]]
+    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
