@@ -143,7 +143,8 @@ mismatch-demo: $(MODELS)/sft/ovkit.json
 #     runs in bf16, so the step metrics split a real mismatch into first-turn and later-turn tokens;
 #  2. the mismatch report of its first step's rollouts (sampled from the SFT weights): first vs later turns;
 #  3. fresh verifier episodes from fp32, bf16 and int8 samplers: the first vs later turn gap per sampler;
-#  4. the zoom tool under eval: the model may ask for an enlarged crop before it answers.
+#  4. the zoom tool under eval: the model may ask for an enlarged crop before it answers;
+#  5. eval with verifier feedback, undiscounted: how often 3 attempts with "incorrect, try again" get it right.
 multiturn-demo: $(RUN)/rl-data/ovkit.json
 	$(OVKIT) rl-train $(RUN)/rl-data/stage1 --model $(MODELS)/sft --out $(MODELS)/rl-multiturn \
 		--config examples/tiny/rl-multiturn.yaml --seed $(SEED) --quiet
@@ -154,6 +155,8 @@ multiturn-demo: $(RUN)/rl-data/ovkit.json
 		--out $(RUN)/mismatch-multiturn-samplers --overwrite --quiet
 	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/sft $(DATA)/eval --env zoom \
 		--out $(EVALS)/sft-zoom --quiet
+	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/sft $(DATA)/eval --env verifier \
+		--env-arg discount=1.0 --out $(EVALS)/sft-verifier --quiet
 
 # Held-out evaluation after every stage: the same eval split, answer-only prompts, greedy.
 $(EVALS)/%/summary.json: $(MODELS)/%/ovkit.json
