@@ -314,7 +314,8 @@ def _to_accelerator(model: Any) -> None:
 
 def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], prompt: str) -> list[list[Any]]:
     """Rewards of every completion, grouped per row like `completions`."""
-    from ovkit.rewards import score_batch
+    from ovkit.rewards import Reward, score_batch
+    from ovkit.rl.multiturn import episode_reward
 
     items = [
         {
@@ -330,20 +331,12 @@ def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], 
         for c in outs
     ]
     flat = score_batch(items)
-    cs = [c for outs in completions for c in outs]
-    flat = [_discounted(r, c) if c.termination is not None else r for r, c in zip(flat, cs)]
+    flat = [Reward(*episode_reward(r.reward, r.parts, c)) for r, c in zip(flat, (c for outs in completions for c in outs))]
     grouped, i = [], 0
     for outs in completions:
         grouped.append(flat[i : i + len(outs)])
         i += len(outs)
     return grouped
-
-
-def _discounted(r: Any, c: Any) -> Any:
-    """A multi-turn completion's reward: the last answer's, times the environment's reward scale."""
-    from ovkit.rewards import Reward
-
-    return Reward(r.reward * c.reward_scale, {**r.parts, "turns": c.turns, "termination": c.termination, "reward_scale": c.reward_scale})
 
 
 def _turns(c: Any) -> dict[str, Any]:

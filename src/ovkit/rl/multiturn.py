@@ -431,6 +431,15 @@ def _max_positions(model: Any) -> int | None:
     return None
 
 
+def episode_reward(reward: float, parts: dict[str, Any], completion: Any) -> tuple[float, dict[str, Any]]:
+    """A trajectory's task reward and parts: a multi-turn one's is its last answer's, times the environment's
+    `reward_scale`, with turns / termination / reward_scale added to the parts; a single-turn one's is unchanged."""
+    if completion.termination is None:
+        return reward, parts
+    extra = {"turns": completion.turns, "termination": completion.termination, "reward_scale": completion.reward_scale}
+    return reward * completion.reward_scale, {**parts, **extra}
+
+
 PAD_RUN = re.compile(r"(<\|image_pad\|>)+")
 
 

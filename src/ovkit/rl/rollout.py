@@ -112,6 +112,7 @@ def score_groups(groups: Sequence[Group], *, mode: str, format_weight: float, wo
     `accuracy` and the `format` reward of the stage's mode), mixed as (1 - format_weight) * task + format_weight *
     format for GRPO."""
     from ovkit.rewards import score_batch
+    from ovkit.rl.multiturn import episode_reward
 
     items = [
         {
@@ -132,11 +133,7 @@ def score_groups(groups: Sequence[Group], *, mode: str, format_weight: float, wo
         for c in g.completions:
             task = next(scored)
             fmt = float(task.parts.get("format", 0.0))
-            parts = dict(task.parts)
-            reward = float(task.reward)
-            if c.termination is not None:  # multi-turn: the environment may discount the task reward (per extra turn)
-                reward *= c.reward_scale
-                parts.update(turns=c.turns, termination=c.termination, reward_scale=c.reward_scale)
+            reward, parts = episode_reward(float(task.reward), dict(task.parts), c)  # multi-turn: x the env's scale
             g.task_rewards.append(reward)
             g.format_rewards.append(float(fmt))
             g.rewards.append((1.0 - format_weight) * reward + format_weight * fmt)
