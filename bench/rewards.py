@@ -8,6 +8,11 @@ short, tiny-model-like outputs, half right and half wrong. The `math (in-process
 calling the scorer directly in this process, no worker and no time limit: the price of the sandbox is the ratio of
 the two math rows. The pool's one-off start (a fresh interpreter importing SymPy, math-verify, cairosvg and
 scikit-image) is timed separately and not counted in any row.
+
+The last table is the price of the code sandbox's OS isolation: the same code items run one after another through
+`run_sandboxed` at each isolation level this machine has (bubblewrap namespaces + seccomp, seccomp, rlimits only),
+milliseconds per item and the ratio to `rlimits` (a plain interpreter start with the audit hook).
+`--isolation-only` prints just that table.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import random
 import time
 
 from ovkit.rewards import SCORERS, score_batch, shutdown
+from ovkit.rewards.codeexec import _tests, run_sandboxed
+from ovkit.rewards.sandbox import LEVELS, isolation
 
 SVG = (
     '<svg xmlns="http://www.w3.org/2000/svg" width="84" height="84"><rect width="84" height="84" fill="white"/>'
@@ -118,14 +125,42 @@ def timed(items: list[dict], workers: int, timeout: float) -> tuple[float, float
     return elapsed, sum(r.reward for r in results) / len(results)
 
 
+def isolation_cost(rng: random.Random, items: int) -> None:
+    """ms per code item at each available isolation level, one item at a time (no pool, no concurrency)."""
+    entry, calls, _ = _tests(code(rng)["answer"])
+    source = "def solution(x):\n    return x * x"
+    timings = {}
+    for level in LEVELS:
+        try:
+            iso = isolation(level)
+        except Exception as e:
+            print(f"{level:<10} unavailable here: {e}")
+            continue
+        run_sandboxed(source, entry, calls, cpu_s=2, wall_s=10, memory_mb=50, level=level)  # warm the page cache
+        start = time.perf_counter()
+        for _ in range(items):
+            reports, _ = run_sandboxed(source, entry, calls, cpu_s=2, wall_s=10, memory_mb=50, level=level)
+            assert reports and all(r["ok"] for r in reports)
+        timings[level] = (time.perf_counter() - start) / items * 1000, iso.describe()
+    base = timings.get("rlimits", (None,))[0]
+    print(f"\n{'isolation':<10}{'ms/item':>9}{'vs rlimits':>12}  mechanism")
+    for level, (ms, what) in timings.items():
+        print(f"{level:<10}{ms:>9.1f}{ms / base if base else float('nan'):>11.2f}x  {what}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every row's item count")
     parser.add_argument("--workers", type=int, default=2, help="worker processes for math / svg / code")
     parser.add_argument("--timeout", type=float, default=10.0, help="per-item time limit, seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--isolation-only", action="store_true", help="only the code sandbox's isolation cost")
+    parser.add_argument("--isolation-items", type=int, default=50, help="code items per isolation level")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    if args.isolation_only:
+        isolation_cost(rng, args.isolation_items)
+        return
 
     start = time.perf_counter()
     score_batch([math(rng)] * args.workers, workers=args.workers, timeout=60.0)
@@ -148,6 +183,7 @@ def main() -> None:
     items = [rng.choices(makers, weights)[0](rng) for _ in range(max(10, int(5_000 * args.scale)))]
     row("realistic mix", items, *timed(items, args.workers, args.timeout))
     shutdown()
+    isolation_cost(rng, args.isolation_items)
 
 
 if __name__ == "__main__":

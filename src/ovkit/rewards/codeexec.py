@@ -8,16 +8,19 @@ Gold answer (JSON text in the `answer` column):
 positional `args`; the JSON-encoded return value must equal `output` (floats within 1e-6). All tests must pass for a
 reward of 1 (released rule); `pass_rate` is reported as a part.
 
-The sandbox (what is guaranteed and what is not: docs/rewards.md, "Security"):
-- a fresh `python -I -S -B` (no site-packages, no PYTHON* variables, no user directories) in a throwaway temporary
-  working directory, with an empty environment, stdin/stdout/stderr on /dev/null;
-- kernel-enforced limits: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, no core files; an alarm() that kills it
-  at the wall limit even if the parent is stuck; SIGKILL when the scoring worker dies (PR_SET_PDEATHSIG); its own
-  session, killed as a group when the wall-clock limit passes;
-- an audit hook (PEP 578) installed before the model's code runs refuses sockets, subprocesses / fork / exec /
-  signals to other processes, ctypes, writes outside the temporary directory, reads outside it and Python's own
-  library, links, permission changes, tracing and the other routes listed in _BOOTSTRAP. Audit hooks are defence in
-  depth, not a security boundary (PEP 578 says so); for hostile workloads run the scorer inside a container.
+The sandbox (threat model and what is and is not contained: docs/rewards.md, "Security"):
+- OS level (ovkit/rewards/sandbox.py): bubblewrap namespaces (no network, no other processes, a read-only view of
+  the libraries and the interpreter, writes only in a throwaway scratch directory, uid 65534) and a seccomp filter (no
+  new processes or programs, no sockets, no signals to other processes), or the strongest subset the machine allows;
+- kernel limits: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NOFILE, no core files; a wall-clock limit enforced by
+  the parent, which kills the child's process group (and with it the sandbox's pid namespace); an alarm() armed in a
+  process the candidate cannot reach (bwrap) or cannot cancel (seccomp refuses alarm/setitimer); SIGKILL when the
+  scoring worker dies (PR_SET_PDEATHSIG);
+- a fresh `python -I -S -B` with an empty environment and stdin/stdout/stderr on /dev/null;
+- in process, a second layer: an audit hook (PEP 578) installed before the model's code runs refuses sockets,
+  subprocesses, signals, ctypes, writes outside the scratch directory, reads outside it and the standard library,
+  links, permission changes, tracing and the other routes listed in _BOOTSTRAP. PEP 578 says audit hooks are not a
+  security boundary; the OS level is.
 
 The child only reports return values; the comparison with the expected outputs happens in the parent, so code that
 forges the report still has to produce the right values.
@@ -38,14 +41,16 @@ import time
 from typing import Any
 
 from ovkit.errors import OvkitError
+from ovkit.rewards import sandbox
 from ovkit.rewards.base import Reward, gold_json
 from ovkit.rewards.extract import extract_code
 
 MAX_CODE_CHARS = 50_000
 MAX_REPORT_BYTES = 1 << 20  # more output than this from the child is treated as a failure
 
-# Runs in the child. Reads {"code", "entry", "calls", "tmp", "read_roots"} from stdin, installs the audit hook, runs the
-# code, calls the entry function once per test and writes one JSON line per call to a private copy of stdout.
+# Runs in the child. Reads {"code", "entry", "calls", "tmp", "read_roots", "seccomp", "hook"} from stdin, installs the
+# seccomp filter and the audit hook, runs the code, calls the entry function once per test and writes one JSON line
+# per call to a private copy of stdout.
 _BOOTSTRAP = r"""
 import sys, posix, json
 
@@ -80,8 +85,9 @@ def _guard(tmp, read_roots):
         if event in BLOCKED or event.startswith(BLOCKED_PREFIXES):
             raise refuse("sandbox: " + event)
         if event == "import":
-            if args[0].partition(".")[0] in BLOCKED_MODULES:
-                raise refuse("sandbox: import " + args[0])
+            for part in args[0].split("."):  # every part: `x._posixsubprocess` is the extension all the same
+                if part in BLOCKED_MODULES:
+                    raise refuse("sandbox: import " + args[0])
             return
         if event == "open":
             path, mode, flags = args[0], args[1], args[2]
@@ -130,6 +136,20 @@ def _guard(tmp, read_roots):
 
     sys.addaudithook(hook)
 
+def _seccomp(program):
+    # Installed before any model code, irrevocably (filters can only be added, never removed). ctypes is loaded for
+    # this alone and dropped from sys.modules, so the model's `import ctypes` reaches the audit hook again.
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    class sock_fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = sock_fprog(len(program) // 8, ctypes.addressof(buf))
+    ok = libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0  # NO_NEW_PRIVS, SECCOMP
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith("ctypes.") or m == "_ctypes"]:
+        del sys.modules[name]
+    return ok
+
 def _main():
     cfg = json.loads(sys.stdin.buffer.read())
     report = posix.dup(1)
@@ -138,7 +158,11 @@ def _main():
         posix.dup2(null, fd)
     posix.close(null)
     dumps, write, encode = json.dumps, posix.write, str.encode
-    _guard(cfg["tmp"], tuple(cfg["read_roots"]))
+    if cfg["seccomp"] and not _seccomp(bytes.fromhex(cfg["seccomp"])):
+        write(report, encode(dumps({"ok": False, "error": "sandbox: seccomp"}) + "\n"))
+        return  # fail closed: no filter, no run
+    if cfg["hook"]:
+        _guard(cfg["tmp"], tuple(cfg["read_roots"]))
     namespace = {"__name__": "__solution__"}
     try:
         exec(compile(cfg["code"], "<solution>", "exec"), namespace)
@@ -164,12 +188,15 @@ def _read_roots() -> list[str]:
     return sorted(os.path.realpath(r) for r in roots if os.path.realpath(r) != "/")
 
 
-def _limit_child(cpu_s: float, wall_s: float, memory_mb: int):
+def _limit_child(cpu_s: float, wall_s: float, memory_mb: int, drop_to_nobody: bool):
     """preexec_fn: runs in the forked child before exec (the scoring worker is single-threaded, so this is safe).
-    The address-space limit comes last: nothing may be loaded after it."""
+    Under bwrap these limits and the alarm sit on the outer bwrap process too, which the candidate cannot reach; the
+    address-space limit comes last: nothing may be loaded after it."""
     import resource
 
     _die_with_parent()
+    if drop_to_nobody:
+        sandbox.drop_privileges()
     signal.alarm(max(1, math.ceil(wall_s)) + 1)  # survives exec; the default action of SIGALRM terminates
     cpu = max(1, math.ceil(cpu_s))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -220,17 +247,33 @@ def _read_report(proc: subprocess.Popen, deadline: float) -> tuple[bytes, bool, 
 
 
 def run_sandboxed(
-    source: str, entry: str, calls: list[list[Any]], *, cpu_s: float, wall_s: float, memory_mb: int
+    source: str,
+    entry: str,
+    calls: list[list[Any]],
+    *,
+    cpu_s: float,
+    wall_s: float,
+    memory_mb: int,
+    level: str | None = None,
+    audit_hook: bool = True,
 ) -> tuple[list[dict] | None, dict]:
-    """Run `source` and call `entry(*args)` for each of `calls`; returns (one report per call or None, flags)."""
+    """Run `source` and call `entry(*args)` for each of `calls`; returns (one report per call or None, flags).
+
+    `level` picks the OS isolation (sandbox.LEVELS; default: OVKIT_SANDBOX, else the strongest available);
+    `audit_hook=False` leaves out the in-process layer, so tests can show what the OS level contains on its own."""
+    iso = sandbox.isolation(level)
     with tempfile.TemporaryDirectory(prefix="ovkit-code-", ignore_cleanup_errors=True) as tmp:
         tmp = os.path.realpath(tmp)
-        payload = json.dumps(
-            {"code": source, "entry": entry, "calls": calls, "tmp": tmp, "read_roots": [*_read_roots(), tmp]}
-        ).encode()
+        if iso.drop_to_nobody:
+            os.chown(tmp, sandbox.NOBODY, sandbox.NOBODY)
+        payload = json.dumps({
+            "code": source, "entry": entry, "calls": calls, "tmp": tmp, "read_roots": [*_read_roots(), tmp],
+            "seccomp": iso.seccomp.hex() if iso.seccomp else None, "hook": audit_hook,
+        }).encode()
         _prctl()
+        wrap = sandbox.bwrap_argv(iso.bwrap, tmp) if iso.level == "bwrap" else []
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP],
+            [*wrap, sandbox.interpreter(), "-I", "-S", "-B", "-c", _BOOTSTRAP],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -238,7 +281,7 @@ def run_sandboxed(
             env={"LC_ALL": "C.UTF-8"},
             start_new_session=True,
             close_fds=True,
-            preexec_fn=lambda: _limit_child(cpu_s, wall_s, memory_mb),
+            preexec_fn=lambda: _limit_child(cpu_s, wall_s, memory_mb, iso.drop_to_nobody),
         )
         try:
             try:
@@ -248,6 +291,8 @@ def run_sandboxed(
                 pass
             raw, timed_out, overflow = _read_report(proc, time.monotonic() + wall_s)
         finally:
+            # The process group is the child (or the outer bwrap, whose death takes the whole pid namespace with it:
+            # --die-with-parent), so every descendant ends here, whatever it did with its session or alarm.
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -103,7 +103,12 @@ def _warm_up() -> None:
             __import__(name)
         except ImportError:
             pass
-    from ovkit.rewards import markup, mathexpr
+    from ovkit.rewards import markup, mathexpr, sandbox
+
+    try:
+        sandbox.isolation()  # probe bwrap and build the seccomp filter once; forked workers inherit the answer
+    except OvkitError:
+        pass  # an impossible OVKIT_SANDBOX request: reported by the first code item, in the caller
 
     shape = '<svg xmlns="http://www.w3.org/2000/svg" width="8" height="8"><rect width="4" height="4"/></svg>'
     for warm in (lambda: mathexpr.math("<answer>\\frac{1}{2}</answer>", "0.5"), lambda: markup.svg(shape, shape.replace('"4"', '"5"'))):
