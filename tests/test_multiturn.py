@@ -608,16 +608,27 @@ def test_mismatch_report_generates_multi_turn_rollouts_per_sampler(zoomer, cli, 
     assert code == 2 and "--env goes with --generate" in err
 
 
+def _zoom_script(turn: int, k: int) -> str:
+    """Samples 0 and 2 zoom, then answer 1 (right, two turns); sample 1 answers 1 at once (right); sample 3 answers 2
+    (wrong): every group has reward spread, so every step has advantages and a gradient, on any machine."""
+    if turn == 0:
+        return "<zoom>[0,0,42,42]</zoom>" if k % 2 == 0 else f"<answer>{1 if k % 4 == 1 else 2}</answer>"
+    return "<answer>1</answer>"
+
+
 def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tmp_path, monkeypatch):
     """The run dies after its step-1 checkpoint; --resume finishes it exactly as a straight run: the episodes (their
-    seeds and the environments' answers) are a function of the seed and the step, like single-turn rollouts."""
+    seeds and the environments' answers) are a function of the seed and the step, like single-turn rollouts. The
+    policy is scripted (tests/scripted_policy.py), so the groups have reward spread whatever the machine samples."""
     import json
 
     from safetensors.torch import load_file
 
     from ovkit.rl import trainer
+    from scripted_policy import ScriptedEngine
 
     _, _, base = zoomer
+    monkeypatch.setattr(trainer, "make_sampler", lambda cfg, model, processor: ScriptedEngine(model, processor, _zoom_script))
 
     def cfg(out, **kw):
         return trainer.RLTrainConfig(
@@ -639,8 +650,9 @@ def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tm
     monkeypatch.setattr(trainer, "save_checkpoint", save)
     assert trainer.train_rl(cfg(tmp_path / "cut", resume=True))["resumed_from"].endswith("step-000001")
     rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("straight", "cut")}
-    assert all(r["grad_norm"] > 0 for r in rows["straight"]) and any(r["turns/max"] >= 2 for r in rows["straight"])  # not vacuous
-    assert [r["turns/hist"] for r in rows["straight"]] == [r["turns/hist"] for r in rows["cut"]]
-    assert [r["reward/mean"] for r in rows["straight"]] == [r["reward/mean"] for r in rows["cut"]]
+    straight = rows["straight"]
+    assert [r["reward/mean"] for r in straight] == [0.75, 0.75] and all(r["frac_reward_zero_std"] == 0 for r in straight)
+    assert all(r["grad_norm"] > 0 for r in straight) and all(r["turns/hist"] == {"1": 4, "2": 4} for r in straight)
+    assert [r["grad_norm"] for r in straight] == pytest.approx([r["grad_norm"] for r in rows["cut"]], rel=1e-5)
     a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
