@@ -167,7 +167,10 @@ def write_table(table: pa.Table, path: Path | str, *, row_group_size: int = 256)
     if meta:
         table = table.replace_schema_metadata(meta)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+    if table.num_rows:
+        pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+    else:  # no row group at all: `datasets` fails on an empty one ("BatchSize must be greater than 0")
+        pq.ParquetWriter(tmp, table.schema, compression="zstd").close()
     tmp.replace(path)
     return path
 
