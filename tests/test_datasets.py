@@ -260,7 +260,7 @@ def test_cached_hub_id_loads_offline_through_a_command(corpus, tmp_path, monkeyp
     assert code == 0, err
     assert read_samples(tmp_path / "from-hub").table.equals(expected)
     prov = json.loads((tmp_path / "from-hub" / "ovkit.json").read_text())
-    assert prov["inputs"][0]["path"] == f"{HUB_ID}@train"
+    assert prov["inputs"][0] == {"path": f"{HUB_ID}@train", "hub": HUB_ID, "source_fingerprint": datasets.load_dataset(HUB_ID, split="train")._fingerprint}
 
 
 def test_model_trained_on_a_hub_id_has_a_card_naming_base_model_and_dataset(corpus, tmp_path, monkeypatch, micro_model, cli):

@@ -283,8 +283,9 @@ def _describe_input(i: dict[str, Any]) -> str:
     if "sha256" in i:
         return f"`{i['path']}` ({i['files']} file(s), {i['bytes']} bytes, fingerprint {i['sha256']})"
     if i.get("converted"):
-        return f"`{i['path']}` (Hub dataset {i.get('hub') or ''}, read as {i.get('format')}, source fingerprint {i.get('source_fingerprint')})"
-    return f"`{i['path']}`" + (f" (Hub: {i['hub']})" if i.get("hub") else "")
+        return f"`{i['path']}` (Hub dataset {i.get('hub') or ''}, read as {i.get('format')}, `datasets` fingerprint {i.get('source_fingerprint')})"
+    seen = f", `datasets` fingerprint {i['source_fingerprint']}" if i.get("source_fingerprint") else ""
+    return f"`{i['path']}`" + (f" (Hub dataset {i['hub']}{seen})" if i.get("hub") else "")
 
 
 def _headline(metrics: dict[str, Any], limit: int = 14) -> list[tuple[str, Any]]:

@@ -133,8 +133,12 @@ def sample_files(text: str | Path) -> list[Path]:
 
 
 def describe(text: str | Path) -> dict[str, Any]:
-    """Provenance of an input that is not a local path: the spec, and the converted copy's fingerprint if read."""
-    return _described.get(str(text), {"path": str(text), "hub": parse_spec(text).base})
+    """Provenance of an input that is not a local path: the spec, the `datasets` fingerprint of what was loaded, and
+    the converted copy's fingerprint where a stage read it through the cache."""
+    if str(text) in _described:
+        return _described[str(text)]
+    loaded = _loaded.get(str(text))
+    return {"path": str(text), "hub": parse_spec(text).base, **({"source_fingerprint": loaded._fingerprint} if loaded is not None else {})}
 
 
 # ------------------------------------------------------------------------------------------------ dataset cards
