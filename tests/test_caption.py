@@ -366,7 +366,8 @@ def test_shards_read_back_as_the_single_machine_output(cli, tmp_path, tiny_model
     for i in range(3):
         out = cli_ok(cli, *common, "--shard", f"{i}/3", "--out", tmp_path / "many")
         assert f"part-{i:05d}-of-00003" in out
-    assert sorted(p.name for p in (tmp_path / "many").iterdir()) == [f"part-{i:05d}-of-00003" for i in range(3)]
+    # the parts, and the dataset card that covers them all (ovkit.cards)
+    assert sorted(p.name for p in (tmp_path / "many").iterdir()) == ["README.md", *(f"part-{i:05d}-of-00003" for i in range(3))]
     one, many = read_table(tmp_path / "one"), read_table(tmp_path / "many")
     assert many.num_rows == 12 and many.equals(one)
 

@@ -334,8 +334,13 @@ def test_auto_detection(tmp_path):
         k(["conversations", "image", "images"])  # LLaVA's image and ShareGPT's images: ambiguous
     with pytest.raises(conv_mod.OvkitError, match="--from"):
         k(["text", "label"])
-    with pytest.raises(conv_mod.OvkitError, match="already a sample table"):
-        k(["id", "images", "messages", "source", "category"])
+    # ovkit's own table (e.g. from the Hub) and TRL's layouts are formats too
+    assert k(["id", "images", "messages", "source", "category"])[0] == "ovkit"
+    assert k(["id", "images", "messages", "source"], parts=True)[0] == "trl"
+    assert k(["images", "messages"], parts=True)[0] == "trl"
+    assert k(["image", "messages"])[0] == "trl"
+    assert k(["images", "prompt", "completion"])[0] == "trl"
+    assert k(["data_source", "images", "prompt", "reward_model"], parts=True)[0] == "verl"
 
 
 def test_ambiguous_input_exits_2(tmp_path, cli):

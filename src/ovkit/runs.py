@@ -1,8 +1,10 @@
 """Outputs are complete or absent, and say where they came from.
 
 A stage writes into `OUT.tmp-<pid>` beside its target and renames it to `OUT` at the end, with `config.yaml` (the
-resolved options) and `ovkit.json` (provenance: command, version, config, input fingerprints, parent checkpoint, seed,
-times, headline metrics). A complete `OUT` (one with `ovkit.json`) is left alone unless `overwrite`.
+resolved options), `ovkit.json` (provenance: command, version, config, input fingerprints, parent checkpoint, seed,
+times, headline metrics) and, for a data or model output, a `README.md` card generated from it (ovkit.cards). A part
+of a sharded output (`OUT/part-I-of-N`) also writes `OUT/README.md`, covering every part. A complete `OUT` (one with
+`ovkit.json`) is left alone unless `overwrite`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ovkit import __version__
+from ovkit.cards import PART_DIR, write_card, write_parts_card
 from ovkit.config import dump_yaml, to_plain
+from ovkit.data.sources import describe, is_remote, parse_spec
 
 PROVENANCE = "ovkit.json"
 
@@ -101,7 +105,7 @@ class Stage:
         if self.path.exists():
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True)
-        self._input_prints = [fingerprint(p) for p in self.inputs if p.exists()]
+        self._input_prints = [f for f in map(_input_print, self.inputs) if f is not None]
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -109,7 +113,9 @@ class Stage:
             shutil.rmtree(self.path, ignore_errors=True)
             return
         (self.path / "config.yaml").write_text(dump_yaml(self.cfg))
-        write_json(self.path / PROVENANCE, self.provenance())
+        prov = self.provenance()
+        write_json(self.path / PROVENANCE, prov)
+        _card(write_card, self.path, prov, self.out)
         if self.out.exists():
             old = self.out.parent / f"{self.out.name}.old-{os.getpid()}"
             self.out.rename(old)
@@ -117,6 +123,8 @@ class Stage:
             shutil.rmtree(old, ignore_errors=True)
         else:
             self.path.rename(self.out)
+        if PART_DIR.fullmatch(self.out.name):
+            _card(write_parts_card, self.out.parent, self.out, prov)
 
     def provenance(self) -> dict[str, Any]:
         parent = read_provenance(self.parent) if self.parent else None
@@ -125,7 +133,7 @@ class Stage:
             "argv": sys.argv,
             "ovkit_version": __version__,
             "config": to_plain(self.cfg),
-            "inputs": self._input_prints,
+            "inputs": [describe(i["path"]) if "hub" in i else i for i in self._input_prints],
             "parent": {"path": str(self.parent), "command": parent.get("command") if parent else None}
             if self.parent
             else None,
@@ -134,6 +142,25 @@ class Stage:
             "finished": _now(),
             "metrics": self.metrics,
         }
+
+
+def _input_print(path: Path) -> dict[str, Any] | None:
+    """An input's fingerprint: of the path, of the directory a `DIR:CONFIG@SPLIT` selects from, or, for a Hub
+    dataset, a note filled in at the end (ovkit.data.sources.describe: the converted copy's fingerprint)."""
+    if path.exists():
+        return fingerprint(path)
+    base = Path(parse_spec(path).base).expanduser()
+    if base.exists():
+        return {**fingerprint(base), "path": str(path)}
+    return {"path": str(path), "hub": None} if is_remote(path) else None
+
+
+def _card(write, *args) -> None:
+    """A card is documentation: failing to write one must not lose the finished output it describes."""
+    try:
+        write(*args)
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: {args[0]}: could not write its README.md card ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -7,13 +7,18 @@ from ovkit.commands._common import CONFIG, ON_ERROR, OUT, OVERWRITE, QUIET, SHAR
 
 def convert(
     ctx: typer.Context,
-    input: Path = typer.Argument(None, help="A JSON / JSON-lines / parquet file, or a directory of parquet files."),
+    # text, not Path: Path('./org/name') would lose the './' that keeps a missing local path away from the Hub
+    input: str = typer.Argument(
+        None,
+        help="A JSON / JSON-lines / parquet file, a directory of parquet files, a directory with a dataset card or saved by `datasets` (DIR[:CONFIG][@SPLIT]), or a Hub dataset id (ORG/NAME[:CONFIG][@SPLIT]).",
+    ),
     from_format: str = typer.Option(
         "auto",
         "--from",
         "--from-format",
-        help="auto (detect from the keys/columns) | llava | sharegpt | onevision | ov-midtrain | ov-rl | verl (= roll).",
+        help="auto (detect from the keys/columns) | llava | sharegpt | onevision | ov-midtrain | ov-rl | verl (= roll) | trl | ovkit.",
     ),
+    to_format: str = typer.Option("ovkit", "--to", "--to-format", help="ovkit (the sample table) | trl (TRL's conversational VLM format: images + messages with content parts)."),
     out: Path = OUT,
     image_root: Path = typer.Option(None, "--image-root", help="Folder that relative image paths start from (default: the input's folder)."),
     source: str = typer.Option(None, "--source", help="`source` of rows whose input names none (default: the input's file name)."),
@@ -25,7 +30,7 @@ def convert(
     quiet: bool = QUIET,
     config: Path = CONFIG,
 ) -> None:
-    """Convert LLaVA / ShareGPT / LLaVA-OneVision / LLaVA-OV-1.5 / ROLL-verl data into the sample table."""
+    """Convert LLaVA / ShareGPT / LLaVA-OneVision / LLaVA-OV-1.5 / ROLL-verl / TRL data into the sample table, or the sample table into TRL's format."""
     from ovkit.data.convert import ConvertConfig
     from ovkit.data.convert import convert as run_convert
     from ovkit.runs import Stage
@@ -38,6 +43,6 @@ def convert(
         stage.metrics.update(run_convert(cfg, stage.path))
     m = stage.metrics
     done(
-        f"convert: {m['format']}{' (detected)' if m['detected'] else ''}: {m['rows_in']} records -> {m['rows_out']} rows"
+        f"convert: {m['format']}{' (detected)' if m['detected'] else ''}{' -> trl' if m['to'] == 'trl' else ''}: {m['rows_in']} records -> {m['rows_out']} rows"
         f" in {m['files']} file(s) + {m['rejects']} rejects -> {cfg.out_dir}"
     )

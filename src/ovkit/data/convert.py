@@ -1,4 +1,5 @@
-"""`ovkit convert`: the data formats users already have (anchors.md section 7) -> the sample table.
+"""`ovkit convert`: the data formats users already have (anchors.md section 7) -> the sample table, and the sample
+table -> TRL's conversational VLM format (`--to trl`).
 
 Every input record becomes one output row or one reject; nothing is dropped silently, so rows in == rows out +
 rejects. Records are read as a stream (a JSON list is decoded record by record, parquet batch by batch) and the
@@ -13,6 +14,8 @@ Each format's mapping (`FORMATS` names them):
   missing file or bytes that do not decode are a reject.
 - string columns/keys the format does not use are kept as columns; anything else is dropped and named in the
   metrics (`dropped_columns`).
+- the input may also be a Hub dataset id or a `datasets` directory (ovkit.data.sources): its rows are read from the
+  `datasets` arrow table batch by batch, like parquet.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any, Callable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ovkit.data.io import REJECTS, parquet_files, parse_shard, part_name, shard_bounds, write_table
+from ovkit.data.io import REJECTS, parse_shard, part_name, shard_bounds, write_table
 from ovkit.data.schema import IMAGE_TOKEN, OPTIONAL, REQUIRED, conform, row_problems
 from ovkit.errors import OvkitError, where
 
@@ -39,7 +42,10 @@ FORMATS = {
     "ov-midtrain": "LLaVA-OV-1.5 mid-training parquet: id, image, caption",
     "ov-rl": "LLaVA-OV-1.5-RL parquet: id, images, problem, answer (list), answer_type, problem_type, source, prompt_type",
     "verl": "ROLL / verl RL parquet: data_source, images, prompt (chat list), ability, reward_model.ground_truth",
+    "trl": "TRL conversational VLM: images (or image), messages [{role, content: text or [{type: text|image}]}] or prompt + completion",
+    "ovkit": "ovkit's sample table (e.g. from the Hub): id, images, messages [{role, content}], source",
 }
+TO_FORMATS = ("ovkit", "trl")
 ALIASES = {"roll": "verl", "llama-factory": "sharegpt", "llava-onevision": "onevision"}
 
 # Input keys each format turns into sample columns; every other string key is kept as a column of its own.
@@ -50,6 +56,8 @@ CONSUMED = {
     "ov-midtrain": {"id", "image", "caption"},
     "ov-rl": {"id", "images", "image", "problem", "answer", "answer_type", "problem_type", "source"},
     "verl": {"id", "data_source", "images", "prompt", "ability", "reward_model", "extra_info"},
+    "trl": {"id", "images", "image", "messages", "prompt", "completion"},
+    "ovkit": {"id", "images", "image", "messages", "prompt", "completion"},
 }
 # Optional sample columns each format fills (present in every output file, so all parts share one schema).
 FILLS = {"ov-rl": ["category", "answer", "answer_type"], "verl": ["category", "answer"]}
@@ -61,6 +69,8 @@ FIELD_OF = {
     "ov-midtrain": {"images": "image", "messages": "caption"},
     "ov-rl": {"images": "images", "messages": "problem"},
     "verl": {"images": "images", "messages": "prompt"},
+    "trl": {"images": "images", "messages": "messages"},
+    "ovkit": {"images": "images", "messages": "messages"},
 }
 ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -73,8 +83,9 @@ MAX_RECORD_CHARS = 256 << 20  # one JSON record larger than this is treated as m
 
 @dataclass
 class ConvertConfig:
-    input: Path | None = None  # a JSON / JSON-lines / parquet file, or a directory of parquet files
+    input: str | None = None  # a JSON / JSON-lines / parquet file, a directory of parquet files, or a `datasets` source (Hub id, card dir, saved dir)
     from_format: str = "auto"  # one of FORMATS (or an alias); auto = detect from the keys/columns
+    to_format: str = "ovkit"  # ovkit: the sample table; trl: TRL's conversational VLM format (images + content parts)
     out: Path | None = None  # dataset directory written (with --shard: OUT/part-I-of-N/)
     image_root: Path | None = None  # relative image paths are resolved against it (default: the input's folder)
     source: str | None = None  # `source` of rows whose input names none (default: the input's file name stem)
@@ -90,11 +101,13 @@ class ConvertConfig:
             raise OvkitError("INPUT is required: the file or directory to convert")
         if self.out is None:
             raise OvkitError("--out is required")
-        self.input, self.out = Path(self.input), Path(self.out)
+        self.input, self.out = str(self.input), Path(self.out)  # the input stays text: `./org/name` must not become a Hub id
         self.image_root = Path(self.image_root) if self.image_root is not None else None
         self.from_format = ALIASES.get(str(self.from_format), str(self.from_format))
         if self.from_format != "auto" and self.from_format not in FORMATS:
             raise OvkitError(f"--from must be auto or one of {', '.join(FORMATS)}, got {self.from_format!r}")
+        if self.to_format not in TO_FORMATS:
+            raise OvkitError(f"--to must be one of {', '.join(TO_FORMATS)}, got {self.to_format!r}")
         if self.on_error not in ("fail", "skip"):
             raise OvkitError(f"--on-error must be 'fail' or 'skip', got {self.on_error!r}")
         if self.rows_per_file < 1:
@@ -131,13 +144,17 @@ class Record:
 @dataclass
 class Input:
     path: Path
-    kind: str  # json | jsonl | parquet
+    kind: str  # json | jsonl | parquet | arrow (a `datasets.Dataset`: Hub id, saved dir, card dir)
     files: list[Path]
+    dataset: Any = None
 
     def records(self, lo: int = 0, hi: int | None = None) -> Iterator[Record]:
         """Records number lo..hi-1 of the whole input, in order."""
         if self.kind == "parquet":
             yield from _parquet_records(self.files, lo, hi)
+            return
+        if self.kind == "arrow":
+            yield from _dataset_records(self.dataset, self.path, lo, hi)
             return
         reader = _json_array if self.kind == "json" else _json_lines
         for index, raw, unparsed in reader(self.files[0]):
@@ -149,14 +166,16 @@ class Input:
     def count(self) -> int:
         if self.kind == "parquet":
             return sum(_parquet_meta(f).num_rows for f in self.files)
+        if self.kind == "arrow":
+            return len(self.dataset)
         return sum(1 for _ in (_json_array if self.kind == "json" else _json_lines)(self.files[0]))
 
     def keys(self) -> tuple[list[str], dict[str, bool]]:
         """The input's keys in order, and whether each holds strings (parquet: all files' schemas; JSON: a sample)."""
-        if self.kind == "parquet":
+        if self.kind in ("parquet", "arrow"):
             is_str: dict[str, bool] = {}
-            for f in self.files:
-                for fld in _parquet_meta(f).schema.to_arrow_schema():
+            for schema in self._schemas():
+                for fld in schema:
                     string = pa.types.is_string(fld.type) or pa.types.is_large_string(fld.type)
                     is_str[fld.name] = is_str.get(fld.name, True) and string
             return list(is_str), is_str
@@ -167,13 +186,62 @@ class Input:
                     is_str[k] = is_str.get(k, False) or isinstance(v, str)
         return list(is_str), is_str
 
+    def parts(self) -> bool:
+        """Whether chat content comes as lists of typed parts (TRL / OpenAI style) rather than text."""
+        if self.kind in ("parquet", "arrow"):
+            return any(schema_has_parts(schema) for schema in self._schemas()[:1])
+        for rec in _take(self.records(0, SAMPLE), SAMPLE):
+            raw = rec.raw if isinstance(rec.raw, dict) else {}
+            for key in CHAT_COLUMNS:
+                turns = raw.get(key)
+                if isinstance(turns, list) and turns and isinstance(turns[0], dict):
+                    return isinstance(turns[0].get("content"), list)
+        return False
 
-def open_input(path: Path) -> Input:
-    path = Path(path)
+    def fingerprint(self) -> str:
+        """Changes with the content: the `datasets` fingerprint, or ovkit's file fingerprint."""
+        if self.kind == "arrow":
+            return str(getattr(self.dataset, "_fingerprint", "")) or repr(self.dataset)
+        from ovkit.runs import fingerprint
+
+        return "+".join(fingerprint(f)["sha256"] for f in self.files)
+
+    def _schemas(self) -> list[pa.Schema]:
+        if self.kind == "arrow":
+            return [self.dataset.features.arrow_schema]
+        return [_parquet_meta(f).schema.to_arrow_schema() for f in self.files]
+
+
+CHAT_COLUMNS = ("messages", "prompt", "completion")
+
+
+def schema_has_parts(schema: pa.Schema) -> bool:
+    """A chat column whose turns' `content` is a list (of {type, text} parts)."""
+    for key in CHAT_COLUMNS:
+        if key in schema.names:
+            typ = schema.field(key).type
+            if (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and pa.types.is_struct(typ.value_type):
+                turn = typ.value_type
+                if turn.get_field_index("content") >= 0:
+                    content = turn.field("content").type
+                    return pa.types.is_list(content) or pa.types.is_large_list(content)
+    return False
+
+
+def open_input(path: Path | str) -> Input:
+    """The input named by `path`: a local file or directory, or what ovkit.data.sources locates (Hub id, card dir,
+    saved dataset)."""
+    from ovkit.data.sources import locate
+
+    return input_of(locate(path))
+
+
+def input_of(loc: Any) -> Input:
+    if loc.dataset is not None:
+        return Input(Path(loc.spec.base), "arrow", [], dataset=loc.dataset)
+    path = Path(loc.spec.base).expanduser()
     if path.is_dir():
-        return Input(path, "parquet", parquet_files(path))
-    if not path.is_file():
-        raise OvkitError(f"{path}: no such file or directory")
+        return Input(path, "parquet", loc.files)
     with open(path, "rb") as fh:
         head = fh.read(4)
     if path.suffix == ".parquet" or head == b"PAR1":
@@ -284,6 +352,15 @@ def _parquet_meta(f: Path) -> pq.FileMetaData:
         raise OvkitError(f"{where(f)}: not a readable parquet file ({e})") from None
 
 
+def _dataset_records(dataset: Any, path: Path, lo: int, hi: int | None) -> Iterator[Record]:
+    """Rows lo..hi-1 of a `datasets.Dataset`, read as arrow batches (images stay encoded {bytes, path})."""
+    table = dataset.with_format("arrow")
+    hi = len(table) if hi is None else min(hi, len(table))
+    for start in range(lo, hi, BATCH):
+        for k, raw in enumerate(table[start : min(start + BATCH, hi)].to_pylist()):
+            yield Record(path, start + k, start + k, raw)
+
+
 def _parquet_records(files: list[Path], lo: int, hi: int | None) -> Iterator[Record]:
     """Rows lo..hi-1 across the files, read batch by batch from the row groups that hold them."""
     offset = 0
@@ -329,12 +406,22 @@ def _take(it: Iterator[Any], n: int) -> list[Any]:
 # ---------------------------------------------------------------- detection
 
 
-def detect_format(keys: list[str]) -> tuple[str, str]:
-    """(format, why) from the input's keys/columns; no match or several matches is an error asking for --from."""
+def detect_format(keys: list[str], parts: bool = False) -> tuple[str, str]:
+    """(format, why) from the input's keys/columns (and whether chat content comes as typed parts); no match or several
+    matches is an error asking for --from."""
     k = set(keys)
     shown = ", ".join(keys[:20]) + (", ..." if len(keys) > 20 else "")
+    chat = "messages" if "messages" in k else "prompt" if "prompt" in k else None
+    if "reward_model" not in k and "conversations" not in k and chat is not None:
+        has_images = bool(k & {"images", "image"})
+        if parts:  # ovkit's own messages are text; typed parts are TRL's (and what `--to trl` writes)
+            return "trl", f"{chat} with content parts" + (" + images" if "images" in k else " + image" if "image" in k else "")
+        if {"prompt", "completion"} <= k and has_images:
+            return "trl", "prompt + completion + " + ("images" if "images" in k else "image")
+        if chat == "messages" and "image" in k and "images" not in k:
+            return "trl", "messages + image"
     if set(REQUIRED) <= k:
-        raise OvkitError(f"the input is already a sample table (columns {shown}); use it directly, or name a format with --from")
+        return "ovkit", "id + images + messages + source"
     matches = []
     if {"prompt", "reward_model"} <= k:
         matches.append(("verl", "prompt + reward_model"))
@@ -577,6 +664,80 @@ def from_verl(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
     }
 
 
+def from_chat(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
+    """ovkit's table and TRL's conversational VLM layout: `messages`, or `prompt` (+ `completion`), each a chat list
+    (or, TRL's standard format, a string); `images`, or one `image`. Content is text with `<image>` markers or a list
+    of {type: text|image} parts, an image part becoming `<image>` where it stands. As in TRL's
+    prepare_multimodal_messages, an image part carrying its own image (`{"type": "image", "image": ...}`) keeps it and
+    the others take `images` in order; text content with images and no marker gets the markers before the first
+    user turn's text (Converter.markers)."""
+    if raw.get("messages") is not None:
+        field, turns = "messages", raw["messages"]
+    else:
+        field = "prompt"
+        turns = _as_turns(raw.get("prompt"), "user", "prompt") + _as_turns(raw.get("completion"), "assistant", "completion")
+    messages = _turns(turns, field)
+    given = raw["images"] if raw.get("images") is not None else [raw["image"]] if raw.get("image") is not None else []
+    images = c.images(_inline_images(turns, given if isinstance(given, list) else [given]), "images")
+    return {"id": raw.get("id"), "images": images, "messages": c.markers(messages, len(images)), "source": None}
+
+
+def _as_turns(value: Any, role: str, field: str) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list):
+        return value
+    raise BadRecord(field, f"{field} is {type(value).__name__}, not a chat list or text")
+
+
+def _inline_images(turns: list[Any], given: list[Any]) -> list[Any]:
+    """The images in the order their parts stand: a part's own image, else the next of `given`."""
+    parts = [p for t in turns if isinstance(t, dict) and isinstance(t.get("content"), list) for p in t["content"]]
+    image_parts = [p for p in parts if isinstance(p, dict) and p.get("type") in ("image", "image_url")]
+    if not any(p.get("image") is not None for p in image_parts):
+        return given
+    queue, out = list(given), []
+    for p in image_parts:
+        if p.get("image") is not None:
+            out.append(p["image"])
+        elif queue:
+            out.append(queue.pop(0))
+        else:
+            raise BadRecord("images", f"{len(image_parts)} image parts but only {len(given)} image(s) in `images` to fill them")
+    return out + queue
+
+
+# ---------------------------------------------------------------- writing TRL's layout
+
+TRL_PART = pa.struct([("type", pa.string()), ("text", pa.string())])
+TRL_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.list_(TRL_PART))])
+
+
+def content_parts(text: str) -> list[dict[str, Any]]:
+    """'<image>\nWhat is it?' -> [{type: image}, {type: text, text: '\nWhat is it?'}]: each marker an image part
+    where it stands, the text between them as text parts (empty pieces dropped, so joining them back is exact)."""
+    parts: list[dict[str, Any]] = []
+    for k, piece in enumerate(text.split(IMAGE_TOKEN)):
+        if k:
+            parts.append({"type": "image", "text": None})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def to_trl(table: pa.Table) -> pa.Table:
+    """Sample rows -> TRL's conversational VLM layout: `messages` content as typed parts (TRL fills the image parts from
+    `images` in order, and HF chat templates render them as the model's image tokens); every other column is kept."""
+    table = conform(table)
+    messages = [
+        [{"role": m["role"], "content": content_parts(m["content"])} for m in turns]
+        for turns in table.column("messages").to_pylist()
+    ]
+    return table.set_column(table.column_names.index("messages"), "messages", pa.array(messages, pa.list_(TRL_MESSAGE)))
+
+
 MAPPERS: dict[str, Callable[[dict[str, Any], Converter], dict[str, Any]]] = {
     "llava": from_llava,
     "sharegpt": from_sharegpt,
@@ -584,6 +745,8 @@ MAPPERS: dict[str, Callable[[dict[str, Any], Converter], dict[str, Any]]] = {
     "ov-midtrain": from_midtrain,
     "ov-rl": from_ov_rl,
     "verl": from_verl,
+    "trl": from_chat,
+    "ovkit": from_chat,
 }
 
 
@@ -594,8 +757,8 @@ class Parts:
     """Good rows, written as part files of at most `rows_per_file` rows (or FILE_BYTES of images), renamed to
     part-k-of-K.parquet at the end so that the files sort into row order."""
 
-    def __init__(self, out_dir: Path, rows_per_file: int):
-        self.out_dir, self.rows_per_file = Path(out_dir), rows_per_file
+    def __init__(self, out_dir: Path, rows_per_file: int, layout: Callable[[pa.Table], pa.Table] = conform):
+        self.out_dir, self.rows_per_file, self.layout = Path(out_dir), rows_per_file, layout
         self.pending: list[pa.Table] = []
         self.rows = self.bytes = 0
         self.written: list[Path] = []
@@ -613,13 +776,13 @@ class Parts:
     def flush(self) -> None:
         if self.pending:
             table = pa.concat_tables(self.pending)
-            self.written.append(write_table(conform(table), self.out_dir / f".chunk-{len(self.written):05d}.parquet"))
+            self.written.append(write_table(self.layout(table), self.out_dir / f".chunk-{len(self.written):05d}.parquet"))
         self.pending, self.rows, self.bytes = [], 0, 0
 
     def finish(self, empty: pa.Table) -> list[Path]:
         self.flush()
         if not self.written:  # every record was rejected: still a well-formed (empty) dataset
-            self.written.append(write_table(conform(empty), self.out_dir / ".chunk-00000.parquet"))
+            self.written.append(write_table(self.layout(empty), self.out_dir / ".chunk-00000.parquet"))
         n = len(self.written)
         return [p.rename(self.out_dir / part_name((k, n))) for k, p in enumerate(self.written)]
 
@@ -684,14 +847,15 @@ def convert_batch(records: list[Record], conv: Converter) -> tuple[pa.Table, lis
     return (table if not bad else table.take(pa.array(keep, pa.int64()))), rejects
 
 
-def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Convert `cfg.input` into the dataset directory `out_dir` (part files + rejects.parquet); returns the metrics."""
+def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None = None, inp: Input | None = None) -> dict[str, Any]:
+    """Convert `cfg.input` (or the already opened `inp`) into the dataset directory `out_dir` (part files +
+    rejects.parquet), in ovkit's layout or, with `to_format='trl'`, TRL's; returns the metrics."""
     log = log or (lambda msg: None if cfg.quiet else print(msg, file=sys.stderr))
-    inp = open_input(cfg.input)
+    inp = inp or open_input(cfg.input)
     keys, is_str = inp.keys()
     fmt, detected = cfg.from_format, cfg.from_format == "auto"
     if detected:
-        fmt, why = detect_format(keys)
+        fmt, why = detect_format(keys, parts=inp.parts())
         log(f"convert: {inp.path} looks like --from {fmt} ({why})")
     extras = [k for k in keys if is_str[k] and k not in CONSUMED[fmt] and k not in REQUIRED]
     dropped = [k for k in keys if not is_str[k] and k not in CONSUMED[fmt] and k not in REQUIRED]
@@ -702,7 +866,7 @@ def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None
     shard = parse_shard(cfg.shard)
     total = inp.count() if shard or inp.kind == "parquet" else None
     lo, hi = shard_bounds(total, shard) if shard else (0, total)
-    parts, rejects, rows_in, rows_out = Parts(out_dir, cfg.rows_per_file), [], 0, 0
+    parts, rejects, rows_in, rows_out = Parts(out_dir, cfg.rows_per_file, to_trl if cfg.to_format == "trl" else conform), [], 0, 0
     for batch in _batches(_progress(inp.records(lo, hi), None if hi is None else hi - lo, cfg.quiet)):
         good, bad = convert_batch(batch, conv)
         if bad and cfg.on_error == "fail":
@@ -719,6 +883,7 @@ def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None
     return {
         "format": fmt,
         "detected": detected,
+        "to": cfg.to_format,
         "rows_in": rows_in,
         "rows_out": rows_out,
         "rejects": len(rejects),

@@ -21,7 +21,16 @@ REJECTS = "rejects.parquet"
 
 
 def parquet_files(path: Path | str) -> list[Path]:
-    """The parquet files that make up a dataset, in row order. In a directory written by ovkit only the
+    """The parquet files that make up a sample table, in row order. `path` is anything `ovkit.data.sources` reads: a
+    parquet file or directory, a directory with a dataset card (`DIR:CONFIG@SPLIT`), a `datasets` saved directory or
+    a Hub dataset id; sources that are not ovkit parquet are converted once into the cache and read from there."""
+    from ovkit.data.sources import sample_files
+
+    return sample_files(path)
+
+
+def local_parquet_files(path: Path | str) -> list[Path]:
+    """The parquet files of a local file or directory (no dataset card). In a directory written by ovkit only the
     `part-*.parquet` files are data (side tables such as rejects.parquet or a plan sit beside them); in any other
     directory every parquet file is, except rejects and hidden files."""
     path = Path(path)
@@ -167,7 +176,10 @@ def write_table(table: pa.Table, path: Path | str, *, row_group_size: int = 256)
     if meta:
         table = table.replace_schema_metadata(meta)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+    if table.num_rows:
+        pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+    else:  # no row group at all: `datasets` fails on an empty one ("BatchSize must be greater than 0")
+        pq.ParquetWriter(tmp, table.schema, compression="zstd").close()
     tmp.replace(path)
     return path
 

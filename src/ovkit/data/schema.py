@@ -38,27 +38,44 @@ IMAGE_TOKEN = "<image>"
 # declare a 100k x 100k canvas). 8B-scale recipes cap images far lower (2.56M pixels in the Qwen2.5-VL processor).
 MAX_IMAGE_PIXELS = 64_000_000
 
-# `datasets` reads this key from the parquet schema metadata and decodes `images` as a list of PIL images.
-HF_FEATURES = {
-    "id": {"dtype": "string", "_type": "Value"},
-    "images": {"feature": {"_type": "Image"}, "_type": "List"},
-    "messages": {
-        "feature": {"role": {"dtype": "string", "_type": "Value"}, "content": {"dtype": "string", "_type": "Value"}},
-        "_type": "List",
-    },
-    "source": {"dtype": "string", "_type": "Value"},
-}
+# `datasets` reads this key from the parquet schema metadata and decodes `images` as a list of PIL images (and TRL's
+# single `image` column as one). Every other column is described from its arrow type, so that columns a stage adds
+# (balance weights, rl-curate pass rates, TRL content parts) do not stop the images from decoding.
+IMAGE_COLUMNS = {"images": {"feature": {"_type": "Image"}, "_type": "List"}, "image": {"_type": "Image"}}
+_VALUE_DTYPES = {"double": "float64", "float": "float32", "halffloat": "float16"}
+
+
+def hf_feature(typ: pa.DataType) -> dict[str, Any] | None:
+    """The `datasets` feature (its JSON form) of an arrow type, or None for a type this does not describe."""
+    if pa.types.is_struct(typ):
+        fields = {typ.field(i).name: hf_feature(typ.field(i).type) for i in range(typ.num_fields)}
+        return None if any(v is None for v in fields.values()) else fields
+    if pa.types.is_list(typ) or pa.types.is_large_list(typ):
+        inner = hf_feature(typ.value_type)
+        return None if inner is None else {"feature": inner, "_type": "LargeList" if pa.types.is_large_list(typ) else "List"}
+    if pa.types.is_primitive(typ) or pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_binary(typ) or pa.types.is_large_binary(typ) or pa.types.is_null(typ):
+        if pa.types.is_timestamp(typ) or pa.types.is_date(typ) or pa.types.is_time(typ) or pa.types.is_decimal(typ):
+            return None
+        return {"dtype": _VALUE_DTYPES.get(str(typ), str(typ)), "_type": "Value"}
+    return None
+
+
+def _is_image_struct(typ: pa.DataType) -> bool:
+    return pa.types.is_struct(typ) and {typ.field(i).name for i in range(typ.num_fields)} == {"bytes", "path"}
 
 
 def hf_metadata(schema: pa.Schema) -> dict[bytes, bytes]:
     features = {}
     for name in schema.names:
-        if name in HF_FEATURES:
-            features[name] = HF_FEATURES[name]
-        elif pa.types.is_string(schema.field(name).type) or pa.types.is_large_string(schema.field(name).type):
-            features[name] = {"dtype": "string", "_type": "Value"}
+        typ = schema.field(name).type
+        if name == "images" and (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and _is_image_struct(typ.value_type):
+            features[name] = IMAGE_COLUMNS[name]
+        elif name == "image" and _is_image_struct(typ):
+            features[name] = IMAGE_COLUMNS[name]
         else:
-            return {}  # a column we cannot describe: let `datasets` infer everything rather than half
+            features[name] = hf_feature(typ)
+            if features[name] is None:
+                return {}  # a column we cannot describe: let `datasets` infer everything rather than half
     return {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
 
 

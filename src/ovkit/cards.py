@@ -1,0 +1,419 @@
+"""Dataset and model cards: a README.md in every data and model output, generated from its ovkit.json.
+
+A dataset card's YAML front matter has `configs:` with `data_files` globs, so `datasets.load_dataset(DIR)` returns
+every split with its rows (and images decoded through the `datasets` Image feature the parquet metadata declares);
+without it `datasets` guesses splits from directory names and, for synth's output, returned only `eval/` as `test`.
+Layout rules (DESIGN.md, "The sample table"):
+- part files directly in DIR are one table: config `default`, split `train`;
+- each subdirectory holding part files (synth's pretrain/instruct/rl/eval, rl-curate's stage1/stage2) is a subset:
+  one config of that name with one split of that name, and the `default` config lists every subset as a split. A
+  config's splits must share their columns, so where subsets differ (synth's pretrain has `lang` and no `answer`) the
+  default config loads only the shared columns (`columns:`) and the subset's own config has all of them;
+- a sharded output (OUT/part-I-of-N/...) gets the same configs with every pattern under `part-?????-of-NNNNN/`, which
+  matches each part directory and no temporary `.tmp-<pid>` one; parts write this top-level card from what they all
+  share (no row counts, no times, `--shard I/N` shown as such), so parts finishing together write identical bytes;
+- a pack plan (no sample table) is config `default` of `plan.parquet`.
+A model card (HF model card metadata: library_name, pipeline_tag, base_model, tags, datasets) says what produced the
+model, from what, with which command and settings, its headline metrics and how to load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CARD = "README.md"
+PART_DIR = re.compile(r"part-(\d{5})-of-(\d{5})")
+PART_GLOB = "part-*.parquet"
+PLAN = "plan.parquet"
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+MAX_LINEAGE = 20
+
+# Settings shown on a model card when the stage's config has them (ovkit.json spells options with dashes).
+MODEL_SETTINGS = (
+    "preset", "vision", "llm", "plan", "trainable", "freeze-vision", "lr", "min-lr", "warmup-ratio", "weight-decay",
+    "max-grad-norm", "batch-size", "grad-accum", "max-steps", "epochs", "max-len", "precision", "stage",
+    "prompts-per-step", "group-size", "max-new-tokens", "temperature", "eps-clip", "eps-clip-high", "reward-bias",
+    "reward-scale", "kl-coef", "behave-cap", "correction", "max-staleness", "format-weight", "env", "max-turns", "seed",
+)  # fmt: skip
+
+
+@dataclass
+class Table:
+    """One split of a data output: its config, split name, glob (relative to the output) and what it holds."""
+
+    config: str
+    split: str
+    pattern: str
+    columns: list[str]
+    rows: int | None
+    trl: bool = False
+    files: list[Path] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+
+
+def write_card(directory: Path, prov: dict[str, Any], shown: Path | str) -> Path | None:
+    """Write DIR/README.md for a model or data output (`shown`: the path the output will have, for the snippets).
+    Nothing for other outputs (eval results, reports) or where the stage wrote a README itself."""
+    directory = Path(directory)
+    if (directory / CARD).exists():
+        return None
+    if is_model_dir(directory):
+        text = model_card(directory, prov, str(shown))
+    else:
+        tables = data_tables(directory)
+        if not tables:
+            return None
+        # `datasets` cannot load a split without rows ("corresponds to no data"): such tables stay out of the configs
+        empty = [t.config for t in tables if not t.rows]
+        text = dataset_card([t for t in tables if t.rows], prov, str(shown), empty=empty)
+    return _write_atomic(directory / CARD, text)
+
+
+def write_parts_card(out: Path, part: Path, prov: dict[str, Any]) -> Path | None:
+    """OUT/README.md for the sharded output OUT whose part `part` (OUT/part-I-of-N) just finished."""
+    m = PART_DIR.fullmatch(Path(part).name)
+    if m is None or not (Path(part) / CARD).is_file():
+        return None
+    n = int(m.group(2))
+    prefix = f"part-?????-of-{n:05d}/"
+    tables = [
+        Table(t.config, t.split, prefix + t.pattern, t.columns, None, t.trl) for t in data_tables(Path(part))
+    ]
+    if not tables:
+        return None
+    return _write_atomic(Path(out) / CARD, dataset_card(tables, prov, str(out), parts=n))
+
+
+# ------------------------------------------------------------------------------------------------ data outputs
+
+
+def data_tables(directory: Path) -> list[Table]:
+    """The tables of a data output, by the layout rules of the module docstring."""
+    directory = Path(directory)
+    top = _table_files(directory)
+    tables = [_table("default", "train", PART_GLOB, top)] if top else []
+    for sub in sorted(p for p in directory.iterdir() if p.is_dir() and not _hidden(p.name)):
+        files = _table_files(sub)
+        if files:
+            tables.append(_table(sub.name, _split_name(sub.name), f"{sub.name}/{PART_GLOB}", files))
+    if not tables and (directory / PLAN).is_file():
+        tables.append(_table("default", "train", PLAN, [directory / PLAN]))
+    return tables
+
+
+def _table_files(directory: Path) -> list[Path]:
+    """DIR's part files if they hold chat rows with images (not rollouts or other side tables)."""
+    import pyarrow.parquet as pq
+
+    files = sorted(p for p in directory.glob(PART_GLOB) if p.is_file() and not _hidden(p.name))
+    if not files:
+        return []
+    names = pq.read_schema(files[0]).names
+    chat = bool({"messages", "prompt"} & set(names)) and bool({"images", "image"} & set(names))
+    return files if chat else []
+
+
+def _table(config: str, split: str, pattern: str, files: list[Path]) -> Table:
+    import pyarrow.parquet as pq
+
+    from ovkit.data.convert import schema_has_parts
+
+    schema = pq.read_schema(files[0])
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    return Table(config, split, pattern, list(schema.names), rows, schema_has_parts(schema), files)
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith((".", "_")) or ".tmp-" in name or ".old-" in name
+
+
+def _split_name(name: str) -> str:
+    """`datasets` split names are \\w+(\\.\\w+)*: pretrain-balanced -> pretrain_balanced."""
+    return re.sub(r"\W", "_", name) or "train"
+
+
+def card_configs(tables: list[Table]) -> list[dict[str, Any]]:
+    """The `configs:` entries for these tables."""
+    if tables[0].config == "default":  # part files in DIR itself: the default config; subsets beside it
+        head, rest = tables[0], tables[1:]
+        configs = [{"config_name": "default", "data_files": [{"split": head.split, "path": head.pattern}]}]
+    else:
+        rest = tables
+        configs = [{"config_name": "default", "data_files": [{"split": t.split, "path": t.pattern} for t in tables]}]
+        shared = [c for c in tables[0].columns if all(c in t.columns for t in tables)]
+        if any(set(t.columns) != set(shared) for t in tables):
+            configs[0]["columns"] = shared
+    for t in rest:
+        configs.append({"config_name": t.config, "data_files": [{"split": t.split, "path": t.pattern}]})
+    return configs
+
+
+def dataset_card(tables: list[Table], prov: dict[str, Any], shown: str, *, parts: int | None = None, empty: list[str] = ()) -> str:
+    import yaml
+
+    if not tables:
+        return _empty_card(prov, shown, empty)
+    configs = card_configs(tables)
+    meta = {"configs": configs, "tags": ["ovkit"], "task_categories": ["image-text-to-text"]}
+    if prov.get("command") == "pack":
+        meta.pop("task_categories")
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", ""]
+    lines += [f"# {Path(shown).name}", "", _data_summary(tables, prov, parts), ""]
+    lines += ["## Load it", "", "```python", "from datasets import load_dataset", ""]
+    if len(configs) > 1:
+        lines.append(f'ds = load_dataset("{shown}")  # every split: {", ".join(t.split for t in tables)}')
+        lines.append(f'ds = load_dataset("{shown}", "{tables[-1].config}")  # one subset with all its columns')
+    else:
+        lines.append(f'ds = load_dataset("{shown}", split="{tables[0].split}")')
+    lines += ["```", ""]
+    if prov.get("command") != "pack":
+        sel = f"`{shown}:{tables[-1].config}`" if len(configs) > 1 else None
+        lines += [
+            f"Every ovkit command that reads a sample table takes `{shown}` as it is"
+            + (f" ({sel} or `{shown}@SPLIT` picks one subset)." if sel else ".")
+            + " `ovkit convert DIR --to trl` writes a copy in TRL's format.",
+            "",
+        ]
+    lines += ["## Contents", "", *_contents_table(tables, configs), ""]
+    if empty:
+        lines += [f"Without rows, so not in the configs (`datasets` cannot load an empty split): {', '.join(f'`{e}`' for e in empty)}.", ""]
+    for note in _layout_notes(tables, configs):
+        lines += [note, ""]
+    lines += ["## Provenance", "", *_provenance_lines(prov, parts), ""]
+    return "\n".join(lines)
+
+
+def _empty_card(prov: dict[str, Any], shown: str, empty: list[str]) -> str:
+    lines = ["---", "tags:", "- ovkit", "---", "", f"# {Path(shown).name}", ""]
+    lines += [f"Written by `ovkit {prov.get('command')}` (ovkit {prov.get('ovkit_version')}) with no rows in "
+              f"{', '.join(f'`{e}`' for e in empty)}, so it has no `configs:` for `datasets` to load. Generated from `ovkit.json`.", ""]
+    lines += ["## Provenance", "", *_provenance_lines(prov, None), ""]
+    return "\n".join(lines)
+
+
+def _data_summary(tables: list[Table], prov: dict[str, Any], parts: int | None) -> str:
+    what = "A pack plan" if prov.get("command") == "pack" else "A sample table in TRL's conversational VLM layout" if tables[0].trl else "An ovkit sample table"
+    rows = None if parts else sum(t.rows or 0 for t in tables)
+    made = f"written by `ovkit {prov.get('command')}` (ovkit {prov.get('ovkit_version')})"
+    size = f", {rows} rows" if rows is not None else f", in {parts} parts (`part-IIIII-of-{parts:05d}/`, each with its own card and ovkit.json)"
+    return f"{what}{size}, {made}. Generated from `ovkit.json`."
+
+
+def _contents_table(tables: list[Table], configs: list[dict[str, Any]]) -> list[str]:
+    rows = ["| config | split | files | rows | columns |", "|---|---|---|---|---|"]
+    by_split = {t.pattern: t for t in tables}
+    for cfg in configs:
+        for df in cfg["data_files"]:
+            t = by_split[df["path"]]
+            cols = cfg.get("columns", t.columns)
+            n = "see the parts" if t.rows is None else str(t.rows)
+            rows.append(f"| {cfg['config_name']} | {df['split']} | `{df['path']}` | {n} | {', '.join(f'`{c}`' for c in cols)} |")
+    return rows
+
+
+def _layout_notes(tables: list[Table], configs: list[dict[str, Any]]) -> list[str]:
+    notes = []
+    if tables[0].config != "default":
+        if "columns" in configs[0]:
+            only = sorted({c for t in tables for c in t.columns} - set(configs[0]["columns"]))
+            notes.append(
+                "Each subset is a config of its own because their columns differ (" + ", ".join(f"`{c}`" for c in only)
+                + " are not in every subset): a config's splits share one set of features in `datasets`. The `default` "
+                "config loads every subset as a split with the columns they share."
+            )
+        else:
+            notes.append("The `default` config loads every subset as a split; each subset is also a config of its own.")
+    if tables[0].trl:
+        notes.append(
+            "`messages` content is a list of `{type: text|image}` parts; TRL (SFTTrainer, `prepare_multimodal_messages`) "
+            "fills the image parts from `images` in order and the processor's chat template renders them as image tokens."
+        )
+    elif tables[0].pattern.endswith(PART_GLOB):
+        notes.append(
+            "Columns (ovkit DESIGN.md, \"The sample table\"): `images` is a list of images (the `datasets` Image feature, "
+            "decoded to PIL), `messages` the chat turns with `<image>` where each image goes, `source` the origin of the "
+            "row; RL and eval rows hold the prompt only, with `answer` and `answer_type` (the reward's scorer)."
+        )
+    return notes
+
+
+def _provenance_lines(prov: dict[str, Any], parts: int | None, *, full: bool = True) -> list[str]:
+    """Command, version, inputs, parent, seed, times, headline metrics (`full=False`: a model card shows inputs,
+    lineage and metrics in sections of their own)."""
+    lines = [f"- command: `{command_line(prov, parts)}`", f"- ovkit version: {prov.get('ovkit_version')}"]
+    inputs = prov.get("inputs") or [] if full else []
+    if inputs:
+        lines.append("- inputs:")
+        lines += [f"  - {_describe_input(i)}" for i in inputs]
+    parent = prov.get("parent") if full else None
+    if parent:
+        lines.append(f"- parent: `{parent.get('path')}` ({parent.get('command') or 'not an ovkit output'})")
+    if prov.get("seed") is not None:
+        lines.append(f"- seed: {prov['seed']}")
+    if not parts:
+        lines.append(f"- run: {prov.get('started')} to {prov.get('finished')}")
+        headline = _headline(prov.get("metrics") or {}) if full else []
+        if headline:
+            lines.append("- metrics: " + ", ".join(f"{k} {v}" for k, v in headline))
+    return lines
+
+
+def command_line(prov: dict[str, Any], parts: int | None = None) -> str:
+    """The command as typed (argv), or `ovkit COMMAND` when the stage ran from Python; a part's `--shard I/N` is
+    shown as `--shard I/N` in a card shared by all parts."""
+    argv = [str(a) for a in prov.get("argv") or []]
+    command = str(prov.get("command"))
+    if command not in argv[1:2]:
+        return f"ovkit {command}"
+    args = argv[1:]
+    if parts:
+        args = [re.sub(r"^(--shard=)?\d+/(\d+)$", r"\1I/\2", a) if k and (args[k - 1] == "--shard" or a.startswith("--shard=")) else a for k, a in enumerate(args)]
+    return shlex.join(["ovkit", *args])
+
+
+def _describe_input(i: dict[str, Any]) -> str:
+    if "sha256" in i:
+        return f"`{i['path']}` ({i['files']} file(s), {i['bytes']} bytes, fingerprint {i['sha256']})"
+    if i.get("converted"):
+        return f"`{i['path']}` (Hub dataset {i.get('hub') or ''}, read as {i.get('format')}, `datasets` fingerprint {i.get('source_fingerprint')})"
+    seen = f", `datasets` fingerprint {i['source_fingerprint']}" if i.get("source_fingerprint") else ""
+    return f"`{i['path']}`" + (f" (Hub dataset {i['hub']}{seen})" if i.get("hub") else "")
+
+
+def _headline(metrics: dict[str, Any], limit: int = 14) -> list[tuple[str, Any]]:
+    """Scalar metrics (numbers, short strings), first `limit` of them; floats rounded for reading."""
+    out = []
+    for k, v in metrics.items():
+        if isinstance(v, bool) or v is None:
+            continue
+        if isinstance(v, float):
+            out.append((k, f"{v:.4g}"))
+        elif isinstance(v, int) or isinstance(v, str) and len(v) <= 60:
+            out.append((k, v))
+        if len(out) >= limit:
+            break
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ model outputs
+
+
+def is_model_dir(directory: Path) -> bool:
+    d = Path(directory)
+    return (d / "config.json").is_file() and any((d / w).is_file() for w in WEIGHTS)
+
+
+def model_card(directory: Path, prov: dict[str, Any], shown: str) -> str:
+    import yaml
+
+    config = _json(Path(directory) / "config.json")
+    arch = (config.get("architectures") or ["?"])[0]
+    clip = "CLIP" in arch
+    cfg = prov.get("config") or {}
+    base = base_models(prov)
+    hub_data = [d for d in _as_list(cfg.get("data")) if _is_hub(d)]
+    meta: dict[str, Any] = {
+        "library_name": "transformers",
+        "pipeline_tag": "zero-shot-image-classification" if clip else "image-text-to-text",
+    }
+    if base:
+        meta["base_model"] = base[0] if len(base) == 1 else base
+    meta["tags"] = ["ovkit", str(prov.get("command")), *([config["model_type"]] if config.get("model_type") else [])]
+    if hub_data:
+        meta["datasets"] = sorted({_hub_base(d) for d in hub_data})
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", ""]
+    lines += [f"# {Path(shown).name}", "", _model_summary(arch, config, prov, base), ""]
+    auto = "AutoModel" if clip else "AutoModelForImageTextToText"
+    lines += [
+        "## Load it", "", "```python", f"from transformers import {auto}, AutoProcessor", "",
+        f'model = {auto}.from_pretrained("{shown}")', f'processor = AutoProcessor.from_pretrained("{shown}")', "```", "",
+    ]  # fmt: skip
+    lines += ["## How it was made", "", *_lineage_lines(prov), *_data_lines(prov), ""]
+    settings = [(k, cfg[k]) for k in MODEL_SETTINGS if k in cfg and cfg[k] not in (None, [], "")]
+    if settings:
+        lines += ["| setting | value |", "|---|---|", *[f"| `{k}` | {_cell(v)} |" for k, v in settings], ""]
+    headline = _headline(prov.get("metrics") or {}, limit=20)
+    if headline:
+        lines += ["## Metrics", "", "| metric | value |", "|---|---|", *[f"| {k} | {_cell(v)} |" for k, v in headline], ""]
+    lines += ["## Provenance", "", *_provenance_lines(prov, None, full=False), ""]
+    return "\n".join(lines)
+
+
+def base_models(prov: dict[str, Any]) -> list[str]:
+    """What the model started from: the parent checkpoint, else the encoder and LLM a composed model was built from."""
+    parent = prov.get("parent")
+    if parent and parent.get("path"):
+        return [str(parent["path"])]
+    cfg = prov.get("config") or {}
+    return [str(cfg[k]) for k in ("vision", "llm") if cfg.get(k)]
+
+
+def _model_summary(arch: str, config: dict[str, Any], prov: dict[str, Any], base: list[str]) -> str:
+    m = prov.get("metrics") or {}
+    n = m.get("total_params") or m.get("parameters")
+    size = f", {n / 1e6:.2f}M parameters" if isinstance(n, (int, float)) else ""
+    origin = f" from `{base[0]}`" if len(base) == 1 else f" from {' + '.join(f'`{b}`' for b in base)}" if base else ""
+    if prov.get("command") == "init-model" and not base:
+        origin = f" (preset `{(prov.get('config') or {}).get('preset')}`, built from scratch)"
+    return f"A `{arch}`{size}, made by `ovkit {prov.get('command')}` (ovkit {prov.get('ovkit_version')}){origin}. Generated from `ovkit.json`."
+
+
+def _lineage_lines(prov: dict[str, Any]) -> list[str]:
+    """The chain of ovkit stages behind this model, read from each parent's ovkit.json."""
+    from ovkit.runs import read_provenance
+
+    chain, seen = [f"this model (`{prov.get('command')}`)"], set()
+    parent = prov.get("parent")
+    while parent and parent.get("path") and parent["path"] not in seen and len(chain) < MAX_LINEAGE:
+        seen.add(parent["path"])
+        chain.append(f"`{parent['path']}` ({parent.get('command') or 'not an ovkit output'})")
+        up = read_provenance(Path(parent["path"])) if Path(parent["path"]).is_dir() else None
+        parent = (up or {}).get("parent")
+    return ["- lineage: " + " <- ".join(chain)] if len(chain) > 1 else []
+
+
+def _data_lines(prov: dict[str, Any]) -> list[str]:
+    inputs = prov.get("inputs") or []
+    return ["- data:", *[f"  - {_describe_input(i)}" for i in inputs]] if inputs else []
+
+
+def _cell(v: Any) -> str:
+    return ", ".join(map(str, v)) if isinstance(v, list) else str(v).replace("|", "\\|")
+
+
+def _as_list(v: Any) -> list[str]:
+    return [str(x) for x in v] if isinstance(v, list) else [str(v)] if v else []
+
+
+def _is_hub(text: str) -> bool:
+    from ovkit.data.sources import is_remote
+
+    return is_remote(text)
+
+
+def _hub_base(text: str) -> str:
+    from ovkit.data.sources import parse_spec
+
+    return parse_spec(text).base
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _write_atomic(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return path
