@@ -77,7 +77,8 @@ def prepare(args, work: Path) -> tuple[Path, Path, Path]:
 def run_ovkit(args, model: Path, data: Path, out: Path, eta: int) -> dict:
     import torch
 
-    from ovkit.rl.trainer import RLTrainConfig, train_rl
+    from ovkit.rl.config import RLTrainConfig
+    from ovkit.rl.loop import train_rl
 
     torch.set_num_threads(args.threads)
     cfg = RLTrainConfig(
@@ -168,7 +169,8 @@ def held_out(model_dir: Path, eval_data: Path, limit: int) -> float:
     from ovkit.data import read_samples
     from ovkit.generate import HFEngine
     from ovkit.models import load
-    from ovkit.rl.rollout import Group, encode_prompts, score_groups
+    from ovkit.rollouts.groups import Group, score_groups
+    from ovkit.rollouts.prompts import encode_prompts
 
     from ovkit.rl.curate import limit_per_category
 

@@ -61,8 +61,8 @@ def main() -> None:
     from ovkit.models import load
     from ovkit.models.encode import decode_images
     from ovkit.prompts import with_instruction
-    from ovkit.rl.multiturn import EpisodeRunner, MultiTurn
-    from ovkit.rl.rollout import encode_prompts
+    from ovkit.rollouts.episodes import EpisodeRunner, MultiTurn
+    from ovkit.rollouts.prompts import encode_prompts
 
     args = parse_args()
     torch.manual_seed(args.seed)

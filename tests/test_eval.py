@@ -189,7 +189,7 @@ def test_limit_keeps_the_first_rows_of_each_category(tmp_path, eval_set, process
 
 
 def test_save_logprobs_writes_rollouts_mismatch_report_can_read(tmp_path, eval_set, processor):
-    from ovkit.generate.rollouts import read_rollouts
+    from ovkit.rollouts.table import read_rollouts
 
     _run(tmp_path, eval_set, processor, save_logprobs=True)
     table = read_rollouts(tmp_path)
@@ -252,7 +252,7 @@ def test_example_config_is_valid():
 
 
 def test_eval_command_end_to_end_on_the_tiny_model(tmp_path, eval_set, cli):
-    from ovkit.generate.rollouts import read_rollouts
+    from ovkit.rollouts.table import read_rollouts
     from ovkit.models.tiny import build_tiny
 
     model = build_tiny(tmp_path / "tiny", TEXTS, seed=0)

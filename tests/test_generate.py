@@ -240,11 +240,13 @@ def test_int8_sampler_is_close_to_fp32_and_requantises_on_update(tiny, prompts):
 
 def test_bad_options_are_user_errors(tiny, prompts):
     from ovkit.errors import OvkitError
-    from ovkit.generate import make_engine
+    from ovkit.runtime.engines import build_engine
 
     with pytest.raises(OvkitError, match="--engine"):
-        make_engine("nope", tiny[0], tiny[1])
-    with pytest.raises(OvkitError, match="--sampler-dtype"):
+        build_engine("nope", model=tiny[0], processor=tiny[1])
+    with pytest.raises(OvkitError, match="--sampler-precision"):
+        build_engine("hf", model=tiny[0], processor=tiny[1], precision="int4")
+    with pytest.raises(OvkitError, match="dtype must be one of"):
         _engine(tiny, dtype="int4")
     with pytest.raises(OvkitError, match="--quant"):
         _engine(tiny, quant="int4")
@@ -254,14 +256,20 @@ def test_bad_options_are_user_errors(tiny, prompts):
         _engine(tiny).generate(prompts[:1], temperature=-1)
 
 
-def test_make_engine_loads_a_model_directory(tiny, tmp_path):
-    from ovkit.generate import HFEngine, make_engine
+def test_build_engine_loads_a_model_directory_in_the_asked_precision(tiny, tmp_path):
+    import torch
+
+    from ovkit.generate import HFEngine
+    from ovkit.runtime.engines import build_engine
 
     model, processor = tiny
     model.save_pretrained(tmp_path)
     processor.save_pretrained(tmp_path)
-    engine = make_engine("hf", tmp_path)
-    assert isinstance(engine, HFEngine)
+    engine = build_engine("hf", model_dir=tmp_path)
+    assert isinstance(engine, HFEngine) and next(engine.model.parameters()).dtype == torch.float32
+    engine = build_engine("hf", model_dir=tmp_path, precision="bf16-true", attn_implementation="eager")
+    assert next(engine.model.parameters()).dtype == torch.bfloat16
+    assert engine.model.config.vision_config._attn_implementation == "eager"
 
 
 # -- the rollout table ----------------------------------------------------------------------------------------------
@@ -289,7 +297,7 @@ def _rollout(**kw):
 def test_rollouts_round_trip(tmp_path):
     import json
 
-    from ovkit.generate.rollouts import ROLLOUT_SCHEMA, read_rollouts, write_rollouts
+    from ovkit.rollouts.table import ROLLOUT_SCHEMA, read_rollouts, write_rollouts
 
     path = write_rollouts([_rollout(), _rollout(prompt_id="p1", group=1, completion="<answer>3</answer>")], tmp_path / "rollouts.parquet")
     table = read_rollouts(tmp_path)  # a run directory holding rollouts.parquet
@@ -303,7 +311,7 @@ def test_rollouts_round_trip(tmp_path):
 
 def test_rollouts_reject_misaligned_rows(tmp_path):
     from ovkit.errors import OvkitError
-    from ovkit.generate.rollouts import write_rollouts
+    from ovkit.rollouts.table import write_rollouts
 
     with pytest.raises(OvkitError, match="behave_logprobs.*1 values for 2"):
         write_rollouts([_rollout(behave_logprobs=[-0.1])], tmp_path / "r.parquet")

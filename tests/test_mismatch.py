@@ -192,7 +192,7 @@ def _rollout_row(i, loss_mask):
 
 @pytest.mark.parametrize("rows", [[], [_rollout_row(0, [0, 0, 0]), _rollout_row(1, [])]], ids=["empty", "all-masked"])
 def test_cli_empty_or_all_masked_rollouts_exit_2(cli, tmp_path, rows):
-    from ovkit.generate.rollouts import write_rollouts
+    from ovkit.rollouts.table import write_rollouts
 
     path = write_rollouts(rows, tmp_path / "r.parquet")
     code, out, err = cli("mismatch-report", path, "--model", tmp_path / "no-model", "--out", tmp_path / "o")
@@ -218,7 +218,7 @@ def one_thread():
 
 
 def test_end_to_end_on_the_tiny_model(rl_assets, tmp_path, cli, one_thread):  # noqa: F811
-    from ovkit.generate.rollouts import read_rollouts, write_rollouts
+    from ovkit.rollouts.table import read_rollouts, write_rollouts
 
     model, data = rl_assets
     out = tmp_path / "gen"
@@ -264,7 +264,7 @@ def test_end_to_end_on_the_tiny_model(rl_assets, tmp_path, cli, one_thread):  # 
 def test_multi_turn_rollouts_split_first_and_later_turns(rl_assets, tmp_path, cli, one_thread):  # noqa: F811
     """A two-turn trajectory built by hand: turn 1, an observation (loss_mask 0, read as context), turn 2 whose
     sampler log-probs are made up. The report finds the turns from the loss mask and puts the gap in the later turn."""
-    from ovkit.generate.rollouts import read_rollouts, write_rollouts
+    from ovkit.rollouts.table import read_rollouts, write_rollouts
 
     model, data = rl_assets
     first = tmp_path / "first"

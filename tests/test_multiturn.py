@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (ovkit.rl.multiturn, ovkit.envs): the context is exactly the chat template's rendering of
+"""Multi-turn rollouts (ovkit.rollouts.episodes, ovkit.envs): the context is exactly the chat template's rendering of
 the whole conversation (no repeated preamble, the model's tokens kept as sampled), loss masks and log-probs line up
 with sampled vs observation tokens, budgets and termination reasons, failing and hanging environments, an image
 returned on turn 2 really changes the model's turn-2 logits, and the learner re-reads the trajectories exactly."""
@@ -37,7 +37,7 @@ def tiny(tmp_path_factory):
 
 
 def _prompts(processor, n=1, answer="2", extra=""):
-    from ovkit.rl.rollout import encode_prompts
+    from ovkit.rollouts.prompts import encode_prompts
 
     rows = [
         {
@@ -78,7 +78,7 @@ class Scripted:
 
 def _runner(engine, processor, env, model=None, **kw):
     from ovkit.envs import EnvSpec, load_env
-    from ovkit.rl.multiturn import EpisodeRunner, MultiTurn
+    from ovkit.rollouts.episodes import EpisodeRunner, MultiTurn
 
     args = kw.pop("env_args", {})
     spec = load_env(env, args) if isinstance(env, str) else EnvSpec(env.__name__, env, args)
@@ -154,7 +154,7 @@ def test_a_tool_preamble_is_rendered_once(tiny):
     import copy
 
     from ovkit.models.encode import encode_messages
-    from ovkit.rl.rollout import encode_prompts
+    from ovkit.rollouts.prompts import encode_prompts
 
     _, processor = tiny
     processor = copy.deepcopy(processor)
@@ -315,7 +315,7 @@ def test_environment_calls_of_a_turn_run_concurrently(tiny):
 
 def test_bad_env_specs_fail_before_any_model_is_loaded(tmp_path):
     from ovkit.errors import OvkitError
-    from ovkit.rl.trainer import RLTrainConfig
+    from ovkit.rl.config import RLTrainConfig
 
     base = dict(data=[tmp_path], model=tmp_path, out=tmp_path / "o")
     with pytest.raises(OvkitError, match="not one of zoom, verifier"):
@@ -364,7 +364,7 @@ def test_verifier_env_discounts_by_attempt():
 
 
 def test_multiturn_reward_is_the_last_answer_discounted(tiny):
-    from ovkit.rl.rollout import Group, score_groups
+    from ovkit.rollouts.groups import Group, score_groups
 
     _, processor = tiny
     prompts = _prompts(processor)
@@ -424,9 +424,9 @@ def _colour_run(model, processor, colour):
 def test_an_image_returned_on_turn_two_changes_the_turn_two_logits(spread):
     """The sampler's context (what the next generate call reads) and the learner's batch both see the new image:
     turn-2 logits move with its colour, turn-1 logits do not (causal), and the same colour gives the same logits."""
-    from ovkit.rl.multiturn import Episode
-    from ovkit.rl.rollout import Group
-    from ovkit.rl.trainer import build_trajectories, forward_all
+    from ovkit.rollouts.episodes import Episode
+    from ovkit.rollouts.groups import Group
+    from ovkit.rollouts.trajectories import build_trajectories, forward_all
 
     model, processor = spread
     runs = {c: _colour_run(model, processor, c) for c in ("red", "blue")}
@@ -497,8 +497,8 @@ def test_the_learner_re_reads_multi_turn_trajectories_exactly(zoomer):
     the learner's batch (observation image, its rope positions and token types included) as from the sampler."""
     from ovkit.envs import ZoomEnv
     from ovkit.generate import HFEngine
-    from ovkit.rl.rollout import Group
-    from ovkit.rl.trainer import build_trajectories, forward_all, multimodal_token_ids
+    from ovkit.rollouts.groups import Group
+    from ovkit.rollouts.trajectories import build_trajectories, forward_all, multimodal_token_ids
 
     model, processor, _ = zoomer
     prompts = _prompts(processor, n=2, answer="1", extra=ZoomEnv.instruction)
@@ -519,7 +519,7 @@ def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_pat
     turn ids, terminations and the observation images, and mismatch-report splits first vs later turns on them."""
     import json
 
-    from ovkit.generate.rollouts import read_rollouts
+    from ovkit.rollouts.table import read_rollouts
 
     _, _, base = zoomer
     out = tmp_path / "rl"
@@ -537,7 +537,7 @@ def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_pat
         assert row["turns"] == max(row["turn_ids"]) + 1 and row["termination"] in ("completed", "max_turns", "truncated")
         assert len(row["images"]) >= 1 and row["completion"].count("<|im_start|>assistant") == row["turns"] - 1
     from ovkit.errors import OvkitError
-    from ovkit.generate.rollouts import write_rollouts
+    from ovkit.rollouts.table import write_rollouts
 
     with pytest.raises(OvkitError, match="termination"):
         write_rollouts(table.set_column(table.column_names.index("termination"), "termination", pa.array(["finished"] * table.num_rows)), tmp_path / "bad.parquet")
@@ -555,7 +555,7 @@ def test_eval_and_rl_curate_run_the_same_loop(zoomer, cli, tmp_path):
     and the multi-turn summary adds up."""
     import json
 
-    from ovkit.generate.rollouts import read_rollouts
+    from ovkit.rollouts.table import read_rollouts
 
     _, _, base = zoomer
     code, _, err = cli("eval", base / "data", "--model", base / "model", "--out", tmp_path / "ev", "--env", "zoom", "--max-new-tokens", "16",
@@ -624,30 +624,32 @@ def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tm
 
     from safetensors.torch import load_file
 
-    from ovkit.rl import trainer
+    from ovkit.rl import loop as trainer
+    from ovkit.rl.config import RLTrainConfig
+    from ovkit.runtime import Runtime
     from scripted_policy import ScriptedEngine
 
     _, _, base = zoomer
     monkeypatch.setattr(trainer, "make_sampler", lambda cfg, model, processor: ScriptedEngine(model, processor, _zoom_script))
 
     def cfg(out, **kw):
-        return trainer.RLTrainConfig(
+        return RLTrainConfig(
             data=[base / "data"], model=base / "model", out=out, env="zoom", max_turns=3, prompts_per_step=2, group_size=4,
             max_new_tokens=16, temperature=1.3, lr=1e-3, warmup_ratio=0.0, max_staleness=0, max_steps=2, save_every=1,
             keep_checkpoints=1, reward_workers=1, quiet=True, **kw,
         )  # fmt: skip
 
     trainer.train_rl(cfg(tmp_path / "straight"))
-    save = trainer.save_checkpoint
+    save = Runtime.save_checkpoint
 
     def save_then_die(*args, **kwargs):
         path = save(*args, **kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         trainer.train_rl(cfg(tmp_path / "cut"))
-    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    monkeypatch.setattr(Runtime, "save_checkpoint", save)
     assert trainer.train_rl(cfg(tmp_path / "cut", resume=True))["resumed_from"].endswith("step-000001")
     rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("straight", "cut")}
     straight = rows["straight"]

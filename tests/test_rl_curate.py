@@ -58,7 +58,7 @@ def test_histogram_bins():
 
 
 def test_curate_end_to_end(rl_assets, tmp_path, cli):  # noqa: F811
-    from ovkit.generate.rollouts import read_rollouts
+    from ovkit.rollouts.table import read_rollouts
 
     model_dir, data = rl_assets
     n = torch.get_num_threads()

@@ -74,7 +74,7 @@ TINY = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6",
 
 
 def _cfg(model, data, out, **kw):
-    from ovkit.rl.trainer import RLTrainConfig
+    from ovkit.rl.config import RLTrainConfig
 
     base = dict(data=[data], model=model, out=out, prompts_per_step=2, group_size=4, max_new_tokens=6, lr=1e-3, warmup_ratio=0.0, weight_decay=0.0, system_prompt=False, max_staleness=0, micro_batch_size=8, reward_workers=1)
     return RLTrainConfig(**{**base, **kw})
@@ -83,7 +83,8 @@ def _cfg(model, data, out, **kw):
 def _groups(model, processor, data, cfg, rewards):
     from ovkit.data import read_samples
     from ovkit.generate import HFEngine
-    from ovkit.rl.rollout import Sampling, encode_prompts, generate_groups
+    from ovkit.rollouts.groups import Sampling, generate_groups
+    from ovkit.rollouts.prompts import encode_prompts
 
     prompts = encode_prompts(read_samples(data).table, processor, mode="answer", system=False)
     groups = generate_groups(HFEngine(model, processor), prompts, [0, 1], 0, Sampling(4, 6, seed=1))
@@ -94,14 +95,16 @@ def _groups(model, processor, data, cfg, rewards):
 
 def _step(model_dir, data, tmp_path, rewards, **kw):
     from ovkit.models import load
-    from ovkit.rl.trainer import _optimizer, _trainable, train_step
+    from ovkit.rl.loop import trainable
+    from ovkit.rl.update import train_step
+    from ovkit.runtime.optim import adamw
 
     cfg = _cfg(model_dir, data, tmp_path / "unused", **kw)
     model, processor = load(model_dir)
     model.eval()
     groups = _groups(model, processor, data, cfg, rewards)
-    params = _trainable(model, cfg)
-    optimizer, _ = _optimizer(params, cfg, 1)
+    params = trainable(model, cfg)
+    optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     metrics = train_step(model, optimizer, params, groups, 0, processor.tokenizer.pad_token_id, cfg.correction_config(), None, cfg)
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
@@ -150,7 +153,7 @@ def test_stage1_then_stage2_end_to_end(rl_assets, tmp_path, cli, one_thread):
     assert all(k in r for r in rows for k in REQUIRED)
     assert (out1 / "model.safetensors").is_file() and (out1 / "ovkit.json").is_file() and (out1 / "config.yaml").is_file()
     assert not (tmp_path / "rl1.partial").exists()
-    from ovkit.generate.rollouts import read_rollouts
+    from ovkit.rollouts.table import read_rollouts
 
     rollouts = read_rollouts(out1 / "rollouts")
     assert rollouts.num_rows == 2 * 2 * 4 and set(rollouts.column("version").to_pylist()) == {0, 1}
@@ -169,8 +172,8 @@ def test_stage1_then_stage2_end_to_end(rl_assets, tmp_path, cli, one_thread):
 
 
 def test_async_eta2_never_consumes_a_sample_staler_than_2(rl_assets, tmp_path, one_thread):
-    from ovkit.generate.rollouts import read_rollouts
-    from ovkit.rl.trainer import train_rl
+    from ovkit.rollouts.table import read_rollouts
+    from ovkit.rl.loop import train_rl
 
     model_dir, data = rl_assets
     out = tmp_path / "async"
@@ -190,13 +193,15 @@ def test_interrupted_run_resumes_on_the_same_trajectory(rl_assets, tmp_path, mon
     from safetensors.torch import load_file
 
     from ovkit.errors import OvkitError
-    from ovkit.rl import trainer
+    from ovkit.rl import loop as trainer
+    from ovkit.rl.config import RLTrainConfig
+    from ovkit.runtime import Runtime
 
     model_dir, data = rl_assets
     kw = dict(max_steps=4, save_every=1, keep_checkpoints=1, quiet=True)
     trainer.train_rl(_cfg(model_dir, data, tmp_path / "straight", **kw))
 
-    save = trainer.save_checkpoint
+    save = Runtime.save_checkpoint
 
     def save_then_die(*args, **kwargs):
         path = save(*args, **kwargs)
@@ -204,10 +209,10 @@ def test_interrupted_run_resumes_on_the_same_trajectory(rl_assets, tmp_path, mon
             raise KeyboardInterrupt
         return path
 
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         trainer.train_rl(_cfg(model_dir, data, tmp_path / "cut", **kw))
-    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    monkeypatch.setattr(Runtime, "save_checkpoint", save)
     with pytest.raises(OvkitError, match="--resume"):
         trainer.train_rl(_cfg(model_dir, data, tmp_path / "cut", **kw))
     summary = trainer.train_rl(_cfg(model_dir, data, tmp_path / "cut", resume=True, **kw))
@@ -246,11 +251,11 @@ def test_killed_run_resumes_on_the_same_trajectory(rl_assets, tmp_path):
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
-@pytest.mark.parametrize("sampler", [{"sampler_quant": "int8"}, {"sampler_dtype": "bfloat16"}], ids=["int8", "bf16"])
+@pytest.mark.parametrize("sampler", [{"sampler_quant": "int8"}, {"sampler_precision": "bf16"}], ids=["int8", "bf16"])
 def test_low_precision_sampler_shows_up_as_mismatch(rl_assets, tmp_path, sampler, one_thread):
     """The INT8 / bf16 rollout ablation on CPU: the sampler's log-probs differ from the fp32 learner's, and the
     mismatch metrics see it (an fp32 sampler agrees to ~1e-6, test_a_step_trains_only_with_a_learning_signal)."""
-    from ovkit.rl.trainer import train_rl
+    from ovkit.rl.loop import train_rl
 
     model_dir, data = rl_assets
     train_rl(_cfg(model_dir, data, tmp_path / "out", max_steps=2, correction="token-tis", quiet=True, **sampler))
@@ -261,7 +266,7 @@ def test_low_precision_sampler_shows_up_as_mismatch(rl_assets, tmp_path, sampler
 
 def test_config_validation_names_the_flag(tmp_path):
     from ovkit.errors import OvkitError
-    from ovkit.rl.trainer import RLTrainConfig
+    from ovkit.rl.config import RLTrainConfig
 
     ok = dict(data=[tmp_path], model=tmp_path, out=tmp_path / "o")
     for bad, flag in [({"stage": 3}, "--stage"), ({"correction": "nope"}, "--correction"), ({"loss_agg": "x"}, "--loss-agg"), ({"max_staleness": -1}, "--max-staleness"), ({"max_steps": 2, "epochs": 1.0}, "--epochs")]:
@@ -274,7 +279,7 @@ def test_config_validation_names_the_flag(tmp_path):
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*/rl-stage*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_shipped_configs_validate(path, tmp_path):
     from ovkit.config import load_yaml, merge
-    from ovkit.rl.trainer import RLTrainConfig
+    from ovkit.rl.config import RLTrainConfig
 
     values = load_yaml(path)
     cfg = merge(RLTrainConfig, {"data": [tmp_path], "model": tmp_path, "out": tmp_path / "o"}, {"data", "model", "out"}, values, path)

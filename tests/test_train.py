@@ -291,7 +291,7 @@ def test_tensorboard_sink(assets, tmp_path):
 
 
 def test_step_line_format():
-    from ovkit.train.log import step_line
+    from ovkit.train.loop import step_line
 
     line = step_line(42, {"loss": 2.31, "lr": 1e-5, "tok_per_s": 5400.2, "pad_frac": 0.031, "elapsed_s": 186})
     assert line == "step 00042 | loss 2.3100 | lr 1.00e-05 | tok/s 5400 | pad 3% | 3.1m"

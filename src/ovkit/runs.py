@@ -95,6 +95,7 @@ class Stage:
         self.seed = seed
         self.parent = parent
         self.metrics: dict[str, Any] = {}
+        self.extra: dict[str, Any] = {}  # more top-level provenance keys (e.g. `runtime`: device, precision, attention)
         self.skipped = is_complete(self.out) and not overwrite
         self.path = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}"
         self.started = _now()
@@ -141,6 +142,7 @@ class Stage:
             "started": self.started,
             "finished": _now(),
             "metrics": self.metrics,
+            **self.extra,
         }
 
 

@@ -80,7 +80,8 @@ class CaptionConfig:
     chunk_rows: int = 256  # rows per saved chunk of generations (the resume granularity)
     shard: str | None = None
     on_error: str = "fail"
-    dtype: str | None = None  # captioner weights' dtype (float32, bfloat16, auto); default as saved
+    precision: str = "auto"  # the captioner's compute precision (ovkit.runtime.precision)
+    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
     trust_remote_code: bool = False
     seed: int = 0
     overwrite: bool = False
@@ -182,24 +183,11 @@ def last_assistant(messages: Sequence[dict[str, Any]]) -> str | None:
 
 def build_engine(cfg: CaptionConfig) -> tuple[Any, Any]:
     """(engine, processor) for `cfg.model`: transformers (on the GPU when there is one) or vLLM."""
-    from ovkit.generate import make_engine
+    from ovkit.runtime.engines import build_engine as build
 
-    if cfg.engine == "vllm":
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(str(cfg.model), trust_remote_code=cfg.trust_remote_code)
-        engine = make_engine(
-            "vllm", cfg.model, processor, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, dtype=cfg.dtype or "auto", progress=not cfg.quiet
-        )
-        return engine, processor
-    import torch
-
-    from ovkit.models import load
-
-    model, processor = load(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    if torch.cuda.is_available():
-        model.to("cuda")
-    return make_engine("hf", model, processor, batch_size=cfg.batch_size, progress=not cfg.quiet), processor
+    engine = build(cfg.engine, model_dir=cfg.model, precision=cfg.precision, batch_size=cfg.batch_size, seed=cfg.seed,
+                   progress=not cfg.quiet, trust_remote_code=cfg.trust_remote_code, attn_implementation=cfg.attn_implementation)
+    return engine, engine.processor
 
 
 class Captioner:
@@ -251,7 +239,7 @@ def work_key(cfg: CaptionConfig, shard: tuple[int, int] | None) -> dict[str, Any
         "languages": cfg.languages(),
         "prompts": cfg.prompts(),
         "engine": cfg.engine,
-        "dtype": cfg.dtype,
+        "precision": cfg.precision,
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,

@@ -19,6 +19,9 @@ SEED = typer.Option(0, "--seed", help="Random seed; the same inputs and seed giv
 OVERWRITE = typer.Option(False, "--overwrite", help="Replace a complete output instead of skipping.")
 QUIET = typer.Option(False, "--quiet", help="No progress bars.")
 SHARD = typer.Option(None, "--shard", help="Process only part I of N ('I/N', 0-based I), e.g. '3/8'.")
+# Every command that loads a model: how it computes (ovkit.runtime.precision, ovkit.runtime.attention).
+PRECISION = typer.Option("auto", "--precision", help="auto (bf16-mixed on a bf16 GPU, else fp32) | fp32 | bf16-mixed (bf16 compute, fp32 master weights) | bf16-true (pure bf16). Aliases: bf16 = bf16-mixed, 32 = fp32.")
+ATTN_IMPLEMENTATION = typer.Option("auto", "--attn-implementation", help="auto (flash_attention_2 on CUDA with flash-attn, else sdpa) | sdpa | flash_attention_2 | flex_attention | eager. The ViT attends varlen (one call per layer) except with eager.")
 ON_ERROR = typer.Option("fail", "--on-error", help="fail: stop at the first bad row; skip: move bad rows to OUT/rejects.parquet.")
 
 
@@ -44,7 +47,7 @@ def done(msg: str) -> None:
 def skipped(out: Path) -> None:
     typer.echo(f"{out} is complete; skipped (use --overwrite to redo it)")
 
-# Multi-turn rollouts (ovkit.envs, ovkit.rl.multiturn): the same six options on rl-train, rl-curate and eval.
+# Multi-turn rollouts (ovkit.envs, ovkit.rollouts.episodes): the same six options on rl-train, rl-curate and eval.
 ENV = typer.Option(None, "--env", help="Multi-turn rollouts with an environment: zoom, verifier, or package.module:factory (see docs/environments.md).")
 ENV_ARG = typer.Option(None, "--env-arg", help="Environment argument key=value (repeatable), e.g. --env-arg max_attempts=3.")
 MAX_TURNS = typer.Option(3, "--max-turns", help="Multi-turn: assistant turns at most (then the rollout ends as max_turns).")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from ovkit.commands._common import done, resolve, skipped
+from ovkit.commands._common import ATTN_IMPLEMENTATION, PRECISION, done, resolve, skipped  # noqa: F401 (re-exported)
 
 DATA = typer.Argument(None, help="Sample table(s) (parquet file or directory of shards), read as one; the last assistant turn is the target.", show_default=False)
 MODEL = typer.Option(None, "--model", help="Model directory to start from (save_pretrained layout, e.g. from `ovkit init-model` or the previous stage).")
@@ -22,7 +22,6 @@ GRAD_ACCUM = typer.Option(1, "--grad-accum", help="Micro-batches per optimiser s
 MAX_STEPS = typer.Option(None, "--max-steps", help="Optimiser steps to run (instead of --epochs).")
 EPOCHS = typer.Option(None, "--epochs", help="Passes over the data (default 1 when --max-steps is not given).")
 MAX_LEN = typer.Option(8192, "--max-len", help="Skip samples longer than this many tokens (text + image tokens).")
-PRECISION = typer.Option("auto", "--precision", help="auto (bf16 autocast where the device supports it, else fp32), bf16 or fp32.")
 GRADIENT_CHECKPOINTING = typer.Option(False, "--gradient-checkpointing", help="Recompute activations in the backward pass (less memory, slower).")
 SAVE_EVERY = typer.Option(0, "--save-every", help="Write a resumable checkpoint every N steps into OUT.partial/checkpoints (0: only the final model).")
 KEEP_CHECKPOINTS = typer.Option(2, "--keep-checkpoints", help="Keep the newest N intermediate checkpoints.")

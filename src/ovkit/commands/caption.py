@@ -2,7 +2,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import CONFIG, ON_ERROR, OUT, OVERWRITE, QUIET, SEED, SHARD, done, resolve, skipped
+from ovkit.commands._common import ATTN_IMPLEMENTATION, PRECISION, CONFIG, ON_ERROR, OUT, OVERWRITE, QUIET, SEED, SHARD, done, resolve, skipped
 
 
 def caption(
@@ -26,7 +26,8 @@ def caption(
     chunk_rows: int = typer.Option(256, "--chunk-rows", help="Rows per saved chunk of generations (a rerun resumes after the last one)."),
     shard: str = SHARD,
     on_error: str = ON_ERROR,
-    dtype: str = typer.Option(None, "--dtype", help="Load the captioner as float32, bfloat16 or auto (default: as saved)."),
+    precision: str = PRECISION,
+    attn_implementation: str = ATTN_IMPLEMENTATION,
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the model directory / hub."),
     seed: int = SEED,
     overwrite: bool = OVERWRITE,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OVERWRITE, QUIET, SEED, done, resolve, skipped
+from ovkit.commands._common import ATTN_IMPLEMENTATION, PRECISION, CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OVERWRITE, QUIET, SEED, done, resolve, skipped
 
 
 def evaluate(
@@ -25,7 +25,8 @@ def evaluate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
     limit: int = typer.Option(None, "--limit", help="At most this many rows per category (the first ones)."),
     save_logprobs: bool = typer.Option(False, "--save-logprobs", help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards)."),
-    dtype: str = typer.Option(None, "--dtype", help="Load the weights as float32, bfloat16 or auto (default: as saved)."),
+    precision: str = PRECISION,
+    attn_implementation: str = ATTN_IMPLEMENTATION,
     env: str = ENV,
     env_arg: list[str] = ENV_ARG,
     max_turns: int = MAX_TURNS,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
+from ovkit.commands._common import ATTN_IMPLEMENTATION, CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
 
 _O = typer.Option
 
@@ -28,7 +28,8 @@ def mismatch_report(
     system_prompt: bool = _O(True, "--system-prompt/--no-system-prompt", help="With --generate: prepend the recipe's system prompt (as rl-train)."),
     max_pixels: int = _O(262144, "--max-pixels", help="Downscale images to at most this many pixels, as the sampler did (0: never; eval does not downscale)."),
     batch_size: int = _O(16, "--batch-size", help="Rollouts per learner forward pass (and sequences per generate call)."),
-    dtype: str = _O("float32", "--dtype", help="The learner's weights: float32, bfloat16 or float16."),
+    precision: str = _O("fp32", "--precision", help="The learner's precision: fp32 (the default, the reference), bf16-true or bf16-mixed (both compute in bf16)."),
+    attn_implementation: str = ATTN_IMPLEMENTATION,
     correction_threshold: float = _O(2.0, "--correction-threshold", "--rollout-is-threshold", help="rl-train's C: TIS truncation / MIS rejection bound."),
     correction_lower: float = _O(None, "--correction-lower", help="rl-train's lower bound (MIS masks below it, TIS clamps to it)."),
     geo_lower: float = _O(0.999, "--geo-lower", help="geo-rs: lower bound on the geometric-mean ratio."),

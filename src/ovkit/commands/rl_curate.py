@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OUT, OVERWRITE, QUIET, SEED, SHARD, done, resolve, skipped
+from ovkit.commands._common import ATTN_IMPLEMENTATION, PRECISION, CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OUT, OVERWRITE, QUIET, SEED, SHARD, done, resolve, skipped
 
 _O = typer.Option
 
@@ -26,6 +26,8 @@ def rl_curate(
     stage2_categories: list[str] = _O(None, "--stage2-category", help="Categories that go to the stage-2 (thinking) set; repeatable (default: math chart science diagram svg code stem coding)."),
     prompt: str = _O("auto", "--prompt", help="Instruction the rollouts are sampled with: auto (the row's stage: 1 answer-only, 2 think), answer or think."),
     engine: str = _O("hf", "--engine", help="hf (transformers, CPU or GPU) or vllm (GPU)."),
+    precision: str = PRECISION,
+    attn_implementation: str = ATTN_IMPLEMENTATION,
     batch_size: int = _O(64, "--batch-size", help="Sequences per generate call (prompts x n)."),
     max_new_tokens: int = _O(1024, "--max-new-tokens", help="Completion length limit."),
     temperature: float = _O(1.0, "--temperature", help="Sampling temperature."),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
+from ovkit.commands._common import ATTN_IMPLEMENTATION, PRECISION, CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
 
 _O = typer.Option
 
@@ -18,7 +18,9 @@ def rl_train(
     out: Path = OUT,
     stage: int = _O(1, "--stage", help="1: answer-only prompts; 2: think prompts + format reward (the curriculum)."),
     engine: str = _O("hf", "--engine", help="Rollout engine: hf (transformers, CPU or GPU) or vllm (GPU)."),
-    sampler_dtype: str = _O(None, "--sampler-dtype", help="Sample in another precision than the learner (float32, bfloat16, float16)."),
+    precision: str = PRECISION,
+    attn_implementation: str = ATTN_IMPLEMENTATION,
+    sampler_precision: str = _O(None, "--sampler-precision", help="Sample from a copy in another precision than the learner: fp32, bf16, fp16."),
     sampler_quant: str = _O(None, "--sampler-quant", help="int8: sample from a dynamically quantised copy (hf engine, CPU)."),
     prompts_per_step: int = _O(32, "--prompts-per-step", help="GRPO groups (prompts) per step."),
     group_size: int = _O(16, "--group-size", "--n-samples", help="Completions per prompt (G)."),
@@ -77,7 +79,8 @@ def rl_train(
 ) -> None:
     """GRPO on verifiable rewards (LLaVA-OneVision-1.5-RL): decoupled PPO, async rollouts with bounded staleness,
     sampler/learner mismatch corrections. Stage 1 answer-only, stage 2 chain-of-thought."""
-    from ovkit.rl.trainer import RLTrainConfig, train_rl
+    from ovkit.rl.config import RLTrainConfig
+    from ovkit.rl.loop import train_rl
 
     cfg = resolve(ctx, RLTrainConfig)
     m = train_rl(cfg)

@@ -29,6 +29,7 @@ def sft(
     epochs: float = T.EPOCHS,
     max_len: int = T.MAX_LEN,
     precision: str = T.PRECISION,
+    attn_implementation: str = T.ATTN_IMPLEMENTATION,
     gradient_checkpointing: bool = T.GRADIENT_CHECKPOINTING,
     save_every: int = T.SAVE_EVERY,
     keep_checkpoints: int = T.KEEP_CHECKPOINTS,

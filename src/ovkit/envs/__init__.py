@@ -2,7 +2,7 @@
 
 The model acts, the environment answers, and its answer (text and images) is appended to the context as a new turn
 that is read but never trained on (loss mask 0), until the model finishes, the environment says done, or a turn or
-token budget runs out (the loop: `ovkit.rl.multiturn`; the design: slime's unified VLM/LLM multi-turn RL, 002 in
+token budget runs out (the loop: `ovkit.rollouts.episodes`; the design: slime's unified VLM/LLM multi-turn RL, 002 in
 the references). An environment is any object with:
 
     reset() -> None                                   called once before the first turn

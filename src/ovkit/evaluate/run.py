@@ -34,7 +34,8 @@ class EvalConfig:
     top_p: float = 1.0
     limit: int | None = None  # at most this many rows per category (the first ones), like lmms-eval's --limit
     save_logprobs: bool = False  # also write OUT/rollouts.parquet (token ids, sampler logprobs, rewards)
-    dtype: str | None = None  # model weights' dtype when loading (float32, bfloat16, auto); default as saved
+    precision: str = "auto"  # the weights' compute precision (ovkit.runtime.precision): auto | fp32 | bf16-true | bf16-mixed
+    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
     env: str | None = None  # multi-turn: evaluate under an environment's loop (ovkit.envs)
     env_arg: Any = None
     max_turns: int = 3
@@ -49,7 +50,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         from ovkit.generate import ENGINES
         from ovkit.prompts import ALIASES, INSTRUCTIONS
-        from ovkit.rl.multiturn import check_env_options
+        from ovkit.rollouts.episodes import check_env_options
 
         check_env_options(self)
 
@@ -132,7 +133,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: A
     if engine is None:
         engine, processor = build_engine(cfg)
     clock["load"] = time.perf_counter()
-    from ovkit.rl.multiturn import env_instruction, env_tools
+    from ovkit.rollouts.episodes import env_instruction, env_tools
 
     prompts, images, inputs = encode_rows(rows, processor, cfg.prompt, progress=not cfg.quiet, extra=env_instruction(cfg), tools=env_tools(cfg))
     budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)
@@ -158,7 +159,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: A
     )
     doc = _summary_doc(cfg, summary, budgets, results_path.relative_to(out_dir))
     if cfg.env:
-        from ovkit.rl.trainer import turn_stats
+        from ovkit.rollouts.episodes import turn_stats
 
         flat = [(c, r.reward) for outs, rs in zip(completions, rewards) for c, r in zip(outs, rs)]
         doc["multiturn"] = turn_stats([c for c, _ in flat], [r for _, r in flat])
@@ -190,7 +191,7 @@ def encode_rows(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, *, 
 
     from ovkit.models.encode import decode_images, encode_prompt
     from ovkit.prompts import with_instruction
-    from ovkit.rl.rollout import with_extra
+    from ovkit.rollouts.prompts import with_extra
 
     prompts, images, inputs = [], [], []
     for row in tqdm(rows, desc="encode", unit="row", leave=False, disable=not progress):
@@ -221,7 +222,7 @@ def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, f
 def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: dict[str, int], processor: Any = None) -> list[list[Any]]:
     """Completions per row; rows that share a token budget are generated together (one engine call each, or one
     multi-turn rollout with --env)."""
-    from ovkit.rl.multiturn import make_runner
+    from ovkit.rollouts.episodes import make_runner
 
     groups: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
@@ -252,7 +253,7 @@ def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: 
 
 def _as_prompt(row: dict[str, Any], encoded: Any, images: list) -> Any:
     """An eval row as the RL Prompt the multi-turn loop (and its environments) read."""
-    from ovkit.rl.rollout import Prompt, _reward_kwargs
+    from ovkit.rollouts.prompts import Prompt, _reward_kwargs
 
     return Prompt(
         id=str(row["id"]), encoded=encoded, answer=str(row.get("answer") or ""), answer_type=row.get("answer_type"),
@@ -288,34 +289,18 @@ def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:
 
 
 def build_engine(cfg: EvalConfig) -> tuple[Any, Any]:
-    from ovkit.generate import make_engine
+    """(engine, processor) for `cfg.model` (ovkit.runtime.engines: one device rule, one precision vocabulary)."""
+    from ovkit.runtime.engines import build_engine as build
 
-    if cfg.engine == "vllm":
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(str(cfg.model), trust_remote_code=cfg.trust_remote_code)
-        engine = make_engine(
-            "vllm", cfg.model, processor, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, dtype=cfg.dtype or "auto", progress=not cfg.quiet
-        )
-        return engine, processor
-    from ovkit.models import load
-
-    model, processor = load(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    _to_accelerator(model)
-    return make_engine("hf", model, processor, batch_size=cfg.batch_size, progress=not cfg.quiet), processor
-
-
-def _to_accelerator(model: Any) -> None:
-    import torch
-
-    if torch.cuda.is_available() and next(model.parameters()).device.type == "cpu":
-        model.to("cuda")
+    engine = build(cfg.engine, model_dir=cfg.model, precision=cfg.precision, batch_size=cfg.batch_size, seed=cfg.seed,
+                   progress=not cfg.quiet, trust_remote_code=cfg.trust_remote_code, attn_implementation=cfg.attn_implementation)
+    return engine, engine.processor
 
 
 def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], prompt: str) -> list[list[Any]]:
     """Rewards of every completion, grouped per row like `completions`."""
     from ovkit.rewards import Reward, score_batch
-    from ovkit.rl.multiturn import episode_reward
+    from ovkit.rollouts.episodes import episode_reward
 
     items = [
         {
@@ -345,11 +330,11 @@ def _turns(c: Any) -> dict[str, Any]:
 
 
 def write_eval_rollouts(path: Path, rows, prompts, completions, rewards, tokenizer: Any = None) -> None:
-    """The eval's trajectories in the rollout schema (`ovkit.generate.rollouts`), for mismatch-report. The prompt
+    """The eval's trajectories in the rollout schema (`ovkit.rollouts.table`), for mismatch-report. The prompt
     rows' image cells are copied as they are (then any observation images), so the file is self-contained."""
     from ovkit.data import image_cell
-    from ovkit.generate.rollouts import write_rollouts
-    from ovkit.rl.multiturn import transcript
+    from ovkit.rollouts.table import write_rollouts
+    from ovkit.rollouts.episodes import transcript
 
     out = []
     for group, (row, prompt, outs, rs) in enumerate(zip(rows, prompts, completions, rewards)):
@@ -401,7 +386,7 @@ def _task_configs(cfg: EvalConfig, budgets: dict[str, int]) -> dict[str, Any]:
 
 
 def _run_config(cfg: EvalConfig) -> dict[str, Any]:
-    args = f"pretrained={cfg.model}" + (f",dtype={cfg.dtype}" if cfg.dtype else "")
+    args = f"pretrained={cfg.model}" + (f",precision={cfg.precision}" if cfg.precision != "auto" else "")
     return {
         "model": f"ovkit-{cfg.engine}",
         "model_args": args,

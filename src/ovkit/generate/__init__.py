@@ -28,7 +28,7 @@ class Completion:
     text: str  # the decoded tokens without the stop token and special tokens
     logprobs: list[float] = field(default_factory=list)  # one per token_ids entry, under the sampled distribution
     finish_reason: str = "length"  # "stop": a stop token ended it; "length": max_new_tokens did; "error": an env failed
-    # Multi-turn trajectories (ovkit.rl.multiturn) also hold the environment's observation tokens in `token_ids`:
+    # Multi-turn trajectories (ovkit.rollouts.episodes) also hold the environment's observation tokens in `token_ids`:
     loss_mask: list[int] | None = None  # per token: 1 sampled by the policy, 0 observation (log-prob 0); None = all 1
     turn_ids: list[int] | None = None  # per token: the assistant turn it belongs to (observations: the turn before)
     turns: int = 1  # assistant turns
@@ -44,28 +44,11 @@ class Completion:
         return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.token_ids)
 
 
-ENGINES = ("hf", "vllm")
-
-
-def make_engine(name: str, model_or_path: Any, processor: Any = None, **kw: Any):
-    """`hf`: `model_or_path` is a loaded model (with its `processor`) or a model directory; `vllm`: a model directory
-    (or a loaded model, whose `name_or_path` is used). Extra keywords go to the engine's constructor."""
-    from ovkit.errors import OvkitError
-
-    if name == "hf":
-        if isinstance(model_or_path, (str, bytes)) or hasattr(model_or_path, "__fspath__"):
-            from ovkit.models import load
-
-            model_or_path, processor = load(model_or_path)
-        return HFEngine(model_or_path, processor, **kw)
-    if name == "vllm":
-        path = model_or_path if not hasattr(model_or_path, "config") else model_or_path.config.name_or_path
-        return VLLMEngine(path, processor=processor, **kw)
-    raise OvkitError(f"--engine must be one of {', '.join(ENGINES)}, got {name!r}")
+ENGINES = ("hf", "vllm")  # built by ovkit.runtime.engines.build_engine
 
 
 # Imported after Completion is defined: the engines return Completions.
 from ovkit.generate.hf import HFEngine, sampling_logprobs  # noqa: E402
 from ovkit.generate.vllm import VLLMEngine  # noqa: E402  (imports vllm itself only when constructed)
 
-__all__ = ["Completion", "ENGINES", "HFEngine", "VLLMEngine", "make_engine", "sampling_logprobs"]
+__all__ = ["Completion", "ENGINES", "HFEngine", "VLLMEngine", "sampling_logprobs"]

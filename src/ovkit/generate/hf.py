@@ -137,7 +137,7 @@ def _dtype(dtype: Any) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise OvkitError(f"--sampler-dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise OvkitError(f"sampler dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
 
 
@@ -183,7 +183,7 @@ class HFEngine:
         param = next(model.parameters())
         if self.quant == "int8":
             if param.device.type != "cpu":
-                raise OvkitError("--quant int8 (torch dynamic quantisation) runs on CPU only; use --sampler-dtype bfloat16 on GPU")
+                raise OvkitError("--quant int8 (torch dynamic quantisation) runs on CPU only; use --sampler-precision bf16 on GPU")
             from torch.ao.quantization import quantize_dynamic
 
             sampler = copy.deepcopy(model).float().eval()

@@ -66,6 +66,7 @@ class VLLMEngine:
             raise
         self._vllm = vllm
         self.progress = progress
+        self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor) if processor is not None else self.llm.get_tokenizer()
         from ovkit.generate.hf import stop_token_ids
 

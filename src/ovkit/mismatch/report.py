@@ -149,7 +149,7 @@ def comparison_table(runs: dict[str, dict[str, Any]]) -> Table:
 
 def header_lines(doc: dict[str, Any]) -> list[str]:
     lines = [
-        f"learner: {doc['model']} ({doc['learner_dtype']}, {doc['device']})",
+        f"learner: {doc['model']} ({doc['learner_precision']}, {doc['device']})",
         f"temperature: {doc['temperature']:g} ({doc['temperature_from']}); the learner divides its logits by it, as rl-train does",
     ]
     if doc.get("top_p") is not None and doc["top_p"] < 1:

@@ -32,7 +32,8 @@ class MismatchConfig:
     system_prompt: bool = True  # --generate: prepend the recipe's system prompt, as rl-train does
     max_pixels: int = 512 * 512  # images downscaled to at most this many pixels, as rl-curate / rl-train do (0: never)
     batch_size: int = 16  # rollouts per learner forward pass (and sequences per generate call)
-    dtype: str = "float32"  # the learner's weights: float32 | bfloat16 | float16
+    precision: str = "fp32"  # the learner's compute precision (ovkit.runtime.precision); fp32 is the reference
+    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
     correction_threshold: float = 2.0  # rl-train's C (TIS truncation / MIS rejection)
     correction_lower: float | None = None
     geo_lower: float = 0.999
@@ -53,7 +54,7 @@ class MismatchConfig:
 
     def __post_init__(self) -> None:
         from ovkit.mismatch.sample import canonical_sampler
-        from ovkit.rl.multiturn import check_env_options
+        from ovkit.rollouts.episodes import check_env_options
 
         check_env_options(self)
         if self.env and self.generate is None:
@@ -80,7 +81,6 @@ class MismatchConfig:
             (self.prompt in PROMPT_MODES, f"--prompt must be one of {', '.join(PROMPT_MODES)}"),
             (self.max_pixels >= 0, "--max-pixels must be >= 0 (0: no downscaling)"),
             (self.batch_size >= 1, "--batch-size must be >= 1"),
-            (self.dtype in ("float32", "bfloat16", "float16"), "--dtype must be float32, bfloat16 or float16"),
             (self.correction_threshold > 0, "--correction-threshold must be > 0"),
             (self.correction_lower is None or 0 <= self.correction_lower <= self.correction_threshold, "--correction-lower must be in [0, --correction-threshold]"),
             (self.geo_lower <= self.geo_upper, "need --geo-lower <= --geo-upper"),
@@ -115,7 +115,7 @@ def producer_sampling(rollouts: Path) -> dict[str, Any] | None:
 
 
 def first_per_category(table: Any, limit: int | None) -> Any:
-    from ovkit.rl.curate import limit_per_category
+    from ovkit.rollouts.prompts import limit_per_category
 
     return limit_per_category(table, limit)
 
@@ -131,20 +131,17 @@ def check_not_empty(rows: Sequence[dict[str, Any]], source: str) -> None:
 def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
     """Write report.json, report.md, report.html, figures/, logprobs.parquet (and rollouts/ with --generate) into
     `out_dir`; return the headline metrics per run."""
-    import torch
-
-    from ovkit.models import load
+    from ovkit.runtime.engines import load_for_inference
 
     inputs: list[tuple[str, list[dict[str, Any]], str]] = []
     if cfg.rollouts is not None:
-        from ovkit.generate.rollouts import read_rollouts
+        from ovkit.rollouts.table import read_rollouts
 
         rows = read_rollouts(cfg.rollouts).to_pylist()
         check_not_empty(rows, str(cfg.rollouts))
         inputs.append(("rollouts", rows, str(cfg.rollouts)))
-    model, processor = load(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model.to(device).eval()
+    model, processor = load_for_inference(cfg.model, precision=cfg.precision, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code)
+    device = str(next(model.parameters()).device)
     temperature, temperature_from, top_p = _sampling(cfg)
     if cfg.generate is not None:
         inputs += _generate_all(cfg, model, processor, out_dir, temperature, top_p)
@@ -162,7 +159,7 @@ def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
         figures[name] = _figures(cfg, scores, run)
     doc = {
         "model": str(cfg.model),
-        "learner_dtype": cfg.dtype,
+        "learner_precision": cfg.precision,
         "device": device,
         "temperature": temperature,
         "temperature_from": temperature_from,
@@ -191,10 +188,10 @@ def _sampling(cfg: MismatchConfig) -> tuple[float, str, float | None]:
 
 def _generate_all(cfg: MismatchConfig, model, processor, out_dir: Path, temperature: float, top_p: float) -> list:
     from ovkit.data import read_samples
-    from ovkit.generate.rollouts import write_rollouts
+    from ovkit.rollouts.table import write_rollouts
     from ovkit.mismatch.sample import generate_rollouts, make_sampler
-    from ovkit.rl.multiturn import env_instruction, env_tools, make_runner
-    from ovkit.rl.rollout import encode_prompts
+    from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
+    from ovkit.rollouts.prompts import encode_prompts
 
     table = first_per_category(read_samples(cfg.generate).table, cfg.limit)
     prompts = encode_prompts(table, processor, mode=cfg.prompt, system=cfg.system_prompt, max_pixels=cfg.max_pixels or None, extra=env_instruction(cfg), tools=env_tools(cfg))

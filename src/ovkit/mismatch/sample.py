@@ -11,8 +11,8 @@ Each sampler samples the same prompts with the same seed from the learner's weig
 
 Even `fp32` is not bit-identical to the learner: batched, cached decoding sums in another order than one
 teacher-forced pass, which is the floor every other sampler is compared against. Prompts are encoded as rl-train
-encodes them (`ovkit.rl.rollout.encode_prompts`: stage instruction, optional system prompt, pixel cap), scored with
-the rewards library, and written in the rollout schema with the prompt images (`ovkit.generate.rollouts`).
+encodes them (`ovkit.rollouts.prompts.encode_prompts`: stage instruction, optional system prompt, pixel cap), scored with
+the rewards library, and written in the rollout schema with the prompt images (`ovkit.rollouts.table`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 from ovkit.errors import OvkitError
 
 SAMPLERS = {
-    "fp32": {"dtype": "float32"},
-    "bf16": {"dtype": "bfloat16"},
-    "fp16": {"dtype": "float16"},
+    "fp32": {"precision": "fp32"},
+    "bf16": {"precision": "bf16"},
+    "fp16": {"precision": "fp16"},
     "int8": {"quant": "int8"},
     "vllm": {},
 }
@@ -39,17 +39,17 @@ def canonical_sampler(name: str) -> str:
 
 
 def make_sampler(name: str, model: Any, processor: Any, *, model_dir: Any, batch_size: int, seed: int, quiet: bool):
-    from ovkit.generate import make_engine
+    from ovkit.runtime.engines import build_engine
 
     if name == "vllm":
-        return make_engine("vllm", model_dir, processor, dtype="auto", seed=seed, progress=not quiet)
-    return make_engine("hf", model, processor, batch_size=batch_size, progress=not quiet, **SAMPLERS[name])
+        return build_engine("vllm", model_dir=model_dir, processor=processor, seed=seed, progress=not quiet)
+    return build_engine("hf", model=model, processor=processor, batch_size=batch_size, progress=not quiet, **SAMPLERS[name])
 
 
 def generate_rollouts(engine: Any, prompts: list, *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int, prompt_mode: str, episodes: Any = None) -> Any:
     """`n` scored completions per prompt -> a rollout table (with the prompt images); multi-turn trajectories with
-    `episodes` (an ovkit.rl.multiturn.EpisodeRunner over `engine`)."""
-    from ovkit.rl.rollout import Group, groups_table, score_groups
+    `episodes` (an ovkit.rollouts.episodes.EpisodeRunner over `engine`)."""
+    from ovkit.rollouts.groups import Group, groups_table, score_groups
 
     if episodes is not None:
         outs = episodes.run(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)

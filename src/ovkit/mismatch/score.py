@@ -9,7 +9,7 @@ the same `--max-pixels` rule as rl-curate / rl-train and run through the model's
 of image placeholders in the ids must equal what the processor makes of the images; if it does not, the images
 (or the pixel cap) differ from the sampler's and the report would compare different inputs, so it stops.
 
-The forward pass is rl-train's own (`ovkit.rl.trainer.forward_all`: logits / temperature in fp32, no top-p), so the
+The forward pass is rl-train's own (`ovkit.rollouts.trajectories.forward_all`: logits / temperature in fp32, no top-p), so the
 numbers are the ones rl-train's corrections would see. Like rl-train, a response is compared only up to a
 multimodal placeholder token the sampler emitted (the learner would look for image features behind it).
 
@@ -87,7 +87,7 @@ class ImageEncoder:
             return self._last[1]
         from ovkit.data.schema import IMAGE_TOKEN
         from ovkit.models.encode import decode_images, encode_prompt
-        from ovkit.rl.rollout import cap_pixels
+        from ovkit.rollouts.prompts import cap_pixels
 
         images = [cap_pixels(im, self.max_pixels) for im in decode_images(cells)]
         if not images:
@@ -133,7 +133,7 @@ def rescore(
     progress: bool = False,
 ) -> Rescored:
     """The learner's log-probs of every rollout row (dicts with the rollout schema's columns)."""
-    from ovkit.rl.trainer import multimodal_token_ids
+    from ovkit.rollouts.trajectories import multimodal_token_ids
 
     forbidden = multimodal_token_ids(model)
     encoder = ImageEncoder(processor, max_pixels)
@@ -193,22 +193,15 @@ def _fingerprint(cells: Sequence[dict[str, Any]]) -> str:
     return h.hexdigest()
 
 
-def _pad_id(processor: Any) -> int:
-    tokenizer = getattr(processor, "tokenizer", processor)
-    for pid in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if pid is not None:
-            return int(pid)
-    return 0
-
-
 def _forward(model: Any, processor: Any, chunk: Sequence[_Row], temperature: float) -> list[list[float]]:
     """rl-train's learner forward over one batch: the log-prob of every kept response token."""
     import torch
 
-    from ovkit.rl.trainer import Trajectories, forward_all
+    from ovkit.models import pad_token_id
+    from ovkit.rollouts.trajectories import Trajectories, forward_all
 
     n, width = len(chunk), max(len(r.ids) for r in chunk)
-    input_ids = torch.full((n, width), _pad_id(processor), dtype=torch.long)
+    input_ids = torch.full((n, width), pad_token_id(processor), dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)
     keys = sorted({k for r in chunk for k in r.images.token_values})
     per_token = {k: torch.zeros((n, width), dtype=torch.long) for k in keys}

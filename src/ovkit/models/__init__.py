@@ -50,4 +50,14 @@ def load(
     return model, processor
 
 
-__all__ = ["load"]
+def pad_token_id(processor: Any, model: Any = None) -> int:
+    """The id that pads batches: the tokenizer's pad, else the model's, else end-of-sequence, else 0."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    config = getattr(model, "config", None)
+    for pid in (getattr(tokenizer, "pad_token_id", None), getattr(config, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if pid is not None:
+            return int(pid)
+    return 0
+
+
+__all__ = ["load", "pad_token_id"]

@@ -50,6 +50,8 @@ class CurateConfig:
     stage2_categories: list[str] = field(default_factory=lambda: list(STAGE2_CATEGORIES))
     prompt: str = "auto"  # instruction the rollouts are sampled with: auto (the row's stage: 1 answer, 2 think) | answer | think
     engine: str = "hf"
+    precision: str = "auto"  # the sampler's compute precision (ovkit.runtime.precision)
+    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
     batch_size: int = 64  # sequences per generate call (prompts x n)
     max_new_tokens: int = 1024
     temperature: float = 1.0
@@ -71,7 +73,7 @@ class CurateConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        from ovkit.rl.multiturn import check_env_options
+        from ovkit.rollouts.episodes import check_env_options
 
         check_env_options(self)
         for name in ("data", "model", "out"):
@@ -145,8 +147,8 @@ def prompt_stats(groups, rows: Sequence[dict[str, Any]], cfg: CurateConfig) -> l
 
 def sample_groups(cfg: CurateConfig, engine, prompts, mode: str, bar, episodes=None) -> list:
     """N scored rollouts for every prompt, in generate calls of about `batch_size` sequences (multi-turn rollouts
-    with `episodes`, an ovkit.rl.multiturn.EpisodeRunner)."""
-    from ovkit.rl.rollout import Group, score_groups
+    with `episodes`, an ovkit.rollouts.episodes.EpisodeRunner)."""
+    from ovkit.rollouts.groups import Group, score_groups
 
     per_call = max(1, cfg.batch_size // cfg.n)
     groups: list = []
@@ -168,8 +170,8 @@ def rollout_all(cfg: CurateConfig, engine, processor, table, stages: Sequence[in
     """One scored group per row, in row order; each row sampled with the instruction of `mode_of` its stage."""
     from tqdm.auto import tqdm
 
-    from ovkit.rl.multiturn import env_instruction, env_tools, make_runner
-    from ovkit.rl.rollout import encode_prompts
+    from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
+    from ovkit.rollouts.prompts import encode_prompts
 
     groups: list = [None] * table.num_rows
     bar = tqdm(total=table.num_rows, desc="rl-curate", unit="prompt", leave=False, disable=cfg.quiet)
@@ -191,19 +193,15 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
     import pyarrow as pa
 
     from ovkit.data import read_samples, write_samples, write_table
-    from ovkit.generate import make_engine
-    from ovkit.models import load
-    from ovkit.rl.rollout import groups_table
+    from ovkit.rollouts.groups import groups_table
+    from ovkit.runtime.engines import build_engine
+
+    from ovkit.rollouts.prompts import limit_per_category
 
     table = limit_per_category(read_samples(cfg.data, shard=shard).table, cfg.limit)
-    if cfg.engine == "hf":
-        model, processor = load(cfg.model, trust_remote_code=cfg.trust_remote_code)
-        engine = make_engine("hf", model, processor, batch_size=cfg.batch_size)
-    else:
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-        engine = make_engine("vllm", cfg.model, processor, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+    engine = build_engine(cfg.engine, model_dir=cfg.model, precision=cfg.precision, batch_size=cfg.batch_size, seed=cfg.seed,
+                          trust_remote_code=cfg.trust_remote_code, attn_implementation=cfg.attn_implementation)
+    processor = engine.processor
     rows = table.to_pylist()
     groups = rollout_all(cfg, engine, processor, table, [stage_of(r, cfg.stage2_categories) for r in rows])
     stats = prompt_stats(groups, rows, cfg)
@@ -219,22 +217,6 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
     (out_dir / "stats.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     plot_difficulty(stats, cfg, out_dir / "difficulty.png")
     return summary
-
-
-def limit_per_category(table, limit: int | None):
-    """The first `limit` rows of each category, in their original order (all rows when limit is None)."""
-    import pyarrow as pa
-
-    if limit is None:
-        return table
-    seen: dict[str, int] = {}
-    keep = []
-    cats = table.column("category").to_pylist() if "category" in table.column_names else [None] * table.num_rows
-    for i, cat in enumerate(cats):
-        seen[cat] = seen.get(cat, 0) + 1
-        if seen[cat] <= limit:
-            keep.append(i)
-    return table.take(pa.array(keep, pa.int64()))
 
 
 def _part(shard: tuple[int, int] | None) -> str:

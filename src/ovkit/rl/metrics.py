@@ -1,4 +1,4 @@
-"""What one RL step reports: rewards, lengths, sampler/learner mismatch, and the logger that writes it.
+"""What one RL step reports: rewards, lengths, turns, staleness, sampler/learner mismatch, and its console line.
 
 Mismatch metrics follow "When speed kills stability" (Liu, Li et al. 2025) and verl's `rollout_corr/` names:
 learner PPL and sampler PPL are per-response exp(-mean log-prob) averaged over responses (fsdp-ppl / vllm-ppl),
@@ -9,10 +9,15 @@ d = prox_logprobs - behave_logprobs, and |delta logp| is |d| (max and mean over 
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+
+from ovkit.rl.staleness import staleness_histogram
+
+if TYPE_CHECKING:
+    from ovkit.rollouts.groups import Group
+    from ovkit.rollouts.trajectories import Trajectories
 
 
 def mismatch_stats(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -62,30 +67,6 @@ def length_stats(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str,
     }
 
 
-class ConsoleSink:
-    """The RL step line on stderr (ovkit.train.log's sinks write metrics.jsonl and TensorBoard)."""
-
-    def write(self, step: int, metrics: dict[str, Any]) -> None:
-        import sys
-
-        print(console_line(step, metrics), file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-def make_logger(run_dir: Path, *, quiet: bool, report_to: Sequence[str], start: int):
-    """metrics.jsonl (lines after `start` dropped on resume), TensorBoard if asked, and the console line."""
-    from ovkit.train.log import JsonlSink, Logger, TensorBoardSink
-
-    sinks: list[Any] = [JsonlSink(Path(run_dir) / "metrics.jsonl", resume_step=start)]
-    if "tensorboard" in report_to:
-        sinks.append(TensorBoardSink(Path(run_dir) / "tensorboard", resume_step=start))
-    if not quiet:
-        sinks.append(ConsoleSink())
-    return Logger(sinks)
-
-
 def console_line(step: int, m: dict[str, Any]) -> str:
     """`step 00042 | reward 0.41 | acc 0.31 | len 12 | clip 0.02 | kl 1.2e-03 | gnorm 0.80 | 25.3 samples/s | ...`"""
     parts = [
@@ -103,3 +84,38 @@ def console_line(step: int, m: dict[str, Any]) -> str:
         f"{m.get('samples_per_s', 0):.1f} samples/s",
     ]
     return " | ".join(parts)
+
+
+def staleness_metrics(step: int, versions: Sequence[int]) -> dict[str, Any]:
+    ages = [step - v for v in versions]
+    return {
+        "staleness/max": max(ages),
+        "staleness/mean": sum(ages) / len(ages),
+        "staleness/hist": staleness_histogram(step, list(versions)),
+    }
+
+
+def turn_mismatch_stats(prox: torch.Tensor, batch: Trajectories) -> dict[str, float]:
+    """Mismatch of first-turn tokens vs later-turn tokens (004 section 3.4.1: later turns drift more)."""
+    if batch.turn_ids is None or not (batch.mask & (batch.turn_ids > 0)).any():
+        return {}
+    out = {}
+    for name, where in (("first_turn", batch.turn_ids == 0), ("later_turns", batch.turn_ids > 0)):
+        stats = mismatch_stats(prox, batch.behave_logprobs, batch.mask & where)
+        out.update({f"mismatch/{name}/{k}": stats[f"mismatch/{k}"] for k in ("vllm_kl", "delta_logp_mean", "log_ppl_abs_diff") if f"mismatch/{k}" in stats})
+    return out
+
+
+def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
+    trajectories = [(g, i) for g in groups for i in range(len(g.completions))]
+    task = [g.task_rewards[i] for g, i in trajectories]
+    out: dict[str, Any] = reward_stats(task, [g.prompt.category for g, _ in trajectories], [g.parts[i].get("accuracy", 0.0) >= 1.0 for g, i in trajectories])
+    out["reward/format"] = sum(g.format_rewards[i] for g, i in trajectories) / len(trajectories)
+    out["reward/optimised"] = sum(g.rewards[i] for g, i in trajectories) / len(trajectories)
+    completions = [g.completions[i] for g, i in trajectories]
+    out.update(length_stats([sum(c.mask) for c in completions], [c.finish_reason == "length" for c in completions]))
+    if any(c.termination is not None for c in completions):
+        from ovkit.rollouts.episodes import turn_stats
+
+        out.update(turn_stats(completions, task))
+    return out

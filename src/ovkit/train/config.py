@@ -15,8 +15,9 @@ from typing import ClassVar
 
 from ovkit.errors import OvkitError
 from ovkit.models.groups import STAGE_TRAINABLE
+from ovkit.runtime.attention import ATTENTION
+from ovkit.runtime.precision import canonical as canonical_precision
 
-PRECISIONS = ("auto", "bf16", "fp32")
 REPORTERS = ("tensorboard",)
 
 # Stage presets: the recipe's published values (lr, weight decay). Cosine to a minimum lr of 1e-6, warmup 0.2% of
@@ -26,7 +27,11 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
     "midtrain": {"lr": 1e-5, "weight_decay": 0.01},
     "sft": {"lr": 1e-5, "weight_decay": 0.0},
 }
-ADAM_EPS = 1e-5
+# Options that shape the trajectory: a resumed run must use the same values (others, e.g. --save-every, may change).
+TRAJECTORY = (
+    "data", "model", "plan", "trainable", "freeze_vision", "lr", "min_lr", "warmup_ratio", "weight_decay",
+    "max_grad_norm", "batch_size", "grad_accum", "max_steps", "epochs", "max_len", "precision", "seed",
+)
 
 
 @dataclass
@@ -51,7 +56,8 @@ class TrainConfig:
     max_steps: int | None = None  # optimiser steps; exclusive with --epochs
     epochs: float | None = None  # passes over the data (default 1 when --max-steps is not given)
     max_len: int = 8192  # samples longer than this many tokens are skipped (counted in the summary)
-    precision: str = "auto"  # auto: bf16 autocast where the device supports it, else fp32
+    precision: str = "auto"  # auto | fp32 | bf16-mixed | bf16-true (ovkit.runtime.precision)
+    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% slower)
     save_every: int = 0  # write a checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2  # how many intermediate checkpoints to keep (oldest deleted first)
@@ -101,8 +107,9 @@ class TrainConfig:
             raise OvkitError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.weight_decay < 0 or self.max_grad_norm < 0:
             raise OvkitError("--weight-decay and --max-grad-norm must be >= 0")
-        if self.precision not in PRECISIONS:
-            raise OvkitError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        self.precision = canonical_precision(self.precision)
+        if self.attn_implementation not in ATTENTION:
+            raise OvkitError(f"--attn-implementation must be one of {', '.join(ATTENTION)}, got {self.attn_implementation!r}")
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise OvkitError("--save-every must be >= 0 and --keep-checkpoints >= 1")
         bad = [r for r in self.report_to if r not in REPORTERS]

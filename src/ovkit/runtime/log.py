@@ -1,8 +1,10 @@
 """Metrics go to a Logger; where they end up (console line, metrics.jsonl, TensorBoard, nowhere) is decided once,
 when the Logger is built, so the training loop never branches on logging.
 
-The console line is one dense, readable line per step (nanochat's style):
-    step 00042 | loss 2.3100 | lr 1.00e-05 | tok/s 5400 | pad 3% | 3.1m
+The console line is one dense, readable line per step (nanochat's style), formatted by the loop's own function:
+    step 00042 | loss 2.3100 | lr 1.00e-05 | tok/s 5400 | pad 3% | 3.1m                 (supervised)
+    step 00042 | reward 0.410 | acc 0.31 | len 12.0 | clip 0.020 | ... | 25.3 samples/s   (RL)
+above a tqdm bar with the ETA over the run's steps.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 class Sink(Protocol):
@@ -18,23 +20,17 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def step_line(step: int, m: dict[str, Any]) -> str:
-    return (
-        f"step {step:05d} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | tok/s {m['tok_per_s']:.0f} | "
-        f"pad {100 * m['pad_frac']:.0f}% | {m['elapsed_s'] / 60:.1f}m"
-    )
-
-
 class ConsoleSink:
-    """The step line on stderr, above a tqdm bar over the total steps."""
+    """The step line on stderr, above a tqdm bar (with ETA) over the total steps."""
 
-    def __init__(self, total: int, start: int, *, desc: str):
+    def __init__(self, total: int, start: int, *, desc: str, line: Callable[[int, dict[str, Any]], str]):
         from tqdm import tqdm
 
+        self.line = line
         self.bar = tqdm(total=total, initial=start, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        self.bar.write(step_line(step, metrics), file=sys.stderr)
+        self.bar.write(self.line(step, metrics), file=sys.stderr)
         self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
@@ -89,12 +85,14 @@ class Logger:
             s.close()
 
 
-def make_logger(run_dir: Path, *, main: bool, quiet: bool, report_to: list[str], total: int, start: int, desc: str) -> Logger:
+def make_logger(
+    run_dir: Path, *, main: bool, quiet: bool, report_to: list[str], total: int, start: int, desc: str, line: Callable[[int, dict[str, Any]], str]
+) -> Logger:
     if not main:
         return Logger([])
     sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", resume_step=start)]
     if "tensorboard" in report_to:
         sinks.append(TensorBoardSink(run_dir / "tensorboard", resume_step=start))
     if not quiet:
-        sinks.append(ConsoleSink(total, start, desc=desc))
+        sinks.append(ConsoleSink(total, start, desc=desc, line=line))
     return Logger(sinks)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ovkit.errors import OvkitError
-from ovkit.generate.rollouts import TERMINATIONS  # completed, env_done, max_turns, truncated, env_error
+from ovkit.rollouts.table import TERMINATIONS  # completed, env_done, max_turns, truncated, env_error
 
 DUMMY = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
 
@@ -108,7 +108,7 @@ def merge_mm(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 class Episode:
     """One trajectory being rolled out: the prompt and everything after it."""
 
-    prompt: Any  # ovkit.rl.rollout.Prompt
+    prompt: Any  # ovkit.rollouts.prompts.Prompt
     env: Any
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -259,7 +259,7 @@ class EpisodeRunner:
     the trajectories still running, then one environment step each."""
 
     def __init__(self, engine: Any, processor: Any, cfg: MultiTurn, model: Any = None):
-        from ovkit.rl.trainer import multimodal_token_ids
+        from ovkit.rollouts.trajectories import multimodal_token_ids
 
         self.engine, self.cfg = engine, cfg
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -389,7 +389,7 @@ class EpisodeRunner:
 
     def _encode(self, message: Any) -> tuple[Any, list]:
         from ovkit.data.schema import IMAGE_TOKEN
-        from ovkit.rl.rollout import cap_pixels
+        from ovkit.rollouts.prompts import cap_pixels
 
         if not isinstance(message, dict) or "content" not in message:
             raise OvkitError(f"format_observation must return a dict with role, content and images, got {type(message).__name__}")
@@ -502,3 +502,23 @@ def make_runner(cfg: Any, engine: Any, processor: Any, *, mode: str, max_pixels:
         mode=mode,
     )
     return EpisodeRunner(engine, processor, mt, model=model)
+
+
+def turn_stats(completions: Sequence[Any], rewards: Sequence[float]) -> dict[str, Any]:
+    """Multi-turn rollouts: turn-count distribution, termination reasons, reward by turn count."""
+    from collections import Counter
+
+    n = len(completions)
+    turns = [c.turns for c in completions]
+    reasons = Counter(c.termination for c in completions)
+    out: dict[str, Any] = {
+        "turns/mean": sum(turns) / n,
+        "turns/max": max(turns),
+        "turns/hist": {str(k): v for k, v in sorted(Counter(turns).items())},
+        "length/observation_tokens": sum(len(c.token_ids) - sum(c.mask) for c in completions) / n,
+    }
+    out.update({f"termination/{r}": reasons.get(r, 0) / n for r in TERMINATIONS})
+    for t in sorted(set(turns)):
+        values = [r for r, k in zip(rewards, turns) if k == t]
+        out[f"reward/by_turns/{t}"] = sum(values) / len(values)
+    return out

@@ -62,7 +62,7 @@ OPTIONAL_COLUMNS: dict[str, pa.DataType] = {
     "termination": pa.string(),  # multi-turn: completed | env_done | max_turns | truncated | env_error
 }
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
-TERMINATIONS = ("completed", "env_done", "max_turns", "truncated", "env_error")  # as ovkit.rl.multiturn
+TERMINATIONS = ("completed", "env_done", "max_turns", "truncated", "env_error")  # as ovkit.rollouts.episodes
 ROLLOUTS_FILE = "rollouts.parquet"
 
 

@@ -1,0 +1,191 @@
+"""`ovkit rl-train`: GRPO with AReaL's decoupled PPO, bounded-staleness asynchronous rollouts, and mismatch corrections.
+
+One step (as in LLaVA-OneVision-1.5-RL's trains/grpo.py):
+
+    groups          = rollouts.next_batch(step)        prompts_per_step groups of group_size scored completions,
+                                                       each tagged with the sampler version that generated it
+    metrics         = train_step(...)                  advantages, proximal log-probs, corrections, decoupled PPO
+                                                       (ovkit.rl.update)
+    rollouts.sync(model, step + 1)                     the sampler gets the new weights; admission control moves on
+
+Everything around the loop (device, precision, attention, loading, optimiser, run directory, resume, checkpoints,
+logging, the end) is the shared runtime's, exactly as for `ovkit sft` (ovkit.runtime, which also documents the run
+directory). With --save-rollouts, OUT/rollouts/step-N.parquet holds every step's trajectories.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ovkit.errors import OvkitError
+from ovkit.models import pad_token_id
+from ovkit.rl.config import TRAJECTORY, RLTrainConfig
+from ovkit.rl.metrics import console_line, rollout_metrics
+from ovkit.rl.rollout import AsyncRollouts, SyncRollouts
+from ovkit.rl.update import train_step
+from ovkit.rollouts.groups import Group, Sampling, score_groups
+from ovkit.runs import is_complete
+from ovkit.runtime import Runtime
+from ovkit.runtime.optim import constant_factor
+
+
+def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
+    """Run GRPO and write cfg.out; None when cfg.out is already complete (skipped)."""
+    if is_complete(cfg.out) and not cfg.overwrite:
+        return None
+    rt = Runtime(cfg, command="rl-train", trajectory=TRAJECTORY)
+    rt.check_run_dir()
+    model, processor = rt.load_model(cfg.model)
+    params = trainable(model, cfg)
+    prompts = _prompts(cfg, processor)
+    rt.make_run_dir()  # only now: bad inputs leave nothing behind
+    n_steps = total_steps(cfg, len(prompts))
+    optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: constant_factor(s, n_steps, cfg.warmup_ratio))
+    scorer, optimizer = rt.prepare(model, optimizer, scheduler)
+    state = rt.resume({"step": 0, "elapsed_s": 0.0, "samples": 0})  # a resumed run's weights are back in `model`
+    ref_model = _reference(rt, cfg) if cfg.kl_coef else None
+    pad_id = pad_token_id(processor, model)
+    rollouts = _rollouts(cfg, model, processor, prompts)
+    logger = rt.logger(n_steps, state["step"], console=console_line, desc=f"rl-train stage {cfg.stage}")
+    corr = cfg.correction_config()
+    t_start = time.perf_counter() - state["elapsed_s"]
+    scorer.eval()  # no dropout: the proximal pass and the gradient pass are the same function
+    rollouts.start(state["step"])
+    try:
+        for step in range(state["step"], n_steps):
+            t0 = time.perf_counter()
+            groups = rollouts.next_batch(step)
+            t1 = time.perf_counter()
+            metrics = train_step(scorer, optimizer, params, groups, step, pad_id, corr, ref_model, cfg, rt=rt)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            t2 = time.perf_counter()
+            rollouts.sync(model, step + 1)
+            t3 = time.perf_counter()
+            if cfg.save_rollouts:
+                _save_rollouts(rt.run_dir, step + 1, groups, processor)
+            n = sum(len(g.completions) for g in groups)
+            state.update(step=step + 1, samples=state["samples"] + n, elapsed_s=time.perf_counter() - t_start)
+            metrics = {
+                **rollout_metrics(groups),
+                **metrics,
+                "lr": lr,
+                "version": step + 1,
+                "time/rollout": t1 - t0,
+                "time/train": t2 - t1,
+                "time/sync": t3 - t2,
+                "samples_per_s": n / max(t3 - t0, 1e-9),
+                "samples": state["samples"],
+                "elapsed_s": state["elapsed_s"],
+            }
+            logger.log(step + 1, metrics)
+            state["last"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < n_steps:
+                rt.save_checkpoint(scorer, processor, state, cfg.keep_checkpoints)
+    finally:
+        rollouts.stop()
+        logger.close()
+    return rt.finish(scorer, processor, state, _summary(cfg, rt, state, n_steps), inputs=cfg.data).metrics
+
+
+def _summary(cfg: RLTrainConfig, rt: Runtime, state: dict[str, Any], n_steps: int) -> dict[str, Any]:
+    """The run's headline numbers, from the whole metrics.jsonl (a resumed run's included)."""
+    import json
+
+    rows = [json.loads(ln) for ln in (rt.run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    first, last = (rows[0], rows[-1]) if rows else ({}, {})
+    return {
+        "steps": n_steps,
+        "stage": cfg.stage,
+        "samples": state["samples"],
+        "elapsed_s": round(state["elapsed_s"], 2),
+        "samples_per_s": round(state["samples"] / max(state["elapsed_s"], 1e-9), 2),
+        "first_reward": first.get("reward/mean"),
+        "final_reward": last.get("reward/mean"),
+        "final_accuracy": last.get("accuracy"),
+        "max_staleness_seen": max((r.get("staleness/max", 0) for r in rows), default=0),
+        "resumed_from": str(rt.resume_from) if rt.resume_from else None,
+    }
+
+
+def total_steps(cfg: RLTrainConfig, n_prompts: int) -> int:
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    epochs = 30.0 if cfg.epochs is None else cfg.epochs
+    return max(1, math.ceil(epochs * n_prompts / cfg.prompts_per_step))
+
+
+def trainable(model, cfg: RLTrainConfig) -> list[torch.nn.Parameter]:
+    from ovkit.models.groups import set_trainable, trainable_names
+
+    set_trainable(model, trainable_names(model, ["all"], freeze_vision=cfg.freeze_vision))
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _reference(rt: Runtime, cfg: RLTrainConfig):
+    """The initial model for the KL penalty: frozen, in the learner's compute dtype."""
+    ref = rt.load_model(cfg.model)[0].requires_grad_(False).eval()
+    return ref.to(rt.precision.dtype)
+
+
+def _prompts(cfg: RLTrainConfig, processor) -> list:
+    """Every row of every DATA path (several: e.g. the shards of a sharded rl-curate); empty tables are skipped."""
+    from ovkit.data import parquet_files, read_samples
+    from ovkit.rollouts.episodes import env_instruction, env_tools
+    from ovkit.rollouts.prompts import encode_prompts
+
+    prompts = []
+    for path in cfg.data:
+        if sum(pq_rows(f) for f in parquet_files(path)) == 0:
+            continue
+        table = read_samples(path).table
+        prompts += encode_prompts(table, processor, mode=cfg.mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels, extra=env_instruction(cfg), tools=env_tools(cfg))
+    if not prompts:
+        raise OvkitError(f"DATA {', '.join(map(str, cfg.data))}: no RL prompts (an rl-curate stage set can be empty when the model solves all or none of the prompts)")
+    return prompts
+
+
+def pq_rows(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+def make_sampler(cfg: RLTrainConfig, model, processor):
+    """The rollout engine. Asynchronous runs sample from their own copy of the weights (synced every step);
+    synchronous ones share the learner's unless --sampler-precision / --sampler-quant asks for a separate copy."""
+    from ovkit.runtime.engines import build_engine
+
+    if cfg.engine == "vllm":
+        if cfg.sampler_quant:
+            raise OvkitError("--sampler-quant int8 is for --engine hf (vLLM quantises through its own options)")
+        return build_engine("vllm", model_dir=cfg.model, processor=processor, precision=cfg.sampler_precision or "auto", seed=cfg.seed)
+    source = copy.deepcopy(model) if cfg.max_staleness > 0 else model
+    return build_engine("hf", model=source, processor=processor, precision=cfg.sampler_precision, quant=cfg.sampler_quant, batch_size=cfg.rollout_batch_size)
+
+
+def _rollouts(cfg: RLTrainConfig, model, processor, prompts):
+    from ovkit.rollouts.episodes import make_runner
+
+    engine = make_sampler(cfg, model, processor)
+    engine.update_weights(model)  # a resumed run's sampler starts from the checkpoint's weights
+    episodes = make_runner(cfg, engine, processor, mode=cfg.mode, max_pixels=cfg.max_pixels, model=model)
+    sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed, episodes=episodes)
+    score = partial(score_groups, mode=cfg.mode, format_weight=cfg.format_weight, workers=cfg.reward_workers)
+    if cfg.max_staleness == 0:
+        return SyncRollouts(engine, prompts, cfg.prompts_per_step, sampling, score)
+    return AsyncRollouts(engine, prompts, cfg.prompts_per_step, sampling, score, cfg.max_staleness, groups_per_call=cfg.prompts_per_step)
+
+
+def _save_rollouts(run_dir: Path, step: int, groups: Sequence[Group], tokenizer: Any = None) -> None:
+    from ovkit.data import write_table
+    from ovkit.rollouts.groups import groups_table
+
+    write_table(groups_table(groups, tokenizer=getattr(tokenizer, "tokenizer", tokenizer)), Path(run_dir) / "rollouts" / f"step-{step:06d}.parquet")

@@ -1,0 +1,326 @@
+"""The training runtime: one object owns what every learner needs around its loop.
+
+`ovkit align | midtrain | sft` (ovkit.train.loop) and `ovkit rl-train` (ovkit.rl.loop) are two loops
+(nanochat-style); everything around them is here, once:
+
+    rt = Runtime(cfg, command="sft", trajectory=TRAJECTORY)   # accelerator, device, precision, attention, seed
+    rt.check_run_dir()                                          # OUT.partial: fresh, or the checkpoint to resume
+    model, processor = rt.load_model(cfg.model)                 # attention set, on the device, fp32
+    optimizer, scheduler = rt.optimizer(model, lr=..., weight_decay=..., schedule=...)   # casts to bf16 if asked
+    scorer, optimizer = rt.prepare(model, optimizer, scheduler) # TokenScorer (loss in forward) under accelerate
+    state = rt.resume(state)                                    # trajectory options checked, state loaded
+    logger = rt.logger(total, state["step"], console=line_fn)
+    ... the loop: rt.autocast(), rt.backward(loss), rt.clip(params, optimizer, max_norm), rt.save_checkpoint(...)
+    return rt.finish(model, processor, state, summary)          # final model, ovkit.json, OUT.partial -> OUT
+
+Run directory while training, and at the end (both loops):
+
+    OUT.partial/                     the run while it is going (a stable name, so --resume finds it)
+      metrics.jsonl                  one JSON object per step
+      tensorboard/                   with --report-to tensorboard
+      checkpoints/step-000200/       every --save-every steps; the newest --keep-checkpoints are kept
+        model.safetensors, config.json, processor files   save_pretrained: loadable as a model
+        state/                       accelerate save_state: model, optimiser (with fp32 master weights), lr
+                                     schedule, RNG of every process; sharded under FSDP
+        ovkit_state.json             step, tokens/samples, elapsed time, world size
+        ovkit.json                   provenance; written last, so a checkpoint without it is incomplete
+    OUT/                             at the end: OUT.partial + the final model at its root, config.yaml, ovkit.json
+
+A checkpoint is written as `checkpoints/.step-N.tmp` and renamed, so a killed run leaves either a whole checkpoint
+or a temp dir that is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ovkit import __version__
+from ovkit.config import to_plain
+from ovkit.errors import OvkitError
+from ovkit.runtime import attention as attn
+from ovkit.runtime import precision as prec
+from ovkit.runtime.log import Logger, make_logger
+from ovkit.runtime.loss import TokenScorer
+from ovkit.runtime.optim import adamw, clip_grad_norm
+
+CHECKPOINTS = "checkpoints"
+STATE = "state"
+RUN_STATE = "ovkit_state.json"
+PROVENANCE = "ovkit.json"
+
+
+@dataclass
+class Result:
+    status: str  # "done" (this process wrote OUT), "skipped" (OUT was complete), "worker" (not the main process)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step-{step:06d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / PROVENANCE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+class Runtime:
+    """One learner run: see the module docstring. `cfg` needs `out`, `seed`, `resume`, `overwrite`, `quiet`,
+    `report_to`, `precision`, `attn_implementation`, `trust_remote_code`; `trajectory` names the options a resumed run
+    must keep."""
+
+    def __init__(self, cfg: Any, *, command: str, trajectory: Sequence[str], parent: Path | None = None):
+        from accelerate import Accelerator, PartialState
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import DistributedDataParallelKwargs, set_seed
+        from transformers.utils import logging as hf_logging
+
+        self.cfg, self.command, self.trajectory = cfg, command, tuple(trajectory)
+        self.parent = Path(parent if parent is not None else cfg.model)
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.precision = prec.resolve(cfg.precision, device)
+        # Master weights need the gradients to themselves; DDP all-reduces the parameters' .grad and FSDP/DeepSpeed
+        # bring their own mixed-precision policy: those runs use accelerate's bf16 (autocast / the engine's policy).
+        distributed = PartialState().distributed_type.value not in ("NO",)
+        self.master_weights = self.precision.master_weights and not distributed
+        mixed = "bf16" if self.precision.name == "bf16-mixed" and distributed else "no"
+        # find_unused_parameters: a text-only micro-batch leaves the vision tower without gradients on that process.
+        ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
+        AcceleratorState._reset_state()  # a second run in one process (tests, benchmarks) sets its own precision
+        self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed, kwargs_handlers=[ddp])
+        self.device = self.accelerator.device
+        self.attention = attn.resolve(getattr(cfg, "attn_implementation", "auto"), self.device)
+        set_seed(cfg.seed, device_specific=True)
+        hf_logging.disable_progress_bar()  # weight loading/saving bars would break up the step lines
+        self.resume_from: Path | None = None
+        self.scheduler = self._optimizer = None
+
+    # -- facts ------------------------------------------------------------------------------------------------------
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.out.parent / f"{self.cfg.out.name}.partial"
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def processes(self) -> int:
+        return self.accelerator.num_processes
+
+    def info(self) -> dict[str, Any]:
+        """What ran: recorded in ovkit.json (`runtime`)."""
+        return {
+            "device": str(self.device),
+            "processes": self.processes,
+            "distributed": self.accelerator.distributed_type.value,
+            "precision": {**self.precision.as_dict(), "master_weights": self.master_weights},
+            "attention": self.attention.as_dict(),
+        }
+
+    # -- run directory and resume ----------------------------------------------------------------------------------
+
+    def check_run_dir(self) -> Path | None:
+        """The checkpoint to resume from (None: start fresh); an unfinished OUT.partial needs --resume or
+        --overwrite. Nothing is written: `make_run_dir` does that, once the inputs have been checked."""
+        run_dir = self.run_dir
+        if not run_dir.exists() or self.cfg.overwrite:
+            return None
+        ckpt = latest_checkpoint(run_dir)
+        if not self.cfg.resume:
+            at = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
+            raise OvkitError(f"{run_dir} holds an unfinished run ({at}); pass --resume to continue it or --overwrite to start over")
+        self.resume_from = ckpt
+        return ckpt
+
+    def make_run_dir(self) -> None:
+        """OUT.partial, emptied unless the run resumes from it."""
+        self.accelerator.wait_for_everyone()
+        if self.is_main:
+            if self.run_dir.exists() and self.resume_from is None:
+                shutil.rmtree(self.run_dir)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.accelerator.wait_for_everyone()
+
+    def resume(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` for a fresh run; for a resumed one the checkpoint's, after checking that the run continues the same
+        trajectory (same options, same process count), with model, optimiser, schedule and RNG restored."""
+        ckpt = self.resume_from
+        if ckpt is None:
+            return {**state, "processes": self.processes}
+        saved = json.loads((ckpt / PROVENANCE).read_text())["config"]
+        now = to_plain(self.cfg)
+        keys = [k.replace("_", "-") for k in self.trajectory]
+        changed = [k for k in keys if saved.get(k) != now.get(k)]
+        if changed:
+            diffs = ", ".join(f"--{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
+            raise OvkitError(f"--resume: {ckpt} was trained with different options ({diffs}); use the same ones, or --overwrite to start over")
+        loaded = json.loads((ckpt / RUN_STATE).read_text())
+        if loaded.get("processes", 1) != self.processes:
+            raise OvkitError(f"--resume: {ckpt} ran on {loaded['processes']} processes, this run has {self.processes}; the global batch would change")
+        self.accelerator.load_state(str(ckpt / STATE))
+        return loaded
+
+    # -- model and optimiser ---------------------------------------------------------------------------------------
+
+    def load_model(self, path: Path) -> tuple[Any, Any]:
+        """(model, processor) from `path`, in fp32 (the optimiser decides the compute dtype), with the attention
+        implementation applied, on this process's device."""
+        from ovkit.models import load
+
+        model, processor = load(path, dtype=torch.float32, trust_remote_code=self.cfg.trust_remote_code)
+        attn.apply(model, self.attention)
+        return model.to(self.device), processor
+
+    def optimizer(self, model: Any, *, lr: float, weight_decay: float, schedule: Callable[[int], float]):
+        """AdamW over the trainable parameters and a LambdaLR `schedule` (multiplier of lr per 0-based step). With
+        bf16-mixed (single process) the model's floating parameters become bf16 and the optimiser keeps fp32
+        masters; with bf16-true they become bf16 and so does the optimiser state."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.precision.name != "fp32" and (self.master_weights or self.precision.name == "bf16-true"):
+            masters = adamw(params, lr=lr, weight_decay=weight_decay, master_weights=True) if self.master_weights else None
+            for p in model.parameters():  # parameters only: buffers (rotary inv_freq) stay fp32
+                if p.is_floating_point():
+                    p.data = p.data.to(torch.bfloat16)
+            optimizer = masters or adamw(params, lr=lr, weight_decay=weight_decay, fused=self._fused_ok())
+        else:
+            optimizer = adamw(params, lr=lr, weight_decay=weight_decay, fused=self._fused_ok())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return optimizer, scheduler
+
+    def _fused_ok(self) -> bool:
+        # The fused kernel for plain and DDP runs; FSDP and DeepSpeed bring their own sharded optimiser steps.
+        return self.accelerator.distributed_type.value in ("NO", "MULTI_CPU", "MULTI_GPU")
+
+    def prepare(self, model: Any, optimizer: Any, scheduler: Any) -> tuple[Any, Any]:
+        """(scorer, optimizer) ready for the loop: the model inside a TokenScorer (its forward computes the chunked
+        loss or log-probs), both through accelerate; the scheduler is registered for checkpoints."""
+        scorer, optimizer = self.accelerator.prepare(TokenScorer(model), optimizer)
+        self.accelerator.register_for_checkpointing(scheduler)
+        self.scheduler, self._optimizer = scheduler, optimizer
+        return scorer, optimizer
+
+    def unwrap(self, scorer: Any) -> Any:
+        """The bare transformers model inside a prepared scorer."""
+        return self.accelerator.unwrap_model(scorer).model
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+
+    def autocast(self):
+        return self.accelerator.autocast() if self.accelerator.mixed_precision != "no" else nullcontext()
+
+    def no_sync(self, scorer: Any, sync: bool):
+        """Gradients are all-reduced once per optimiser step: skip it on all but the last micro-batch."""
+        return nullcontext() if sync else self.accelerator.no_sync(scorer)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def clip(self, params: list[torch.nn.Parameter], optimizer: Any, max_norm: float) -> float:
+        return clip_grad_norm(optimizer, params, max_norm, self.accelerator)
+
+    def logger(self, total: int, start: int, *, console: Callable[[int, dict], str], desc: str) -> Logger:
+        return make_logger(self.run_dir, main=self.is_main, quiet=self.cfg.quiet, report_to=self.cfg.report_to, total=total, start=start, desc=desc, line=console)
+
+    # -- checkpoints and the end -----------------------------------------------------------------------------------
+
+    def save_model(self, scorer: Any, processor: Any, out: Path) -> None:
+        """save_pretrained of the model (gathered from every process under FSDP/DeepSpeed) and the processor, in the
+        precision it was loaded in (fp32: the learner's truth is the fp32 master copy when there is one)."""
+        state_dict = self.accelerator.get_state_dict(scorer)  # collective: every process must call it
+        if not self.is_main:
+            return
+        model = self.unwrap(scorer)
+        state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        masters = _master_values(self._optimizer, model)
+        state_dict = {k: masters.get(k, v).float() if v.is_floating_point() else v for k, v in state_dict.items()}
+        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        processor.save_pretrained(out)
+
+    def save_checkpoint(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int) -> Path:
+        final = step_dir(self.run_dir, state["step"])
+        tmp = final.parent / f".{final.name}.tmp"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        # Pickle, not safetensors: the state is ovkit's own, and safetensors refuses tied weights (embeddings = lm_head).
+        self.accelerator.save_state(str(tmp / STATE), safe_serialization=False)
+        self.save_model(scorer, processor, tmp)
+        if self.is_main:
+            _write_json(tmp / RUN_STATE, state)
+            _write_json(tmp / PROVENANCE, self.provenance(state))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def provenance(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "command": self.command,
+            "ovkit_version": __version__,
+            "config": to_plain(self.cfg),
+            "parent": {"path": str(self.parent)},
+            "step": state["step"],
+            "seed": self.cfg.seed,
+            "runtime": self.info(),
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "metrics": state.get("last", {}),
+        }
+
+    def finish(self, scorer: Any, processor: Any, state: dict[str, Any], summary: dict[str, Any], *, inputs: Sequence[Path]) -> Result:
+        """Save the final model into OUT.partial and, on the main process once every process is done, turn it into
+        OUT (config.yaml and ovkit.json with `summary` and the runtime)."""
+        from ovkit.runs import Stage
+
+        self.save_model(scorer, processor, self.run_dir)
+        self.accelerator.wait_for_everyone()
+        if not self.is_main:
+            return Result("worker", summary)
+        _write_json(self.run_dir / RUN_STATE, state)
+        stage = Stage(self.command, self.cfg, self.cfg.out, inputs=inputs, overwrite=self.cfg.overwrite, seed=self.cfg.seed, parent=self.parent)
+        with stage:  # OUT.partial becomes the stage's temp dir; the Stage writes config.yaml + ovkit.json and renames
+            stage.metrics.update(summary)
+            stage.extra["runtime"] = self.info()
+            stage.path.rmdir()
+            os.replace(self.run_dir, stage.path)
+        return Result("done", summary)
+
+
+def _master_values(optimizer: Any, model: Any) -> dict[str, torch.Tensor]:
+    """The fp32 master copy of each parameter, by name, when the optimiser keeps one (else empty)."""
+    from ovkit.runtime.optim import MixedPrecisionAdamW
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    if not isinstance(inner, MixedPrecisionAdamW):
+        return {}
+    by_id = {id(p): m for p, m in inner.pairs}
+    return {n: by_id[id(p)] for n, p in model.named_parameters() if id(p) in by_id}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    from ovkit.runs import write_json
+
+    write_json(path, obj)

@@ -1,0 +1,193 @@
+"""Attention implementations: one option for every command that loads a model, and varlen attention for the ViT.
+
+`--attn-implementation {auto,sdpa,flash_attention_2,flex_attention,eager}` picks the language model's attention (the
+transformers implementation of that name) and, for vision towers that attend image by image (the Qwen-VL family's
+native-resolution ViT attends per image and per window), how that is done:
+
+| choice | language model | vision tower |
+|---|---|---|
+| `sdpa` | torch SDPA; packed rows get a block-diagonal mask from their restarting positions (one call per layer) | `ovkit_varlen_flash`: one SDPA call per layer over all images, block-diagonal (varlen) |
+| `flash_attention_2` | the flash-attn package (varlen from cu_seqlens / position_ids) | the same kernel, varlen |
+| `flex_attention` | torch flex attention | `ovkit_varlen_flash` |
+| `eager` | transformers' reference (matmul + softmax) | transformers' reference, one call per image and window |
+| `auto` | `flash_attention_2` on CUDA when flash-attn is installed, else `sdpa` | as above |
+
+Why a registered function for the tower: transformers' Qwen-VL vision attention takes its one-call varlen branch
+(cu_seqlens) only when the configured implementation's name contains "flash"; any other name loops over images and
+windows, which made a padded batch of 16 images cost 4 x 16 attention calls on a 4-layer ViT. `ovkit_varlen_flash`
+presents the flash varlen interface and computes it with PyTorch: `torch.nn.attention.varlen.varlen_attn` (a flash
+kernel inside PyTorch) on CUDA in bf16/fp16, else SDPA over a block-diagonal mask, segments grouped so that no dense
+mask exceeds VARLEN_GROUP tokens per side (calls then grow with tokens / VARLEN_GROUP, never with images).
+
+A requested kernel that is missing (flash-attn not installed, no CUDA) falls back to `sdpa` with one warning; the
+choice actually used is recorded in ovkit.json (`runtime.attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ovkit.errors import OvkitError
+
+ATTENTION = ("auto", "sdpa", "flash_attention_2", "flex_attention", "eager")
+VARLEN = "ovkit_varlen_flash"
+VARLEN_GROUP = 4096  # tokens per side of one dense block-diagonal mask (16M booleans)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """The attention in use: what was asked, what the language model and the vision tower run, and why."""
+
+    requested: str
+    text: str
+    vision: str
+    note: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return {"requested": self.requested, "text": self.text, "vision": self.vision, **({"note": self.note} if self.note else {})}
+
+
+def flash_attn_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve(requested: str, device: torch.device | str) -> Attention:
+    """The implementations to use on `device` for `--attn-implementation requested`."""
+    if requested not in ATTENTION:
+        raise OvkitError(f"--attn-implementation must be one of {', '.join(ATTENTION)}, got {requested!r}")
+    cuda = torch.device(device).type == "cuda"
+    if requested == "auto":
+        return Attention("auto", "flash_attention_2", "flash_attention_2") if cuda and flash_attn_available() else Attention("auto", "sdpa", VARLEN)
+    if requested == "flash_attention_2" and not (cuda and flash_attn_available()):
+        why = "no CUDA device" if not cuda else "the flash-attn package is not installed (pip install flash-attn)"
+        note = f"flash_attention_2 unavailable ({why}); using sdpa"
+        _warn_once(note)
+        return Attention(requested, "sdpa", VARLEN, note)
+    if requested == "flash_attention_2":
+        return Attention(requested, "flash_attention_2", "flash_attention_2")
+    if requested == "eager":
+        return Attention(requested, "eager", "eager")
+    return Attention(requested, requested, VARLEN)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    print(f"ovkit: warning: {message}", file=sys.stderr, flush=True)
+
+
+def apply(model: Any, attention: Attention) -> None:
+    """Set the model's attention: the text config (and the top-level one) to `attention.text`, a vision config to
+    `attention.vision`. Models without a vision sub-config take `attention.text` throughout."""
+    register()
+    config = model.config
+    subs = {name: getattr(config, name) for name in getattr(config, "sub_configs", {}) if getattr(config, name, None) is not None}
+    if not subs:
+        model.set_attn_implementation(attention.text)
+        return
+    choice = {name: (attention.vision if "vision" in name else attention.text) for name in subs}
+    choice[""] = attention.text
+    try:
+        model.set_attn_implementation(choice)
+    except (ValueError, KeyError, ImportError) as e:
+        raise OvkitError(f"--attn-implementation {attention.requested}: {type(model).__name__} cannot use it ({e})") from None
+
+
+@functools.lru_cache(maxsize=1)
+def register() -> None:
+    """Make `ovkit_varlen_flash` known to transformers (attention function and mask function)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import flash_attention_mask
+
+    AttentionInterface.register(VARLEN, varlen_attention)
+    AttentionMaskInterface.register(VARLEN, flash_attention_mask)
+
+
+def varlen_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface: query/key/value (1, heads, tokens, dim) of concatenated sequences
+    whose boundaries are `cu_seq_lens_*`; returns (1, tokens, heads, dim). Without boundaries it is plain SDPA."""
+    causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
+    if cu_seq_lens_q is None:  # not a varlen call (e.g. a language model given this name): ordinary SDPA
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError("varlen attention takes concatenated sequences (batch dimension 1)")
+    cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if kv_heads != heads:  # grouped-query attention
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _torch_varlen() is not None:
+        out = _torch_varlen()(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+            cu_seq_lens_q.to(torch.int32), cu_k.to(torch.int32),
+            int(max_length_q or _longest(cu_seq_lens_q)), int(max_length_k or _longest(cu_k)),
+            scale=scaling, window_size=(-1, 0) if causal else (-1, -1),
+        )  # fmt: skip
+        return out.unsqueeze(0), None
+    if not torch.equal(cu_seq_lens_q, cu_k):
+        raise ValueError("varlen attention without a CUDA kernel needs the same boundaries for queries and keys")
+    out = torch.empty_like(query)
+    for start, end, seg in _groups(cu_seq_lens_q.tolist()):
+        q, k, v = (t[:, :, start:end] for t in (query, key, value))
+        mask = seg[:, None] == seg[None, :]
+        if causal:
+            mask = mask & torch.ones_like(mask).tril()
+        out[:, :, start:end] = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.to(query.device), dropout_p=dropout if module.training else 0.0, scale=scaling
+        )
+    return out.transpose(1, 2), None
+
+
+def _longest(cu: torch.Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+def _groups(cu: list[int]) -> list[tuple[int, int, torch.Tensor]]:
+    """Consecutive sequences grouped into spans of at most max(VARLEN_GROUP, longest sequence) tokens: (start, end,
+    segment id of each token in the span). One dense mask per span."""
+    limit = max(VARLEN_GROUP, max((b - a for a, b in zip(cu, cu[1:])), default=0))
+    spans, start = [], cu[0]
+    bounds = [cu[0]]
+    for a, b in zip(cu, cu[1:]):
+        if b - start > limit and a > start:
+            spans.append((start, a, bounds))
+            start, bounds = a, [a]
+        bounds.append(b)
+    spans.append((start, cu[-1], bounds))
+    out = []
+    for s, e, bs in spans:
+        lengths = torch.tensor([y - x for x, y in zip(bs, bs[1:])])
+        out.append((s, e, torch.repeat_interleave(torch.arange(len(lengths)), lengths)))
+    return [g for g in out if g[1] > g[0]]
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn
+    except ImportError:
+        return None

@@ -1,0 +1,81 @@
+"""One builder for every generation engine: eval, caption, rl-curate, mismatch-report and rl-train's sampler.
+
+One device rule (the CUDA device when there is one, else the CPU), one precision vocabulary (ovkit.runtime.precision
+for the model; `fp32 | bf16 | fp16` for a sampler copy, plus `--sampler-quant`), and the attention option of every
+other command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ovkit.errors import OvkitError
+
+# A sampler's own precision (rl-train --sampler-precision, mismatch-report's samplers): the dtype of its weights.
+SAMPLER_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+SAMPLER_ALIASES = {"float32": "fp32", "32": "fp32", "bfloat16": "bf16", "bf16-true": "bf16", "bf16-mixed": "bf16", "float16": "fp16", "16": "fp16"}
+
+
+def device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def sampler_dtype(name: str | None) -> str | None:
+    """The torch dtype name for a sampler precision (None: the model's own)."""
+    if name is None:
+        return None
+    key = SAMPLER_ALIASES.get(str(name), str(name))
+    if key not in SAMPLER_PRECISIONS:
+        raise OvkitError(f"--sampler-precision must be one of {', '.join(SAMPLER_PRECISIONS)}, got {name!r}")
+    return SAMPLER_PRECISIONS[key]
+
+
+def load_for_inference(path: Path | str, *, precision: str = "auto", attn_implementation: str = "auto", trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """(model, processor) in eval mode on the device, its weights in the precision's compute dtype, attention set."""
+    from ovkit.models import load
+    from ovkit.runtime import attention, precision as prec
+
+    dev = device()
+    model, processor = load(path, dtype=prec.resolve(precision, dev).dtype, trust_remote_code=trust_remote_code)
+    attention.apply(model, attention.resolve(attn_implementation, dev))
+    return model.to(dev).eval(), processor
+
+
+def build_engine(
+    kind: str,
+    *,
+    model: Any = None,
+    model_dir: Path | str | None = None,
+    processor: Any = None,
+    precision: str | None = None,
+    quant: str | None = None,
+    batch_size: int = 32,
+    seed: int = 0,
+    progress: bool = False,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "auto",
+) -> Any:
+    """A generation engine. `hf`: from a loaded `model` (rl-train's learner: `precision` then names a sampler copy's
+    precision, `quant` its quantisation) or from `model_dir` (loaded in `precision`); `vllm`: from `model_dir`."""
+    from ovkit.generate import HFEngine, VLLMEngine
+
+    if kind == "hf":
+        if model is None:
+            if model_dir is None:
+                raise ValueError("build_engine('hf') needs a model or a model directory")
+            model, processor = load_for_inference(model_dir, precision=precision or "auto", attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+            return HFEngine(model, processor, quant=quant, batch_size=batch_size, progress=progress)
+        return HFEngine(model, processor, dtype=sampler_dtype(precision), quant=quant, batch_size=batch_size, progress=progress)
+    if kind == "vllm":
+        if model_dir is None:
+            model_dir = model.config.name_or_path
+        if processor is None:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        dtype = sampler_dtype(precision) if precision not in (None, "auto") else "auto"
+        return VLLMEngine(model_dir, processor=processor, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, progress=progress)
+    raise OvkitError(f"--engine must be one of hf, vllm, got {kind!r}")

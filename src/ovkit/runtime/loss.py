@@ -1,0 +1,154 @@
+"""Token log-probs and the language-model loss without a [tokens x vocab] fp32 tensor.
+
+The head (hidden -> vocabulary logits) is applied only at the positions that carry a target (SFT: the answer
+tokens; RL: the response tokens), in chunks of rows; each chunk's logits are recomputed in the backward pass
+(activation checkpointing of the head, `torch.utils.checkpoint`) rather than kept. Peak memory of the loss is then
+one chunk of logits and its gradient, whatever the sequence length: with Qwen2.5's 151,936-token vocabulary and the
+default 64 MiB budget, 110 rows at a time.
+
+On CUDA with Liger-Kernel installed (`pip install liger-kernel`), the supervised loss uses its fused linear +
+cross-entropy instead (the same numbers; it never materialises the logits either).
+
+`TokenScorer` wraps the model so that the whole computation is one module's forward: DDP and FSDP see the loss
+inside their forward (their gradient hooks and parameter gathering apply), and `accelerate.prepare` takes it like any
+model. `score(model, inputs, targets, where)` is the same for code that holds a bare model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_BYTES = 64 << 20  # fp32 logits of one chunk (its gradient and the softmax double it in the backward pass)
+
+
+def chunk_rows(vocab: int, budget: int = CHUNK_BYTES) -> int:
+    return max(1, budget // (4 * vocab))
+
+
+def _head(model: Any) -> tuple[nn.Module, Any]:
+    """(the module returning the last hidden state, the output embedding)."""
+    base = getattr(model, model.base_model_prefix, None) if getattr(model, "base_model_prefix", "") else None
+    head = model.get_output_embeddings()
+    if base is None or head is None:
+        raise ValueError(f"{type(model).__name__}: no base model / output embeddings to compute a chunked loss from")
+    return base, head
+
+
+def _unsupported(model: Any) -> str | None:
+    for cfg in (model.config, getattr(model.config, "text_config", None)):
+        if cfg is not None and (getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0)):
+            return "final logit soft-capping / scaling"
+    return None
+
+
+def hidden_states(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    """The last hidden state [B, T, H] for `inputs` (no logits computed)."""
+    base, _ = _head(model)
+    return base(**inputs, use_cache=False).last_hidden_state
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+@torch.no_grad()
+def _chunk_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def head_logprobs(
+    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False, chunk: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(targets) [N] (differentiable) for hidden rows [N, H], and their entropies [N] when asked (no grad)."""
+    weight, bias = head.weight, getattr(head, "bias", None)
+    rows = chunk or chunk_rows(weight.shape[0])
+    logp, ent = [], []
+    for s in range(0, hidden.shape[0], rows):
+        h, t = hidden[s : s + rows], targets[s : s + rows]
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            logp.append(checkpoint(_chunk_logprobs, h, weight, bias, t, temperature, use_reentrant=False))
+        else:
+            logp.append(_chunk_logprobs(h, weight, bias, t, temperature))
+        if entropy:
+            ent.append(_chunk_entropy(h.detach(), weight.detach(), None if bias is None else bias.detach(), temperature))
+    empty = hidden.new_zeros((0,), dtype=torch.float32)
+    return (torch.cat(logp) if logp else empty), (torch.cat(ent) if ent else empty) if entropy else None
+
+
+def score(
+    model: Any, inputs: dict[str, Any], targets: torch.Tensor, where: torch.Tensor, *, temperature: float = 1.0,
+    entropy: bool = False, chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-position log-probs [B, T-1] of `targets` [B, T-1] (column j: the token after position j) at the positions
+    `where` [B, T-1] (bool), zero elsewhere; entropies likewise when asked."""
+    if _unsupported(model):
+        return _score_full(model, inputs, targets, where, temperature=temperature, entropy=entropy)
+    _, head = _head(model)
+    hidden = hidden_states(model, inputs)[:, :-1]
+    picked, ent = head_logprobs(hidden[where], head, targets[where], temperature=temperature, entropy=entropy, chunk=chunk)
+    out = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device)
+    out = out.masked_scatter(where, picked)
+    if entropy:
+        ent = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device).masked_scatter(where, ent)
+    return out, ent
+
+
+def _score_full(model, inputs, targets, where, *, temperature, entropy):
+    """The plain path (every position's logits) for heads the chunked path cannot reproduce."""
+    logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    out = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * where
+    ent = (-(logp.exp() * logp).sum(-1) * where).detach() if entropy else None
+    return out, ent
+
+
+def nll_sum(model: Any, inputs: dict[str, Any], labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Sum of next-token NLLs over the target tokens (labels != ignore_index), the supervised loss's numerator."""
+    targets = labels[:, 1:]
+    where = targets != ignore_index
+    if _liger_ok(model, labels):
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        _, head = _head(model)
+        hidden = hidden_states(model, inputs)[:, :-1]
+        return liger_fused_linear_cross_entropy(hidden[where], head.weight, targets[where], getattr(head, "bias", None), reduction="sum")
+    logp, _ = score(model, inputs, targets.clamp(min=0), where)
+    return -logp.sum()
+
+
+def _liger_ok(model: Any, labels: torch.Tensor) -> bool:
+    return labels.is_cuda and importlib.util.find_spec("liger_kernel") is not None and not _unsupported(model)
+
+
+class TokenScorer(nn.Module):
+    """The model with the loss in its forward (for DDP / FSDP / accelerate.prepare). `forward(inputs, labels=...)`
+    returns the NLL sum; `forward(inputs, targets=..., where=..., temperature=..., entropy=...)` the log-probs."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self._no_split_modules = getattr(model, "_no_split_modules", None)  # FSDP's auto-wrap policy reads it
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def forward(self, inputs: dict[str, Any], labels: torch.Tensor | None = None, **kw: Any):
+        if labels is not None:
+            return nll_sum(self.model, inputs, labels)
+        return score(self.model, inputs, **kw)
