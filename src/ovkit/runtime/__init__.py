@@ -189,7 +189,7 @@ class Runtime:
         from ovkit.models import load
 
         model, processor = load(path, dtype=torch.float32, trust_remote_code=self.cfg.trust_remote_code)
-        attn.apply(model, self.attention)
+        self.attention = attn.apply(model, self.attention)
         return model.to(self.device), processor
 
     def optimizer(self, model: Any, *, lr: float, weight_decay: float, schedule: Callable[[int], float]):

@@ -82,21 +82,34 @@ def _warn_once(message: str) -> None:
     print(f"ovkit: warning: {message}", file=sys.stderr, flush=True)
 
 
-def apply(model: Any, attention: Attention) -> None:
+def apply(model: Any, attention: Attention) -> Attention:
     """Set the model's attention: the text config (and the top-level one) to `attention.text`, a vision config to
-    `attention.vision`. Models without a vision sub-config take `attention.text` throughout."""
+    `attention.vision`; models without a vision sub-config take `attention.text` throughout. An architecture that
+    does not support the requested implementation (transformers says so; e.g. Qwen2.5-VL and flex_attention) falls
+    back to sdpa with one warning. Returns what is in effect."""
     register()
+    try:
+        _set(model, attention)
+        return attention
+    except (ValueError, KeyError, ImportError) as e:
+        if attention.text == "sdpa":
+            raise OvkitError(f"--attn-implementation {attention.requested}: {type(model).__name__} cannot use it ({e})") from None
+        note = f"{type(model).__name__} does not support {attention.text}; using sdpa"
+        _warn_once(note)
+        fallback = Attention(attention.requested, "sdpa", VARLEN if attention.vision == VARLEN else "sdpa", note)
+        _set(model, fallback)
+        return fallback
+
+
+def _set(model: Any, attention: Attention) -> None:
     config = model.config
-    subs = {name: getattr(config, name) for name in getattr(config, "sub_configs", {}) if getattr(config, name, None) is not None}
+    subs = [name for name in getattr(config, "sub_configs", {}) if getattr(config, name, None) is not None]
     if not subs:
         model.set_attn_implementation(attention.text)
         return
     choice = {name: (attention.vision if "vision" in name else attention.text) for name in subs}
     choice[""] = attention.text
-    try:
-        model.set_attn_implementation(choice)
-    except (ValueError, KeyError, ImportError) as e:
-        raise OvkitError(f"--attn-implementation {attention.requested}: {type(model).__name__} cannot use it ({e})") from None
+    model.set_attn_implementation(choice)
 
 
 @functools.lru_cache(maxsize=1)

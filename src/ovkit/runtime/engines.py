@@ -40,7 +40,7 @@ def load_for_inference(path: Path | str, *, precision: str = "auto", attn_implem
 
     dev = device()
     model, processor = load(path, dtype=prec.resolve(precision, dev).dtype, trust_remote_code=trust_remote_code)
-    attention.apply(model, attention.resolve(attn_implementation, dev))
+    attention.apply(model, attention.resolve(attn_implementation, dev))  # (prints the one warning of a fallback)
     return model.to(dev).eval(), processor
 
 

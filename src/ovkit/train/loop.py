@@ -48,7 +48,10 @@ def train(cfg: TrainConfig) -> Result:
     names = trainable_names(model, cfg.trainable, freeze_vision=cfg.freeze_vision)
     n_trainable, n_total = set_trainable(model, names)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
 
     source = _source(cfg, processor, model)

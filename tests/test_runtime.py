@@ -1,0 +1,267 @@
+"""ovkit.runtime: the shared training runtime.
+
+- attention calls per optimiser step stay proportional to layers (padded batches of many images, packed rows);
+- packed == padded loss and update for every attention implementation that runs on CPU;
+- the loss over a Qwen-sized vocabulary (151,936) peaks at the chunk's memory, not tokens x vocab;
+- the chunked loss and log-probs equal the full-logits ones, gradients included;
+- activation checkpointing with packed rows and a frozen group gives the same loss and gradients;
+- bf16-mixed keeps fp32 master weights, resumes from them exactly, and stays near fp32;
+- sft and the RL learner go through the same runtime functions.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_rl_train import _cfg as rl_cfg
+from test_rl_train import rl_assets  # noqa: F401 (a fixture)
+from test_train import ENV, config, make_rows, weights
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """The tiny default's depth (4 LLM layers, a 4-block ViT), small widths, and a 16-sample table with a pack plan
+    of two rows."""
+    from ovkit.data.io import write_samples
+    from ovkit.data.schema import samples_table
+    from ovkit.models.tiny import TinySpec, build_tiny
+
+    root = tmp_path_factory.mktemp("runtime")
+    rows = make_rows(16)
+    write_samples(samples_table(rows), root / "data", None)
+    spec = TinySpec(
+        hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=64, mrope_section=(2, 3, 3),
+        vision_hidden_size=32, vision_depth=4, vision_heads=2, vision_intermediate_size=64,
+    )
+    build_tiny(root / "model", [m["content"] for r in rows for m in r["messages"]] * 4, spec=spec)
+    return root, spec
+
+
+def _pack(cli, root: Path, max_len: int) -> tuple[Path, int]:
+    import pyarrow.parquet as pq
+
+    plan = root / f"plan-{max_len}"
+    if not plan.exists():
+        code, _, err = cli("pack", root / "data", "--model", root / "model", "--max-len", str(max_len), "--out", plan, "--quiet")
+        assert code == 0, err
+    return plan, len(set(pq.read_table(plan / "plan.parquet").column("pack").to_pylist()))
+
+
+def _attention_calls(cfg) -> tuple[int, int]:
+    """(SDPA calls, softmax calls) in one optimiser step of `train(cfg)`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ovkit.train import train
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train(cfg)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    return counts.get("aten::scaled_dot_product_attention", 0), counts.get("aten::softmax", 0) + counts.get("aten::_softmax", 0)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_attention_calls_per_step_are_bounded_by_layers(deep, tmp_path, cli, layout):
+    """16 images in one padded micro-batch, or two packed rows: at most 2 x (LLM layers + ViT depth) attention calls
+    (sdpa), where transformers' per-image vision attention makes LLM layers + ViT depth x images (and eager shows it)."""
+    root, spec = deep
+    kw = dict(data=root / "data", model=root / "model", max_steps=1, batch_size=16)
+    if layout == "packed":
+        plan, n_packs = _pack(cli, root, 512)
+        assert n_packs == 2
+        kw.update(plan=plan, batch_size=2)
+    bound = 2 * (spec.num_layers + spec.vision_depth)
+    sdpa, _ = _attention_calls(config("SFTConfig", root, tmp_path / "sdpa", **kw, attn_implementation="sdpa"))
+    assert 0 < sdpa <= bound
+    _, softmaxes = _attention_calls(config("SFTConfig", root, tmp_path / "eager", **kw, attn_implementation="eager"))
+    assert softmaxes >= spec.vision_depth * 16  # the reference loops over images: what sdpa no longer does
+
+
+def _cpu_attention() -> list[str]:
+    return ["sdpa", "eager"]  # flex_attention: Qwen2.5-VL does not support it (the fallback test below)
+
+
+@pytest.mark.parametrize("attn", _cpu_attention())
+def test_packed_equals_padded_for_every_cpu_attention(deep, tmp_path, cli, attn):
+    root, _ = deep
+    plan, n_packs = _pack(cli, root, 160)
+    from ovkit.train import train
+
+    padded = train(config("SFTConfig", root, tmp_path / "padded", batch_size=16, max_steps=1, lr=1e-2, attn_implementation=attn))
+    packed = train(config("SFTConfig", root, tmp_path / "packed", plan=plan, batch_size=n_packs, max_steps=1, lr=1e-2, attn_implementation=attn))
+    assert packed.metrics["first_loss"] == pytest.approx(padded.metrics["first_loss"], rel=1e-5)
+    w_pad, w_pack = weights(tmp_path / "padded"), weights(tmp_path / "packed")
+    for name in w_pad:
+        torch.testing.assert_close(w_pad[name], w_pack[name], rtol=1e-4, atol=1e-6, msg=name)
+    used = json.loads((tmp_path / "packed" / "ovkit.json").read_text())["runtime"]["attention"]
+    assert used["requested"] == attn and used["text"] == attn
+
+
+def test_an_implementation_the_architecture_lacks_falls_back_to_sdpa_with_one_warning(deep, capsys):
+    from ovkit.models import load
+    from ovkit.runtime import attention
+
+    root, _ = deep
+    attention._warn_once.cache_clear()  # "once per process": whatever ran before in this one
+    used = [attention.apply(load(root / "model")[0], attention.resolve("flex_attention", "cpu")) for _ in range(2)]
+    assert all(u.text == "sdpa" and u.vision == attention.VARLEN and "flex_attention" in u.note for u in used)
+    assert capsys.readouterr().err.count("does not support flex_attention") == 1
+    cuda_only = attention.resolve("flash_attention_2", "cpu")
+    assert cuda_only.text == "sdpa" and "flash_attention_2 unavailable" in cuda_only.note
+
+
+def test_chunked_loss_and_logprobs_equal_the_full_logits(deep):
+    import torch.nn.functional as F
+
+    from ovkit.models import load
+    from ovkit.models.encode import decode_images, encode_sample
+    from ovkit.runtime.loss import nll_sum, score
+    from ovkit.train.data import collate_padded
+    from ovkit.train.loop import model_inputs
+
+    root, _ = deep
+    model, processor = load(root / "model")
+    rows = make_rows(4)
+    batch = collate_padded([encode_sample(processor, r["messages"], decode_images(r["images"])) for r in rows], 0)
+    inputs = model_inputs(batch, "cpu")
+    logits = model(**inputs).logits[:, :-1].float()
+    targets = batch["labels"][:, 1:]
+    full = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum")
+    full_grads = torch.autograd.grad(full, [p for p in model.parameters()], allow_unused=True)
+    chunked = nll_sum(model, inputs, batch["labels"])
+    chunked_grads = torch.autograd.grad(chunked, [p for p in model.parameters()], allow_unused=True)
+    assert chunked.item() == pytest.approx(full.item(), rel=1e-6)
+    for a, b in zip(full_grads, chunked_grads):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    where = targets != -100
+    logp, ent = score(model, inputs, targets.clamp(min=0), where, temperature=0.7, entropy=True, chunk=5)
+    ref = torch.log_softmax(logits / 0.7, -1)
+    torch.testing.assert_close(logp[where], ref.gather(-1, targets.clamp(min=0)[..., None])[..., 0][where], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[where], -(ref.exp() * ref).sum(-1)[where], rtol=1e-5, atol=1e-5)
+    assert (logp[~where] == 0).all()
+
+
+PEAK_SCRIPT = r"""
+import resource, sys, torch
+from ovkit.runtime.loss import head_logprobs
+torch.manual_seed(0)
+vocab, hidden, tokens, chunked = 151936, 64, 4096, sys.argv[1] == "chunked"
+head = torch.nn.Linear(hidden, vocab, bias=False)
+h = torch.randn(tokens, hidden, requires_grad=True)
+t = torch.randint(0, vocab, (tokens,))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if chunked:
+    logp, _ = head_logprobs(h, head, t)
+else:
+    logp = torch.log_softmax(head(h).float(), -1).gather(-1, t[:, None])[:, 0]
+(-logp.sum()).backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+"""
+
+
+def test_the_loss_over_a_qwen_vocabulary_peaks_at_the_chunk_not_tokens_x_vocab():
+    """4,096 target tokens x 151,936 vocabulary: 2.5 GB of fp32 logits (and as much again for their gradient) the
+    plain way; the chunked head stays within a few chunks (64 MiB each) plus the head's own gradient (39 MB) and
+    what the allocator keeps."""
+    peak = {}
+    for mode in ("chunked", "full"):
+        run = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, mode], env=ENV, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        peak[mode] = int(run.stdout.split()[-1])
+    logits_bytes = 4096 * 151936 * 4
+    assert peak["full"] > logits_bytes  # the measurement can see a tokens x vocab tensor
+    assert peak["chunked"] < 0.35 * logits_bytes  # measured 0.57 GB against 7.5 GB
+
+
+def test_gradient_checkpointing_with_packed_rows_and_a_frozen_group_changes_nothing(deep, tmp_path, cli):
+    root, _ = deep
+    plan, n_packs = _pack(cli, root, 160)
+    from ovkit.train import train
+
+    kw = dict(plan=plan, batch_size=n_packs, max_steps=1, lr=1e-2, freeze_vision=True)
+    plain = train(config("SFTConfig", root, tmp_path / "plain", **kw))
+    ckpt = train(config("SFTConfig", root, tmp_path / "ckpt", gradient_checkpointing=True, **kw))
+    assert ckpt.metrics["first_loss"] == pytest.approx(plain.metrics["first_loss"], rel=1e-6)
+    a, b, start = weights(tmp_path / "plain"), weights(tmp_path / "ckpt"), weights(root / "model")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=name)
+        if name.startswith("model.visual.") and "merger" not in name:
+            assert torch.equal(a[name], start[name]), name  # frozen stays frozen
+
+
+def test_bf16_mixed_keeps_fp32_masters_and_resumes_from_them_exactly(deep, tmp_path, monkeypatch):
+    from ovkit.runtime import Runtime
+    from ovkit.runtime.optim import MixedPrecisionAdamW
+    from ovkit.train import train
+
+    root, _ = deep
+    seen = {}
+    prepare = Runtime.prepare
+
+    def spy(self, model, optimizer, scheduler):
+        seen["optimizer"] = optimizer
+        seen["dtypes"] = {p.dtype for p in model.parameters()}
+        return prepare(self, model, optimizer, scheduler)
+
+    monkeypatch.setattr(Runtime, "prepare", spy)
+    kw = dict(max_steps=4, lr=1e-2, save_every=2, precision="bf16-mixed")
+    straight = train(config("SFTConfig", root, tmp_path / "straight", **kw))
+    assert isinstance(seen["optimizer"], MixedPrecisionAdamW) and seen["dtypes"] == {torch.bfloat16}
+    assert all(m.dtype == torch.float32 for _, m in seen["optimizer"].pairs)
+    fp32 = train(config("SFTConfig", root, tmp_path / "fp32", **{**kw, "precision": "fp32"}))
+    assert straight.metrics["final_loss"] == pytest.approx(fp32.metrics["final_loss"], rel=0.05)
+    assert all(v.dtype == torch.float32 for v in weights(tmp_path / "straight").values())  # saved from the masters
+
+    save = Runtime.save_checkpoint
+
+    def save_then_die(self, *args, **kwargs):
+        path = save(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(config("SFTConfig", root, tmp_path / "cut", **kw))
+    monkeypatch.setattr(Runtime, "save_checkpoint", save)
+    resumed = train(config("SFTConfig", root, tmp_path / "cut", resume=True, **kw))
+    assert resumed.metrics["resumed_from"].endswith("step-000002")
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "cut")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the fp32 masters came back bit for bit
+
+
+def test_sft_and_the_rl_learner_go_through_the_same_runtime(deep, rl_assets, tmp_path, monkeypatch):  # noqa: F811
+    from ovkit.rl.loop import train_rl
+    from ovkit.runtime import Runtime
+    from ovkit.train import train
+
+    calls: dict[str, list[str]] = {}
+    for name in ("load_model", "optimizer", "prepare", "resume", "logger", "backward", "clip", "save_checkpoint", "finish"):
+        original = getattr(Runtime, name)
+
+        def spy(self, *a, _name=name, _original=original, **k):
+            calls.setdefault(self.command, []).append(_name)
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(Runtime, name, spy)
+    root, _ = deep
+    train(config("SFTConfig", root, tmp_path / "sft", max_steps=2, save_every=1))
+    model_dir, data = rl_assets
+    train_rl(rl_cfg(model_dir, data, tmp_path / "rl", max_steps=2, save_every=1, quiet=True))
+    assert set(calls["sft"]) == set(calls["rl-train"]) == {"load_model", "optimizer", "prepare", "resume", "logger", "backward", "clip", "save_checkpoint", "finish"}
+    prov = json.loads((tmp_path / "rl" / "ovkit.json").read_text())
+    assert prov["runtime"]["precision"]["used"] == "fp32" and prov["runtime"]["attention"]["vision"] == "ovkit_varlen_flash"
