@@ -286,3 +286,51 @@ def test_list_presets_names_every_preset_and_downloads_nothing(cli):
         assert p.name in out
         for hub_id in (p.model, p.stage0, p.vision, p.llm):
             assert hub_id is None or hub_id in out
+
+
+# ---- random init: published architectures, offline ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,billions", [("qwen2.5-vl-2b", 2.21), ("qwen2.5-vl-3b", 3.75), ("qwen2.5-vl-7b", 8.29)])
+def test_random_init_configs_have_the_published_sizes(name, billions):
+    """Built on the meta device: the published parameter counts (Qwen2.5-VL-3B/7B config.json dimensions), the
+    tiny tokenizer's special tokens inside the padded vocabulary."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from ovkit.models.presets import random_config
+    from ovkit.models.tiny import train_tokenizer
+
+    tokenizer = train_tokenizer(["a red circle"] * 10)
+    config = random_config(name, tokenizer)
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+    assert config.image_token_id == tokenizer.convert_tokens_to_ids("<|image_pad|>") < config.text_config.vocab_size
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--preset", "qwen2.5-vl-2b"], "add --random-init"),
+        (["--preset", "tiny", "--random-init"], "--random-init builds the architecture of a preset"),
+        (["--preset", "llava-ov-1.5-8b", "--random-init"], "has none"),
+    ],
+)
+def test_random_init_refuses_what_it_cannot_build(cli, tmp_path, args, message):
+    code, _, err = cli("init-model", "--out", tmp_path / "x", *args)
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_random_init_builds_a_loadable_2b_model(cli, tmp_path):
+    import torch
+
+    from ovkit.models import load
+
+    code, out, err = cli("init-model", "--preset", "qwen2.5-vl-2b", "--random-init", "--dtype", "bfloat16", "--out", tmp_path / "m", "--quiet")
+    assert code == 0, err
+    model, processor = load(tmp_path / "m", dtype=torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(2.21, abs=0.01)
+    assert processor.image_processor.merge_size == 2

@@ -1,8 +1,11 @@
 """Named model presets and the `init-model` builder that dispatches on them.
 
-`tiny` is built here, offline. The published sizes are documentation: ovkit never downloads weights, so their rows
-say which hub checkpoints to fetch and how to use them (a ready checkpoint as `--model`, or `--vision DIR --llm DIR`
-to compose a stage-0 model from local copies).
+`tiny` is built here, offline. ovkit never downloads weights, so the published sizes say which hub checkpoints to
+fetch and how to use them (a ready checkpoint as `--model`, or `--vision DIR --llm DIR` to compose a stage-0 model
+from local copies). Presets with an `arch` can also be built with random weights, offline, at their real size
+(`init-model --preset NAME --random-init`): the architecture of the published model with a given processor
+(`--processor DIR`) or the tiny byte-level tokenizer, its vocabulary padded to the published size, to benchmark or
+smoke-test a cluster without a download.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class Preset:
     llm: str | None = None  # hub id of the LLM to compose from
     llm_hidden_size: int | None = None  # checked against --llm so a preset name cannot silently mean another model
     notes: str = ""
+    arch: dict | None = None  # Qwen2.5-VL dimensions for --random-init: {"text": {...}, "vision": {...}, "tie": bool}
 
 
 _RICE_NOTE = (
@@ -32,6 +36,18 @@ _RICE_NOTE = (
     "not a transformers AutoModel, so compose a LLaVA-architecture stand-in from the same LLM and an encoder "
     "transformers knows (e.g. a SigLIP directory) as --vision"
 )
+
+# Qwen2.5-VL's vision tower (every published size shares it: 32 blocks of 1280, full attention every 8th block,
+# 112-pixel windows) and the text dimensions of the published sizes (their config.json files).
+QWEN25_VIT = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+
+
+def _qwen25(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, tie: bool) -> dict:
+    text = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                intermediate_size=intermediate, vocab_size=vocab, rope_theta=1_000_000.0, max_position_embeddings=128000)
+    return {"text": text, "vision": {**QWEN25_VIT, "out_hidden_size": hidden}, "tie": tie}
+
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -57,14 +73,26 @@ PRESETS: dict[str, Preset] = {
             "hub",
             "Qwen2.5-VL 3B Instruct: the architecture of `tiny` at full size (native-resolution ViT, 2x2 merger).",
             model="Qwen/Qwen2.5-VL-3B-Instruct",
-            notes="ready to train: download it and pass the directory as --model to every stage",
+            notes="ready to train: download it and pass the directory as --model to every stage; --random-init builds "
+            "the architecture offline",
+            arch=_qwen25(2048, 36, 16, 2, 11008, 151936, tie=True),
         ),
         Preset(
             "qwen2.5-vl-7b",
             "hub",
             "Qwen2.5-VL 7B Instruct, the baseline LLaVA-OV-1.5-8B is compared with.",
             model="Qwen/Qwen2.5-VL-7B-Instruct",
-            notes="ready to train: download it and pass the directory as --model to every stage",
+            notes="ready to train: download it and pass the directory as --model to every stage; --random-init builds "
+            "the architecture offline",
+            arch=_qwen25(3584, 28, 28, 4, 18944, 152064, tie=False),
+        ),
+        Preset(
+            "qwen2.5-vl-2b",
+            "random",
+            "Benchmark size, random weights only (no published checkpoint): the Qwen2.5-VL ViT (0.67B) + a "
+            "Qwen2-1.5B-sized LLM (hidden 1536 x 28 layers), vocabulary 151,936; 2.2B in total.",
+            notes="built offline by `ovkit init-model --preset qwen2.5-vl-2b --random-init --out DIR`",
+            arch=_qwen25(1536, 28, 12, 2, 8960, 151936, tie=True),
         ),
         Preset(
             "llava-ov-1.5-4b",
@@ -127,6 +155,8 @@ class InitModelConfig:
     llm: Path | None = None  # compose: a local causal LM directory
     dtype: str = "auto"  # compose: weight dtype of the composed model ("auto" keeps the checkpoints')
     vision_feature_layer: int = -2  # compose: which encoder layer feeds the projector (LLaVA uses the penultimate)
+    random_init: bool = False  # build a published architecture with random weights (presets with an `arch`)
+    processor: Path | None = None  # random-init: a processor directory to use (default: the tiny tokenizer)
     list_presets: bool = False  # print the preset table and exit
     seed: int = 0
     overwrite: bool = False
@@ -145,7 +175,9 @@ class InitModelConfig:
         if self.preset is None:
             self.preset = "compose" if composing else "tiny"
         kind = "compose" if self.preset == "compose" else preset(self.preset).kind  # unknown names fail here
-        if kind == "compose":
+        if self.random_init or kind == "random":
+            self._check_random()
+        elif kind == "compose":
             self._check_compose()
         elif composing:
             raise OvkitError(f"--preset {self.preset} is not composed; drop --vision/--llm, or drop --preset to compose them")
@@ -159,6 +191,17 @@ class InitModelConfig:
         elif not self.corpus:
             raise OvkitError(f"--corpus is required for --preset {self.preset}: a dataset whose text trains the tokenizer (e.g. the "
                              "directory `ovkit synth --out data/` wrote)")
+
+    def _check_random(self) -> None:
+        p = PRESETS.get(self.preset)
+        if p is None or p.arch is None:
+            buildable = ", ".join(n for n, q in PRESETS.items() if q.arch)
+            raise OvkitError(f"--random-init builds the architecture of a preset with known dimensions ({buildable}); {self.preset} has none")
+        if not self.random_init:
+            raise OvkitError(f"--preset {p.name} has no published weights: add --random-init to build it with random weights")
+        if self.vision is not None or self.llm is not None:
+            raise OvkitError("--random-init builds from the preset's dimensions: drop --vision/--llm")
+        self.processor = Path(self.processor) if self.processor is not None else None
 
     def _check_compose(self) -> None:
         if self.vision is not None and self.llm is not None:
@@ -176,6 +219,8 @@ class InitModelConfig:
 
 def build(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
     """Build the model `cfg` asks for into `out_dir`; returns headline metrics."""
+    if cfg.random_init:
+        return _random(cfg, out_dir)
     if cfg.vision is not None:
         return _compose(cfg, out_dir)
     if cfg.preset == "tiny-clip":
@@ -207,6 +252,64 @@ def _tiny(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
         "vision": f"hidden {vision.hidden_size} x {vision.depth} layers, patch {vision.patch_size}",
         "tokenizer_texts": len(texts),
         "image_tokens_84x84": image_token_count(tiny_processor(tokenizer), 84, 84),
+    }
+
+
+def random_config(name: str, tokenizer: Any):
+    """The Qwen2.5-VL config of preset `name` at its published dimensions, its special tokens taken from
+    `tokenizer` (whose ids must fit the published vocabulary, which pads the tiny tokenizer's)."""
+    from transformers import Qwen2_5_VLConfig
+
+    arch = PRESETS[name].arch
+    text = dict(arch["text"])
+    if len(tokenizer) > text["vocab_size"]:
+        raise OvkitError(f"--processor: its tokenizer has {len(tokenizer)} tokens, more than {name}'s vocabulary ({text['vocab_size']})")
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (
+        ("image", "<|image_pad|>"), ("video", "<|video_pad|>"), ("start", "<|vision_start|>"), ("end", "<|vision_end|>"),
+        ("eos", "<|im_end|>"), ("pad", "<|endoftext|>"))}  # fmt: skip
+    missing = [k for k, v in ids.items() if v is None or v == getattr(tokenizer, "unk_token_id", -1)]
+    if missing:
+        raise OvkitError(f"--processor: the tokenizer lacks Qwen-VL's special tokens ({', '.join(missing)}); use a Qwen2.5-VL processor or none")
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]}
+    text.update(rope_parameters=rope, eos_token_id=ids["eos"], pad_token_id=ids["pad"], bos_token_id=ids["pad"])
+    return Qwen2_5_VLConfig(
+        text_config=text, vision_config=dict(arch["vision"]), image_token_id=ids["image"], video_token_id=ids["video"],
+        vision_start_token_id=ids["start"], vision_end_token_id=ids["end"], tie_word_embeddings=arch["tie"],
+    )
+
+
+def _random(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
+    """The preset's architecture with random weights (initialised as transformers initialises a new model), saved
+    with a processor: the given one, or the tiny byte-level tokenizer (trained on --corpus, else on ovkit's prompts)
+    with Qwen2.5-VL's image processing (14-pixel patches, 2x2 merge, up to 448x448: 256 tokens per image)."""
+    import torch
+    from transformers import AutoProcessor, GenerationConfig, Qwen2_5_VLForConditionalGeneration
+
+    from ovkit.models.tiny import TINY, tiny_processor, train_tokenizer
+    from ovkit.prompts import ANSWER_PROMPT, SYSTEM_PROMPT, THINK_PROMPT
+
+    if cfg.processor is not None:
+        processor = AutoProcessor.from_pretrained(cfg.processor)
+    else:
+        texts = list(corpus_texts(cfg.corpus)) if cfg.corpus else []
+        texts += [SYSTEM_PROMPT, ANSWER_PROMPT, THINK_PROMPT, "user", "assistant"] * 20
+        processor = tiny_processor(train_tokenizer(texts, TINY.vocab_size))
+    config = random_config(cfg.preset, processor.tokenizer)
+    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    torch.manual_seed(cfg.seed)
+    model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype)
+    model.generation_config = GenerationConfig(eos_token_id=config.text_config.eos_token_id, pad_token_id=config.text_config.pad_token_id)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return {
+        "preset": cfg.preset,
+        "random_init": True,
+        "architecture": config.architectures[0] if config.architectures else type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": config.text_config.vocab_size,
+        "tokenizer_tokens": len(processor.tokenizer),
+        "dtype": str(dtype).removeprefix("torch."),
     }
 
 

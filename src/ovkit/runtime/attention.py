@@ -6,7 +6,7 @@ native-resolution ViT attends per image and per window), how that is done:
 
 | choice | language model | vision tower |
 |---|---|---|
-| `sdpa` | torch SDPA; packed rows get a block-diagonal mask from their restarting positions (one call per layer) | `ovkit_varlen_flash`: one SDPA call per layer over all images, block-diagonal (varlen) |
+| `sdpa` | torch SDPA; packed rows get a block-diagonal mask from their restarting positions (one call per layer) | `ovkit_varlen_flash`: varlen, one SDPA call per layer for images of one size (below) |
 | `flash_attention_2` | the flash-attn package (varlen from cu_seqlens / position_ids) | the same kernel, varlen |
 | `flex_attention` | torch flex attention | `ovkit_varlen_flash` |
 | `eager` | transformers' reference (matmul + softmax) | transformers' reference, one call per image and window |
@@ -16,8 +16,9 @@ Why a registered function for the tower: transformers' Qwen-VL vision attention 
 (cu_seqlens) only when the configured implementation's name contains "flash"; any other name loops over images and
 windows, which made a padded batch of 16 images cost 4 x 16 attention calls on a 4-layer ViT. `ovkit_varlen_flash`
 presents the flash varlen interface and computes it with PyTorch: `torch.nn.attention.varlen.varlen_attn` (a flash
-kernel inside PyTorch) on CUDA in bf16/fp16, else SDPA over a block-diagonal mask, segments grouped so that no dense
-mask exceeds VARLEN_GROUP tokens per side (calls then grow with tokens / VARLEN_GROUP, never with images).
+kernel inside PyTorch) on CUDA in bf16/fp16, else SDPA over the sequences gathered into a padded batch (one call per
+group of similar lengths: images of one size, and a tower's equal windows, are one call; a block-diagonal mask over
+all tokens would cost T^2 instead of the sum of the sequences' squares).
 
 A requested kernel that is missing (flash-attn not installed, no CUDA) falls back to `sdpa` with one warning; the
 choice actually used is recorded in ovkit.json (`runtime.attention`).
@@ -38,7 +39,6 @@ from ovkit.errors import OvkitError
 
 ATTENTION = ("auto", "sdpa", "flash_attention_2", "flex_attention", "eager")
 VARLEN = "ovkit_varlen_flash"
-VARLEN_GROUP = 4096  # tokens per side of one dense block-diagonal mask (16M booleans)
 
 
 @dataclass(frozen=True)
@@ -162,14 +162,21 @@ def varlen_attention(
     if not torch.equal(cu_seq_lens_q, cu_k):
         raise ValueError("varlen attention without a CUDA kernel needs the same boundaries for queries and keys")
     out = torch.empty_like(query)
-    for start, end, seg in _groups(cu_seq_lens_q.tolist()):
-        q, k, v = (t[:, :, start:end] for t in (query, key, value))
-        mask = seg[:, None] == seg[None, :]
+    dropout = dropout if module.training else 0.0
+    for starts, lengths in _groups(cu_seq_lens_q.tolist()):
+        width = max(lengths)
+        # (n, width) token positions of each sequence, padded past its end by repeating its start (masked out below)
+        offsets = torch.arange(width)
+        index = torch.tensor(starts)[:, None] + torch.minimum(offsets[None, :], torch.tensor(lengths)[:, None] - 1)
+        valid = offsets[None, :] < torch.tensor(lengths)[:, None]  # (n, width)
+        mask = valid[:, None, None, :]  # keys past a sequence's end are never attended to
         if causal:
-            mask = mask & torch.ones_like(mask).tril()
-        out[:, :, start:end] = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask.to(query.device), dropout_p=dropout if module.training else 0.0, scale=scaling
-        )
+            mask = mask & torch.ones(width, width, dtype=torch.bool).tril()
+        flat = index.reshape(-1).to(query.device)
+        q, k, v = (t[0][:, flat].reshape(t.shape[1], len(starts), width, -1).transpose(0, 1) for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(query.device), dropout_p=dropout, scale=scaling)
+        keep = valid.reshape(-1).to(query.device)
+        out[0][:, flat[keep]] = o.transpose(0, 1).reshape(o.shape[1], -1, o.shape[-1])[:, keep]
     return out.transpose(1, 2), None
 
 
@@ -177,23 +184,23 @@ def _longest(cu: torch.Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
 
 
-def _groups(cu: list[int]) -> list[tuple[int, int, torch.Tensor]]:
-    """Consecutive sequences grouped into spans of at most max(VARLEN_GROUP, longest sequence) tokens: (start, end,
-    segment id of each token in the span). One dense mask per span."""
-    limit = max(VARLEN_GROUP, max((b - a for a, b in zip(cu, cu[1:])), default=0))
-    spans, start = [], cu[0]
-    bounds = [cu[0]]
-    for a, b in zip(cu, cu[1:]):
-        if b - start > limit and a > start:
-            spans.append((start, a, bounds))
-            start, bounds = a, [a]
-        bounds.append(b)
-    spans.append((start, cu[-1], bounds))
-    out = []
-    for s, e, bs in spans:
-        lengths = torch.tensor([y - x for x, y in zip(bs, bs[1:])])
-        out.append((s, e, torch.repeat_interleave(torch.arange(len(lengths)), lengths)))
-    return [g for g in out if g[1] > g[0]]
+def _groups(cu: list[int]) -> list[tuple[list[int], list[int]]]:
+    """The sequences of `cu` as batches of (starts, lengths) that one SDPA call takes, each padded to its longest:
+    sorted by length and split where padding would more than double the batch's attention cost. Sequences of one
+    image size (and a tower's equal windows) are one batch: calls per layer follow the distinct lengths, not the
+    images, and no compute is spent across sequence boundaries (a block-diagonal mask would spend T^2)."""
+    seqs = sorted((b - a, a) for a, b in zip(cu, cu[1:]) if b > a)
+    groups: list[tuple[list[int], list[int]]] = []
+    exact = 0
+    for length, start in seqs:
+        if groups and (len(groups[-1][0]) + 1) * length**2 <= 2 * (exact + length**2):
+            groups[-1][0].append(start)
+            groups[-1][1].append(length)
+            exact += length**2
+        else:
+            groups.append(([start], [length]))
+            exact = length**2
+    return groups
 
 
 @functools.lru_cache(maxsize=1)
