@@ -65,7 +65,9 @@ class PackLayout:
     def for_model(cls, model_or_config, attention: str | None = None) -> "PackLayout":
         config = getattr(model_or_config, "config", model_or_config)
         if attention is None:
-            impl = getattr(config, "_attn_implementation", None) or "sdpa"
+            from ovkit.runtime.attention import text_implementation
+
+            impl = text_implementation(config) or "sdpa"
             attention = impl if impl in ("sdpa", "eager") else "positions"
         if attention not in ("sdpa", "eager", "positions"):
             raise OvkitError(f"attention must be sdpa, eager or positions, got {attention!r}")

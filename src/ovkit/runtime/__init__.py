@@ -108,7 +108,7 @@ class Runtime:
         AcceleratorState._reset_state()  # a second run in one process (tests, benchmarks) sets its own precision
         self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed, kwargs_handlers=[ddp])
         self.device = self.accelerator.device
-        self.attention = attn.resolve(getattr(cfg, "attn_implementation", "auto"), self.device)
+        self.attention = attn.resolve(getattr(cfg, "attn_implementation", "auto"), self.device, train=True)
         set_seed(cfg.seed, device_specific=True)
         hf_logging.disable_progress_bar()  # weight loading/saving bars would break up the step lines
         self.resume_from: Path | None = None

@@ -58,23 +58,26 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
-def resolve(requested: str, device: torch.device | str) -> Attention:
-    """The implementations to use on `device` for `--attn-implementation requested`."""
+def resolve(requested: str, device: torch.device | str, *, train: bool = False) -> Attention:
+    """The implementations to use on `device` for `--attn-implementation requested`. `train`: a learner's model,
+    whose language model takes `ovkit_varlen_flash` in place of sdpa, so packed rows attend varlen (boundaries from
+    their restarting positions: no [T x T] mask) and padded batches as sdpa would."""
     if requested not in ATTENTION:
         raise OvkitError(f"--attn-implementation must be one of {', '.join(ATTENTION)}, got {requested!r}")
     cuda = torch.device(device).type == "cuda"
+    sdpa_text = VARLEN if train else "sdpa"
     if requested == "auto":
-        return Attention("auto", "flash_attention_2", "flash_attention_2") if cuda and flash_attn_available() else Attention("auto", "sdpa", VARLEN)
+        return Attention("auto", "flash_attention_2", "flash_attention_2") if cuda and flash_attn_available() else Attention("auto", sdpa_text, VARLEN)
     if requested == "flash_attention_2" and not (cuda and flash_attn_available()):
         why = "no CUDA device" if not cuda else "the flash-attn package is not installed (pip install flash-attn)"
         note = f"flash_attention_2 unavailable ({why}); using sdpa"
         _warn_once(note)
-        return Attention(requested, "sdpa", VARLEN, note)
+        return Attention(requested, sdpa_text, VARLEN, note)
     if requested == "flash_attention_2":
         return Attention(requested, "flash_attention_2", "flash_attention_2")
     if requested == "eager":
         return Attention(requested, "eager", "eager")
-    return Attention(requested, requested, VARLEN)
+    return Attention(requested, sdpa_text if requested == "sdpa" else requested, VARLEN)
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,24 +95,33 @@ def apply(model: Any, attention: Attention) -> Attention:
         _set(model, attention)
         return attention
     except (ValueError, KeyError, ImportError) as e:
-        if attention.text == "sdpa":
+        if attention.text in ("sdpa", VARLEN):
             raise OvkitError(f"--attn-implementation {attention.requested}: {type(model).__name__} cannot use it ({e})") from None
         note = f"{type(model).__name__} does not support {attention.text}; using sdpa"
         _warn_once(note)
-        fallback = Attention(attention.requested, "sdpa", VARLEN if attention.vision == VARLEN else "sdpa", note)
+        fallback = Attention(attention.requested, "sdpa", VARLEN, note)
         _set(model, fallback)
         return fallback
 
 
 def _set(model: Any, attention: Attention) -> None:
+    # transformers validates a top-level "flash" name as a kernel to load, so `ovkit_varlen_flash` goes to the
+    # sub-configs only (the ones the text and vision models read) and the top level keeps sdpa.
+    top = "sdpa" if attention.text == VARLEN else attention.text
     config = model.config
     subs = [name for name in getattr(config, "sub_configs", {}) if getattr(config, name, None) is not None]
     if not subs:
-        model.set_attn_implementation(attention.text)
+        model.set_attn_implementation(top)
         return
     choice = {name: (attention.vision if "vision" in name else attention.text) for name in subs}
-    choice[""] = attention.text
+    choice[""] = top
     model.set_attn_implementation(choice)
+
+
+def text_implementation(config: Any) -> str | None:
+    """The attention the language model runs (its sub-config's, which may differ from the top level's)."""
+    text = getattr(config, "text_config", None)
+    return getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -137,13 +149,15 @@ def varlen_attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function interface: query/key/value (1, heads, tokens, dim) of concatenated sequences
-    whose boundaries are `cu_seq_lens_*`; returns (1, tokens, heads, dim). Without boundaries it is plain SDPA."""
+    """transformers' attention-function interface: query/key/value (batch, heads, tokens, dim); returns (batch,
+    tokens, heads, dim). Sequences are concatenated (batch 1) with boundaries `cu_seq_lens_*` (a vision tower), or
+    from the restarting `position_ids` of a packed row (a language model, no mask); a language model's padded batch
+    comes with its 2D padding mask and is plain causal SDPA."""
     causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
-    if cu_seq_lens_q is None:  # not a varlen call (e.g. a language model given this name): ordinary SDPA
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q = _packed_boundaries(kwargs.get("position_ids"), attention_mask, query)
+    if cu_seq_lens_q is None:
+        return _causal_sdpa(module, query, key, value, attention_mask, scaling, dropout, causal), None
     if query.shape[0] != 1:
         raise ValueError("varlen attention takes concatenated sequences (batch dimension 1)")
     cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
@@ -178,6 +192,34 @@ def varlen_attention(
         keep = valid.reshape(-1).to(query.device)
         out[0][:, flat[keep]] = o.transpose(0, 1).reshape(o.shape[1], -1, o.shape[-1])[:, keep]
     return out.transpose(1, 2), None
+
+
+def _packed_boundaries(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """cu_seqlens of a packed row (one row whose positions restart at 0), else None."""
+    if attention_mask is not None or position_ids is None or query.shape[0] != 1 or position_ids.shape[-1] != query.shape[2]:
+        return None
+    pos = position_ids.reshape(-1)
+    starts = (pos == 0).nonzero().reshape(-1)
+    if starts.numel() <= 1 or int(starts[0]) != 0:
+        return None
+    return torch.cat([starts, torch.tensor([pos.numel()], device=starts.device)]).to(torch.int64)
+
+
+def _causal_sdpa(module, query, key, value, attention_mask, scaling, dropout, causal) -> torch.Tensor:
+    """SDPA of a language model's batch: causal, keys outside the 2D padding mask (or a 4D mask as given) masked."""
+    if key.shape[1] != query.shape[1]:  # grouped-query attention
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask = attention_mask
+    if mask is not None and mask.dim() == 2:  # (batch, kv) padding: 1 = a real token
+        mask = mask[:, None, None, -kv_len:].bool()
+        if causal:
+            mask = mask & torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril(kv_len - q_len)
+    use_causal = causal and mask is None and q_len == kv_len
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout if module.training else 0.0,
+                                         scale=scaling, is_causal=use_causal)  # fmt: skip
+    return out.transpose(1, 2)
 
 
 def _longest(cu: torch.Tensor) -> int:

@@ -1,10 +1,12 @@
 """Token log-probs and the language-model loss without a [tokens x vocab] fp32 tensor.
 
 The head (hidden -> vocabulary logits) is applied only at the positions that carry a target (SFT: the answer
-tokens; RL: the response tokens), in chunks of rows; each chunk's logits are recomputed in the backward pass
-(activation checkpointing of the head, `torch.utils.checkpoint`) rather than kept. Peak memory of the loss is then
-one chunk of logits and its gradient, whatever the sequence length: with Qwen2.5's 151,936-token vocabulary and the
-default 64 MiB budget, 110 rows at a time.
+tokens; RL: the response tokens), in chunks of rows, by one autograd function (`ChunkedHeadLogprob`): its forward
+keeps no logits, its backward recomputes each chunk's logits, turns them into the gradient of the log-prob
+(one-hot minus softmax, times the incoming gradient, over the temperature) and accumulates the head's weight gradient
+into one [vocab x hidden] buffer in place. Peak memory of the loss is then one chunk of logits and their gradient,
+whatever the sequence length: with Qwen2.5's 151,936-token vocabulary and the default 64 MiB budget, 110 rows at a
+time (Liger-Kernel's fused linear cross-entropy does the same on CUDA, in Triton).
 
 On CUDA with Liger-Kernel installed (`pip install liger-kernel`), the supervised loss uses its fused linear +
 cross-entropy instead (the same numbers; it never materialises the logits either).
@@ -22,7 +24,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 CHUNK_BYTES = 64 << 20  # fp32 logits of one chunk (its gradient and the softmax double it in the backward pass)
 
@@ -53,19 +54,52 @@ def hidden_states(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
     return base(**inputs, use_cache=False).last_hidden_state
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias).float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    return logits / temperature if temperature > 0 and temperature != 1.0 else logits
+
+
+class ChunkedHeadLogprob(torch.autograd.Function):
+    """log softmax(hidden @ weight.T + bias) / temperature at `targets`, chunk by chunk, never holding more than one
+    chunk of logits (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, rows: int):
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], rows):
+            logits = _chunk_logits(hidden[s : s + rows], weight, bias, temperature)
+            out[s : s + rows] = logits.gather(-1, targets[s : s + rows, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.temperature, ctx.rows = temperature, rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        t = ctx.temperature if ctx.temperature > 0 else 1.0
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b and bias is not None else None
+        for s in range(0, hidden.shape[0], ctx.rows):
+            h, g = hidden[s : s + ctx.rows], grad[s : s + ctx.rows].float()
+            # d log p(y) / d logits = onehot(y) - softmax; logits = (h W^T + b) / t
+            d = -torch.softmax(_chunk_logits(h, weight, bias, ctx.temperature), dim=-1)
+            d.scatter_add_(-1, targets[s : s + ctx.rows, None], torch.ones_like(g)[:, None])
+            d.mul_((g / t)[:, None])
+            if grad_h is not None:
+                grad_h[s : s + ctx.rows] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(d.t(), h.float())
+            if grad_b is not None:
+                grad_b.add_(d.sum(0))
+        return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
+                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None)
 
 
 @torch.no_grad()
 def _chunk_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias).float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(_chunk_logits(hidden, weight, bias, temperature), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 
@@ -75,17 +109,12 @@ def head_logprobs(
     """log p(targets) [N] (differentiable) for hidden rows [N, H], and their entropies [N] when asked (no grad)."""
     weight, bias = head.weight, getattr(head, "bias", None)
     rows = chunk or chunk_rows(weight.shape[0])
-    logp, ent = [], []
-    for s in range(0, hidden.shape[0], rows):
-        h, t = hidden[s : s + rows], targets[s : s + rows]
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            logp.append(checkpoint(_chunk_logprobs, h, weight, bias, t, temperature, use_reentrant=False))
-        else:
-            logp.append(_chunk_logprobs(h, weight, bias, t, temperature))
-        if entropy:
-            ent.append(_chunk_entropy(h.detach(), weight.detach(), None if bias is None else bias.detach(), temperature))
-    empty = hidden.new_zeros((0,), dtype=torch.float32)
-    return (torch.cat(logp) if logp else empty), (torch.cat(ent) if ent else empty) if entropy else None
+    logp = ChunkedHeadLogprob.apply(hidden, weight, bias, targets, temperature, rows)
+    if not entropy:
+        return logp, None
+    ent = [_chunk_entropy(hidden[s : s + rows].detach(), weight.detach(), None if bias is None else bias.detach(), temperature)
+           for s in range(0, hidden.shape[0], rows)]  # fmt: skip
+    return logp, torch.cat(ent) if ent else hidden.new_zeros((0,), dtype=torch.float32)
 
 
 def score(
