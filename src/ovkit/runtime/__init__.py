@@ -100,7 +100,8 @@ class Runtime:
         self.precision = prec.resolve(cfg.precision, device)
         # Master weights need the gradients to themselves; DDP all-reduces the parameters' .grad and FSDP/DeepSpeed
         # bring their own mixed-precision policy: those runs use accelerate's bf16 (autocast / the engine's policy).
-        distributed = PartialState().distributed_type.value not in ("NO",)
+        # (cpu=True: on a CPU box, the process group torchrun set up is gloo's; without it accelerate sees one process)
+        distributed = PartialState(cpu=device.type == "cpu").distributed_type.value not in ("NO",)
         self.master_weights = self.precision.master_weights and not distributed
         mixed = "bf16" if self.precision.name == "bf16-mixed" and distributed else "no"
         # find_unused_parameters: a text-only micro-batch leaves the vision tower without gradients on that process.
