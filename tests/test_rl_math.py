@@ -124,6 +124,26 @@ def test_seq_tis_truncates_the_sequence_product():
     assert torch.allclose(w.weights, torch.full((1, 3), 2.0), atol=1e-5)
 
 
+def test_sequence_weights_sum_the_unclamped_log_ratios():
+    """Per-token gaps of +30 and -29.5 cancel to a sequence log-ratio of 0.5: seq-IS weight e^0.5, geometric mean
+    e^0.25 and the sequence-level behaviour weight follow the true sum (clamping each token to +-20 first gave e^0)."""
+    prox, behave, mask = t(-1.0, -30.5)[None], t(-31.0, -1.0)[None], torch.ones(1, 2, dtype=torch.bool)
+    seq = off_policy_weights(prox, behave, mask, Correction("seq-tis", upper=10.0, behave_cap=None))
+    assert torch.allclose(seq.weights, torch.full((1, 2), math.exp(0.5)), rtol=1e-5)
+    geo = off_policy_weights(prox, behave, mask, Correction("none", behave_level="sequence", behave_cap=None))
+    assert torch.allclose(geo.weights, torch.full((1, 2), math.exp(0.25)), rtol=1e-5)
+    token = off_policy_weights(prox, behave, mask, Correction("token-tis", upper=1e12, behave_cap=None))
+    assert token.weights[0, 0] == pytest.approx(math.exp(20), rel=1e-5)  # one token's exp is still bounded
+
+
+def test_mismatch_metrics_clamp_only_the_exponential():
+    from ovkit.rl.metrics import mismatch_stats
+
+    stats = mismatch_stats(t(-0.2, -50.0)[None], t(-0.2, -0.2)[None], torch.ones(1, 2, dtype=torch.bool))
+    assert stats["mismatch/delta_logp_max"] == pytest.approx(49.8) and stats["mismatch/k1"] == pytest.approx(24.9)
+    assert math.isfinite(stats["mismatch/vllm_kl"]) and stats["mismatch/vllm_kl"] == pytest.approx((math.exp(-20) + 20 - 1) / 2)
+
+
 def test_token_mis_masks_tokens_outside_the_bounds():
     prox, behave, mask = _ratios(3.0, 1.5, 0.2)
     w = off_policy_weights(prox, behave, mask, Correction("token-mis", upper=2.0, lower=0.5))

@@ -17,7 +17,8 @@ start of the step, and one log-ratio per token, `prox - behave`, carries both ga
                  is kept (Geo-RS; verl preset seq_mean_k1 in 0.999_1.001)
 * a veto (verl `rollout_token_veto_threshold`): a sequence with any token ratio below it is masked entirely.
 
-Log-ratios are clamped to +-20 before exp (verl's SAFETY_BOUND). A batch in which every token is masked gives zero
+Log-ratios are clamped to +-20 right before exp (verl's SAFETY_BOUND): a token's own, a sequence's sum, a sequence's
+mean; never per token before summing, which would give a sequence whose large per-token gaps cancel the wrong weight. A batch in which every token is masked gives zero
 weights and `all_masked` in the stats; the loss is then exactly zero and the step is logged, not a crash.
 """
 
@@ -92,6 +93,10 @@ class OffPolicyWeights:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+def _safe_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
+
+
 def _seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(-1, keepdim=True)
 
@@ -104,11 +109,11 @@ def off_policy_weights(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tenso
     """Weights for the policy-gradient loss, one per token of the [N, T] layout (`mask` = response tokens)."""
     mask = mask.bool()
     m = mask.to(torch.float32)
-    log_ratio = torch.where(mask, (prox_logprobs - behave_logprobs).float(), torch.zeros_like(m)).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    log_ratio = torch.where(mask, (prox_logprobs - behave_logprobs).float(), torch.zeros_like(m))
     n_tok = m.sum(-1, keepdim=True).clamp(min=1)
-    token_ratio = log_ratio.exp()
-    seq_ratio = _broadcast(_seq_sum(log_ratio, m).clamp(-SAFETY_BOUND, SAFETY_BOUND).exp(), m)
-    geo_ratio = _broadcast((_seq_sum(log_ratio, m) / n_tok).exp(), m)
+    token_ratio = _safe_exp(log_ratio)
+    seq_ratio = _broadcast(_safe_exp(_seq_sum(log_ratio, m)), m)
+    geo_ratio = _broadcast(_safe_exp(_seq_sum(log_ratio, m) / n_tok), m)
 
     behave_weight = token_ratio if corr.behave_level == "token" else geo_ratio
     keep = mask.clone()

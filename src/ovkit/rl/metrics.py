@@ -29,12 +29,13 @@ def mismatch_stats(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, m
     seqs = mask.any(-1)
     learner_log_ppl = (-(prox_logprobs * m).sum(-1) / n_tok)[seqs]
     sampler_log_ppl = (-(behave_logprobs * m).sum(-1) / n_tok)[seqs]
-    d = (prox_logprobs - behave_logprobs)[mask].double().clamp(-20, 20)  # exp(d) - d - 1 cancels in fp32
+    d = (prox_logprobs - behave_logprobs)[mask].double()  # exp(d) - d - 1 cancels in fp32
+    k3 = d.clamp(-20, 20)  # the exp overflows beyond; k1 and |d| are reported as they are
     return {
         "mismatch/learner_ppl": float(learner_log_ppl.exp().mean()),
         "mismatch/sampler_ppl": float(sampler_log_ppl.exp().mean()),
         "mismatch/log_ppl_abs_diff": float((learner_log_ppl - sampler_log_ppl).abs().mean()),
-        "mismatch/vllm_kl": float((d.exp() - d - 1).mean()),
+        "mismatch/vllm_kl": float((k3.exp() - k3 - 1).mean()),
         "mismatch/k1": float((-d).mean()),
         "mismatch/delta_logp_max": float(d.abs().max()),
         "mismatch/delta_logp_mean": float(d.abs().mean()),
