@@ -268,6 +268,7 @@ class Runtime:
         # Pickle, not safetensors: the state is ovkit's own, and safetensors refuses tied weights (embeddings = lm_head).
         self.accelerator.save_state(str(tmp / STATE), safe_serialization=False)
         self.save_model(scorer, processor, tmp)
+        self.accelerator.wait_for_everyone()  # every process's RNG file is written before the directory is renamed
         if self.is_main:
             _write_json(tmp / RUN_STATE, state)
             _write_json(tmp / PROVENANCE, self.provenance(state))
