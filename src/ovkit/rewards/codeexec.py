@@ -271,7 +271,10 @@ def run_sandboxed(
             "seccomp": iso.seccomp.hex() if iso.seccomp else None, "hook": audit_hook,
         }).encode()
         _prctl()
-        wrap = sandbox.bwrap_argv(iso.bwrap, tmp) if iso.level == "bwrap" else []
+        info_r = info_w = None
+        if iso.level == "bwrap":  # bwrap reports the sandbox's pid there: the parent waits for it to be gone
+            info_r, info_w = os.pipe()
+        wrap = sandbox.bwrap_argv(iso.bwrap, tmp, info_fd=info_w) if iso.level == "bwrap" else []
         proc = subprocess.Popen(
             [*wrap, sandbox.interpreter(), "-I", "-S", "-B", "-c", _BOOTSTRAP],
             stdin=subprocess.PIPE,
@@ -281,8 +284,11 @@ def run_sandboxed(
             env={"LC_ALL": "C.UTF-8"},
             start_new_session=True,
             close_fds=True,
+            pass_fds=(info_w,) if info_w is not None else (),
             preexec_fn=lambda: _limit_child(cpu_s, wall_s, memory_mb, iso.drop_to_nobody),
         )
+        if info_w is not None:
+            os.close(info_w)
         try:
             try:
                 proc.stdin.write(payload)
@@ -299,6 +305,9 @@ def run_sandboxed(
                 pass
             proc.wait()
             proc.stdout.close()
+            if info_r is not None:  # the namespace dies with its first process (PDEATHSIG): wait until it has
+                _wait_gone(_sandbox_pid(info_r))
+                os.close(info_r)
     killed_by_limit = proc.returncode in (-signal.SIGXCPU, -signal.SIGALRM)
     flags = {"timeout": timed_out or killed_by_limit, "output_limit": overflow}
     if flags["timeout"] or overflow:  # a run stopped by a limit has no complete report, whichever limit came first
@@ -310,6 +319,40 @@ def run_sandboxed(
         except ValueError:
             return None, flags
     return reports, flags
+
+
+def _sandbox_pid(fd: int) -> int | None:
+    """The pid (in our namespace) of the sandbox's first process, from bwrap's --info-fd JSON."""
+    data = b""
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+        try:
+            return int(json.loads(data)["child-pid"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _wait_gone(pid: int | None, within: float = 2.0) -> None:
+    """Until `pid` has exited (gone or a zombie), at most `within` seconds."""
+    if pid is None:
+        return
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return
+        time.sleep(0.005)
 
 
 def _same(actual: Any, expected: Any) -> bool:

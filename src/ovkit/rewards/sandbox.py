@@ -145,9 +145,10 @@ def _readonly_roots() -> list[str]:
     return [r for r in roots if not any(r != o and r.startswith(o + "/") for o in roots)]
 
 
-def bwrap_argv(bwrap: str, scratch: str) -> list[str]:
+def bwrap_argv(bwrap: str, scratch: str, info_fd: int | None = None) -> list[str]:
     """The bwrap command line up to (not including) the program: fresh namespaces, uid 65534, no capabilities, a
-    read-only root holding the libraries and the interpreter, `scratch` read-write and the working directory."""
+    read-only root holding the libraries and the interpreter, `scratch` read-write and the working directory;
+    `info_fd`: where bwrap writes the sandbox's pid (JSON)."""
     argv = [
         bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
         "--unshare-cgroup-try", "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL",
@@ -160,7 +161,10 @@ def bwrap_argv(bwrap: str, scratch: str) -> list[str]:
             argv += ["--ro-bind", path, path]
     for root in _readonly_roots():
         argv += ["--ro-bind", root, root]
-    argv += ["--dev", "/dev", "--bind", scratch, scratch, "--chdir", scratch, "--remount-ro", "/", "--"]
+    argv += ["--dev", "/dev", "--bind", scratch, scratch, "--chdir", scratch, "--remount-ro", "/"]
+    if info_fd is not None:
+        argv += ["--info-fd", str(info_fd)]
+    argv.append("--")
     return argv
 
 
