@@ -3,7 +3,8 @@ happens to sample, so a test's rewards (and so its advantages and updates) are t
 
 `ScriptedEngine` has the engine interface (`generate`, `update_weights`, `stop_ids`, `model`). At turn t, the i-th
 sequence of a generate call (prompt-major: prompt j's samples are j*n .. j*n+n-1; a multi-turn rollout passes one
-context per trajectory, a group's trajectories side by side) says `script(t, i)`; its log-probs are the model's own, teacher-forced at the sampling temperature,
+context per trajectory, a group's trajectories side by side) says `script(t, i)` (or `script(t, i, prompt)`); its
+log-probs are the model's own, teacher-forced at the sampling temperature,
 so the learner trains exactly on-policy. The turn is read off the context: the number of images beyond the
 prompt's first (a zoom observation adds one).
 """
@@ -34,7 +35,8 @@ class ScriptedEngine:
         for j, prompt in enumerate(prompts):
             grid = prompt.mm.get("image_grid_thw")
             turn = (int(grid.shape[0]) if grid is not None else 1) - 1
-            out.append([self._say(prompt, self.script(turn, j * n + k), max_new_tokens, temperature, top_p) for k in range(n)])
+            say = (lambda i: self.script(turn, i, prompt)) if self.script.__code__.co_argcount == 3 else (lambda i: self.script(turn, i))
+            out.append([self._say(prompt, say(j * n + k), max_new_tokens, temperature, top_p) for k in range(n)])
         return out
 
     def _say(self, prompt: Any, text: str, max_new_tokens: int, temperature: float, top_p: float) -> Completion:

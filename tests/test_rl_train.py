@@ -295,3 +295,43 @@ def test_help_options_are_documented(cli):
     page = (ROOT / "commands" / "rl-train.md").read_text()
     missing = sorted({o for o in re.findall(r"--[a-z][a-z0-9-]+", out) if o not in page})
     assert not missing, missing
+
+
+def _torchrun(n: int, *args) -> subprocess.CompletedProcess:
+    runner = ROOT / "tests" / "rl_ddp_runner.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), str(runner), *map(str, args)],
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def test_two_processes_take_the_single_process_step_over_the_same_groups(rl_assets, tmp_path):
+    """torchrun (gloo, CPU) with 2 processes against 1, a scripted policy so a step's groups are the same: each process
+    samples half of them, the loss is normalised by the global token count, and the weights, the metrics, the
+    rollout table and the checkpoints (each process's RNG state) come out as one process's; the output is written
+    once, complete."""
+    from safetensors.torch import load_file
+
+    from ovkit.rollouts.table import read_rollouts
+
+    model_dir, data = rl_assets
+    for n in (1, 2):
+        run = _torchrun(n, model_dir, data, tmp_path / f"p{n}")
+        assert run.returncode == 0, run.stderr[-3000:]
+    one, two = tmp_path / "p1", tmp_path / "p2"
+    assert json.loads((two / "ovkit.json").read_text())["runtime"]["processes"] == 2
+    assert not (tmp_path / "p2.partial").exists()
+    m1, m2 = _metrics(one), _metrics(two)
+    assert [r["step"] for r in m2] == [1, 2]
+    for a, b in zip(m1, m2):
+        assert b["reward/mean"] == pytest.approx(a["reward/mean"]) and b["samples"] == a["samples"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)  # the global gradient, not a process's half
+    r1, r2 = (read_rollouts(d / "rollouts" / "step-000002.parquet") for d in (one, two))
+    key = lambda t: sorted(zip(t.column("group").to_pylist(), t.column("prompt_id").to_pylist()))  # noqa: E731
+    assert key(r1) == key(r2) and r2.num_rows == 16
+    state = {p.name for p in (two / "checkpoints" / "step-000001" / "state").iterdir()}
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= state
+    w1, w2 = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    start = load_file(model_dir / "model.safetensors")
+    assert any(not torch.equal(w1[k], start[k]) for k in w1)  # the run trained
+    for k in w1:  # two Adam steps at lr 1e-2: float-order differences of the gradient move weights by ~1e-6
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=2e-5, msg=k)

@@ -11,6 +11,13 @@ One step (as in LLaVA-OneVision-1.5-RL's trains/grpo.py):
 Everything around the loop (device, precision, attention, loading, optimiser, run directory, resume, checkpoints,
 logging, the end) is the shared runtime's, exactly as for `ovkit sft` (ovkit.runtime, which also documents the run
 directory). With --save-rollouts, OUT/rollouts/step-N.parquet holds every step's trajectories.
+
+Several processes (`torchrun --nproc_per_node N -m ovkit rl-train ...` or `accelerate launch`): each samples and
+scores its share of the step's groups (ovkit.rl.rollout), the learner is data-parallel (DDP through accelerate,
+or FSDP with an accelerate config) and normalises the loss by the global token counts, so a step over N processes
+is the single-process step over the same groups; metrics are combined across processes (means of means, maxima
+of maxima, histograms summed) and written, with the rollouts and the final model, by the main process once every
+process has finished.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     model, processor = rt.load_model(cfg.model)
     params = trainable(model, cfg)
     prompts = _prompts(cfg, processor)
+    if cfg.prompts_per_step % rt.processes:
+        raise OvkitError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of the {rt.processes} processes (each samples an equal share)")
     rt.make_run_dir()  # only now: bad inputs leave nothing behind
     n_steps = total_steps(cfg, len(prompts))
     optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: constant_factor(s, n_steps, cfg.warmup_ratio))
@@ -52,7 +61,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     state = rt.resume({"step": 0, "elapsed_s": 0.0, "samples": 0})  # a resumed run's weights are back in `model`
     ref_model = _reference(rt, cfg) if cfg.kl_coef else None
     pad_id = pad_token_id(processor, model)
-    rollouts = _rollouts(cfg, model, processor, prompts)
+    rollouts = _rollouts(cfg, model, processor, prompts, rt.accelerator.process_index, rt.processes)
     logger = rt.logger(n_steps, state["step"], console=console_line, desc=f"rl-train stage {cfg.stage}")
     corr = cfg.correction_config()
     t_start = time.perf_counter() - state["elapsed_s"]
@@ -70,10 +79,10 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
             rollouts.sync(model, step + 1)
             t3 = time.perf_counter()
             if cfg.save_rollouts:
-                _save_rollouts(rt.run_dir, step + 1, groups, processor)
-            n = sum(len(g.completions) for g in groups)
+                _save_rollouts(rt, step + 1, groups, processor)
+            n = sum(len(g.completions) for g in groups) * rt.processes
             state.update(step=step + 1, samples=state["samples"] + n, elapsed_s=time.perf_counter() - t_start)
-            metrics = {
+            metrics = combine(rt, {
                 **rollout_metrics(groups),
                 **metrics,
                 "lr": lr,
@@ -84,7 +93,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
                 "samples_per_s": n / max(t3 - t0, 1e-9),
                 "samples": state["samples"],
                 "elapsed_s": state["elapsed_s"],
-            }
+            })  # fmt: skip
             logger.log(step + 1, metrics)
             state["last"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < n_steps:
@@ -99,7 +108,8 @@ def _summary(cfg: RLTrainConfig, rt: Runtime, state: dict[str, Any], n_steps: in
     """The run's headline numbers, from the whole metrics.jsonl (a resumed run's included)."""
     import json
 
-    rows = [json.loads(ln) for ln in (rt.run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    path = rt.run_dir / "metrics.jsonl"  # the main process's (the one that writes OUT)
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if rt.is_main and path.is_file() else []
     first, last = (rows[0], rows[-1]) if rows else ({}, {})
     return {
         "steps": n_steps,
@@ -171,7 +181,7 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
     return build_engine("hf", model=source, processor=processor, precision=cfg.sampler_precision, quant=cfg.sampler_quant, batch_size=cfg.rollout_batch_size)
 
 
-def _rollouts(cfg: RLTrainConfig, model, processor, prompts):
+def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, world: int = 1):
     from ovkit.rollouts.episodes import make_runner
 
     engine = make_sampler(cfg, model, processor)
@@ -179,13 +189,52 @@ def _rollouts(cfg: RLTrainConfig, model, processor, prompts):
     episodes = make_runner(cfg, engine, processor, mode=cfg.mode, max_pixels=cfg.max_pixels, model=model)
     sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed, episodes=episodes)
     score = partial(score_groups, mode=cfg.mode, format_weight=cfg.format_weight, workers=cfg.reward_workers)
+    per_process = cfg.prompts_per_step // world
     if cfg.max_staleness == 0:
-        return SyncRollouts(engine, prompts, cfg.prompts_per_step, sampling, score)
-    return AsyncRollouts(engine, prompts, cfg.prompts_per_step, sampling, score, cfg.max_staleness, groups_per_call=cfg.prompts_per_step)
+        return SyncRollouts(engine, prompts, per_process, sampling, score, rank=rank, world=world)
+    return AsyncRollouts(engine, prompts, per_process, sampling, score, cfg.max_staleness, groups_per_call=per_process, rank=rank, world=world)
 
 
-def _save_rollouts(run_dir: Path, step: int, groups: Sequence[Group], tokenizer: Any = None) -> None:
+def _save_rollouts(rt: Runtime, step: int, groups: Sequence[Group], tokenizer: Any = None) -> None:
+    """One table per step, every process's trajectories (gathered to the main process, which writes it)."""
+    import pyarrow as pa
+
     from ovkit.data import write_table
     from ovkit.rollouts.groups import groups_table
 
-    write_table(groups_table(groups, tokenizer=getattr(tokenizer, "tokenizer", tokenizer)), Path(run_dir) / "rollouts" / f"step-{step:06d}.parquet")
+    table = groups_table(groups, tokenizer=getattr(tokenizer, "tokenizer", tokenizer))
+    if rt.processes > 1:
+        from accelerate.utils import gather_object
+
+        tables = gather_object([table])
+        table = pa.concat_tables(tables, promote_options="default") if rt.is_main else table
+    if rt.is_main:
+        write_table(table, rt.run_dir / "rollouts" / f"step-{step:06d}.parquet")
+
+
+def combine(rt: Runtime, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One process's step metrics combined with every other's: maxima and minima of keys named so, histograms
+    summed, the rest averaged (every process holds the same number of groups). One process: unchanged."""
+    if rt.processes == 1:
+        return metrics
+    from accelerate.utils import gather_object
+
+    every = gather_object([metrics])
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for m in every for k in m):
+        values = [m[key] for m in every if key in m]
+        if isinstance(values[0], dict):
+            hist: dict[str, Any] = {}
+            for v in values:
+                for b, c in v.items():
+                    hist[b] = hist.get(b, 0) + c
+            out[key] = dict(sorted(hist.items(), key=lambda kv: int(kv[0]) if str(kv[0]).lstrip("-").isdigit() else 0))
+        elif key in ("samples", "elapsed_s", "lr", "version"):
+            out[key] = values[0]
+        elif "max" in key.split("/")[-1]:
+            out[key] = max(values)
+        elif "min" in key.split("/")[-1]:
+            out[key] = min(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out

@@ -19,18 +19,22 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def aggregation_weights(mask: torch.Tensor, mode: str = "token-mean", constant: float | None = None) -> torch.Tensor:
+def aggregation_weights(mask: torch.Tensor, mode: str = "token-mean", constant: float | None = None, totals: tuple[float, float] | None = None) -> torch.Tensor:
     """Per-token weights whose masked sum of a per-token loss is the aggregated loss (verl's `loss_agg_mode`).
 
     token-mean: every response token of the batch counts once (AReaL, DAPO).
     seq-mean-token-mean: mean over sequences of each sequence's token mean (original GRPO).
     seq-mean-token-sum: mean over sequences of token sums.
     seq-mean-token-sum-norm: token sums over N * constant (constant normaliser, Dr. GRPO; default = longest).
+
+    `totals` = (response tokens, sequences) of the whole batch when `mask` is one process's share of it (several
+    processes): every process then normalises by the same global counts.
     """
     m = mask.to(torch.float32)
-    n_seq = max(int(m.any(-1).sum()), 1)
+    n_tok, n_seq = totals if totals is not None else (float(m.sum()), float(m.any(-1).sum()))
+    n_seq = max(n_seq, 1.0)
     if mode == "token-mean":
-        return m / m.sum().clamp(min=1)
+        return m / max(n_tok, 1.0)
     if mode == "seq-mean-token-mean":
         return m / (m.sum(-1, keepdim=True).clamp(min=1) * n_seq)
     if mode == "seq-mean-token-sum":

@@ -1,7 +1,9 @@
 """RL's rollout producers: synchronous (max_staleness 0) and asynchronous with bounded staleness.
 
 Both hand the learner `prompts_per_step` scored groups per step (ovkit.rollouts.groups); the asynchronous one samples
-ahead on its own thread under admission control (ovkit.rl.staleness).
+ahead on its own thread under admission control (ovkit.rl.staleness). Under several processes each has its own
+producer for its share: process r of N takes the groups at stream positions r, r + N, r + 2N, ... (local group k
+is global group k * N + r), so the N processes of a step together sample exactly the groups one process would.
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ from ovkit.rollouts.prompts import Prompt
 class SyncRollouts:
     """max_staleness = 0: each step's batch is generated at the learner's current version, in the caller's thread."""
 
-    def __init__(self, engine: Any, prompts: Sequence[Prompt], groups_per_step: int, sampling: Sampling, score: Callable):
+    def __init__(self, engine: Any, prompts: Sequence[Prompt], groups_per_step: int, sampling: Sampling, score: Callable, rank: int = 0, world: int = 1):
         self.engine, self.prompts, self.per_step, self.sampling, self.score = engine, prompts, groups_per_step, sampling, score
+        self.rank, self.world = rank, world
         self.version = 0
 
     def start(self, version: int) -> None:
         self.version = version
 
     def next_batch(self, step: int) -> list[Group]:
-        indices = list(range(step * self.per_step, (step + 1) * self.per_step))
+        indices = [k * self.world + self.rank for k in range(step * self.per_step, (step + 1) * self.per_step)]
         groups = generate_groups(self.engine, self.prompts, indices, self.version, self.sampling)
         self.score(groups)
         return groups
@@ -48,10 +51,11 @@ class AsyncRollouts:
     the admission bound hold at consumption (ovkit.rl.staleness).
     """
 
-    def __init__(self, engine: Any, prompts: Sequence[Prompt], groups_per_step: int, sampling: Sampling, score: Callable, max_staleness: int, groups_per_call: int):
+    def __init__(self, engine: Any, prompts: Sequence[Prompt], groups_per_step: int, sampling: Sampling, score: Callable, max_staleness: int, groups_per_call: int, rank: int = 0, world: int = 1):
         from ovkit.rl.staleness import StalenessController
 
         self.engine, self.prompts, self.per_step, self.sampling, self.score = engine, prompts, groups_per_step, sampling, score
+        self.rank, self.world = rank, world
         self.max_staleness = max_staleness
         self.groups_per_call = max(1, groups_per_call)
         self.lock = threading.Lock()
@@ -84,7 +88,8 @@ class AsyncRollouts:
                 first, next_index = next_index, next_index + n
                 with self.lock:
                     version = self.version
-                    groups = generate_groups(self.engine, self.prompts, list(range(first, first + n)), version, self.sampling)
+                    indices = [k * self.world + self.rank for k in range(first, first + n)]
+                    groups = generate_groups(self.engine, self.prompts, indices, version, self.sampling)
                 self.score(groups)
                 for g in groups:
                     self.queue.put(g)

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import math
-from functools import partial
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -57,36 +57,52 @@ def ppo_update(model, optimizer, params, batch: Trajectories, advantages, ref, c
     prox = torch.zeros_like(batch.behave_logprobs) if fused else prox
     entropy = torch.zeros_like(batch.behave_logprobs)
     adv = advantages[:, None].expand_as(batch.mask)
+    world = rt.processes if rt is not None else 1
     for mb in chunks(range(batch.size), math.ceil(batch.size / cfg.ppo_minibatches)):
         agg = torch.zeros_like(prox)
-        agg[mb] = aggregation_weights(batch.mask[mb], cfg.loss_agg, constant=cfg.max_new_tokens)
+        # Several processes: each holds a share of the batch; normalise by the global counts, and undo DDP's mean
+        # over processes, so one step over N processes is the single-process step over the same groups.
+        totals = _global(rt, [float(batch.mask[mb].sum()), float(batch.mask[mb].any(-1).sum())]) if world > 1 else None
+        agg[mb] = aggregation_weights(batch.mask[mb], cfg.loss_agg, constant=cfg.max_new_tokens, totals=totals) * world
         optimizer.zero_grad(set_to_none=True)
         kept = 0.0
-        for idx in chunks(batch.by_length(mb), cfg.micro_batch_size):
-            logp, ent, width = sequence_logprobs(model, batch, idx, cfg.temperature, entropy=fused)
-            cols = slice(0, width - 1)
-            if fused:
-                prox[idx, cols], entropy[idx, cols] = logp.detach(), ent
-            weights = off_policy_weights(prox[idx, cols], batch.behave_logprobs[idx, cols], batch.mask[idx, cols], corr).weights
-            parts = decoupled_ppo_loss(
-                logp, prox[idx, cols], adv[idx, cols], weights, agg[idx, cols],
-                eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
-                ref_logprobs=ref[idx, cols] if ref is not None else None, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-            )  # fmt: skip
-            if rt is not None:
-                rt.backward(parts.loss)
-            else:
-                parts.loss.backward()
+        micro = chunks(batch.by_length(mb), cfg.micro_batch_size)
+        for j, idx in enumerate(micro):
+            # gradients are all-reduced once per optimiser step, after the last micro-batch (DDP's no_sync)
+            with rt.no_sync(model, sync=j == len(micro) - 1) if rt is not None else nullcontext():
+                with rt.autocast() if rt is not None else nullcontext():
+                    logp, ent, width = sequence_logprobs(model, batch, idx, cfg.temperature, entropy=fused)
+                cols = slice(0, width - 1)
+                if fused:
+                    prox[idx, cols], entropy[idx, cols] = logp.detach(), ent
+                weights = off_policy_weights(prox[idx, cols], batch.behave_logprobs[idx, cols], batch.mask[idx, cols], corr).weights
+                parts = decoupled_ppo_loss(
+                    logp, prox[idx, cols], adv[idx, cols], weights, agg[idx, cols],
+                    eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
+                    ref_logprobs=ref[idx, cols] if ref is not None else None, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+                )  # fmt: skip
+                if rt is not None:
+                    rt.backward(parts.loss)
+                else:
+                    parts.loss.backward()
             stats.add(parts)
             kept += parts.tokens
+        if world > 1:
+            kept = _global(rt, [kept])[0]  # every process skips the step together or none does
         if kept == 0:
             stats.skipped += 1  # everything masked: train nothing (no optimizer step), but log it
             continue
-        clip = rt.clip if rt is not None else partial(clip_grad_norm, accelerator=None)
-        stats.grad_norms.append(clip(params, optimizer, cfg.max_grad_norm) if rt is not None else clip(optimizer, params, cfg.max_grad_norm))
+        norm = rt.clip(params, optimizer, cfg.max_grad_norm) if rt is not None else clip_grad_norm(optimizer, params, cfg.max_grad_norm)
+        stats.grad_norms.append(norm)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return prox, entropy, stats
+
+
+def _global(rt: Any, values: list[float]) -> list[float]:
+    """`values` summed over every process."""
+    acc = rt.accelerator
+    return [float(v) for v in acc.reduce(torch.tensor(values, dtype=torch.float64, device=acc.device), "sum")]
 
 
 def train_step(model, optimizer, params, groups: Sequence[Group], step: int, pad_id: int, corr: Correction, ref_model, cfg: Any, rt: Any = None) -> dict[str, float]:
