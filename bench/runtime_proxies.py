@@ -3,7 +3,9 @@
 1. attention forward calls in one optimiser step of `ovkit sft --batch-size 16` on the instruct split of the tiny
    default (4 LLM layers, a 4-block ViT): transformers' per-image vision attention made 68;
 2. peak resident memory of `ovkit align` on packed rows of 4,096 tokens with the tiny model's vocabulary padded to
-   Qwen2.5's 151,936 (2 steps, one row per step): the [tokens x vocab] fp32 logits and their gradient made 8.95 GB.
+   Qwen2.5's 151,936 (2 steps, one row per step): the [tokens x vocab] fp32 logits and their gradient made 8.95 GB;
+3. peak resident memory of one `ovkit rl-train` step of that model (4 prompts x 8 completions, 64 new tokens, the
+   default micro-batch and staleness): 7.0 GB.
 
     python bench/runtime_proxies.py                       # this checkout
     PYTHONPATH=/path/to/other/src python bench/runtime_proxies.py --work /tmp/proxies   # another one, same inputs
@@ -94,10 +96,20 @@ def align_peak_rss(work: Path) -> float:
     return int([x for x in run.stdout.splitlines() if x.startswith("PEAK")][-1].split()[1]) / 1e9
 
 
+def rl_peak_rss(work: Path, staleness: int) -> float:
+    run = subprocess.run(
+        [sys.executable, "-c", PEAK, "rl-train", str(work / "data" / "rl"), "--model", str(work / "tiny-151936"),
+         "--out", str(work / f"rl-151936-{staleness}"), "--prompts-per-step", "4", "--group-size", "8", "--max-new-tokens", "64",
+         "--max-steps", "1", "--max-staleness", str(staleness), "--reward-workers", "1", "--overwrite", "--quiet"],
+        env=ENV, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int([x for x in run.stdout.splitlines() if x.startswith("PEAK")][-1].split()[1]) / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, help="keep inputs here (reused by a later run on another checkout)")
-    p.add_argument("--only", choices=["calls", "memory"], help="one measurement")
+    p.add_argument("--only", choices=["calls", "memory", "rl"], help="one measurement")
     args = p.parse_args()
     import ovkit
     import torch
@@ -111,6 +123,9 @@ def main() -> None:
             result["attention_calls_per_step"] = attention_calls(work)  # SDPA forward calls (fp32, sdpa: no eager attention)
         if args.only in (None, "memory"):
             result["align_4096_vocab151936_peak_rss_gb"] = round(align_peak_rss(work), 2)
+        if args.only in (None, "rl"):
+            for staleness in (0, 4):  # synchronous (the sampler is the learner) and the default asynchronous mode
+                result[f"rl_step_vocab151936_staleness{staleness}_peak_rss_gb"] = round(rl_peak_rss(work, staleness), 2)
         print(json.dumps(result, indent=2))
 
 

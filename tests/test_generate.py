@@ -350,3 +350,28 @@ def test_vllm_engine_matches_hf_greedy_and_reports_sampled_logprobs(tiny, prompt
             assert c.logprobs == pytest.approx(want.tolist(), abs=1e-2)
     engine.update_weights(model)  # in-place reload keeps generating
     assert engine.generate(prompts[:1], temperature=0, max_new_tokens=8, images=images[:1])[0][0].token_ids == hf[0][0].token_ids
+
+
+def test_a_sampler_copy_is_built_in_its_own_dtype_and_follows_the_learner(tiny, prompts):
+    """The asynchronous sampler's copy (and a bf16 one): parameters in the sampler's dtype, the tied embedding still
+    tied (one tensor, not two), no gradients, the learner untouched; update_weights copies the learner in."""
+    import torch
+
+    from ovkit.generate.hf import cast_copy
+
+    model, _ = tiny
+    copy16 = cast_copy(model, torch.bfloat16)
+    assert {p.dtype for p in copy16.parameters()} == {torch.bfloat16} and {p.dtype for p in model.parameters()} == {torch.float32}
+    assert copy16.get_output_embeddings().weight is copy16.get_input_embeddings().weight  # still tied
+    assert not any(p.requires_grad for p in copy16.parameters())
+    separate = _engine(tiny, separate=True)
+    assert separate.model is not model and next(separate.model.parameters()).dtype == torch.float32
+    before = model.lm_head.weight.detach().clone()
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.5)
+    try:
+        separate.update_weights(model)
+        assert torch.equal(separate.model.lm_head.weight, model.lm_head.weight)
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(before)

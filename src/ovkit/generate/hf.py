@@ -156,6 +156,7 @@ class HFEngine:
         *,
         dtype: Any = None,
         quant: str | None = None,
+        separate: bool = False,
         batch_size: int = 32,
         use_cache: bool = True,
         progress: bool = False,
@@ -168,6 +169,7 @@ class HFEngine:
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.dtype = _dtype(dtype)
         self.quant = quant
+        self.separate = separate  # sample from an own copy even in the learner's dtype (asynchronous RL)
         self.batch_size = batch_size
         self.use_cache = use_cache
         self.progress = progress
@@ -186,14 +188,14 @@ class HFEngine:
                 raise OvkitError("--quant int8 (torch dynamic quantisation) runs on CPU only; use --sampler-precision bf16 on GPU")
             from torch.ao.quantization import quantize_dynamic
 
-            sampler = copy.deepcopy(model).float().eval()
+            sampler = cast_copy(model, torch.float32).eval()
             with warnings.catch_warnings():  # torch.ao.quantization is deprecated in favour of torchao, still works
                 warnings.simplefilter("ignore", DeprecationWarning)
                 warnings.simplefilter("ignore", UserWarning)
                 return quantize_dynamic(sampler, {torch.nn.Linear}, dtype=torch.qint8)
-        if self.dtype is None or self.dtype == param.dtype:
+        if (self.dtype is None or self.dtype == param.dtype) and not self.separate:
             return model
-        return copy.deepcopy(model).to(self.dtype).eval()
+        return cast_copy(model, self.dtype or param.dtype).eval()
 
     def update_weights(self, model: Any) -> None:
         """Copy the learner's current weights into the sampler (cast to its dtype, or re-quantised)."""
@@ -277,6 +279,14 @@ class HFEngine:
             ids, reason, text_ids = tokens[: end + 1], "stop", tokens[:end]
         text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
         return Completion(token_ids=ids, text=text, logprobs=[float(x) for x in logprobs[: len(ids)]], finish_reason=reason)
+
+
+def cast_copy(model: Any, dtype: torch.dtype) -> Any:
+    """A copy of `model` whose parameters are `dtype`, built without an intermediate copy in the original dtype
+    (deepcopy's memo gets each parameter already cast; tied parameters stay tied). The sampler of an asynchronous
+    run, or one in another precision, costs its own weights in its own dtype and nothing more."""
+    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype=dtype, copy=True), requires_grad=False) for p in model.parameters()}
+    return copy.deepcopy(model, memo)
 
 
 def _check_sampling(n: int, max_new_tokens: int, temperature: float, top_p: float) -> None:

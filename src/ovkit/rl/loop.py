@@ -22,7 +22,6 @@ process has finished.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from functools import partial
@@ -177,8 +176,8 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
         if cfg.sampler_quant:
             raise OvkitError("--sampler-quant int8 is for --engine hf (vLLM quantises through its own options)")
         return build_engine("vllm", model_dir=cfg.model, processor=processor, precision=cfg.sampler_precision or "auto", seed=cfg.seed)
-    source = copy.deepcopy(model) if cfg.max_staleness > 0 else model
-    return build_engine("hf", model=source, processor=processor, precision=cfg.sampler_precision, quant=cfg.sampler_quant, batch_size=cfg.rollout_batch_size)
+    return build_engine("hf", model=model, processor=processor, precision=cfg.sampler_precision, quant=cfg.sampler_quant,
+                        separate=cfg.max_staleness > 0, batch_size=cfg.rollout_batch_size)
 
 
 def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, world: int = 1):

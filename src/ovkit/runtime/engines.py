@@ -52,6 +52,7 @@ def build_engine(
     processor: Any = None,
     precision: str | None = None,
     quant: str | None = None,
+    separate: bool = False,
     batch_size: int = 32,
     seed: int = 0,
     progress: bool = False,
@@ -59,7 +60,7 @@ def build_engine(
     attn_implementation: str = "auto",
 ) -> Any:
     """A generation engine. `hf`: from a loaded `model` (rl-train's learner: `precision` then names a sampler copy's
-    precision, `quant` its quantisation) or from `model_dir` (loaded in `precision`); `vllm`: from `model_dir`."""
+    precision, `quant` its quantisation, `separate` an own copy even in the learner's dtype) or from `model_dir` (loaded in `precision`); `vllm`: from `model_dir`."""
     from ovkit.generate import HFEngine, VLLMEngine
 
     if kind == "hf":
@@ -68,7 +69,7 @@ def build_engine(
                 raise ValueError("build_engine('hf') needs a model or a model directory")
             model, processor = load_for_inference(model_dir, precision=precision or "auto", attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
             return HFEngine(model, processor, quant=quant, batch_size=batch_size, progress=progress)
-        return HFEngine(model, processor, dtype=sampler_dtype(precision), quant=quant, batch_size=batch_size, progress=progress)
+        return HFEngine(model, processor, dtype=sampler_dtype(precision), quant=quant, separate=separate, batch_size=batch_size, progress=progress)
     if kind == "vllm":
         if model_dir is None:
             model_dir = model.config.name_or_path
