@@ -375,3 +375,76 @@ def test_a_sampler_copy_is_built_in_its_own_dtype_and_follows_the_learner(tiny, 
     finally:
         with torch.no_grad():
             model.lm_head.weight.copy_(before)
+
+
+# -- the vLLM engine, against a stand-in with vLLM's shapes (tests/fake_vllm.py) -------------------------------------
+
+IMAGES = [[_img()], [], [_img(168, 84, (0, 90, 200)), _img()], [_img(colour=(20, 200, 20))]]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, tiny, tmp_path):
+    import fake_vllm as fake
+
+    fake.install(monkeypatch)
+    model, processor = tiny
+    model.save_pretrained(tmp_path / "model")
+    processor.save_pretrained(tmp_path / "model")
+    return fake, tmp_path / "model"
+
+
+def test_vllm_requests_are_token_ids_images_and_the_sampled_distribution(fake_vllm, tiny, prompts):
+    """prompt_token_ids = the encoded ids (placeholders expanded), images as multi_modal_data, processed log-probs of
+    the sampled token only, one seed per prompt, suppressed ids as a -100 bias; log-probs come back aligned with
+    the tokens, the stop token included."""
+    from ovkit.generate import VLLMEngine
+
+    fake, path = fake_vllm
+    engine = VLLMEngine(path, tiny[1], dtype="float32")
+    out = engine.generate(prompts, n=2, max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3, images=IMAGES, suppress_ids=[5])
+    (_, ids, params), = [c for c in fake.LLM.calls if c[0] == "generate"]
+    assert ids == [list(p.input_ids) for p in prompts]
+    assert [p["seed"] for p in params] == [3 * 1_000_003 + i * 2 for i in range(4)]
+    assert all(p["n"] == 2 and p["logprobs"] == 0 and p["temperature"] == 0.8 and p["top_p"] == 0.9 and p["max_tokens"] == 6 for p in params)
+    assert all(p["logit_bias"] == {5: -100.0} and set(engine.stop_ids) <= set(p["stop_token_ids"]) for p in params)
+    for completions in out:
+        assert len(completions) == 2
+        for c in completions:
+            assert len(c.logprobs) == len(c.token_ids) > 0 and all(lp <= 0 for lp in c.logprobs) and 5 not in c.token_ids
+            assert (c.finish_reason == "stop") == (c.token_ids[-1] in engine.stop_ids)
+    with pytest.raises(Exception, match="images"):
+        engine.generate(prompts[:1], max_new_tokens=2)  # a multimodal prompt without its images
+
+
+def test_vllm_weight_updates_use_checkpoint_names_and_reach_the_model(fake_vllm, tiny):
+    import torch
+    from safetensors import safe_open
+
+    from ovkit.generate import VLLMEngine
+    from ovkit.generate.vllm import checkpoint_weights
+
+    fake, path = fake_vllm
+    model, processor = tiny
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert {n for n, _ in checkpoint_weights(model)} == set(f.keys())  # the names vLLM loads
+    engine = VLLMEngine(path, processor, dtype="float32")
+    learner = type(model)(model.config)  # other weights: an update must overwrite every parameter
+    engine.update_weights(learner)
+    served = dict(engine.llm.hf.named_parameters())
+    assert all(torch.equal(served[n], p) for n, p in learner.named_parameters())
+    assert [c[0] for c in fake.LLM.calls[-2:]] == ["load_weights", "reset_prefix_cache"]
+
+
+def test_vllm_sleeps_while_the_learner_updates(fake_vllm, tiny, prompts):
+    """sleep=True: each generate call ends with vLLM asleep; the weight update wakes it first."""
+    from ovkit.generate import VLLMEngine
+
+    fake, path = fake_vllm
+    engine = VLLMEngine(path, tiny[1], dtype="float32", sleep=True)
+    assert fake.LLM.calls[0][1]["enable_sleep_mode"] is True
+    engine.generate(prompts[1:2], max_new_tokens=2)
+    engine.update_weights(tiny[0])
+    engine.generate(prompts[1:2], max_new_tokens=2)
+    engine.generate(prompts[1:2], max_new_tokens=2)
+    names = [c[0] for c in fake.LLM.calls[1:]]
+    assert names == ["generate", "sleep", "wake_up", "load_weights", "reset_prefix_cache", "generate", "sleep", "wake_up", "generate", "sleep"]

@@ -514,6 +514,31 @@ def test_the_learner_re_reads_multi_turn_trajectories_exactly(zoomer):
     assert (logp - batch.behave_logprobs)[batch.mask].abs().max() < 1e-3
 
 
+def test_multi_turn_rollouts_through_vllm_are_token_in_token_out(zoomer, monkeypatch):
+    """The vLLM engine (a stand-in with vLLM's shapes, tests/fake_vllm.py) gets each turn's whole context as token ids
+    (placeholders expanded) plus every image so far, and gives the same greedy episodes as the HF engine: the same
+    tokens, masks, turn ids and observation images, token for token."""
+    import fake_vllm
+
+    from ovkit.envs import ZoomEnv
+    from ovkit.generate import HFEngine, VLLMEngine
+
+    fake_vllm.install(monkeypatch)
+    model, processor, base = zoomer
+    prompts = _prompts(processor, n=2, answer="1", extra=ZoomEnv.instruction)
+    runs = {}
+    for name, engine in (("hf", HFEngine(model, processor)), ("vllm", VLLMEngine(base / "model", processor, dtype="float32"))):
+        runner = _runner(engine, processor, "zoom", model=model)
+        runs[name] = [c for cs in runner.run(prompts, n=1, max_new_tokens=16, temperature=0, top_p=1.0, seed=0) for c in cs]
+    assert any(c.turns == 2 for c in runs["hf"])  # real two-turn episodes (the zoomer zooms, then answers)
+    for a, b in zip(runs["hf"], runs["vllm"]):
+        assert (a.token_ids, a.loss_mask, a.turn_ids, a.termination) == (b.token_ids, b.loss_mask, b.turn_ids, b.termination)
+        assert len(a.images) == len(b.images) and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    second_turns = [ids for call in fake_vllm.LLM.calls if call[0] == "generate" for ids in call[1] if len(ids) > len(prompts[0].encoded.input_ids)]
+    assert second_turns and all(ids[: len(prompts[0].encoded.input_ids)] == list(prompts[0].encoded.input_ids) or
+                                ids[: len(prompts[1].encoded.input_ids)] == list(prompts[1].encoded.input_ids) for ids in second_turns)
+
+
 def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_path):
     """`ovkit rl-train --env zoom` end to end: per-turn metrics are logged, the saved rollouts carry loss masks,
     turn ids, terminations and the observation images, and mismatch-report splits first vs later turns on them."""

@@ -335,3 +335,28 @@ def test_two_processes_take_the_single_process_step_over_the_same_groups(rl_asse
     assert any(not torch.equal(w1[k], start[k]) for k in w1)  # the run trained
     for k in w1:  # two Adam steps at lr 1e-2: float-order differences of the gradient move weights by ~1e-6
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=2e-5, msg=k)
+
+
+def test_rl_train_with_the_vllm_engine_colocated(rl_assets, tmp_path, monkeypatch, one_thread):
+    """--engine vllm through a stand-in with vLLM's shapes (tests/fake_vllm.py): rollouts come back on-policy (the
+    behaviour log-probs are the sampled distribution's, the learner agrees), vLLM sleeps during every update and its
+    weights are the learner's after every step."""
+    from safetensors.torch import load_file
+
+    import fake_vllm
+    from ovkit.rl.loop import train_rl
+
+    fake_vllm.install(monkeypatch)
+    model_dir, data = rl_assets
+    train_rl(_cfg(model_dir, data, tmp_path / "out", engine="vllm", max_steps=2, temperature=0.9, quiet=True))
+    rows = _metrics(tmp_path / "out")
+    assert all(r["mismatch/delta_logp_max"] < 1e-3 for r in rows)
+    names = [c[0] for c in fake_vllm.LLM.calls[1:]]
+    assert names == ["load_weights", "reset_prefix_cache"] + ["generate", "sleep", "wake_up", "load_weights", "reset_prefix_cache"] * 2
+    final = load_file(tmp_path / "out" / "model.safetensors")
+    loaded = [c for c in fake_vllm.LLM.calls if c[0] == "load_weights"]
+    assert all(c[1] == len(final) for c in loaded)  # every checkpoint tensor, every time
+    llm = fake_vllm.LLM.instance
+    served = dict(llm.hf.named_parameters())
+    to_runtime = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.to_runtime
+    assert all(torch.equal(served[to_runtime[k]], v) for k, v in final.items())  # vLLM holds the trained weights

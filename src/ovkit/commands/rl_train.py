@@ -55,6 +55,7 @@ def rl_train(
     ppo_minibatches: int = _O(1, "--ppo-minibatches", help="Optimizer steps per batch (each on a slice of it)."),
     micro_batch_size: int = _O(8, "--micro-batch-size", help="Trajectories per learner forward pass (memory)."),
     rollout_batch_size: int = _O(64, "--rollout-batch-size", help="Sequences per generate call of the hf engine."),
+    vllm_gpu_memory_utilization: float = _O(0.3, "--vllm-gpu-memory-utilization", help="--engine vllm: the GPU memory share the colocated vLLM takes."),
     format_weight: float = _O(None, "--format-weight", help="Weight of the format reward (default: 0 in stage 1, 0.1 in stage 2)."),
     system_prompt: bool = _O(True, "--system-prompt/--no-system-prompt", help="Prepend 'You are a helpful AI assistant.' (the recipe's system prompt)."),
     max_pixels: int = _O(262144, "--max-pixels", help="Downscale images to at most this many pixels (512x512 in the recipe)."),

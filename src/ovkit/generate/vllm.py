@@ -8,7 +8,16 @@ temperature and top-p), the same contract as `HFEngine` (vLLM >= 0.10.2).
 
 Prompts are the same `Encoded` objects HFEngine takes: their token ids (image placeholders already expanded by the
 processor) go to vLLM as `prompt_token_ids`, and the prompt's PIL images as `multi_modal_data`, which vLLM
-re-processes itself, so multimodal prompts need `images=` (one list of PIL images per prompt).
+re-processes itself, so multimodal prompts need `images=` (one list of PIL images per prompt). Token-in/token-out:
+multi-turn rollouts hand vLLM their whole context as token ids, never re-tokenised text.
+
+Weights: `update_weights(model)` passes the learner's parameters to vLLM's `load_weights` under their checkpoint
+names (what `save_pretrained` writes and vLLM loads: transformers 5 renames some modules at load time, e.g.
+Qwen2.5-VL's `model.language_model.*` is `model.*` on disk), in one call, then drops cached prefixes.
+
+Memory (`sleep=True`, rl-train's synchronous colocated mode): after each generate call vLLM sleeps (level 1: KV
+cache freed, weights offloaded to CPU), so the learner's update has the GPU; the next weight update or generate call
+wakes it. An asynchronous run generates during the update and keeps vLLM awake.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         tensor_parallel_size: int = 1,
         enable_sleep_mode: bool = False,
+        sleep: bool = False,
         trust_remote_code: bool = False,
         seed: int = 0,
         batch_size: int | None = None,  # accepted for parity with HFEngine; vLLM schedules its own batches
@@ -49,7 +59,7 @@ class VLLMEngine:
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=enable_sleep_mode,
+            enable_sleep_mode=enable_sleep_mode or sleep,
             trust_remote_code=trust_remote_code,
             seed=seed,
             distributed_executor_backend="external_launcher",
@@ -65,6 +75,7 @@ class VLLMEngine:
                 raise OvkitError(f"vLLM {vllm.__version__} cannot report sampled log-probs (logprobs_mode); install vllm>=0.10.2") from None
             raise
         self._vllm = vllm
+        self.sleep, self.asleep = sleep, False
         self.progress = progress
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor) if processor is not None else self.llm.get_tokenizer()
@@ -104,8 +115,17 @@ class VLLMEngine:
             )
             for i in range(len(prompts))
         ]
+        self._wake()
         outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=self.progress)
+        if self.sleep:  # hand the GPU to the learner until the next weight update or generate call
+            self.llm.sleep(level=1)
+            self.asleep = True
         return [[self._completion(o) for o in out.outputs] for out in outputs]
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     @property
     def max_model_len(self) -> int:
@@ -128,10 +148,33 @@ class VLLMEngine:
 
     def update_weights(self, model: Any) -> None:
         """Write the learner's parameters into vLLM's model in place (colocated), then drop cached prefixes."""
-        runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
-        for name, param in model.named_parameters():
-            runner.model.load_weights([(name, param.detach())])
+        self._wake()
+        _vllm_model(self.llm).load_weights(checkpoint_weights(model))
         self.llm.reset_prefix_cache()
+
+
+def checkpoint_weights(model: Any) -> list[tuple[str, Any]]:
+    """(name, tensor) of every parameter under the name `save_pretrained` gives it (the checkpoint layout vLLM
+    loads), detached; a tied output embedding appears once, as in the checkpoint."""
+    named = {name: p.detach() for name, p in model.named_parameters()}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return list(revert_weight_conversion(model, named).items())
+    except ImportError:  # transformers before 5: runtime names are the checkpoint names
+        return list(named.items())
+
+
+def _vllm_model(llm: Any) -> Any:
+    """The torch model inside a colocated vLLM engine (where it sits moved between vLLM versions)."""
+    worker = llm.llm_engine.model_executor.driver_worker
+    for path in (("worker", "model_runner", "model"), ("model_runner", "model")):
+        obj = worker
+        for attr in path:
+            obj = getattr(obj, attr, None)
+        if obj is not None:
+            return obj
+    raise OvkitError("cannot reach the model inside this vLLM version's engine to update its weights")
 
 
 def _single_process_env() -> None:

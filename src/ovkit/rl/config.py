@@ -74,6 +74,7 @@ class RLTrainConfig:
     ppo_minibatches: int = 1  # optimizer steps per batch (AReaL ppo_n_minibatches)
     micro_batch_size: int = 8  # trajectories per learner forward (memory)
     rollout_batch_size: int = 64  # sequences per generate call of the hf engine
+    vllm_gpu_memory_utilization: float = 0.3  # --engine vllm (colocated): the GPU share vLLM takes (TRL's default)
     format_weight: float | None = None  # weight of the format reward; None = 0 in stage 1, 0.1 in stage 2
     system_prompt: bool = True  # prepend "You are a helpful AI assistant." (the recipe's system prompt)
     max_pixels: int = 512 * 512  # images are downscaled to at most this many pixels (the recipe's 512x512 cap)

@@ -53,6 +53,8 @@ def build_engine(
     precision: str | None = None,
     quant: str | None = None,
     separate: bool = False,
+    sleep: bool = False,
+    gpu_memory_utilization: float = 0.5,
     batch_size: int = 32,
     seed: int = 0,
     progress: bool = False,
@@ -78,5 +80,6 @@ def build_engine(
 
             processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
         dtype = sampler_dtype(precision) if precision not in (None, "auto") else "auto"
-        return VLLMEngine(model_dir, processor=processor, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, progress=progress)
+        return VLLMEngine(model_dir, processor=processor, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, progress=progress,
+                          sleep=sleep, gpu_memory_utilization=gpu_memory_utilization)
     raise OvkitError(f"--engine must be one of hf, vllm, got {kind!r}")
