@@ -172,7 +172,7 @@ def held_out(model_dir: Path, eval_data: Path, limit: int) -> float:
     from ovkit.rollouts.groups import Group, score_groups
     from ovkit.rollouts.prompts import encode_prompts
 
-    from ovkit.rl.curate import limit_per_category
+    from ovkit.rollouts.prompts import limit_per_category
 
     model, processor = load(model_dir)
     table = read_samples(eval_data).table
