@@ -268,3 +268,50 @@ def test_sft_and_the_rl_learner_go_through_the_same_runtime(deep, rl_assets, tmp
     assert set(calls["sft"]) == set(calls["rl-train"]) == {"load_model", "optimizer", "prepare", "resume", "logger", "backward", "clip", "save_checkpoint", "finish"}
     prov = json.loads((tmp_path / "rl" / "ovkit.json").read_text())
     assert prov["runtime"]["precision"]["used"] == "fp32" and prov["runtime"]["attention"]["vision"] == "ovkit_varlen_flash"
+
+
+# ---- LoRA ------------------------------------------------------------------------------------------------------------
+
+
+def test_lora_trains_adapters_only_and_saves_a_merged_model_and_the_adapter(deep, tmp_path):
+    """sft --lora-r 4: base weights frozen, adapters (and nothing else of the LLM) move; OUT holds the merged model
+    (base + scale * B A), which loads with transformers and gives the adapted model's logits, and OUT/adapter loads
+    with peft onto the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from ovkit.models import load
+    from ovkit.train import train
+
+    root, _ = deep
+    res = train(config("SFTConfig", root, tmp_path / "lora", max_steps=3, lr=5e-2, lora_r=4, lora_alpha=8, trainable=["llm"]))
+    assert res.metrics["trainable_params"] < res.metrics["total_params"] / 5
+    start, merged = weights(root / "model"), weights(tmp_path / "lora")
+    assert set(start) == set(merged)  # the checkpoint layout of the base: no peft names
+    changed = {k for k in start if not torch.equal(start[k], merged[k])}
+    assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj") for k in changed)
+    base = AutoModelForImageTextToText.from_pretrained(root / "model")
+    adapted = PeftModel.from_pretrained(base, tmp_path / "lora" / "adapter").eval()
+    plain, processor = load(tmp_path / "lora")
+    from ovkit.models.encode import decode_images, encode_sample
+
+    row = make_rows(1)[0]
+    inputs = encode_sample(processor, row["messages"], decode_images(row["images"])).model_inputs(labels=False)
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(**inputs).logits, adapted(**inputs).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_rl_train_with_lora_samples_from_the_adapted_model(rl_assets, tmp_path):  # noqa: F811
+    """rl-train --lora-r: the synchronous sampler is the adapted learner (on-policy: the learner re-reads the
+    sampler's tokens exactly), an asynchronous sampler's copy carries the adapters; the output is the merged model."""
+    from ovkit.rl.loop import train_rl
+
+    model_dir, data = rl_assets
+    for staleness in (0, 1):
+        out = tmp_path / f"rl-{staleness}"
+        train_rl(rl_cfg(model_dir, data, out, max_steps=2, lora_r=4, lr=1e-2, max_staleness=staleness, quiet=True))
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        if staleness == 0:
+            assert all(r["mismatch/delta_logp_max"] < 1e-4 for r in rows)
+        assert (out / "adapter" / "adapter_config.json").is_file()
+        assert set(weights(out)) == set(weights(model_dir))

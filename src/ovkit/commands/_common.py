@@ -22,6 +22,11 @@ SHARD = typer.Option(None, "--shard", help="Process only part I of N ('I/N', 0-b
 # Every command that loads a model: how it computes (ovkit.runtime.precision, ovkit.runtime.attention).
 PRECISION = typer.Option("auto", "--precision", help="auto (bf16-mixed on a bf16 GPU, else fp32) | fp32 | bf16-mixed (bf16 compute, fp32 master weights) | bf16-true (pure bf16). Aliases: bf16 = bf16-mixed, 32 = fp32.")
 ATTN_IMPLEMENTATION = typer.Option("auto", "--attn-implementation", help="auto (flash_attention_2 on CUDA with flash-attn, else sdpa) | sdpa | flash_attention_2 | flex_attention | eager. The ViT attends varlen (one call per layer) except with eager.")
+# LoRA (ovkit.runtime.lora) on every training command.
+LORA_R = typer.Option(0, "--lora-r", help="LoRA rank: train low-rank adapters on the selection's attention/MLP projections instead of every weight (0: full fine-tuning).")
+LORA_ALPHA = typer.Option(16.0, "--lora-alpha", help="LoRA scale alpha (the update is alpha / r x B A).")
+LORA_DROPOUT = typer.Option(0.0, "--lora-dropout", help="Dropout on the LoRA branch.")
+LORA_TARGETS = typer.Option(None, "--lora-targets", help="Regex over module names to adapt instead of the per-architecture default; repeatable.")
 ON_ERROR = typer.Option("fail", "--on-error", help="fail: stop at the first bad row; skip: move bad rows to OUT/rejects.parquet.")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from ovkit.commands._common import ATTN_IMPLEMENTATION, PRECISION, done, resolve, skipped  # noqa: F401 (re-exported)
+from ovkit.commands._common import ATTN_IMPLEMENTATION, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, PRECISION, done, resolve, skipped  # noqa: F401 (re-exported)
 
 DATA = typer.Argument(None, help="Sample table(s) (parquet file or directory of shards), read as one; the last assistant turn is the target.", show_default=False)
 MODEL = typer.Option(None, "--model", help="Model directory to start from (save_pretrained layout, e.g. from `ovkit init-model` or the previous stage).")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import ATTN_IMPLEMENTATION, PRECISION, CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
+from ovkit.commands._common import ATTN_IMPLEMENTATION, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, PRECISION, CONFIG, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, MAX_RESPONSE_TOKENS, MAX_TURNS, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
 
 _O = typer.Option
 
@@ -60,6 +60,10 @@ def rl_train(
     system_prompt: bool = _O(True, "--system-prompt/--no-system-prompt", help="Prepend 'You are a helpful AI assistant.' (the recipe's system prompt)."),
     max_pixels: int = _O(262144, "--max-pixels", help="Downscale images to at most this many pixels (512x512 in the recipe)."),
     freeze_vision: bool = _O(False, "--freeze-vision", help="Keep the vision encoder frozen."),
+    lora_r: int = LORA_R,
+    lora_alpha: float = LORA_ALPHA,
+    lora_dropout: float = LORA_DROPOUT,
+    lora_targets: list[str] = LORA_TARGETS,
     save_every: int = _O(250, "--save-every", help="Resumable checkpoint every N steps in OUT.partial/checkpoints (0: only the final model)."),
     keep_checkpoints: int = _O(2, "--keep-checkpoints", help="Keep the newest N intermediate checkpoints."),
     save_rollouts: bool = _O(False, "--save-rollouts", help="Write every step's trajectories to OUT/rollouts/step-N.parquet."),

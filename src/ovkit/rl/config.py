@@ -25,6 +25,7 @@ TRAJECTORY = (
     "max_new_tokens", "temperature", "top_p", "lr", "weight_decay", "warmup_ratio", "max_grad_norm", "eps_clip",
     "eps_clip_high", "reward_bias", "reward_scale", "loss_agg", "kl_coef", "correction", "max_staleness",
     "ppo_minibatches", "format_weight", "system_prompt", "seed", "env", "env_arg", "max_turns", "max_response_tokens",
+    "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
 )
 
 
@@ -79,6 +80,10 @@ class RLTrainConfig:
     system_prompt: bool = True  # prepend "You are a helpful AI assistant." (the recipe's system prompt)
     max_pixels: int = 512 * 512  # images are downscaled to at most this many pixels (the recipe's 512x512 cap)
     freeze_vision: bool = False
+    lora_r: int = 0  # LoRA rank (0: full fine-tuning); adapters on the selection's attention/MLP projections (ovkit.runtime.lora)
+    lora_alpha: float = 16.0  # LoRA scale alpha (the update is alpha / r * B A)
+    lora_dropout: float = 0.0
+    lora_targets: list[str] | None = None  # regexes over module names to adapt instead of the per-architecture default
     save_every: int = 250  # checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2
     save_rollouts: bool = False  # write every step's trajectories to OUT/rollouts/
@@ -148,6 +153,7 @@ class RLTrainConfig:
             (self.correction_lower is None or 0 <= self.correction_lower <= self.correction_threshold, "need 0 <= --correction-lower <= --correction-threshold"),
             (self.geo_lower <= self.geo_upper, "need --geo-lower <= --geo-upper"),
             (self.engine in ("hf", "vllm"), "--engine must be hf or vllm"),
+            (self.lora_r >= 0 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1, "need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1"),
             (self.attn_implementation in ATTENTION, f"--attn-implementation must be one of {', '.join(ATTENTION)}"),
             (self.save_every >= 0, "--save-every must be >= 0"),
             (all(r == "tensorboard" for r in self.report_to), "--report-to must be tensorboard (or none)"),

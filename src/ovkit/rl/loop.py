@@ -49,7 +49,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     rt = Runtime(cfg, command="rl-train", trajectory=TRAJECTORY)
     rt.check_run_dir()
     model, processor = rt.load_model(cfg.model)
-    params = trainable(model, cfg)
+    params = trainable(model, cfg, rt)
     prompts = _prompts(cfg, processor)
     if cfg.prompts_per_step % rt.processes:
         raise OvkitError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of the {rt.processes} processes (each samples an equal share)")
@@ -131,10 +131,13 @@ def total_steps(cfg: RLTrainConfig, n_prompts: int) -> int:
     return max(1, math.ceil(epochs * n_prompts / cfg.prompts_per_step))
 
 
-def trainable(model, cfg: RLTrainConfig) -> list[torch.nn.Parameter]:
+def trainable(model, cfg: RLTrainConfig, rt: Runtime | None = None) -> list[torch.nn.Parameter]:
+    """Every parameter (the vision tower too unless --freeze-vision), or adapters on them with --lora-r."""
     from ovkit.models.groups import set_trainable, trainable_names
 
-    set_trainable(model, trainable_names(model, ["all"], freeze_vision=cfg.freeze_vision))
+    names = trainable_names(model, ["all"], freeze_vision=cfg.freeze_vision)
+    if rt is None or rt.lora(model, names) is None:
+        set_trainable(model, names)
     return [p for p in model.parameters() if p.requires_grad]
 
 

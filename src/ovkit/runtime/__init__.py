@@ -48,6 +48,7 @@ from ovkit import __version__
 from ovkit.config import to_plain
 from ovkit.errors import OvkitError
 from ovkit.runtime import attention as attn
+from ovkit.runtime import lora
 from ovkit.runtime import precision as prec
 from ovkit.runtime.log import Logger, make_logger
 from ovkit.runtime.loss import TokenScorer
@@ -252,11 +253,26 @@ class Runtime:
         if not self.is_main:
             return
         model = self.unwrap(scorer)
-        state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
-        masters = _master_values(self._optimizer, model)
-        state_dict = {k: masters.get(k, v).float() if v.is_floating_point() else v for k, v in state_dict.items()}
+        if lora.has_lora(model):  # the merged model at OUT's root, the adapter beside it
+            state_dict = lora.merged_state_dict(model)
+            lora.save_adapter(model, Path(out) / "adapter")
+        else:
+            state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
+            masters = _master_values(self._optimizer, model)
+            state_dict = {k: masters.get(k, v) for k, v in state_dict.items()}
+        state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
         model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
         processor.save_pretrained(out)
+
+    def lora(self, model: Any, trainable: list[str]) -> tuple[int, int] | None:
+        """Adapters instead of full fine-tuning when --lora-r > 0 (ovkit.runtime.lora); (trainable, total) counts."""
+        r = getattr(self.cfg, "lora_r", 0)
+        if not r:
+            return None
+        if self.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+            raise OvkitError("--lora-r with FSDP or DeepSpeed is not supported here; use DDP (plain accelerate launch / torchrun)")
+        spec = lora.LoraSpec(r=r, alpha=self.cfg.lora_alpha, dropout=self.cfg.lora_dropout, targets=tuple(self.cfg.lora_targets or ()))
+        return lora.apply(model, trainable, spec)
 
     def save_checkpoint(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int) -> Path:
         final = step_dir(self.run_dir, state["step"])

@@ -31,6 +31,7 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
 TRAJECTORY = (
     "data", "model", "plan", "trainable", "freeze_vision", "lr", "min_lr", "warmup_ratio", "weight_decay",
     "max_grad_norm", "batch_size", "grad_accum", "max_steps", "epochs", "max_len", "precision", "seed",
+    "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
 )
 
 
@@ -58,6 +59,10 @@ class TrainConfig:
     max_len: int = 8192  # samples longer than this many tokens are skipped (counted in the summary)
     precision: str = "auto"  # auto | fp32 | bf16-mixed | bf16-true (ovkit.runtime.precision)
     attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    lora_r: int = 0  # LoRA rank (0: full fine-tuning); adapters on the selection's attention/MLP projections (ovkit.runtime.lora)
+    lora_alpha: float = 16.0  # LoRA scale alpha (the update is alpha / r * B A)
+    lora_dropout: float = 0.0
+    lora_targets: list[str] | None = None  # regexes over module names to adapt instead of the per-architecture default
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% slower)
     save_every: int = 0  # write a checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2  # how many intermediate checkpoints to keep (oldest deleted first)
@@ -110,6 +115,8 @@ class TrainConfig:
         self.precision = canonical_precision(self.precision)
         if self.attn_implementation not in ATTENTION:
             raise OvkitError(f"--attn-implementation must be one of {', '.join(ATTENTION)}, got {self.attn_implementation!r}")
+        if self.lora_r < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+            raise OvkitError("need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1")
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise OvkitError("--save-every must be >= 0 and --keep-checkpoints >= 1")
         bad = [r for r in self.report_to if r not in REPORTERS]

@@ -46,7 +46,7 @@ def train(cfg: TrainConfig) -> Result:
     rt.check_run_dir()
     model, processor = rt.load_model(cfg.model)
     names = trainable_names(model, cfg.trainable, freeze_vision=cfg.freeze_vision)
-    n_trainable, n_total = set_trainable(model, names)
+    n_trainable, n_total = rt.lora(model, names) or set_trainable(model, names)
     if cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
             model.activation_checkpointing_enable({"use_reentrant": False})
