@@ -315,3 +315,20 @@ def test_rl_train_with_lora_samples_from_the_adapted_model(rl_assets, tmp_path):
             assert all(r["mismatch/delta_logp_max"] < 1e-4 for r in rows)
         assert (out / "adapter" / "adapter_config.json").is_file()
         assert set(weights(out)) == set(weights(model_dir))
+
+
+def test_every_checkpoint_state_file_loads_with_weights_only(deep, tmp_path):
+    """No pickled object in a checkpoint: the optimiser, model and RNG states load with weights_only=True, the way
+    accelerate's load_state reads them (its allowlist adds numpy's RNG state types); the lr schedule is replayed
+    from the step on resume instead of unpickled."""
+    from accelerate.utils import load
+
+    from ovkit.train import train
+
+    root, _ = deep
+    train(config("SFTConfig", root, tmp_path / "out", max_steps=2, save_every=1))
+    state = tmp_path / "out" / "checkpoints" / "step-000001" / "state"
+    files = [f for f in state.iterdir() if f.suffix in (".bin", ".pkl", ".pt")]
+    assert files and not [f for f in files if f.name.startswith("custom_checkpoint")]
+    for f in files:
+        load(f, map_location="cpu", weights_only=True)

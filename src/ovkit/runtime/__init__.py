@@ -37,6 +37,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +182,11 @@ class Runtime:
         if loaded.get("processes", 1) != self.processes:
             raise OvkitError(f"--resume: {ckpt} ran on {loaded['processes']} processes, this run has {self.processes}; the global batch would change")
         self.accelerator.load_state(str(ckpt / STATE))
+        if self.scheduler is not None:
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": a replay, on purpose
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(loaded["step"]):
+                    self.scheduler.step()
         return loaded
 
     # -- model and optimiser ---------------------------------------------------------------------------------------
@@ -216,9 +222,10 @@ class Runtime:
 
     def prepare(self, model: Any, optimizer: Any, scheduler: Any) -> tuple[Any, Any]:
         """(scorer, optimizer) ready for the loop: the model inside a TokenScorer (its forward computes the chunked
-        loss or log-probs), both through accelerate; the scheduler is registered for checkpoints."""
+        loss or log-probs), both through accelerate; the scheduler is replayed to the step on resume."""
         scorer, optimizer = self.accelerator.prepare(TokenScorer(model), optimizer)
-        self.accelerator.register_for_checkpointing(scheduler)
+        # The schedule is not saved with the state: it is a function of the step (resume() replays it), so every
+        # state file loads with torch.load(weights_only=True) and no pickled object is ever unpickled.
         self.scheduler, self._optimizer = scheduler, optimizer
         return scorer, optimizer
 
