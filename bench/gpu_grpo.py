@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _workers import report_result, run_workers  # noqa: E402
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -113,7 +115,7 @@ def worker(name: str, spec_path: Path) -> None:
            "ovkit-vllm": lambda: run_ovkit(spec, 0, "vllm"), "trl": lambda: run_trl(spec)}[name]
     result = run()
     result["peak_bytes"] = int(torch.cuda.max_memory_allocated()) if cuda else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
-    print("RESULT " + json.dumps(result))
+    report_result(result)
 
 
 def ovkit_cli(*args) -> None:
@@ -151,15 +153,7 @@ def main() -> None:
                     ovkit_cli("init-model", "--preset", args.preset, "--random-init", "--dtype", "bfloat16", "--out", model)
         spec = {"work": str(work), "data": str(data), "model": str(model), "steps": args.steps, "lr": args.lr,
                 "prompts_per_step": args.prompts_per_step, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens}
-        (work / "spec.json").write_text(json.dumps(spec))
-        results = {}
-        for name in runs:
-            run = subprocess.run([sys.executable, __file__, "--worker", name, "--spec", str(work / "spec.json")], capture_output=True, text=True)
-            line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
-            if run.returncode != 0 or not line:
-                print(f"{name}: failed\n{run.stderr[-3000:]}", file=sys.stderr)
-                continue
-            results[name] = json.loads(line[-1][len("RESULT "):])
+        results = run_workers(__file__, runs, spec, work)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"device: {device}; model {model}; {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} completions, "
           f"<= {args.max_new_tokens} new tokens")

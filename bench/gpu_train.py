@@ -35,6 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _workers import report_result, run_workers  # noqa: E402
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -216,7 +219,7 @@ def worker(name: str, spec_path: Path) -> None:
            "plain": lambda: run_plain(spec), "trl": lambda: run_trl(spec)}[name]
     result = run()
     result["peak_bytes"] = _peak_memory(base)
-    print("RESULT " + json.dumps(result))
+    report_result(result)
 
 
 # ---- the report --------------------------------------------------------------------------------------------------
@@ -262,15 +265,7 @@ def main() -> None:
                 "trl_data": str(work / "trl"), "batch_size": args.batch_size, "pack_batch": pack_batch, "steps": args.steps,
                 "warmup": args.warmup, "precision": args.precision, "plain_dtype": args.plain_dtype,
                 "gradient_checkpointing": args.gradient_checkpointing}
-        (work / "spec.json").write_text(json.dumps(spec))
-        results = {}
-        for name in runs:
-            run = subprocess.run([sys.executable, __file__, "--worker", name, "--spec", str(work / "spec.json")], capture_output=True, text=True)
-            line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
-            if run.returncode != 0 or not line:
-                print(f"{name}: failed\n{run.stderr[-3000:]}", file=sys.stderr)
-                continue
-            results[name] = json.loads(line[-1][len("RESULT "):])
+        results = run_workers(__file__, runs, spec, work)
         llm, vit, device = model_flops_per_token(model, spec)
     report(args, results, stats, mean_len, pack_batch, llm, vit, device)
 

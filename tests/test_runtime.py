@@ -21,17 +21,9 @@ import torch
 
 from test_rl_train import _cfg as rl_cfg
 from test_rl_train import rl_assets  # noqa: F401 (a fixture)
-from test_train import ENV, config, make_rows, weights
+from test_train import ENV, _one_thread, config, make_rows, weights  # noqa: F401 (_one_thread: an autouse fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
