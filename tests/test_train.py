@@ -283,11 +283,28 @@ def test_bf16_autocast_runs_on_cpu(assets, tmp_path):
     assert all(v.dtype == torch.float32 for v in weights(tmp_path / "bf16").values())  # fp32 master weights
 
 
-def test_tensorboard_sink(assets, tmp_path):
+def test_trackers_through_accelerate(assets, tmp_path):
+    """--report-to tensorboard (and mlflow / wandb where installed, offline): accelerate's trackers get the step's
+    scalars under metrics.jsonl's names; an uninstalled or unknown tracker is refused before anything runs."""
+    import importlib.util
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from ovkit.train import train
 
-    train(config("SFTConfig", assets, tmp_path / "tb", max_steps=1, report_to=["tensorboard"]))
-    assert list((tmp_path / "tb" / "tensorboard").glob("events.out.tfevents.*"))
+    train(config("SFTConfig", assets, tmp_path / "tb", max_steps=2, report_to=["tensorboard"]))
+    run = tmp_path / "tb" / "trackers" / "ovkit-sft"  # the scalars; the hyper-parameters sit in a sub-directory
+    assert list(run.glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    logged = [e.value for e in acc.Scalars("loss")]
+    assert logged == pytest.approx(losses(tmp_path / "tb"), rel=1e-6)
+    with pytest.raises(OvkitError, match="--report-to must be one of"):
+        config("SFTConfig", assets, tmp_path / "x", report_to=["neptune"])
+    for name in ("mlflow", "wandb", "trackio"):
+        if importlib.util.find_spec(name) is None:
+            with pytest.raises(OvkitError, match=f"pip install {name}"):
+                config("SFTConfig", assets, tmp_path / "x", report_to=[name])
 
 
 def test_step_line_format():

@@ -26,7 +26,7 @@ GRADIENT_CHECKPOINTING = typer.Option(False, "--gradient-checkpointing", help="R
 SAVE_EVERY = typer.Option(0, "--save-every", help="Write a resumable checkpoint every N steps into OUT.partial/checkpoints (0: only the final model).")
 KEEP_CHECKPOINTS = typer.Option(2, "--keep-checkpoints", help="Keep the newest N intermediate checkpoints.")
 RESUME = typer.Option(False, "--resume", help="Continue the unfinished run in OUT.partial/ from its last checkpoint (starts fresh if there is none).")
-REPORT_TO = typer.Option(None, "--report-to", help="Extra metric sink: tensorboard (metrics.jsonl is always written).")
+REPORT_TO = typer.Option(None, "--report-to", help="Experiment tracker through accelerate: tensorboard, wandb, mlflow or trackio; repeatable (metrics.jsonl is always written).")
 TRUST_REMOTE_CODE = typer.Option(False, "--trust-remote-code", help="Allow model code from the model directory (e.g. LLaVA-OneVision-1.5).")
 
 

@@ -68,7 +68,7 @@ def rl_train(
     keep_checkpoints: int = _O(2, "--keep-checkpoints", help="Keep the newest N intermediate checkpoints."),
     save_rollouts: bool = _O(False, "--save-rollouts", help="Write every step's trajectories to OUT/rollouts/step-N.parquet."),
     resume: bool = _O(False, "--resume", help="Continue the unfinished run in OUT.partial/ from its last checkpoint."),
-    report_to: list[str] = _O(None, "--report-to", help="Extra metric sink: tensorboard (metrics.jsonl is always written)."),
+    report_to: list[str] = _O(None, "--report-to", help="Experiment tracker through accelerate: tensorboard, wandb, mlflow or trackio; repeatable (metrics.jsonl is always written)."),
     reward_workers: int = _O(2, "--reward-workers", help="Processes for the sandboxed scorers (math, svg, code)."),
     env: str = ENV,
     env_arg: list[str] = ENV_ARG,

@@ -10,6 +10,7 @@ from ovkit.errors import OvkitError
 from ovkit.rl.correction import Correction, canonical_mode
 from ovkit.rl.loss import AGGREGATIONS, KL_ESTIMATORS
 from ovkit.runtime.attention import ATTENTION
+from ovkit.runtime.log import check_trackers
 from ovkit.runtime.engines import sampler_dtype
 from ovkit.runtime.precision import canonical as canonical_precision
 
@@ -88,7 +89,7 @@ class RLTrainConfig:
     keep_checkpoints: int = 2
     save_rollouts: bool = False  # write every step's trajectories to OUT/rollouts/
     resume: bool = False  # continue the run in OUT.partial/ from its last checkpoint
-    report_to: list[str] = field(default_factory=list)  # tensorboard
+    report_to: list[str] = field(default_factory=list)  # experiment trackers: tensorboard, wandb, mlflow, trackio
     reward_workers: int = 2
     env: str | None = None  # multi-turn: an environment (ovkit.envs: zoom, verifier, or package.module:factory)
     env_arg: Any = None  # its arguments: key=value strings (--env-arg, repeatable) or a mapping (YAML)
@@ -122,6 +123,7 @@ class RLTrainConfig:
             raise OvkitError(f"--correction: {e}") from None
         self.report_to = [r for r in (self.report_to or []) if r != "none"]
         self.precision = canonical_precision(self.precision)
+        check_trackers(self.report_to)
         if self.sampler_precision is not None:
             sampler_dtype(self.sampler_precision)  # a bad name fails here, naming the option
         self._check()
@@ -156,7 +158,6 @@ class RLTrainConfig:
             (self.lora_r >= 0 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1, "need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1"),
             (self.attn_implementation in ATTENTION, f"--attn-implementation must be one of {', '.join(ATTENTION)}"),
             (self.save_every >= 0, "--save-every must be >= 0"),
-            (all(r == "tensorboard" for r in self.report_to), "--report-to must be tensorboard (or none)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -17,7 +17,7 @@ Run directory while training, and at the end (both loops):
 
     OUT.partial/                     the run while it is going (a stable name, so --resume finds it)
       metrics.jsonl                  one JSON object per step
-      tensorboard/                   with --report-to tensorboard
+      trackers/, mlruns/, wandb/     with --report-to tensorboard | mlflow | wandb (accelerate's trackers)
       checkpoints/step-000200/       every --save-every steps; the newest --keep-checkpoints are kept
         model.safetensors, config.json, processor files   save_pretrained: loadable as a model
         state/                       accelerate save_state: model, optimiser (with fp32 master weights), lr
@@ -51,7 +51,7 @@ from ovkit.errors import OvkitError
 from ovkit.runtime import attention as attn
 from ovkit.runtime import lora
 from ovkit.runtime import precision as prec
-from ovkit.runtime.log import Logger, make_logger
+from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
 from ovkit.runtime.loss import TokenScorer
 from ovkit.runtime.optim import adamw, clip_grad_norm
 
@@ -109,7 +109,13 @@ class Runtime:
         # find_unused_parameters: a text-only micro-batch leaves the vision tower without gradients on that process.
         ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
         AcceleratorState._reset_state()  # a second run in one process (tests, benchmarks) sets its own precision
-        self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed, kwargs_handlers=[ddp])
+        from accelerate.utils import ProjectConfiguration
+
+        report_to = list(getattr(cfg, "report_to", None) or [])
+        check_trackers(report_to)
+        project = ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "trackers"))
+        self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed, kwargs_handlers=[ddp],
+                                       log_with=report_to or None, project_config=project)  # fmt: skip
         self.device = self.accelerator.device
         self.attention = attn.resolve(getattr(cfg, "attn_implementation", "auto"), self.device, train=True)
         set_seed(cfg.seed, device_specific=True)
@@ -249,7 +255,10 @@ class Runtime:
         return clip_grad_norm(optimizer, params, max_norm, self.accelerator)
 
     def logger(self, total: int, start: int, *, console: Callable[[int, dict], str], desc: str) -> Logger:
-        return make_logger(self.run_dir, main=self.is_main, quiet=self.cfg.quiet, report_to=self.cfg.report_to, total=total, start=start, desc=desc, line=console)
+        trackers = None
+        if self.cfg.report_to:
+            trackers = TrackerSink(self.accelerator, self.run_dir, project=f"ovkit-{self.command}", config=to_plain(self.cfg))
+        return make_logger(self.run_dir, main=self.is_main, quiet=self.cfg.quiet, total=total, start=start, desc=desc, line=console, trackers=trackers)
 
     # -- checkpoints and the end -----------------------------------------------------------------------------------
 

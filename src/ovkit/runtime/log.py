@@ -1,5 +1,5 @@
-"""Metrics go to a Logger; where they end up (console line, metrics.jsonl, TensorBoard, nowhere) is decided once,
-when the Logger is built, so the training loop never branches on logging.
+"""Metrics go to a Logger; where they end up (console line, metrics.jsonl, experiment trackers, nowhere) is decided
+once, when the Logger is built, so the training loop never branches on logging. metrics.jsonl is always written.
 
 The console line is one dense, readable line per step (nanochat's style), formatted by the loop's own function:
     step 00042 | loss 2.3100 | lr 1.00e-05 | tok/s 5400 | pad 3% | 3.1m                 (supervised)
@@ -55,19 +55,43 @@ class JsonlSink:
         self.fh.close()
 
 
-class TensorBoardSink:
-    def __init__(self, logdir: Path, *, resume_step: int = 0):
-        from torch.utils.tensorboard import SummaryWriter
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}  # name -> package
 
-        self.writer = SummaryWriter(str(logdir), purge_step=resume_step + 1 if resume_step else None)
+
+def check_trackers(names: list[str]) -> None:
+    """Each --report-to name is one of TRACKERS and its package is installed (else a message saying what to install)."""
+    import importlib.util
+
+    from ovkit.errors import OvkitError
+
+    for name in names:
+        if name not in TRACKERS:
+            raise OvkitError(f"--report-to must be one of {', '.join(TRACKERS)} (or none), got {name!r}")
+        if importlib.util.find_spec(TRACKERS[name]) is None:
+            raise OvkitError(f"--report-to {name}: the {TRACKERS[name]} package is not installed (pip install {TRACKERS[name]})")
+
+
+class TrackerSink:
+    """accelerate's experiment trackers (TensorBoard, Weights & Biases, MLflow, Trackio), as the HF Trainer and TRL use
+    them, under the same metric names as metrics.jsonl. Offline by default where the tracker allows: TensorBoard writes
+    OUT.partial/trackers/, MLflow a file store in OUT.partial/mlruns (unless MLFLOW_TRACKING_URI is set), W&B into
+    OUT.partial/wandb (WANDB_MODE=offline keeps it off the network), Trackio a local project."""
+
+    def __init__(self, accelerator, run_dir: Path, *, project: str, config: dict[str, Any]):
+        import os
+
+        os.environ.setdefault("MLFLOW_TRACKING_URI", (Path(run_dir) / "mlruns").resolve().as_uri())
+        self.accelerator = accelerator
+        # hyper-parameters as the trackers take them: scalars and strings (lists and None as their JSON text)
+        hparams = {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v) for k, v in config.items()}
+        accelerator.init_trackers(project, config=hparams, init_kwargs={"wandb": {"dir": str(run_dir)}})
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)):
-                self.writer.add_scalar(f"train/{k}", v, step)
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.accelerator.log(scalars, step=step)
 
     def close(self) -> None:
-        self.writer.close()
+        self.accelerator.end_training()
 
 
 class Logger:
@@ -86,13 +110,14 @@ class Logger:
 
 
 def make_logger(
-    run_dir: Path, *, main: bool, quiet: bool, report_to: list[str], total: int, start: int, desc: str, line: Callable[[int, dict[str, Any]], str]
+    run_dir: Path, *, main: bool, quiet: bool, total: int, start: int, desc: str, line: Callable[[int, dict[str, Any]], str],
+    trackers: Sink | None = None,
 ) -> Logger:
     if not main:
         return Logger([])
     sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", resume_step=start)]
-    if "tensorboard" in report_to:
-        sinks.append(TensorBoardSink(run_dir / "tensorboard", resume_step=start))
+    if trackers is not None:
+        sinks.append(trackers)
     if not quiet:
         sinks.append(ConsoleSink(total, start, desc=desc, line=line))
     return Logger(sinks)

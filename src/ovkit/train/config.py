@@ -16,9 +16,9 @@ from typing import ClassVar
 from ovkit.errors import OvkitError
 from ovkit.models.groups import STAGE_TRAINABLE
 from ovkit.runtime.attention import ATTENTION
+from ovkit.runtime.log import check_trackers
 from ovkit.runtime.precision import canonical as canonical_precision
 
-REPORTERS = ("tensorboard",)
 
 # Stage presets: the recipe's published values (lr, weight decay). Cosine to a minimum lr of 1e-6, warmup 0.2% of
 # the steps, Adam eps 1e-5 and gradient clipping at 1.0 are shared by all three stages.
@@ -67,7 +67,7 @@ class TrainConfig:
     save_every: int = 0  # write a checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2  # how many intermediate checkpoints to keep (oldest deleted first)
     resume: bool = False  # continue the run found in OUT.partial/ from its last checkpoint
-    report_to: list[str] = field(default_factory=list)  # extra metric sinks: tensorboard
+    report_to: list[str] = field(default_factory=list)  # experiment trackers: tensorboard, wandb, mlflow, trackio
     trust_remote_code: bool = False
     seed: int = 0
     overwrite: bool = False
@@ -119,9 +119,7 @@ class TrainConfig:
             raise OvkitError("need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1")
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise OvkitError("--save-every must be >= 0 and --keep-checkpoints >= 1")
-        bad = [r for r in self.report_to if r not in REPORTERS]
-        if bad:
-            raise OvkitError(f"--report-to must be one of {', '.join(REPORTERS)} (or none), got {bad[0]!r}")
+        check_trackers(self.report_to)
 
     @property
     def partial(self) -> Path:
