@@ -1,13 +1,16 @@
-"""The shared config helper: command line > --config file > defaults; unknown keys are named."""
+"""The shared config helper: command line > --config file > defaults; unknown keys are named; every value converts by\nits field's declared type or the error names the key, the file and the type."""
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import pytest
 import typer
 import yaml
 from typer.testing import CliRunner
 
 from ovkit.commands._common import CONFIG, OUT, SEED, resolve
+from ovkit.config import load_yaml, merge
 from ovkit.errors import OvkitError
 
 
@@ -84,3 +87,64 @@ def test_bad_yaml_is_a_clear_error(tmp_path):
     seen = []
     result = CliRunner().invoke(toy_app(seen), ["--config", str(bad)])
     assert result.exit_code == 2 and "not valid YAML" in result.output
+
+
+# -- every value converts by its field's declared type (ovkit.config.convert) ------------------------------------
+
+
+@dataclass
+class TypedConfig:
+    lr: float = 1e-3
+    steps: int = 10
+    flag: bool = False
+    name: str = "x"
+    path: Path | None = None
+    paths: list[Path] | None = None
+    maybe: float | None = None
+    extra: Any = None
+
+
+def test_yaml_1_1_scientific_floats_and_quoted_numbers_convert(tmp_path):
+    # PyYAML (YAML 1.1) reads 1e-3 as the string '1e-3': the field's type decides.
+    text = "lr: 1e-3\nsteps: '12'\nflag: 'yes'\nname: 32\npath: out\npaths: one\nmaybe: 2\nextra: {a: 1}\n"
+    (tmp_path / "run.yaml").write_text(text)
+    cfg = merge(TypedConfig, {}, set(), load_yaml(tmp_path / "run.yaml"), tmp_path / "run.yaml")
+    assert cfg == TypedConfig(lr=0.001, steps=12, flag=True, name="32", path=Path("out"), paths=[Path("one")], maybe=2.0, extra={"a": 1})
+    assert type(cfg.lr) is float and type(cfg.maybe) is float
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [("lr", "abc", "a float"), ("steps", "2.5", "an integer"), ("steps", True, "an integer"), ("flag", "maybe", "true or false"),
+     ("name", [1], "a string"), ("paths", {"a": 1}, "a list of paths"), ("lr", None, "a float")],
+)
+def test_a_value_that_does_not_convert_names_key_file_and_type(tmp_path, key, value, expected):
+    path = tmp_path / "run.yaml"
+    with pytest.raises(OvkitError) as e:
+        merge(TypedConfig, {}, set(), {key: value}, path)
+    assert str(e.value) == f"config file {path}: key '{key}' must be {expected}, got {'null' if value is None else repr(value)}"
+
+
+def test_untyped_flag_values_go_through_the_same_rule():
+    # a value typer hands over as text (a str option) still becomes the field's type, or names the flag
+    assert merge(TypedConfig, {"lr": "1e-4"}, {"lr"}, {}).lr == 1e-4
+    with pytest.raises(OvkitError, match=r"^option --lr must be a float, got 'fast'$"):
+        merge(TypedConfig, {"lr": "fast"}, {"lr"}, {})
+
+
+@pytest.mark.parametrize("command", ["sft", "rl-train"])
+def test_bad_value_in_a_real_config_is_a_usage_error_naming_it(cli, tmp_path, command):
+    (tmp_path / "run.yaml").write_text("lr: 1e-3\nmax-grad-norm: big\n")
+    code, _, err = cli(command, tmp_path / "data", "--model", tmp_path / "m", "--out", tmp_path / "o", "--config", tmp_path / "run.yaml")
+    assert code == 2
+    assert err.strip() == f"error: config file {tmp_path / 'run.yaml'}: key 'max_grad_norm' must be a float, got 'big'"
+
+
+def test_scientific_lr_in_a_real_config_reaches_the_stage(tmp_path):
+    from ovkit.rl.config import RLTrainConfig
+    from ovkit.train import SFTConfig
+
+    (tmp_path / "run.yaml").write_text("lr: 1e-3\n")
+    io = {"data": [Path("d")], "model": Path("m"), "out": Path("o")}
+    for cls in (SFTConfig, RLTrainConfig):
+        assert merge(cls, io, set(io), load_yaml(tmp_path / "run.yaml"), tmp_path / "run.yaml").lr == 0.001

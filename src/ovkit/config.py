@@ -1,7 +1,9 @@
-"""One way to build a stage's config: YAML supplies values, command-line flags override them.
+"""One way to build a stage's config: YAML supplies values, command-line flags override them, the dataclass holds
+the defaults (and only it does).
 
 Keys in the YAML file are option names (`max-len` or `max_len`); a key that is not an option of the command is an
-error naming it. The resolved config is written next to the output as `config.yaml` so a run can be repeated with
+error naming it. Every value is converted by the type its dataclass field declares (`convert`, one rule for file
+values and flags), and a value that does not convert is an error naming the key, the file and the type. The resolved config is written next to the output as `config.yaml` so a run can be repeated with
 `--config OUT/config.yaml`.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
 import typing
 from pathlib import Path
 from typing import Any, Mapping
@@ -45,9 +48,10 @@ def merge(
     config_path: Path | None = None,
 ) -> Any:
     """Build `cls` from values given on the command line (`from_cli` names those the user typed), then the file,
-    then the dataclass defaults. Unknown file keys are an error naming the key."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(file_values) - names)
+    then the dataclass defaults: the dataclass is the only place a default is declared. Every value goes through
+    `convert` by the field's declared type. Unknown file keys are an error naming the key."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(file_values) - set(names))
     if unknown:
         known = ", ".join("--" + n.replace("_", "-") for n in sorted(names))
         raise OvkitError(f"config file {config_path}: unknown key '{unknown[0]}' (this command's options: {known})")
@@ -55,39 +59,141 @@ def merge(
     values: dict[str, Any] = {}
     for name in names:
         if name in from_cli:
-            values[name] = cli_values[name]
+            values[name] = convert(cli_values[name], hints.get(name), f"option --{name.replace('_', '-')}")
         elif name in file_values:
-            values[name] = _coerce(file_values[name], hints.get(name), name, config_path)
-        elif name in cli_values and cli_values[name] is not None:
-            values[name] = cli_values[name]  # the option's own default, which may differ from the dataclass's
+            values[name] = convert(file_values[name], hints.get(name), f"config file {config_path}: key '{name}'")
     try:
         return cls(**values)
     except TypeError as e:
         raise OvkitError(str(e)) from None
 
 
-def _coerce(value: Any, hint: Any, name: str, config_path: Path | None) -> Any:
-    """YAML already gives ints, floats, bools and lists; turn strings into Paths and enums where the field wants."""
-    if value is None or hint is None:
+# -- the one typed rule ------------------------------------------------------------------------------------------
+# Written here rather than borrowed (pydantic's TypeAdapter, click's types) because the rule must fit YAML 1.1 as
+# PyYAML reads it: `1e-3` arrives as the string '1e-3' (YAML 1.1 floats need a dot), `precision: 32` as an int that
+# a str field wants as '32', and a lone value where a list is declared means a list of one. pydantic's lax mode
+# refuses int -> str, and its messages would need translating into "key 'lr' must be a float".
+
+_TRUE = frozenset({"true", "yes", "on", "y", "1"})
+_FALSE = frozenset({"false", "no", "off", "n", "0"})
+
+
+class _Mismatch(Exception):
+    """A value that does not convert to the declared type (turned into an OvkitError naming the key)."""
+
+
+def convert(value: Any, hint: Any, where: str) -> Any:
+    """`value` converted to the declared type `hint` (bool, int, float, str, Path, enums, list[...], X | None;
+    Any and dict pass through), or an OvkitError: "<where> must be a float, got 'abc'"."""
+    try:
+        return _convert(value, hint)
+    except _Mismatch:
+        raise OvkitError(f"{where} must be {describe(hint)}, got {'null' if value is None else repr(value)}") from None
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    if hint is None or hint is Any:
         return value
-    origin = typing.get_origin(hint)
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
-        return _coerce(value, args[0], name, config_path)
-    if origin in (list, tuple) and args:
-        items = value if isinstance(value, (list, tuple)) else [value]
-        return [_coerce(v, args[0], name, config_path) for v in items]
-    if hint is Path:
-        return Path(value)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, arg)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if value is None:
+        raise _Mismatch
+    if origin in (list, tuple):
+        item = args[0] if args else Any
+        return [_convert(v, item) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    if hint is dict or origin is dict:
+        if isinstance(value, Mapping):
+            return dict(value)
+        raise _Mismatch
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         try:
             return hint(value)
         except ValueError:
-            choices = ", ".join(str(m.value) for m in hint)
-            raise OvkitError(f"config file {config_path}: key '{name}' must be one of {choices}, got {value!r}") from None
-    if hint is float and isinstance(value, int):
+            raise _Mismatch from None
+    convert_scalar = _SCALARS.get(hint)
+    return convert_scalar(value) if convert_scalar else value
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise _Mismatch
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise _Mismatch
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip().replace("_", ""))
+        except ValueError:
+            pass  # '1e3' or '2.0': through float, if it is a whole number
+    number = _to_float(value)
+    if not number.is_integer():
+        raise _Mismatch
+    return int(number)
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise _Mismatch
+    if isinstance(value, (int, float)):
         return float(value)
-    return value
+    if isinstance(value, str):
+        try:
+            return float(value.strip().replace("_", ""))
+        except ValueError:
+            raise _Mismatch from None
+    raise _Mismatch
+
+
+def _to_str(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # `precision: 32`, `lang-ratio: 0.5`
+    if isinstance(value, Path):
+        return str(value)
+    raise _Mismatch
+
+
+def _to_path(value: Any) -> Path:
+    if isinstance(value, (str, Path)) and str(value):
+        return Path(value)
+    raise _Mismatch
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str, Path: _to_path}
+_NAMES = {bool: "true or false", int: "an integer", float: "a float", str: "a string", Path: "a path", dict: "a mapping"}
+
+
+def describe(hint: Any) -> str:
+    """The declared type in words, for messages: 'a float', 'a list of paths', 'an integer or null'."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe(a) for a in args if a is not type(None))  # None is "unset", not worth naming
+    if origin in (list, tuple):
+        item = describe(args[0]) if args else "value"
+        plural = {"a string": "strings", "a path": "paths", "an integer": "integers", "a float": "floats", "true or false": "booleans"}
+        return f"a list of {plural.get(item, item)}"
+    if origin is dict:
+        return "a mapping"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + ", ".join(str(m.value) for m in hint)
+    return _NAMES.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def to_plain(cfg: Any) -> dict[str, Any]:
