@@ -43,3 +43,143 @@ def test_every_command_has_help_and_a_page_listing_its_options(cli, name):
     text = page.read_text()
     missing = sorted(o for o in options_in_help(out) if o not in text)
     assert not missing, f"commands/{name}.md does not document {missing}"
+
+
+# -- one source of truth for defaults, --help layout ---------------------------------------------------------------
+
+from ovkit.commands._common import config_defaults, stage_of  # noqa: E402
+from ovkit.config import dump_yaml, to_plain  # noqa: E402
+from ovkit.errors import OvkitError  # noqa: E402
+
+INFO = {c.name: stage_of(c) for c in cli_mod.app.registered_commands}
+# The fewest inputs each command's config accepts: what a user must type (or put in --config).
+MINIMAL = {
+    "synth": ["--out", "o"], "convert": ["in.json", "--out", "o"], "init-model": ["--out", "o", "--corpus", "d"],
+    "balance": ["d", "--concepts", "c.txt", "--encoder", "e", "--out", "o"], "caption": ["d", "--model", "m", "--out", "o"],
+    "pack": ["d", "--model", "m", "--out", "o"], "align": ["d", "--model", "m", "--out", "o"],
+    "midtrain": ["d", "--model", "m", "--out", "o"], "sft": ["d", "--model", "m", "--out", "o"],
+    "eval": ["d", "--model", "m", "--out", "o"], "rl-curate": ["d", "--model", "m", "--out", "o"],
+    "rl-train": ["d", "--model", "m", "--out", "o"], "mismatch-report": ["r", "--model", "m", "--out", "o"],
+}
+
+
+def click_command(name: str):
+    import typer.main
+
+    return typer.main.get_command(cli_mod.app).commands[name]
+
+
+def test_minimal_table_covers_every_command():
+    assert set(MINIMAL) == set(COMMANDS)
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_is_a_config_field_and_every_field_an_option(name):
+    fields = set(config_defaults(INFO[name].config_class()))
+    options = {p.name for p in click_command(name).params} - {"config", "help"}
+    assert options == fields
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_no_optional_flag_means_the_dataclass_defaults(cli, monkeypatch, name):
+    """Only what the user typed reaches the config: everything else is the dataclass's own default."""
+    import ovkit.commands._common as common
+
+    seen = {}
+
+    def spy(cls, cli_values, from_cli, file_values, config_path=None):
+        seen.update(cls=cls, typed=dict(cli_values), cfg=merge(cls, cli_values, from_cli, file_values, config_path))
+        raise OvkitError("stop here")
+
+    merge = common.merge
+    monkeypatch.setattr(common, "merge", spy)
+    code, _, err = cli(name, *MINIMAL[name])
+    assert code == 2 and "stop here" in err, err
+    given = {p.name for p in click_command(name).params if any(o in MINIMAL[name] for o in p.opts)}
+    positional = {p.name for p in click_command(name).params if p.param_type_name == "argument"} if not MINIMAL[name][0].startswith("--") else set()
+    assert set(seen["typed"]) == given | positional
+    cls = seen["cls"]
+    assert to_plain(seen["cfg"]) == to_plain(cls(**seen["typed"]))
+
+
+def test_config_yaml_of_a_run_without_optional_flags_is_the_dataclass_defaults(cli, tmp_path):
+    import json
+
+    from ovkit.data.convert import ConvertConfig
+
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]))
+    code, _, err = cli("convert", src, "--out", tmp_path / "out")
+    assert code == 0, err
+    expected = ConvertConfig(input=str(src), out=tmp_path / "out")
+    assert (tmp_path / "out" / "config.yaml").read_text() == dump_yaml(expected)
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_shows_the_dataclass_defaults(monkeypatch, name):
+    """What --help prints as [default: ...] is read off the config dataclass when help is formatted."""
+    import click
+    from typer.core import TyperCommand
+
+    shown = {}
+
+    def record(self, ctx, formatter):
+        shown.update({p.name: p.default for p in self.params})
+
+    monkeypatch.setattr(TyperCommand, "format_help", record)
+    command = click_command(name)
+    command.format_help(click.Context(command), click.HelpFormatter())
+    defaults = {k: v for k, v in config_defaults(INFO[name].config_class()).items() if v is not None}
+    assert {k: shown[k] for k in defaults} == defaults
+    assert all(p.default is None for p in command.params if p.name != "help")  # and restored after help
+
+
+@pytest.mark.parametrize(
+    "name, option, default",
+    [("rl-train", "--lr", "2e-06"), ("sft", "--min-lr", "1e-06"), ("mismatch-report", "--precision", "fp32"), ("eval", "--precision", "auto"),
+     ("rl-train", "--adv-std", "adv-std"), ("rl-curate", "--stage2-category", "math, chart")],
+)
+def test_help_text_shows_defaults(cli, name, option, default):
+    code, out, _ = cli(name, "--help")
+    flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out).split())
+    row = flat[flat.index(option + " "):][:400]  # the option's row: names, type, help, [default: ...]
+    assert f"[default: {default}" in row, row
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_has_a_worked_example_and_marks_required_inputs(cli, name):
+    code, out, _ = cli(name, "--help")
+    assert code == 0
+    lines = [ln.strip(" │") for ln in out.splitlines()]
+    assert any(ln.startswith(f"ovkit {name} ") for ln in lines), out
+    assert out.count("[required]") >= len(INFO[name].required) + 1  # one per input, and the note on --config
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_required_marks_are_what_the_config_enforces(name):
+    from ovkit.config import merge
+
+    cls = INFO[name].config_class()
+    command = click_command(name)
+    args = MINIMAL[name]
+    values = {}
+    for p in command.params:
+        if p.param_type_name == "argument" and not args[0].startswith("--"):
+            values[p.name] = [args[0]] if p.multiple or p.nargs == -1 else args[0]
+        for o in p.opts:
+            if o in args:
+                v = args[args.index(o) + 1]
+                values[p.name] = [v] if p.multiple else v
+    merge(cls, values, set(values), {})  # the minimal inputs are enough
+    for required in INFO[name].required:
+        rest = {k: v for k, v in values.items() if k != required}
+        with pytest.raises(OvkitError):
+            merge(cls, rest, set(rest), {})
+
+
+def test_rl_train_help_groups_options_by_concern(cli):
+    _, out, _ = cli("rl-train", "--help")
+    panels = re.findall(r"╭─ (.+?) ─", out)
+    assert len(panels) > 1
+    for panel in ("Inputs/outputs", "Sampling", "Optimiser", "GRPO loss", "Mismatch corrections", "Multi-turn", "Runtime/precision", "Checkpoints & logging"):
+        assert panel in panels

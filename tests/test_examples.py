@@ -1,19 +1,15 @@
 """Every shipped YAML under examples/ loads and validates against its command's config (torchtune test_configs).
 
 A file is checked against the command its name says (`examples/*/align.yaml` -> `ovkit align`); names that are not
-a command name are mapped in FILE_COMMANDS. The command's config class is found from the command function itself
-(the class it passes to `resolve(ctx, ...)` or `run(ctx, ...)`), so a new command's examples need no test change.
+a command name are mapped in FILE_COMMANDS. The command's config class is the one its `@stage(...)` declaration names, so a new command's
+examples need no test change.
 Inputs and outputs are usually given on the command line, not in the file: options the config reports as required
 get a placeholder, everything in the file goes through the same merge + `__post_init__` checks as a real run.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import importlib
-import inspect
-import textwrap
 import types
 import typing
 from pathlib import Path
@@ -30,6 +26,7 @@ FILE_COMMANDS = {"rl-stage1": "rl-train", "rl-stage2": "rl-train", "rl-multiturn
 
 cli_mod._register()
 CALLBACKS = {c.name: c.callback for c in cli_mod.app.registered_commands}
+COMMANDS = {c.name: c for c in cli_mod.app.registered_commands}
 
 
 def command_of(path: Path) -> str:
@@ -37,19 +34,10 @@ def command_of(path: Path) -> str:
 
 
 def config_class(command: str) -> type:
-    """The dataclass a command resolves its options into, read off the command function's source."""
-    fn = CALLBACKS[command]
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    name = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and len(node.args) == 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == "ctx":
-            if isinstance(node.args[1], ast.Name):
-                name = node.args[1].id
-    assert name, f"cannot find the config class of `ovkit {command}` (no resolve(ctx, Config) call)"
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names):
-            return getattr(importlib.import_module(node.module), name)
-    return getattr(inspect.getmodule(fn), name)
+    """The dataclass a command resolves its options into, as its `@stage(...)` declaration names it."""
+    from ovkit.commands._common import stage_of
+
+    return stage_of(COMMANDS[command]).config_class()
 
 
 def placeholder(hint) -> object:

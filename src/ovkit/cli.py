@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
@@ -46,7 +47,6 @@ def _register() -> None:
         return
     _registered = True
     from ovkit.commands import (  # one module per command; add yours here
-        _common,  # noqa: F401
         align,
         balance,
         caption,
@@ -61,21 +61,24 @@ def _register() -> None:
         sft,
         synth,
     )
+    from ovkit.commands._common import StageCommand
 
+    # Every command is a StageCommand: its --help shows its config's defaults, required marks and an example.
+    command = functools.partial(app.command, cls=StageCommand)
     # The whole command surface, one line each (add yours in pipeline order):
-    app.command("synth")(synth.synth)
-    app.command("balance")(balance.balance)
-    app.command("caption")(caption.caption)
-    app.command("convert")(convert.convert)
-    app.command("init-model")(init_model.init_model)
-    app.command("pack")(pack.pack)
-    app.command("align")(align.align)
-    app.command("midtrain")(midtrain.midtrain)
-    app.command("sft")(sft.sft)
-    app.command("eval")(eval.evaluate)
-    app.command("rl-curate")(rl_curate.rl_curate)
-    app.command("rl-train")(rl_train.rl_train)
-    app.command("mismatch-report")(mismatch_report.mismatch_report)
+    command("synth")(synth.synth)
+    command("balance")(balance.balance)
+    command("caption")(caption.caption)
+    command("convert")(convert.convert)
+    command("init-model")(init_model.init_model)
+    command("pack")(pack.pack)
+    command("align")(align.align)
+    command("midtrain")(midtrain.midtrain)
+    command("sft")(sft.sft)
+    command("eval")(eval.evaluate)
+    command("rl-curate")(rl_curate.rl_curate)
+    command("rl-train")(rl_train.rl_train)
+    command("mismatch-report")(mismatch_report.mismatch_report)
 
 
 def main() -> None:

@@ -1,40 +1,45 @@
 """Options shared by `ovkit align`, `ovkit midtrain` and `ovkit sft` (declared once so the three spell them alike),
-and the one function the three commands call."""
+and the one function the three commands call. Defaults live in ovkit.train.config.TrainConfig only."""
 
 from __future__ import annotations
 
 import typer
 
-from ovkit.commands._common import ATTN_IMPLEMENTATION, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, PRECISION, done, resolve, skipped  # noqa: F401 (re-exported)
+from ovkit.commands._common import ATTN_IMPLEMENTATION, CHECKPOINTS, IO, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, PRECISION, RUNTIME, done, resolve, skipped  # noqa: F401 (re-exported)
+
+OPTIMISER = "Optimiser & schedule"
+BATCHING = "Batches & length"
 
 DATA = typer.Argument(None, help="Sample table(s) (parquet file or directory of shards), read as one; the last assistant turn is the target.", show_default=False)
-MODEL = typer.Option(None, "--model", help="Model directory to start from (save_pretrained layout, e.g. from `ovkit init-model` or the previous stage).")
-PLAN = typer.Option(None, "--plan", help="Pack plan of DATA (`ovkit pack`): train on packed rows instead of length-bucketed padded batches.")
-TRAINABLE = typer.Option(None, "--trainable", help="Group (projector, vision, llm, all) or parameter-name regex to train; repeat for several. Default: the stage's preset.")
-FREEZE_VISION = typer.Option(False, "--freeze-vision", help="Keep the vision encoder frozen whatever --trainable selects.")
-LR = typer.Option(None, "--lr", help="Peak learning rate. Default: the stage's preset (align 1e-4, midtrain 1e-5, sft 1e-5).")
-MIN_LR = typer.Option(1e-6, "--min-lr", help="Learning rate at the end of the cosine schedule.")
-WARMUP_RATIO = typer.Option(0.002, "--warmup-ratio", help="Fraction of the steps with linear warmup from 0.")
-WEIGHT_DECAY = typer.Option(None, "--weight-decay", help="AdamW weight decay on weight matrices. Default: the stage's preset (midtrain 0.01, else 0).")
-MAX_GRAD_NORM = typer.Option(1.0, "--max-grad-norm", help="Clip the global gradient norm to this (0: no clipping).")
-BATCH_SIZE = typer.Option(8, "--batch-size", help="Samples (or packed rows with --plan) per micro-batch per process.")
-GRAD_ACCUM = typer.Option(1, "--grad-accum", help="Micro-batches per optimiser step; global batch = batch size x this x processes.")
-MAX_STEPS = typer.Option(None, "--max-steps", help="Optimiser steps to run (instead of --epochs).")
-EPOCHS = typer.Option(None, "--epochs", help="Passes over the data (default 1 when --max-steps is not given).")
-MAX_LEN = typer.Option(8192, "--max-len", help="Skip samples longer than this many tokens (text + image tokens).")
-GRADIENT_CHECKPOINTING = typer.Option(False, "--gradient-checkpointing", help="Recompute activations in the backward pass (less memory, slower).")
-SAVE_EVERY = typer.Option(0, "--save-every", help="Write a resumable checkpoint every N steps into OUT.partial/checkpoints (0: only the final model).")
-KEEP_CHECKPOINTS = typer.Option(2, "--keep-checkpoints", help="Keep the newest N intermediate checkpoints.")
-RESUME = typer.Option(False, "--resume", help="Continue the unfinished run in OUT.partial/ from its last checkpoint (starts fresh if there is none).")
-REPORT_TO = typer.Option(None, "--report-to", help="Experiment tracker through accelerate: tensorboard, wandb, mlflow or trackio; repeatable (metrics.jsonl is always written).")
-TRUST_REMOTE_CODE = typer.Option(False, "--trust-remote-code", help="Allow model code from the model directory (e.g. LLaVA-OneVision-1.5).")
+MODEL = typer.Option(None, "--model", help="Model directory to start from (save_pretrained layout, e.g. from `ovkit init-model` or the previous stage).", rich_help_panel=IO)
+PLAN = typer.Option(None, "--plan", help="Pack plan of DATA (`ovkit pack`): train on packed rows instead of length-bucketed padded batches.", rich_help_panel=IO)
+TRAINABLE = typer.Option(None, "--trainable", help="Group (projector, vision, llm, all) or parameter-name regex to train; repeat for several. Default: the stage's preset.", rich_help_panel=OPTIMISER)
+FREEZE_VISION = typer.Option(None, "--freeze-vision", help="Keep the vision encoder frozen whatever --trainable selects.", rich_help_panel=OPTIMISER)
+LR = typer.Option(None, "--lr", help="Peak learning rate. Default: the stage's preset (align 1e-4, midtrain 1e-5, sft 1e-5).", rich_help_panel=OPTIMISER)
+MIN_LR = typer.Option(None, "--min-lr", help="Learning rate at the end of the cosine schedule.", rich_help_panel=OPTIMISER)
+WARMUP_RATIO = typer.Option(None, "--warmup-ratio", help="Fraction of the steps with linear warmup from 0.", rich_help_panel=OPTIMISER)
+WEIGHT_DECAY = typer.Option(None, "--weight-decay", help="AdamW weight decay on weight matrices. Default: the stage's preset (midtrain 0.01, else 0).", rich_help_panel=OPTIMISER)
+MAX_GRAD_NORM = typer.Option(None, "--max-grad-norm", help="Clip the global gradient norm to this (0: no clipping).", rich_help_panel=OPTIMISER)
+BATCH_SIZE = typer.Option(None, "--batch-size", help="Samples (or packed rows with --plan) per micro-batch per process.", rich_help_panel=BATCHING)
+GRAD_ACCUM = typer.Option(None, "--grad-accum", help="Micro-batches per optimiser step; global batch = batch size x this x processes.", rich_help_panel=BATCHING)
+MAX_STEPS = typer.Option(None, "--max-steps", help="Optimiser steps to run (instead of --epochs).", rich_help_panel=BATCHING)
+EPOCHS = typer.Option(None, "--epochs", help="Passes over the data (default 1 when --max-steps is not given).", rich_help_panel=BATCHING)
+MAX_LEN = typer.Option(None, "--max-len", help="Skip samples longer than this many tokens (text + image tokens).", rich_help_panel=BATCHING)
+GRADIENT_CHECKPOINTING = typer.Option(None, "--gradient-checkpointing", help="Recompute activations in the backward pass (less memory, slower).", rich_help_panel=RUNTIME)
+SAVE_EVERY = typer.Option(None, "--save-every", help="Write a resumable checkpoint every N steps into OUT.partial/checkpoints (0: only the final model).", rich_help_panel=CHECKPOINTS)
+KEEP_CHECKPOINTS = typer.Option(None, "--keep-checkpoints", help="Keep the newest N intermediate checkpoints.", rich_help_panel=CHECKPOINTS)
+RESUME = typer.Option(None, "--resume", help="Continue the unfinished run in OUT.partial/ from its last checkpoint (starts fresh if there is none).", rich_help_panel=CHECKPOINTS)
+REPORT_TO = typer.Option(None, "--report-to", help="Experiment tracker through accelerate: tensorboard, wandb, mlflow or trackio; repeatable (metrics.jsonl is always written).", rich_help_panel=CHECKPOINTS)
+TRUST_REMOTE_CODE = typer.Option(None, "--trust-remote-code", help="Allow model code from the model directory (e.g. LLaVA-OneVision-1.5).", rich_help_panel=RUNTIME)
+
+REQUIRED = ("data", "model", "out")
 
 
-def run(ctx: typer.Context, cls) -> None:
+def run(ctx: typer.Context) -> None:
     """Resolve the stage's config, train, and print the one-line summary."""
     from ovkit.train import train
 
-    cfg = resolve(ctx, cls)
+    cfg = resolve(ctx)
     result = train(cfg)
     if result.status == "skipped":
         return skipped(cfg.out)

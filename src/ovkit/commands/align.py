@@ -7,9 +7,10 @@ from pathlib import Path
 import typer
 
 from ovkit.commands import _train_options as T
-from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED
+from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, stage
 
 
+@stage("ovkit.train.config:AlignConfig", required=T.REQUIRED, example="ovkit align runs/tiny/data/pretrain-balanced --plan runs/tiny/plans/pretrain --model runs/tiny/models/stage0 --out runs/tiny/models/align --config examples/tiny/align.yaml")
 def align(
     ctx: typer.Context,
     data: list[Path] = T.DATA,
@@ -46,6 +47,4 @@ def align(
     config: Path = CONFIG,
 ) -> None:
     """Stage 1 (alignment): train the projector only (lr 1e-4, no weight decay) on caption data."""
-    from ovkit.train import AlignConfig
-
-    T.run(ctx, AlignConfig)
+    T.run(ctx)

@@ -7,9 +7,10 @@ from pathlib import Path
 import typer
 
 from ovkit.commands import _train_options as T
-from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED
+from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, stage
 
 
+@stage("ovkit.train.config:MidtrainConfig", required=T.REQUIRED, example="ovkit midtrain runs/tiny/data/pretrain-balanced --plan runs/tiny/plans/pretrain --model runs/tiny/models/align --out runs/tiny/models/midtrain --config examples/tiny/midtrain.yaml")
 def midtrain(
     ctx: typer.Context,
     data: list[Path] = T.DATA,
@@ -46,6 +47,4 @@ def midtrain(
     config: Path = CONFIG,
 ) -> None:
     """Stage 1.5 (mid-training): train LLM, projector and vision encoder (lr 1e-5, weight decay 0.01)."""
-    from ovkit.train import MidtrainConfig
-
-    T.run(ctx, MidtrainConfig)
+    T.run(ctx)

@@ -7,9 +7,10 @@ from pathlib import Path
 import typer
 
 from ovkit.commands import _train_options as T
-from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED
+from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, stage
 
 
+@stage("ovkit.train.config:SFTConfig", required=T.REQUIRED, example="ovkit sft runs/tiny/data/instruct --model runs/tiny/models/midtrain --out runs/tiny/models/sft --config examples/tiny/sft.yaml")
 def sft(
     ctx: typer.Context,
     data: list[Path] = T.DATA,
@@ -46,6 +47,4 @@ def sft(
     config: Path = CONFIG,
 ) -> None:
     """Stage 2 (instruction tuning): train every parameter (lr 1e-5) on instruction conversations."""
-    from ovkit.train import SFTConfig
-
-    T.run(ctx, SFTConfig)
+    T.run(ctx)

@@ -6,23 +6,24 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped
+from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped, stage
 
 
+@stage("ovkit.data.synth:SynthConfig", required=("out",), example="ovkit synth --out runs/tiny/data --scale 0.1")
 def synth(
     ctx: typer.Context,
     out: Path = OUT,
-    scale: float = typer.Option(1.0, "--scale", help="Multiplies every split's size (1.0: about 8,000 images)."),
+    scale: float = typer.Option(None, "--scale", help="Multiplies every split's size (1.0: about 8,000 images).", rich_help_panel="Corpus"),
     seed: int = SEED,
     overwrite: bool = OVERWRITE,
     quiet: bool = QUIET,
     config: Path = CONFIG,
 ) -> None:
     """Render the embedded synthetic corpus: pretrain, instruct, rl and eval splits, and concepts.txt."""
-    from ovkit.data.synth import SynthConfig, build_corpus
+    from ovkit.data.synth import build_corpus
     from ovkit.runs import Stage
 
-    cfg = resolve(ctx, SynthConfig)
+    cfg = resolve(ctx)
     stage = Stage("synth", cfg, cfg.out, overwrite=cfg.overwrite, seed=cfg.seed)
     if stage.skipped:
         return skipped(cfg.out)
