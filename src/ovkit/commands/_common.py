@@ -125,7 +125,8 @@ class StageCommand(TyperCommand):
 
 
 def resolve(ctx: typer.Context, cls: type | None = None) -> Any:
-    """Build the command's stage config (`@stage`, or `cls`): command line > --config file > dataclass defaults."""
+    """Build the command's stage config (`@stage`, or `cls`): command line > --config file > dataclass defaults.
+    With `quiet`, the progress bars of transformers, huggingface_hub and datasets are off while the command runs."""
     cls = cls or stage_of(ctx.command).config_class()
     config_path = ctx.params.get("config")
     file_values = load_yaml(Path(config_path)) if config_path else {}
@@ -136,7 +137,12 @@ def resolve(ctx: typer.Context, cls: type | None = None) -> Any:
         for name, value in ctx.params.items()
         if name not in CLI_ONLY and getattr(ctx.get_parameter_source(name), "name", "") in ("COMMANDLINE", "ENVIRONMENT")
     }
-    return merge(cls, typed, set(typed), file_values, Path(config_path) if config_path else None)
+    cfg = merge(cls, typed, set(typed), file_values, Path(config_path) if config_path else None)
+    if getattr(cfg, "quiet", False):  # the libraries' bars too, until the command ends
+        from ovkit.progress import silence_library_bars
+
+        ctx.call_on_close(silence_library_bars())
+    return cfg
 
 
 def done(msg: str) -> None:
