@@ -183,3 +183,19 @@ def test_rl_train_help_groups_options_by_concern(cli):
     assert len(panels) > 1
     for panel in ("Inputs/outputs", "Sampling", "Optimiser", "GRPO loss", "Mismatch corrections", "Multi-turn", "Runtime/precision", "Checkpoints & logging"):
         assert panel in panels
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_example_is_a_valid_invocation(name, monkeypatch):
+    """The example parses with the command's own options and resolves into a config (its --config file included)."""
+    import shlex
+
+    from ovkit.commands._common import resolve
+
+    monkeypatch.chdir(ROOT)
+    words = shlex.split(INFO[name].example)
+    assert words[:2] == ["ovkit", name]
+    command = click_command(name)
+    with command.make_context(name, words[2:]) as ctx:
+        cfg = resolve(ctx)
+    assert isinstance(cfg, INFO[name].config_class())

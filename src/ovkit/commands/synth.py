@@ -9,7 +9,7 @@ import typer
 from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped, stage
 
 
-@stage("ovkit.data.synth:SynthConfig", required=("out",), example="ovkit synth --out runs/tiny/data --scale 0.1")
+@stage("ovkit.data.synth:SynthConfig", required=("out",), example="ovkit synth --out runs/tiny/data")
 def synth(
     ctx: typer.Context,
     out: Path = OUT,
