@@ -1,6 +1,6 @@
 """`--quiet` means quiet: no progress bar reaches stderr, ovkit's own nor those transformers, huggingface_hub and
 datasets draw (transformers' "Writing model shards" and "Loading weights" bars came through before); without
---quiet the bars are there, and the libraries' switches are back as they were after a quiet command."""
+--quiet ovkit's bars are there, and the libraries' switches are back as they were after a quiet command."""
 
 import re
 
@@ -9,8 +9,19 @@ import pytest
 BAR = re.compile(r"\d+%\||it/s\]|\?it/s")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def library_bars_on():
+    """Start from the libraries' defaults (bars on): earlier tests may have switched transformers' off for good."""
+    import transformers.utils.logging as transformers_bars
+
+    was = transformers_bars.is_progress_bar_enabled()
+    transformers_bars.enable_progress_bar()
+    yield
+    (transformers_bars.enable_progress_bar if was else transformers_bars.disable_progress_bar)()
+
+
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, cli):
+def tiny(tmp_path_factory, cli, library_bars_on):
     base = tmp_path_factory.mktemp("quiet")
     code, _, err = cli("synth", "--out", base / "data", "--scale", "0.02", "--quiet")
     assert code == 0 and not BAR.search(err), err
@@ -25,7 +36,31 @@ def test_eval_quiet_prints_no_bar_and_loud_does(cli, tiny):
     assert code == 0 and out.startswith("eval:")
     assert not BAR.search(err), err  # "Loading weights" is transformers' bar
     code, _, err = cli(*args, "--out", tiny / "eval-loud")
-    assert code == 0 and "Loading weights" in err and BAR.search(err)  # the libraries' switches were restored
+    assert code == 0 and BAR.search(err)  # ovkit's encode/generate bars
+
+
+@pytest.mark.parametrize("transformers_on", [True, False])
+def test_library_switches_are_restored_after_a_quiet_command(transformers_on):
+    import datasets.utils as datasets_bars
+    import huggingface_hub.utils as hub_bars
+    import transformers.utils.logging as transformers_bars
+
+    from ovkit.progress import silence_library_bars
+
+    before = (transformers_bars.is_progress_bar_enabled(), hub_bars.are_progress_bars_disabled(), datasets_bars.are_progress_bars_disabled())
+    try:
+        (transformers_bars.enable_progress_bar if transformers_on else transformers_bars.disable_progress_bar)()
+        hub_bars.enable_progress_bars()
+        datasets_bars.enable_progress_bars()
+        restore = silence_library_bars()
+        assert not transformers_bars.is_progress_bar_enabled() and hub_bars.are_progress_bars_disabled() and datasets_bars.are_progress_bars_disabled()
+        restore()
+        assert transformers_bars.is_progress_bar_enabled() == transformers_on
+        assert not hub_bars.are_progress_bars_disabled() and not datasets_bars.are_progress_bars_disabled()
+    finally:
+        (transformers_bars.enable_progress_bar if before[0] else transformers_bars.disable_progress_bar)()
+        (hub_bars.disable_progress_bars if before[1] else hub_bars.enable_progress_bars)()
+        (datasets_bars.disable_progress_bars if before[2] else datasets_bars.enable_progress_bars)()
 
 
 def test_rl_train_quiet_prints_no_bar(cli, tiny):
