@@ -138,6 +138,9 @@ def resolve(ctx: typer.Context, cls: type | None = None) -> Any:
         if name not in CLI_ONLY and getattr(ctx.get_parameter_source(name), "name", "") in ("COMMANDLINE", "ENVIRONMENT")
     }
     cfg = merge(cls, typed, set(typed), file_values, Path(config_path) if config_path else None)
+    from ovkit.launch import check
+
+    check(ctx.info_name, cfg)  # under torchrun / accelerate launch: refuse, or take this process's shard
     if getattr(cfg, "quiet", False):  # the libraries' bars too, until the command ends
         from ovkit.progress import silence_library_bars
 

@@ -7,6 +7,7 @@ sorts into the same row order as a single-machine run.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -47,6 +48,24 @@ def local_parquet_files(path: Path | str) -> list[Path]:
             return parts or files
         raise OvkitError(f"{path}: directory holds no parquet files")
     raise OvkitError(f"{path}: no such file or directory")
+
+
+PART_DIR = re.compile(r"part-(\d+)-of-(\d+)")
+
+
+def check_parts(path: Path) -> None:
+    """A sharded output (OUT/part-I-of-N/ directories) is one dataset only when all N parts are there and complete
+    (each has its ovkit.json): a missing or unfinished part is an error naming it, never a silently smaller dataset."""
+    found: dict[int, set[int]] = {}
+    for d in path.iterdir():
+        m = PART_DIR.fullmatch(d.name)
+        if m and d.is_dir():
+            found.setdefault(int(m.group(2)), set()).update([int(m.group(1))] if (d / "ovkit.json").is_file() else [])
+    for n, done in found.items():
+        missing = sorted(set(range(n)) - done)
+        if missing:
+            shards = ", ".join(f"--shard {i}/{n}" for i in missing[:4]) + (" ..." if len(missing) > 4 else "")
+            raise OvkitError(f"{path}: {len(missing)} of its {n} parts are missing or unfinished ({shards}); run them first")
 
 
 def read_table(path: Path | str, columns: Sequence[str] | None = None) -> pa.Table:

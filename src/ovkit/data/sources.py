@@ -106,6 +106,9 @@ def locate(text: str | Path) -> Located:
             return Located(spec, files=[local])
         if is_saved_dataset(local):
             return Located(spec, dataset=_load(spec, lambda: _load_saved(local, spec)))
+        from ovkit.data.io import check_parts
+
+        check_parts(local)  # a sharded output is one dataset only once every part is complete
         configs = card_configs(local)
         if configs is not None:
             files = _empty_subset(local, configs, spec) or card_files(local, configs, spec.config, spec.split)

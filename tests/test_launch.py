@@ -1,0 +1,71 @@
+"""Every command under a launcher either runs over N processes or refuses at start (ovkit.launch): training is
+data-parallel (tests/test_train.py, tests/test_rl_train.py), data stages take one shard per process, the rest
+refuse with exit 2 naming the launcher; an accelerate launch that asked for N processes and started one is an
+error; a sharded output reads as one dataset only when every part is complete."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ovkit.data import read_samples
+from ovkit.errors import OvkitError
+from test_convert import images, many_llava  # noqa: F401 (a fixture)
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _torchrun(n: int, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), "-m", "ovkit", *map(str, args)],
+                          env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_a_data_stage_under_torchrun_writes_one_part_per_process(tmp_path, images):  # noqa: F811
+    root, _ = images
+    src = many_llava(tmp_path, 9)
+    run = _torchrun(2, "convert", src, "--image-root", root, "--out", tmp_path / "out", "--quiet")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == ["part-00000-of-00002", "part-00001-of-00002"]
+    assert read_samples(tmp_path / "out").table.column("id").to_pylist() == [f"r{i}" for i in range(9)]
+    explicit = _torchrun(2, "convert", src, "--image-root", root, "--out", tmp_path / "x", "--shard", "0/2", "--quiet")
+    assert explicit.returncode != 0 and "drop --shard" in explicit.stderr  # each process exits 2; torchrun reports 1
+
+
+@pytest.mark.parametrize("command", ["eval", "synth"])
+def test_a_one_process_command_refuses_a_launcher(tmp_path, command):
+    args = ["--out", tmp_path / "out"] if command == "synth" else [tmp_path, "--model", tmp_path, "--out", tmp_path / "out"]
+    run = _torchrun(2, command, *args, "--quiet")
+    assert run.returncode != 0 and f"ovkit {command} runs in one process" in run.stderr and "WORLD_SIZE=2" in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_accelerate_asking_for_two_processes_and_starting_one_is_an_error(tmp_path, images):  # noqa: F811
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+    if accelerate is None:
+        pytest.skip("accelerate's launcher is not on this environment's PATH")
+    root, _ = images
+    src = many_llava(tmp_path, 3)
+    run = subprocess.run([accelerate, "launch", "--num_processes", "2", "--cpu", "-m", "ovkit", "convert", str(src), "--image-root",
+                          str(root), "--out", str(tmp_path / "out"), "--quiet"], env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode != 0 and "asked for 2 processes and started one" in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sharded_output_with_a_missing_or_unfinished_part_is_not_a_dataset(tmp_path, images, cli):  # noqa: F811
+    root, _ = images
+    src = many_llava(tmp_path, 6)
+    out = tmp_path / "out"
+    for i in (0, 2):
+        assert cli("convert", src, "--image-root", root, "--out", out, "--shard", f"{i}/3", "--quiet")[0] == 0
+    with pytest.raises(OvkitError, match=r"1 of its 3 parts are missing or unfinished \(--shard 1/3\)"):
+        read_samples(out)
+    assert cli("convert", src, "--image-root", root, "--out", out, "--shard", "1/3", "--quiet")[0] == 0
+    assert read_samples(out).table.num_rows == 6
+    (out / "part-00001-of-00003" / "ovkit.json").unlink()  # as if that shard had died before finishing
+    code, _, err = cli("convert", out, "--out", tmp_path / "next", "--quiet")  # the next stage refuses it
+    assert code == 2 and "--shard 1/3" in err and not (tmp_path / "next").exists()
