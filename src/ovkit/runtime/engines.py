@@ -7,6 +7,7 @@ other command.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,10 @@ SAMPLER_ALIASES = {"float32": "fp32", "32": "fp32", "bfloat16": "bf16", "bf16-tr
 
 
 def device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """The CUDA device when there is one (this process's own under a launcher: cuda:LOCAL_RANK), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}")
 
 
 def sampler_dtype(name: str | None) -> str | None:
