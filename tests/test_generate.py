@@ -448,3 +448,33 @@ def test_vllm_sleeps_while_the_learner_updates(fake_vllm, tiny, prompts):
     engine.generate(prompts[1:2], max_new_tokens=2)
     names = [c[0] for c in fake.LLM.calls[1:]]
     assert names == ["generate", "sleep", "wake_up", "load_weights", "reset_prefix_cache", "generate", "sleep", "wake_up", "generate", "sleep"]
+
+
+def test_weight_rounding_for_low_precision_samplers_is_bounded_and_device_agnostic(tiny, prompts):
+    """int8 (weight-only, the GPU path) and fp8 round every Linear weight to their grid, within the grid's step, the
+    learner untouched; an fp8 sampler generates and its log-probs differ from fp32's, but not wildly."""
+    import torch
+
+    from ovkit.generate.hf import cast_copy
+    from ovkit.generate.quant import FP8_MAX, round_weights
+
+    model, _ = tiny
+    for kind, step in (("int8", 1 / 127), ("fp8", 2 ** -3)):
+        rounded = round_weights(cast_copy(model, torch.float32), kind)
+        for (name, a), (_, b) in zip(model.named_parameters(), rounded.named_parameters()):
+            if a.dim() == 2 and "embed" not in name:
+                scale = a.abs().amax(dim=1, keepdim=True)
+                err = (a - b).abs() / scale
+                assert float(err.max()) <= step + 1e-6, (kind, name)
+                assert not torch.equal(a, b) or kind == "fp8"
+        assert {tuple(v.shape) for v in rounded.parameters()} == {tuple(v.shape) for v in model.parameters()}
+    assert FP8_MAX == float(torch.finfo(torch.float8_e4m3fn).max)
+    engine = _engine(tiny, quant="fp8")
+    out = engine.generate(prompts[:2], n=2, max_new_tokens=6, seed=1)
+    assert all(len(c.logprobs) == len(c.token_ids) > 0 for cs in out for c in cs)
+    inputs = prompts[0].model_inputs(labels=False)
+    with torch.no_grad():
+        a = torch.log_softmax(model(**inputs).logits[0, -1], -1)
+        b = torch.log_softmax(engine.model(**inputs).logits[0, -1], -1)
+    gap = (a - b).abs().max()
+    assert 0 < gap < float("inf")  # a real sampler/learner gap (its size is the model's: these weights are spread wide)

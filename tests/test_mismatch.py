@@ -205,7 +205,7 @@ def test_cli_option_errors(cli, tmp_path):
     assert code == 2 and "ROLLOUTS" in err
     code, _, err = cli("mismatch-report", tmp_path / "r.parquet", "--model", tmp_path, "--out", tmp_path / "o", "--sampler", "int8")
     assert code == 2 and "--generate" in err
-    code, _, err = cli("mismatch-report", "--generate", tmp_path, "--model", tmp_path, "--out", tmp_path / "o", "--sampler", "fp8")
+    code, _, err = cli("mismatch-report", "--generate", tmp_path, "--model", tmp_path, "--out", tmp_path / "o", "--sampler", "fp4")
     assert code == 2 and "--sampler must be one of" in err
 
 

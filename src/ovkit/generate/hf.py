@@ -34,7 +34,7 @@ from ovkit.generate import Completion
 # Tensors of an encoded prompt with one value per token; everything else in `Encoded.mm` is per image.
 PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTS = ("int8",)
+QUANTS = ("int8", "fp8")
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
@@ -145,7 +145,8 @@ class HFEngine:
     """Generation with a transformers model.
 
     The sampler is the learner model itself when no `dtype`/`quant` is asked for (colocated: nothing to sync), else a
-    copy cast to `dtype`, or dynamically int8-quantised (`torch.ao.quantization.quantize_dynamic` on every Linear,
+    copy cast to `dtype`, or int8 / fp8 (ovkit.generate.quant: on CPU int8 is torch's dynamic quantisation,
+    `torch.ao.quantization.quantize_dynamic` on every Linear,
     fp32 activations; CPU only) to reproduce low-precision sampling. `batch_size` counts sequences (prompts x n).
     """
 
@@ -183,9 +184,11 @@ class HFEngine:
     def _sampler(self, model: Any) -> Any:
         """The model to sample from: `model` itself, or a cast / quantised copy of it."""
         param = next(model.parameters())
+        if self.quant == "fp8" or (self.quant == "int8" and param.device.type != "cpu"):
+            from ovkit.generate.quant import round_weights  # weight-only rounding: any device
+
+            return round_weights(cast_copy(model, self.dtype or param.dtype).eval(), self.quant)
         if self.quant == "int8":
-            if param.device.type != "cpu":
-                raise OvkitError("--quant int8 (torch dynamic quantisation) runs on CPU only; use --sampler-precision bf16 on GPU")
             from torch.ao.quantization import quantize_dynamic
 
             sampler = cast_copy(model, torch.float32).eval()

@@ -42,7 +42,7 @@ class RLTrainConfig:
     precision: str = "auto"  # the learner's: auto | fp32 | bf16-mixed | bf16-true (ovkit.runtime.precision)
     attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager
     sampler_precision: str | None = None  # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
-    sampler_quant: str | None = None  # int8: dynamically quantised sampler (the INT8-rollout ablation of Yao et al.)
+    sampler_quant: str | None = None  # int8 | fp8: a low-precision sampler (the INT8-rollout ablation of Yao et al.)
     prompts_per_step: int = 32  # GRPO groups per step (batch size 32)
     group_size: int = 16  # completions per prompt (G)
     max_new_tokens: int = 4096

@@ -176,10 +176,10 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
     from ovkit.runtime.engines import build_engine
 
     if cfg.engine == "vllm":
-        if cfg.sampler_quant:
-            raise OvkitError("--sampler-quant int8 is for --engine hf (vLLM quantises through its own options)")
+        if cfg.sampler_quant not in (None, "fp8"):
+            raise OvkitError(f"--sampler-quant {cfg.sampler_quant} with --engine vllm: vLLM quantises a bf16 checkpoint on the fly to fp8 only (use --engine hf for int8)")
         # colocated: vLLM sleeps while the learner updates (synchronous runs), weights written in place every step
-        return build_engine("vllm", model_dir=cfg.model, processor=processor, precision=cfg.sampler_precision or "auto", seed=cfg.seed,
+        return build_engine("vllm", model_dir=cfg.model, processor=processor, precision=cfg.sampler_precision or "auto", seed=cfg.seed, quant=cfg.sampler_quant,
                             sleep=cfg.max_staleness == 0, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
     return build_engine("hf", model=model, processor=processor, precision=cfg.sampler_precision, quant=cfg.sampler_quant,
                         separate=cfg.max_staleness > 0, batch_size=cfg.rollout_batch_size)

@@ -84,6 +84,7 @@ def build_engine(
 
             processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
         dtype = sampler_dtype(precision) if precision not in (None, "auto") else "auto"
+        extra = {"quantization": "fp8"} if quant == "fp8" else {}  # vLLM's online fp8 quantisation of the checkpoint
         return VLLMEngine(model_dir, processor=processor, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, progress=progress,
-                          sleep=sleep, gpu_memory_utilization=gpu_memory_utilization)
+                          sleep=sleep, gpu_memory_utilization=gpu_memory_utilization, **extra)
     raise OvkitError(f"--engine must be one of hf, vllm, got {kind!r}")
