@@ -137,9 +137,9 @@ def run_ovkit(spec: dict, packed: bool) -> dict:
     train(SFTConfig(data=Path(spec["data"]), model=Path(spec["model"]), out=out, max_steps=spec["steps"], lr=1e-5, warmup_ratio=0.0,
                     precision=spec["precision"], gradient_checkpointing=spec["gradient_checkpointing"], quiet=True, max_len=1 << 20, **opts))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][spec["warmup"]:]
-    seconds = sum(r["step_s"] for r in rows)
-    return {"tokens": sum(r["tok_per_s"] * r["step_s"] for r in rows), "seconds": seconds, "steps": len(rows),
-            "tokens_per_step": statistics.mean(r["tok_per_s"] * r["step_s"] for r in rows)}
+    seconds = sum(r["ovkit/step_s"] for r in rows)
+    return {"tokens": sum(r["ovkit/tok_per_s"] * r["ovkit/step_s"] for r in rows), "seconds": seconds, "steps": len(rows),
+            "tokens_per_step": statistics.mean(r["ovkit/tok_per_s"] * r["ovkit/step_s"] for r in rows)}
 
 
 def run_plain(spec: dict) -> dict:

@@ -95,10 +95,10 @@ def run_ovkit(args, model: Path, data: Path, out: Path, eta: int) -> dict:
     mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     return {
         "samples_per_s": summary["samples"] / wall,
-        "train_reward": sum(r["reward/mean"] for r in tail) / len(tail),
+        "train_reward": sum(r["reward"] for r in tail) / len(tail),
         "wall_s": wall,
         "model": out,
-        "step_s": {"waiting for rollouts": mean("time/rollout"), "update": mean("time/train"), "weight sync": mean("time/sync")},
+        "step_s": {"waiting for rollouts": mean("ovkit/time/rollout"), "update": mean("ovkit/time/train"), "weight sync": mean("ovkit/time/sync")},
     }
 
 

@@ -75,13 +75,13 @@ def run_ovkit(name: str, data: Path, model: Path, out: Path, **opts) -> dict:
     train(SFTConfig(data=data, model=model, out=out, precision="fp32", quiet=True, epochs=2, lr=1e-4, warmup_ratio=0.0, **opts))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     warm = [r for r in rows if r["epoch"] >= 1]
-    step_s = [r["step_s"] for r in warm]
-    tokens = sum(r["tok_per_s"] * r["step_s"] for r in warm)
+    step_s = [r["ovkit/step_s"] for r in warm]
+    tokens = sum(r["ovkit/tok_per_s"] * r["ovkit/step_s"] for r in warm)
     return {
         "name": name,
         "steps": len(warm),
         "tok_per_s": tokens / sum(step_s),
-        "pad_frac": statistics.mean(r["pad_frac"] for r in warm),
+        "pad_frac": statistics.mean(r["ovkit/pad_frac"] for r in warm),
         "step_s": statistics.median(step_s),
         "final_loss": rows[-1]["loss"],
     }

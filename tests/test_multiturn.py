@@ -553,9 +553,9 @@ def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_pat
     code, stdout, err = cli("rl-train", base / "data", "--model", base / "model", "--out", out, "--env", "zoom", "--max-turns", "3", "--save-rollouts", *args)
     assert code == 0, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(sum(r[f"termination/{k}"] for k in ("completed", "env_done", "max_turns", "truncated", "env_error")) == pytest.approx(1.0) for r in rows)
-    assert all(sum(r["turns/hist"].values()) == 6 for r in rows) and any(r["turns/max"] >= 2 for r in rows)
-    assert any("mismatch/later_turns/vllm_kl" in r for r in rows) and any(k.startswith("reward/by_turns/") for k in rows[0])
+    assert all(sum(r[f"ovkit/termination/{k}"] for k in ("completed", "env_done", "max_turns", "truncated", "env_error")) == pytest.approx(1.0) for r in rows)
+    assert all(sum(r["ovkit/turns/hist"].values()) == 6 for r in rows) and any(r["ovkit/turns/max"] >= 2 for r in rows)
+    assert any("ovkit/mismatch/later_turns/vllm_kl" in r for r in rows) and any(k.startswith("ovkit/reward/by_turns/") for k in rows[0])
     table = read_rollouts(out / "rollouts" / "step-000001.parquet")
     for row in table.to_pylist():
         assert len(row["turn_ids"]) == len(row["response_ids"]) == len(row["loss_mask"])
@@ -609,8 +609,8 @@ def test_asynchronous_multi_turn_rl_train(zoomer, cli, tmp_path):
                        "--warmup-ratio", "0", "--max-staleness", "1", "--reward-workers", "1", "--quiet")  # fmt: skip
     assert code == 0, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 and max(r["staleness/max"] for r in rows) <= 1
-    assert all(sum(r["turns/hist"].values()) == 4 and r["turns/max"] <= 2 for r in rows)
+    assert len(rows) == 3 and max(r["ovkit/staleness/max"] for r in rows) <= 1
+    assert all(sum(r["ovkit/turns/hist"].values()) == 4 and r["ovkit/turns/max"] <= 2 for r in rows)
 
 
 def test_mismatch_report_generates_multi_turn_rollouts_per_sampler(zoomer, cli, tmp_path):
@@ -678,8 +678,8 @@ def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tm
     assert trainer.train_rl(cfg(tmp_path / "cut", resume=True))["resumed_from"].endswith("step-000001")
     rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("straight", "cut")}
     straight = rows["straight"]
-    assert [r["reward/mean"] for r in straight] == [0.75, 0.75] and all(r["frac_reward_zero_std"] == 0 for r in straight)
-    assert all(r["grad_norm"] > 0 for r in straight) and all(r["turns/hist"] == {"1": 4, "2": 4} for r in straight)
+    assert [r["reward"] for r in straight] == [0.75, 0.75] and all(r["frac_reward_zero_std"] == 0 for r in straight)
+    assert all(r["grad_norm"] > 0 for r in straight) and all(r["ovkit/turns/hist"] == {"1": 4, "2": 4} for r in straight)
     assert [r["grad_norm"] for r in straight] == pytest.approx([r["grad_norm"] for r in rows["cut"]], rel=1e-5)
     a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

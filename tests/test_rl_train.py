@@ -135,10 +135,12 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-REQUIRED = [
-    "reward/mean", "reward/std", "accuracy", "length/mean", "clip/frac", "entropy", "grad_norm", "mismatch/learner_ppl",
-    "mismatch/sampler_ppl", "mismatch/vllm_kl", "mismatch/delta_logp_max", "mismatch/delta_logp_mean", "behave_weight/mean",
-    "is_weight/mean", "masked/token_frac", "staleness/hist", "time/rollout", "time/train", "time/sync", "samples_per_s",
+REQUIRED = [  # metrics.jsonl's names: TRL's where TRL logs the same quantity, ovkit's own under ovkit/
+    "reward", "reward_std", "ovkit/accuracy", "completions/mean_length", "clip_ratio/region_mean", "entropy", "grad_norm",
+    "loss", "learning_rate", "ovkit/mismatch/learner_ppl", "ovkit/mismatch/sampler_ppl", "ovkit/mismatch/vllm_kl",
+    "sampling/sampling_logp_difference/max", "sampling/sampling_logp_difference/mean", "ovkit/behave_weight/mean",
+    "sampling/importance_sampling_ratio/mean", "ovkit/masked/token_frac", "ovkit/staleness/hist", "ovkit/time/rollout",
+    "ovkit/time/train", "ovkit/time/sync", "ovkit/samples_per_s",
 ]  # fmt: skip
 
 
@@ -162,7 +164,7 @@ def test_stage1_then_stage2_end_to_end(rl_assets, tmp_path, cli, one_thread):
     assert code == 0, err
     prov = json.loads((out2 / "ovkit.json").read_text())
     assert prov["parent"]["command"] == "rl-train" and prov["config"]["stage"] == 2 and prov["config"]["format-weight"] == 0.1
-    assert "reward/format" in _metrics(out2)[0]
+    assert "rewards/format/mean" in _metrics(out2)[0]
     from ovkit.models import load
 
     load(out2)  # the curriculum's output is an ordinary HF model directory
@@ -179,7 +181,7 @@ def test_async_eta2_never_consumes_a_sample_staler_than_2(rl_assets, tmp_path, o
     out = tmp_path / "async"
     summary = train_rl(_cfg(model_dir, data, out, max_staleness=2, max_steps=5, save_rollouts=True, quiet=True))
     rows = _metrics(out)
-    assert max(r["staleness/max"] for r in rows) <= 2
+    assert max(r["ovkit/staleness/max"] for r in rows) <= 2
     assert summary["max_staleness_seen"] >= 1  # the rollout thread did run ahead of the learner
     # every sample's version tag, checked against the step that consumed it
     for path in sorted((out / "rollouts").glob("step-*.parquet")):
@@ -260,8 +262,8 @@ def test_low_precision_sampler_shows_up_as_mismatch(rl_assets, tmp_path, sampler
     model_dir, data = rl_assets
     train_rl(_cfg(model_dir, data, tmp_path / "out", max_steps=2, correction="token-tis", quiet=True, **sampler))
     rows = _metrics(tmp_path / "out")
-    assert all(r["mismatch/delta_logp_max"] > 1e-3 and r["mismatch/vllm_kl"] > 0 for r in rows)
-    assert all(r["is_weight/max"] <= 2.0 + 1e-6 for r in rows)  # token-TIS truncates at C = 2
+    assert all(r["sampling/sampling_logp_difference/max"] > 1e-3 and r["ovkit/mismatch/vllm_kl"] > 0 for r in rows)
+    assert all(r["sampling/importance_sampling_ratio/max"] <= 2.0 + 1e-6 for r in rows)  # token-TIS truncates at C = 2
 
 
 def test_config_validation_names_the_flag(tmp_path):
@@ -323,7 +325,7 @@ def test_two_processes_take_the_single_process_step_over_the_same_groups(rl_asse
     m1, m2 = _metrics(one), _metrics(two)
     assert [r["step"] for r in m2] == [1, 2]
     for a, b in zip(m1, m2):
-        assert b["reward/mean"] == pytest.approx(a["reward/mean"]) and b["samples"] == a["samples"]
+        assert b["reward"] == pytest.approx(a["reward"]) and b["ovkit/samples"] == a["ovkit/samples"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)  # the global gradient, not a process's half
     r1, r2 = (read_rollouts(d / "rollouts" / "step-000002.parquet") for d in (one, two))
     key = lambda t: sorted(zip(t.column("group").to_pylist(), t.column("prompt_id").to_pylist()))  # noqa: E731
@@ -350,7 +352,7 @@ def test_rl_train_with_the_vllm_engine_colocated(rl_assets, tmp_path, monkeypatc
     model_dir, data = rl_assets
     train_rl(_cfg(model_dir, data, tmp_path / "out", engine="vllm", max_steps=2, temperature=0.9, quiet=True))
     rows = _metrics(tmp_path / "out")
-    assert all(r["mismatch/delta_logp_max"] < 1e-3 for r in rows)
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows)
     names = [c[0] for c in fake_vllm.LLM.calls[1:]]
     assert names == ["load_weights", "reset_prefix_cache"] + ["generate", "sleep", "wake_up", "load_weights", "reset_prefix_cache"] * 2
     final = load_file(tmp_path / "out" / "model.safetensors")

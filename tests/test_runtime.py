@@ -304,7 +304,7 @@ def test_rl_train_with_lora_samples_from_the_adapted_model(rl_assets, tmp_path):
         train_rl(rl_cfg(model_dir, data, out, max_steps=2, lora_r=4, lr=1e-2, max_staleness=staleness, quiet=True))
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         if staleness == 0:
-            assert all(r["mismatch/delta_logp_max"] < 1e-4 for r in rows)
+            assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in rows)
         assert (out / "adapter" / "adapter_config.json").is_file()
         assert set(weights(out)) == set(weights(model_dir))
 

@@ -299,6 +299,7 @@ def test_trackers_through_accelerate(assets, tmp_path):
     acc.Reload()
     logged = [e.value for e in acc.Scalars("loss")]
     assert logged == pytest.approx(losses(tmp_path / "tb"), rel=1e-6)
+    assert {"learning_rate", "num_tokens", "ovkit/tok_per_s"} <= set(acc.Tags()["scalars"])  # TRL's names, ovkit's under ovkit/
     with pytest.raises(OvkitError, match="--report-to must be one of"):
         config("SFTConfig", assets, tmp_path / "x", report_to=["neptune"])
     for name in ("mlflow", "wandb", "trackio"):
@@ -355,4 +356,4 @@ def test_packed_rows_give_the_same_loss_and_update_as_padded_batches(assets, tmp
     for name in w_pad:
         torch.testing.assert_close(w_pad[name], w_pack[name], rtol=1e-4, atol=1e-6, msg=name)
     meta = [json.loads(x) for x in (tmp_path / "packed" / "metrics.jsonl").read_text().splitlines()]
-    assert meta[0]["target_tokens"] == json.loads((tmp_path / "padded" / "metrics.jsonl").read_text())["target_tokens"]
+    assert meta[0]["ovkit/target_tokens"] == json.loads((tmp_path / "padded" / "metrics.jsonl").read_text())["ovkit/target_tokens"]

@@ -116,10 +116,10 @@ def _summary(cfg: RLTrainConfig, rt: Runtime, state: dict[str, Any], n_steps: in
         "samples": state["samples"],
         "elapsed_s": round(state["elapsed_s"], 2),
         "samples_per_s": round(state["samples"] / max(state["elapsed_s"], 1e-9), 2),
-        "first_reward": first.get("reward/mean"),
-        "final_reward": last.get("reward/mean"),
-        "final_accuracy": last.get("accuracy"),
-        "max_staleness_seen": max((r.get("staleness/max", 0) for r in rows), default=0),
+        "first_reward": first.get("reward"),  # metrics.jsonl's names (ovkit.runtime.log.public_name)
+        "final_reward": last.get("reward"),
+        "final_accuracy": last.get("ovkit/accuracy"),
+        "max_staleness_seen": max((r.get("ovkit/staleness/max", 0) for r in rows), default=0),
         "resumed_from": str(rt.resume_from) if rt.resume_from else None,
     }
 

@@ -15,6 +15,40 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 
+# metrics.jsonl and the trackers name a metric as TRL (and the HF Trainer) does where they log the same quantity, so
+# dashboards and scripts carry over; ovkit's own metrics go under "ovkit/". The loops and the console line keep
+# the short internal names.
+TRL_NAMES = {
+    "lr": "learning_rate",
+    "tokens": "num_tokens",
+    "pg_loss": "loss",
+    "reward/mean": "reward",
+    "reward/std": "reward_std",
+    "reward/format": "rewards/format/mean",
+    "length/mean": "completions/mean_length",
+    "length/max": "completions/max_length",
+    "length/truncated_frac": "completions/clipped_ratio",
+    "clip/low_frac": "clip_ratio/low_mean",
+    "clip/high_frac": "clip_ratio/high_mean",
+    "clip/frac": "clip_ratio/region_mean",
+    "mismatch/delta_logp_mean": "sampling/sampling_logp_difference/mean",
+    "mismatch/delta_logp_max": "sampling/sampling_logp_difference/max",
+    "is_weight/min": "sampling/importance_sampling_ratio/min",
+    "is_weight/mean": "sampling/importance_sampling_ratio/mean",
+    "is_weight/max": "sampling/importance_sampling_ratio/max",
+}
+SAME_IN_TRL = frozenset({"loss", "grad_norm", "epoch", "entropy", "kl", "frac_reward_zero_std"})
+
+
+def public_name(key: str) -> str:
+    """The name a metric is written under (metrics.jsonl, trackers)."""
+    return TRL_NAMES.get(key) or (key if key in SAME_IN_TRL else f"ovkit/{key}")
+
+
+def public(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {public_name(k): v for k, v in metrics.items()}
+
+
 class Sink(Protocol):
     def write(self, step: int, metrics: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
@@ -49,7 +83,7 @@ class JsonlSink:
         self.fh = open(self.path, "a", buffering=1)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        self.fh.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.fh.write(json.dumps({"step": step, **public(metrics)}) + "\n")
 
     def close(self) -> None:
         self.fh.close()
@@ -87,7 +121,7 @@ class TrackerSink:
         accelerator.init_trackers(project, config=hparams, init_kwargs={"wandb": {"dir": str(run_dir)}})
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {k: v for k, v in public(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.accelerator.log(scalars, step=step)
 
     def close(self) -> None:
