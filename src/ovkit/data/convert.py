@@ -836,7 +836,7 @@ def convert_batch(records: list[Record], conv: Converter) -> tuple[pa.Table, lis
         owners.append(rec)
     table = sample_table(rows, conv.columns)
     fields = FIELD_OF[conv.fmt]
-    bad = {p.index: p for p in row_problems(table, check_images=True, seen_ids=set())}
+    bad = {p.index: p for p in row_problems(table, images="decode", seen_ids={})}
     for i, p in bad.items():
         field = fields.get(p.column, p.column)
         if field == "messages" and "messages" not in owners[i].raw:  # sharegpt data may use `conversations`
