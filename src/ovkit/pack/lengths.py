@@ -140,10 +140,13 @@ def _lengths_of(rows: list[tuple[list, list]]) -> list[tuple[int, str | None]]:
 def load_processor(model_dir: str | Path):
     from transformers import AutoProcessor
 
+    from ovkit.models import locate
+
+    where = locate(model_dir, weights=False)  # only the processor is read: a damaged weight file does not matter here
     try:
-        return AutoProcessor.from_pretrained(str(model_dir))
+        return AutoProcessor.from_pretrained(where)
     except (OSError, ValueError) as e:
-        raise OvkitError(f"--model {model_dir}: cannot load its processor ({e})") from None
+        raise OvkitError(f"--model {model_dir}: cannot load its processor ({' '.join(str(e).split())})") from None
 
 
 def compute_lengths(
