@@ -25,6 +25,8 @@ def read_concepts(path: Path) -> list[str]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise OvkitError(f"cannot read concepts file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise OvkitError(f"file {path}: not UTF-8 text (byte {e.start}); a concepts file has one concept per line") from None
     concepts, seen = [], {}
     for n, line in enumerate(lines, 1):
         c = line.strip()
