@@ -8,33 +8,24 @@ One tiny model, one tiny CLIP and one good table are built per module; every run
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import random
 import shutil
 import signal
-import struct
 import zlib
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from PIL import Image, ImageDraw
 
 from ovkit.data import REJECTS, image_cell, samples_table, write_samples
+from test_data import bomb_png, truncated_jpeg
+from test_train import _one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
 N_ROWS = 6
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 contended cores: one OpenMP thread each is far faster than a spinning team
-    yield
-    torch.set_num_threads(n)
 
 
 def _picture(i: int) -> Image.Image:
@@ -123,23 +114,6 @@ def refused(cli, argv: list, out: Path, *names: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ malformed tables
-
-
-def truncated_jpeg() -> bytes:
-    """A JPEG cut short in its entropy-coded data: the header (size, tables) is intact, so only a decode finds it."""
-    noise = Image.frombytes("RGB", (56, 56), random.Random(0).randbytes(56 * 56 * 3))
-    buf = io.BytesIO()
-    noise.save(buf, "JPEG", quality=95)
-    data = buf.getvalue()
-    return data[: len(data) - 300]
-
-
-def bomb_png(width=100_000, height=100_000) -> bytes:
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
 
 
 def _set(field, value):
