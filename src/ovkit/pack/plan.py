@@ -99,7 +99,7 @@ def build_plan(cfg: PackConfig, out_dir: Path) -> dict:
     samples = read_samples(cfg.data, shard=shard, on_error=cfg.on_error, images="header")  # the length pass decodes them
     table = samples.table
     ids = table.column("id").to_pylist()
-    rows = _global_rows(cfg.data, ids, shard)
+    rows = samples.rows  # each kept row's index in the whole input (its id may repeat a rejected row's)
 
     measured = _lengths(cfg, table, ids, shard)
     lengths = measured.lengths
@@ -153,18 +153,6 @@ def _plan_table(ids, rows, lengths, keep, packs, shard, max_len: int) -> pa.Tabl
         schema=PLAN_SCHEMA,
     )
     return table.replace_schema_metadata({"ovkit": json.dumps({"max_len": max_len, "shard": list(shard) if shard else None})})
-
-
-def _global_rows(data: Path, ids: list[str], shard) -> list[int]:
-    """Each kept row's index in the whole input (validation drops rows, so positions shift; ids are unique)."""
-    from ovkit.data import read_table, shard_bounds
-
-    all_ids = read_table(data, columns=["id"]).column("id").to_pylist()
-    lo, hi = shard_bounds(len(all_ids), shard) if shard else (0, len(all_ids))
-    first: dict[str, int] = {}
-    for r in range(lo, hi):
-        first.setdefault(all_ids[r], r)
-    return [first[i] for i in ids]
 
 
 def _lengths(cfg: PackConfig, table: pa.Table, ids: list[str], shard):
