@@ -307,7 +307,7 @@ def test_bad_json_line_is_a_record_error(tmp_path, cli):
     assert code == 2 and "index 1" in err and "column 'record'" in err
 
 
-def test_duplicate_ids_are_renamed(tmp_path, images, cli):
+def test_duplicate_ids_are_renamed_and_said_so(tmp_path, images, cli):
     root, _ = images
     rec = {"id": "7", "conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]}
     src = write_json(tmp_path / "dup.json", [rec, rec, {**rec, "id": 8}])
@@ -315,6 +315,7 @@ def test_duplicate_ids_are_renamed(tmp_path, images, cli):
     assert code == 0, err
     assert [r["id"] for r in rows_of(tmp_path / "out")] == ["7", "7-1", "8"]
     assert metrics(tmp_path / "out")["renamed_ids"] == 1
+    assert "warning: 1 record(s) repeat an earlier id and were renamed" in err and "'7' of record 1 became '7-1'" in err  # even --quiet
 
 
 # ---------------------------------------------------------------- detection

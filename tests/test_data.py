@@ -204,3 +204,80 @@ def test_bad_inputs_exit_2_through_a_command_and_write_nothing(cli, tmp_path, ca
         assert "column '" in lines[0]
     if case in ("corrupt_image", "bomb"):
         assert "row 'r0' (index 0)" in lines[0]
+
+
+def truncated_jpeg():
+    """Cut in its entropy-coded data: the header parses, only decoding the picture finds the end missing."""
+    import random
+
+    noise = Image.frombytes("RGB", (56, 56), random.Random(0).randbytes(56 * 56 * 3))
+    buf = io.BytesIO()
+    noise.save(buf, "JPEG", quality=95)
+    return buf.getvalue()[:-300]
+
+
+def test_a_truncated_jpeg_passes_the_header_check_and_fails_the_decode(tmp_path):
+    rows = [row(0), row(1) | {"images": [{"bytes": truncated_jpeg(), "path": None}]}]
+    write_samples(samples_table(rows), tmp_path / "ds")
+    assert read_samples(tmp_path / "ds", images="header").table.num_rows == 2  # what pack and training read with
+    with pytest.raises(OvkitError, match=r"row 'r1' \(index 1\), column 'images': image 0: unreadable image: OSError: image file is truncated"):
+        read_samples(tmp_path / "ds")
+
+
+def test_nested_types_are_checked_per_file(tmp_path):
+    t = samples_table([row(0)])
+    content_int = pa.array([[{"role": "user", "content": 7}]], pa.list_(pa.struct([("role", pa.string()), ("content", pa.int64())])))
+    write_raw(tmp_path / "ds" / "part-00000-of-00002.parquet", t)
+    write_raw(tmp_path / "ds" / "part-00001-of-00002.parquet", t.set_column(2, "messages", content_int))
+    with pytest.raises(OvkitError, match=r"part-00001-of-00002.parquet, row every row, column 'messages': type is list<.*content: int64"):
+        read_samples(tmp_path / "ds", shard=(0, 2))  # a bad file is named even when this --shard part does not read it
+    large = t.set_column(0, "id", t.column("id").cast(pa.large_string()))  # large_ variants and all-null columns are fine
+    write_raw(tmp_path / "ok" / "a.parquet", large.append_column("answer", pa.nulls(1)))
+    assert read_samples(tmp_path / "ok").table.column("id").to_pylist() == ["r0"]
+
+
+def test_an_id_repeated_in_another_shard_part_is_a_duplicate_there(tmp_path):
+    rows = [row(i) for i in range(6)]
+    rows[4]["id"] = "r1"
+    for k in range(2):
+        write_samples(samples_table(rows[3 * k : 3 * k + 3]), tmp_path / "ds", shard=(k, 2))
+    whole = read_samples(tmp_path / "ds", on_error="skip")
+    parts = [read_samples(tmp_path / "ds", shard=(k, 3), on_error="skip") for k in range(3)]
+    assert sum((p.table.column("id").to_pylist() for p in parts), []) == whole.table.column("id").to_pylist() == ["r0", "r1", "r2", "r3", "r5"]
+    (reason,) = parts[2].rejects.column("reason").to_pylist()
+    assert reason == "part-00001-of-00002.parquet row 1, column 'id': duplicate id 'r1' (first at part-00000-of-00002.parquet index 1; ids are unique in a dataset)"
+
+
+def test_answers_are_checked_for_rl_and_eval_tables(tmp_path):
+    rows = [row(i, answer="3", answer_type="number") for i in range(6)]
+    rows[1]["answer"] = None
+    rows[2]["answer_type"] = "telepathy"
+    rows[3]["answer"] = "many"
+    rows[4] |= {"answer_type": "bbox", "answer": "[1, 2"}
+    rows[5]["reward_kwargs"] = "{not json"
+    write_samples(samples_table(rows), tmp_path / "ds")
+    assert read_samples(tmp_path / "ds").table.num_rows == 6  # a training table may carry anything there
+    s = read_samples(tmp_path / "ds", answers=True, on_error="skip")
+    assert s.table.column("id").to_pylist() == ["r0"] and s.n_rejects == 5
+    columns = [r.split("column '")[1].split("'")[0] for r in s.rejects.column("reason").to_pylist()]
+    assert columns == ["answer", "answer_type", "answer", "answer", "reward_kwargs"]
+    write_samples(samples_table([row(0)]), tmp_path / "train")
+    with pytest.raises(OvkitError, match="column 'answer': RL and eval rows need a gold answer"):
+        read_samples(tmp_path / "train", answers=True)
+
+
+@pytest.mark.parametrize("kind", ["dev_zero", "fifo", "directory", "too_big"])
+def test_image_files_are_read_only_when_regular_and_small(tmp_path, kind):
+    import os
+
+    from ovkit.data.schema import read_image_file
+
+    path = {"dev_zero": "/dev/zero", "fifo": tmp_path / "p", "directory": tmp_path, "too_big": tmp_path / "big.png"}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    if kind == "too_big":
+        path.write_bytes(b"\0" * 2048)
+    with pytest.raises(OSError, match="over the limit" if kind == "too_big" else "not a regular file"):
+        read_image_file(path, limit=1024)
+    (tmp_path / "ok.png").write_bytes(b"x" * 1024)
+    assert read_image_file(tmp_path / "ok.png", limit=1024) == b"x" * 1024

@@ -221,6 +221,19 @@ def test_bad_rows_fail_or_go_to_rejects(cli, tiny, tmp_path):
     assert pq.read_table(tmp_path / "p" / "plan.parquet").num_rows == 9
 
 
+def test_a_kept_row_that_repeats_a_rejected_rows_id_points_at_itself(cli, tiny, tmp_path):
+    """Only kept ids count as seen: a later row may reuse a rejected row's id, and the plan must name its own row."""
+    from ovkit.data import samples_table, write_samples
+
+    rows = make_rows(6)
+    rows[1]["images"] = [{"bytes": b"not a picture", "path": None}]
+    rows[4]["id"] = rows[1]["id"]
+    write_samples(samples_table(rows), tmp_path / "data")
+    run_pack(cli, tmp_path / "data", tiny, tmp_path / "p", "--cache", tmp_path / "c", "--on-error", "skip")
+    plan = pq.read_table(tmp_path / "p" / "plan.parquet").to_pylist()
+    assert {r["id"]: r["row"] for r in plan} == {"r000": 0, "r002": 2, "r003": 3, "r001": 4, "r005": 5}
+
+
 def test_missing_options_are_usage_errors(cli, tmp_path):
     code, _, err = cli("pack", tmp_path, "--out", tmp_path / "p")
     assert code == 2 and "--model" in err

@@ -392,3 +392,31 @@ def test_custom_scorer_plugs_in(monkeypatch):
     monkeypatch.setitem(SCORERS, "short", length_scorer)
     assert score("abc", "", "short", reward_kwargs={"limit": 2}).reward == 0.0
     assert score("abc", "", "short").parts["length"] == 3
+
+
+@pytest.mark.parametrize(
+    "item,column",
+    [
+        ({"answer": "3", "answer_type": "number"}, None),
+        ({"answer": None, "answer_type": "format"}, None),
+        ({"answer": None, "answer_type": "number"}, "answer"),
+        ({"answer": " ", "answer_type": "string"}, "answer"),
+        ({"answer": "3", "answer_type": None}, "answer_type"),
+        ({"answer": "3", "answer_type": "telepathy"}, "answer_type"),
+        ({"answer": "many", "answer_type": "number"}, "answer"),
+        ({"answer": "maybe", "answer_type": "boolean"}, "answer"),
+        ({"answer": "()", "answer_type": "multiple_choice"}, "answer"),
+        ({"answer": "[1, 2]", "answer_type": "bbox"}, "answer"),
+        ({"answer": '{"entry": "f"}', "answer_type": "code"}, "answer"),
+        ({"answer": "3", "answer_type": "number", "reward_kwargs": '{"tolerance": 1}'}, "reward_kwargs"),
+        ({"answer": "3", "answer_type": "number", "reward_kwargs": "[1]"}, "reward_kwargs"),
+    ],
+)
+def test_check_gold_reads_the_gold_answer_as_its_scorer_does(item, column):
+    from ovkit.rewards import check_gold
+
+    if column is None:
+        check_gold(item)
+    else:
+        with pytest.raises(OvkitError, match=f"^column '{column}': "):
+            check_gold(item)

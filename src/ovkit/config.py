@@ -26,13 +26,15 @@ CLI_ONLY = frozenset({"config"})
 
 def load_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise OvkitError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:  # a binary file given as --config
+        raise OvkitError(f"config file {path} is not UTF-8 text (byte {e.start}); it must be a YAML mapping of option names to values") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise OvkitError(f"config file {path} is not valid YAML: {e}") from None
+        raise OvkitError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -5,6 +5,11 @@ resolved options), `ovkit.json` (provenance: command, version, config, input fin
 times, headline metrics) and, for a data or model output, a `README.md` card generated from it (ovkit.cards). A part
 of a sharded output (`OUT/part-I-of-N`) also writes `OUT/README.md`, covering every part. A complete `OUT` (one with
 `ovkit.json`) is left alone unless `overwrite`.
+
+A run killed without a chance to clean up (kill -9, a lost node) leaves its `OUT.tmp-<pid>` (or, mid-swap, the
+replaced `OUT.old-<pid>`). The next run of the same `OUT` removes those whose pid is no live process on this machine;
+a live one belongs to a concurrent run and is left alone (the --shard parts of one output have different names).
+Pids are per machine: two machines must not write the same `OUT` (or `OUT/part-I-of-N`) at once.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -99,6 +105,8 @@ class Stage:
         self.skipped = is_complete(self.out) and not overwrite
         self.path = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}"
         self.started = _now()
+        for stale in remove_stale(self.out):
+            print(f"removed {stale}: left by a run that was killed", file=sys.stderr)
 
     def __enter__(self) -> "Stage":
         if self.skipped:
@@ -144,6 +152,38 @@ class Stage:
             "metrics": self.metrics,
             **self.extra,
         }
+
+
+def remove_stale(out: Path) -> list[Path]:
+    """Remove the `OUT.tmp-<pid>` / `OUT.old-<pid>` beside `out` whose process is gone; return what was removed."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return []
+    pattern = re.compile(re.escape(out.name) + r"\.(?:tmp|old)-(\d+)")
+    removed = []
+    for p in sorted(out.parent.iterdir()):
+        m = pattern.fullmatch(p.name)
+        if m is None or int(m[1]) == os.getpid() or pid_alive(int(m[1])):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` is a process on this machine (someone else's counts: it may be another user's run)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError):  # not a pid at all
+        return False
+    return True
 
 
 def _input_print(path: Path) -> dict[str, Any] | None:

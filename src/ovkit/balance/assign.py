@@ -25,6 +25,8 @@ def read_concepts(path: Path) -> list[str]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise OvkitError(f"cannot read concepts file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise OvkitError(f"file {path}: not UTF-8 text (byte {e.start}); a concepts file has one concept per line") from None
     concepts, seen = [], {}
     for n, line in enumerate(lines, 1):
         c = line.strip()
@@ -117,13 +119,17 @@ class Encoder:
     """A CLIP-family dual encoder (CLIP, SigLIP/SigLIP2, MetaCLIP) loaded through transformers from a local directory."""
 
     def __init__(self, path: Path, *, device: str = "cpu", trust_remote_code: bool = False):
+        from safetensors import SafetensorError
         from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
+        from ovkit.models import locate
+
+        path = locate(path, "--encoder")  # a damaged directory is named before transformers reads it
         try:
             self.model = AutoModel.from_pretrained(path, trust_remote_code=trust_remote_code).to(device).eval()
             self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             self.image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, SafetensorError) as e:
             raise OvkitError(f"--encoder {path}: cannot load a CLIP-family encoder ({e})") from None
         if not (hasattr(self.model, "get_image_features") and hasattr(self.model, "get_text_features")):
             raise OvkitError(f"--encoder {path}: {type(self.model).__name__} is not a dual (image/text) encoder")

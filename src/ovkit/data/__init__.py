@@ -3,6 +3,7 @@
 from ovkit.data.io import (
     REJECTS,
     Samples,
+    count_rows,
     parquet_files,
     parse_shard,
     part_name,
@@ -37,6 +38,7 @@ __all__ = [
     "Samples",
     "check_columns",
     "conform",
+    "count_rows",
     "image_cell",
     "parquet_files",
     "parse_shard",

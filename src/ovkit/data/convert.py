@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ovkit.data.io import REJECTS, parse_shard, part_name, shard_bounds, write_table
-from ovkit.data.schema import IMAGE_TOKEN, OPTIONAL, REQUIRED, conform, row_problems
+from ovkit.data.schema import IMAGE_TOKEN, OPTIONAL, REQUIRED, conform, read_image_file, row_problems
 from ovkit.errors import OvkitError, where
 
 FORMATS = {
@@ -457,6 +457,7 @@ class Converter:
         self.columns = [*REQUIRED, *FILLS.get(fmt, []), *[c for c in extras if c not in FILLS.get(fmt, [])]]
         self.ids: set[str] = set()
         self.counts: Counter[str] = Counter()
+        self.first_rename = ""
 
     def row(self, rec: Record) -> dict[str, Any]:
         if rec.unparsed is not None:
@@ -480,6 +481,8 @@ class Converter:
         """The input's id; `<name>-<n>` where it has none; `<id>-<n>` when the id was already used earlier."""
         rid = f"{self.name}-{number}" if rid is None or rid == "" else str(rid)
         if rid in self.ids:
+            if not self.counts["renamed_ids"]:
+                self.first_rename = f"{rid!r} of record {number} became {rid + '-' + str(number)!r}"
             rid = f"{rid}-{number}"
             self.counts["renamed_ids"] += 1
         self.ids.add(rid)
@@ -497,6 +500,8 @@ class Converter:
         if isinstance(value, (bytes, bytearray)):
             return {"bytes": bytes(value), "path": None}
         if isinstance(value, dict):
+            if isinstance(value.get("bytes"), str):  # a `bytes` field typed string: text, not an encoded picture
+                raise BadRecord(field, f"image bytes are a string ({value['bytes'][:40]!r}), not binary")
             if value.get("bytes"):
                 return {"bytes": bytes(value["bytes"]), "path": value.get("path")}
             value = value.get("path") or value.get("image")
@@ -505,7 +510,7 @@ class Converter:
         path = Path(value.removeprefix("file://"))
         full = path if path.is_absolute() else self.root / path
         try:
-            return {"bytes": full.read_bytes(), "path": value}
+            return {"bytes": read_image_file(full), "path": value}  # a regular file under the size limit, never a device or FIFO
         except FileNotFoundError:
             hint = "set --image-root to the folder the paths are relative to"
             raise BadRecord(field, f"image file not found: {full} ({hint})") from None
@@ -836,7 +841,7 @@ def convert_batch(records: list[Record], conv: Converter) -> tuple[pa.Table, lis
         owners.append(rec)
     table = sample_table(rows, conv.columns)
     fields = FIELD_OF[conv.fmt]
-    bad = {p.index: p for p in row_problems(table, check_images=True, seen_ids=set())}
+    bad = {p.index: p for p in row_problems(table, images="decode", seen_ids={})}
     for i, p in bad.items():
         field = fields.get(p.column, p.column)
         if field == "messages" and "messages" not in owners[i].raw:  # sharegpt data may use `conversations`
@@ -880,6 +885,9 @@ def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None
         write_table(pa.Table.from_pylist([r.as_row() for r in rejects], schema=REJECT_SCHEMA), out_dir / REJECTS)
     if rows_in != rows_out + len(rejects):  # the promise of every data stage; a mismatch is a bug
         raise RuntimeError(f"rows in {rows_in} != rows out {rows_out} + rejects {len(rejects)}")
+    if conv.counts["renamed_ids"]:  # said even with --quiet: the output's ids are not the input's
+        print(f"warning: {conv.counts['renamed_ids']} record(s) repeat an earlier id and were renamed (ids are unique in a sample "
+              f"table); e.g. {conv.first_rename}", file=sys.stderr)
     return {
         "format": fmt,
         "detected": detected,

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ovkit.data.schema import check_columns, conform, hf_metadata, row_problems
@@ -70,19 +71,29 @@ def check_parts(path: Path) -> None:
 
 def read_table(path: Path | str, columns: Sequence[str] | None = None) -> pa.Table:
     """Read every shard of a dataset into one table (no validation)."""
-    tables = []
-    for f in parquet_files(path):
-        try:
-            t = pq.read_table(f, columns=list(columns) if columns else None)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise OvkitError(f"{where(f)}: not a readable parquet file ({e})") from None
-        tables.append(t.replace_schema_metadata(None))
+    tables = [_read_file(f, columns) for f in parquet_files(path)]
     if len(tables) == 1:
         return tables[0]
     try:
         return pa.concat_tables(tables, promote_options="default")
-    except pa.ArrowInvalid as e:
+    except pa.ArrowException as e:
         raise OvkitError(f"{path}: shards have incompatible schemas ({e})") from None
+
+
+def _read_file(f: Path, columns: Sequence[str] | None = None) -> pa.Table:
+    try:
+        t = pq.read_table(f, columns=list(columns) if columns else None)
+    except (pa.ArrowException, OSError) as e:  # a zero-byte, truncated or corrupt file (ArrowInvalid, ArrowIOError, ...)
+        raise OvkitError(f"{where(f)}: not a readable parquet file ({e})") from None
+    return t.replace_schema_metadata(None)
+
+
+def read_schema(f: Path) -> pa.Schema:
+    """A parquet file's schema, from its footer; an unreadable file is an error naming it."""
+    try:
+        return pq.read_schema(f)
+    except (pa.ArrowException, OSError) as e:
+        raise OvkitError(f"{where(f)}: not a readable parquet file ({e})") from None
 
 
 @dataclass
@@ -93,10 +104,21 @@ class Samples:
     rejects: pa.Table | None
     files: list[Path]
     rows: list[int]  # the dataset-wide row number of each kept row (stable across --shard splits and rejects)
+    counts: list[int] = field(default_factory=list)  # rows in each of `files`
 
     @property
     def n_rejects(self) -> int:
         return 0 if self.rejects is None else self.rejects.num_rows
+
+    def where(self, i: int, column: str) -> str:
+        """`file F, row 'ID' (index K), column 'C'` of row i of `table`: the part file it came from and its index there,
+        for a problem found after reading (a picture that fails to decode in a later pass)."""
+        row, start = self.rows[i], 0
+        for f, n in zip(self.files, self.counts):
+            if row < start + n:
+                return where(f, f"{self.table.column('id')[i].as_py()!r} (index {row - start})", column)
+            start += n
+        raise IndexError(i)
 
 
 def read_samples(
@@ -104,30 +126,37 @@ def read_samples(
     *,
     shard: tuple[int, int] | None = None,
     on_error: str = "fail",
-    check_images: bool = True,
+    images: str = "decode",
+    answers: bool = False,
 ) -> Samples:
-    """Read and validate a sample table. With `on_error='fail'` the first bad row raises an error naming its file,
-    row id and column; with `'skip'` bad rows are returned as rejects, so rows in == rows out + rejects."""
+    """Read and validate a sample table (ovkit.data.schema: every file's column types, then every row). With
+    `on_error='fail'` the first bad row raises an error naming its file, row id and column; with `'skip'` bad rows
+    are returned as rejects, so rows in == rows out + rejects.
+
+    `images`: "decode" decodes every picture (the default: complete); "header" checks sizes and structure only, for
+    a caller that decodes every image itself before its first step and reports failures the same way. `answers`:
+    RL and eval tables, whose rows need a gold answer their scorer can read."""
     if on_error not in ("fail", "skip"):
         raise OvkitError(f"--on-error must be 'fail' or 'skip', got {on_error!r}")
     files = parquet_files(path)
-    good, bad, rows = [], [], []
-    seen: set[str] = set()
-    offset = 0
-    total = _count_rows(files)
+    counts = [_num_rows(f) for f in files]
+    for f in files:  # every file's columns, also those outside this --shard part: a bad file is named at once
+        schema = read_schema(f)
+        check_columns(schema, f)
+        if answers and "answer" not in schema.names:
+            raise OvkitError(f"{where(f, column='answer')}: RL and eval rows need a gold answer (this looks like a training split)")
+    total = sum(counts)
     lo, hi = shard_bounds(total, shard) if shard else (0, total)
-    for f in files:
-        n = pq.ParquetFile(f).metadata.num_rows
+    seen = _ids_before(files, counts, lo, hi)  # a repeat of an earlier --shard part's id is a duplicate here too
+    good, bad, rows = [], [], []
+    offset = 0
+    for f, n in zip(files, counts):
         a, b = max(lo - offset, 0), min(hi - offset, n)
         offset += n
         if a >= b:
             continue
-        t = read_table(f).slice(a, b - a)
-        if t.num_rows == 0:
-            continue
-        check_columns(t.schema, f)
-        t = conform(t)
-        problems = row_problems(t, check_images=check_images, seen_ids=seen)
+        t = conform(_read_file(f).slice(a, b - a))
+        problems = row_problems(t, images=images, seen_ids=seen, answers=answers, origin=f.name, start=a)
         if problems and on_error == "fail":
             p = problems[0]
             rid = t.column("id")[p.index].as_py()
@@ -144,17 +173,48 @@ def read_samples(
         raise OvkitError(f"{path}: dataset is empty" + (f" (shard {shard[0]}/{shard[1]} of {total} rows)" if shard else ""))
     table = pa.concat_tables(good, promote_options="default")
     rejects = pa.concat_tables(bad, promote_options="default") if bad else None
-    return Samples(table, rejects, files, rows)
+    return Samples(table, rejects, files, rows, counts)
 
 
-def _count_rows(files: list[Path]) -> int:
-    n = 0
-    for f in files:
-        try:
-            n += pq.ParquetFile(f).metadata.num_rows
-        except (pa.ArrowInvalid, OSError) as e:
-            raise OvkitError(f"{where(f)}: not a readable parquet file ({e})") from None
-    return n
+def _num_rows(f: Path) -> int:
+    try:
+        return pq.ParquetFile(f).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise OvkitError(f"{where(f)}: not a readable parquet file ({e})") from None
+
+
+def count_rows(path: Path | str) -> int:
+    """Rows of a dataset, from its files' footers; an unreadable file is an error naming it."""
+    return sum(_num_rows(f) for f in parquet_files(path))
+
+
+def _ids_before(files: list[Path], counts: list[int], lo: int, hi: int) -> dict[str, str]:
+    """{id: where} for the ids of rows [lo, hi) that already occur in rows [0, lo) (earlier --shard parts), where
+    being the first occurrence. Only the id column is read, and compared in arrow: no Python set of every id."""
+    if lo == 0:
+        return {}
+    earlier, ours, starts = [], [], []
+    offset = 0
+    for f, n in zip(files, counts):
+        if offset >= hi:
+            break
+        ids = _read_file(f, ["id"]).column("id").cast(pa.string())
+        if offset < lo:
+            earlier.append(ids.slice(0, lo - offset))
+            starts.append((offset, f))
+        a, b = max(lo - offset, 0), min(hi - offset, n)
+        if a < b:
+            ours.append(ids.slice(a, b - a))
+        offset += n
+    before = pa.chunked_array([c for e in earlier for c in e.chunks], pa.string())
+    mine = pa.chunked_array([c for e in ours for c in e.chunks], pa.string())
+    repeated = pc.filter(mine, pc.is_in(mine, value_set=before.combine_chunks(), skip_nulls=True)).to_pylist()
+    seen: dict[str, str] = {}
+    for rid in set(repeated) - {None, ""}:
+        first = pc.index(before, rid).as_py()
+        start, f = max((s for s in starts if s[0] <= first), key=lambda s: s[0])
+        seen[rid] = f"{f.name} index {first - start}"
+    return seen
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:

@@ -1,13 +1,28 @@
-"""The sample table: the contract between stages (DESIGN.md, "The sample table").
+"""The sample table: the contract between stages (DESIGN.md, "The sample table"), and its checks.
 
 `images` uses the layout of the `datasets` Image feature (list<struct<bytes, path>>) and the parquet files carry the
 `huggingface` schema metadata, so `datasets.load_dataset("parquet", ...)` decodes PIL images.
+
+What is checked, and when (ovkit.data.io.read_samples runs these on every table a command reads):
+- per file, from its footer: every known column's arrow type, nested fields included (a `content` of int64 is an
+  error naming the column, not an ArrowTypeError later);
+- per row, eagerly: a non-empty id unique in the dataset (across its part files and --shard parts), a source, roles
+  system/user/assistant with string content, as many `<image>` markers as images, and for RL and eval tables
+  (`answers=True`) a gold answer its scorer can read (ovkit.rewards.check_gold);
+- per image: its bytes (at most MAX_IMAGE_BYTES), the header's size (at most MAX_IMAGE_PIXELS) and then, with
+  `images="decode"`, the whole picture decoded (a truncated JPEG has a valid header). Commands that decode every
+  image themselves before their first step read with `images="header"` and report a bad picture at that point with
+  the same file, row and column (pack's length pass, the supervised stages' encoding pass).
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import os
+import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +52,10 @@ IMAGE_TOKEN = "<image>"
 # An image larger than this many pixels is rejected before it is decoded (decompression bombs: a few KB of PNG can
 # declare a 100k x 100k canvas). 8B-scale recipes cap images far lower (2.56M pixels in the Qwen2.5-VL processor).
 MAX_IMAGE_PIXELS = 64_000_000
+# An encoded image larger than this is refused unread: even uncompressed, a picture within MAX_IMAGE_PIXELS is at most
+# 256 MB (RGBA). It bounds what one cell, or one image path `ovkit convert` reads, can cost.
+MAX_IMAGE_BYTES = 256 << 20
+IMAGE_CHECKS = ("decode", "header", "none")
 
 # `datasets` reads this key from the parquet schema metadata and decodes `images` as a list of PIL images (and TRL's
 # single `image` column as one). Every other column is described from its arrow type, so that columns a stage adds
@@ -80,32 +99,36 @@ def hf_metadata(schema: pa.Schema) -> dict[bytes, bytes]:
 
 
 def check_columns(schema: pa.Schema, path: Path | str) -> None:
-    """Missing or mistyped columns make the whole file unusable: one error naming the file and column."""
+    """Missing or mistyped columns make the whole file unusable: one error naming the file and column. Types are
+    compared all the way down (the role and content of `messages`, the bytes and path of `images`)."""
     for name, typ in REQUIRED.items():
         if name not in schema.names:
             raise OvkitError(f"{where(path, column=name)}: required column is missing (columns: {', '.join(schema.names)})")
         got = schema.field(name).type
-        if not _compatible(got, typ):
+        if not compatible(got, typ):
             raise OvkitError(f"{where(path, 'every row', name)}: type is {got}, expected {typ}")
     for name, typ in OPTIONAL.items():
-        if name in schema.names and not _compatible(schema.field(name).type, typ):
-            got = schema.field(name).type
-            if not pa.types.is_null(got):
-                raise OvkitError(f"{where(path, 'every row', name)}: type is {got}, expected {typ}")
+        if name in schema.names and not compatible(schema.field(name).type, typ):
+            raise OvkitError(f"{where(path, 'every row', name)}: type is {schema.field(name).type}, expected {typ} or null")
 
 
-def _compatible(got: pa.DataType, want: pa.DataType) -> bool:
-    if got.equals(want):
+def compatible(got: pa.DataType, want: pa.DataType) -> bool:
+    """`got` casts to `want` without loss: the same type up to large_ variants, struct field order and extra struct
+    fields; an all-null column (type null) stands for any type."""
+    if got.equals(want) or pa.types.is_null(got):
         return True
-    if pa.types.is_large_string(got) and pa.types.is_string(want):
-        return True
-    if (pa.types.is_list(got) or pa.types.is_large_list(got)) and pa.types.is_list(want):
-        gv, wv = got.value_type, want.value_type
-        if pa.types.is_struct(gv) and pa.types.is_struct(wv):
-            names = {gv.field(i).name for i in range(gv.num_fields)}
-            return all(wv.field(i).name in names for i in range(wv.num_fields))
-        return _compatible(gv, wv)
-    return pa.types.is_binary(want) and pa.types.is_large_binary(got)
+    if pa.types.is_string(want):
+        return pa.types.is_string(got) or pa.types.is_large_string(got)
+    if pa.types.is_binary(want):
+        return pa.types.is_binary(got) or pa.types.is_large_binary(got)
+    if pa.types.is_list(want):
+        return (pa.types.is_list(got) or pa.types.is_large_list(got)) and compatible(got.value_type, want.value_type)
+    if pa.types.is_struct(want):
+        if not pa.types.is_struct(got):
+            return False
+        fields = {got.field(i).name: got.field(i).type for i in range(got.num_fields)}
+        return all(want.field(i).name in fields and compatible(fields[want.field(i).name], want.field(i).type) for i in range(want.num_fields))
+    return False
 
 
 def conform(table: pa.Table) -> pa.Table:
@@ -131,28 +154,43 @@ class RowProblem:
     reason: str
 
 
-def row_problems(table: pa.Table, *, check_images: bool = True, seen_ids: set[str] | None = None) -> list[RowProblem]:
-    """Every row that breaks the contract, with the column and the reason. Assumes `check_columns` passed."""
-    seen = set() if seen_ids is None else seen_ids
+def row_problems(
+    table: pa.Table,
+    *,
+    images: str = "decode",
+    seen_ids: dict[str, str] | None = None,
+    answers: bool = False,
+    origin: str = "",
+    start: int = 0,
+) -> list[RowProblem]:
+    """Every row that breaks the contract, with the column and the reason. Assumes `check_columns` passed.
+
+    `images`: "decode" (the whole picture), "header" (size and structure only) or "none". `seen_ids`: ids already
+    read from this dataset, each with where it was (this table's are recorded as `origin` index `start` + row), so a
+    repeat names its first occurrence. `answers`: RL / eval rows, whose gold answer must be scorable."""
+    if images not in IMAGE_CHECKS:
+        raise ValueError(f"images must be one of {IMAGE_CHECKS}, got {images!r}")
+    seen = {} if seen_ids is None else seen_ids
     problems = []
-    ids = table.column("id").to_pylist()
-    images = table.column("images").to_pylist()
-    messages = table.column("messages").to_pylist()
-    sources = table.column("source").to_pylist()
-    for i, (rid, imgs, msgs, src) in enumerate(zip(ids, images, messages, sources)):
-        p = _row_problem(rid, imgs, msgs, src, seen, check_images)
+    columns = ["id", "images", "messages", "source"]
+    values = [table.column(c).to_pylist() for c in columns]
+    gold = _gold_columns(table) if answers else None
+    for i, (rid, imgs, msgs, src) in enumerate(zip(*values)):
+        p = _row_problem(rid, imgs, msgs, src, seen, images)
+        if p is None and gold is not None:
+            p = answer_problem({k: v[i] for k, v in gold.items()} | {"id": rid, "source": src})
         if p is not None:
             problems.append(RowProblem(i, *p))
-        elif rid is not None:
-            seen.add(rid)
+        else:
+            seen[rid] = f"{origin} index {start + i}".strip()
     return problems
 
 
-def _row_problem(rid, imgs, msgs, src, seen, check_images) -> tuple[str, str] | None:
+def _row_problem(rid, imgs, msgs, src, seen, images) -> tuple[str, str] | None:
     if not rid:
         return "id", "id is empty"
     if rid in seen:
-        return "id", f"duplicate id {rid!r}"
+        return "id", f"duplicate id {rid!r} (first at {seen[rid]}; ids are unique in a dataset)"
     if src is None:
         return "source", "source is null"
     if imgs is None:
@@ -168,31 +206,79 @@ def _row_problem(rid, imgs, msgs, src, seen, check_images) -> tuple[str, str] | 
     n_tokens = sum(m["content"].count(IMAGE_TOKEN) for m in msgs)
     if n_tokens != len(imgs):
         return "messages", f"{n_tokens} {IMAGE_TOKEN} marker(s) but {len(imgs)} image(s)"
-    if check_images:
+    if images != "none":
         for k, img in enumerate(imgs):
-            reason = image_problem(img)
+            reason = image_problem(img, decode=images == "decode")
             if reason:
                 return "images", f"image {k}: {reason}"
     return None
 
 
-def image_problem(img: dict[str, Any] | None) -> str | None:
-    """Why an image cell is unusable, or None. Reads the header for the size (bomb check) before decoding."""
+_GOLD = ("answer", "answer_type", "reward_kwargs")
+
+
+def _gold_columns(table: pa.Table) -> dict[str, list[Any]]:
+    return {c: table.column(c).to_pylist() if c in table.column_names else [None] * table.num_rows for c in _GOLD}
+
+
+def answer_problem(row: dict[str, Any]) -> tuple[str, str] | None:
+    """(column, reason) when an RL / eval row's gold answer cannot be scored (ovkit.rewards.check_gold: the scorer's
+    own reading of its gold answer and reward_kwargs), else None."""
+    from ovkit.rewards import check_gold
+
+    try:
+        check_gold(row)
+    except OvkitError as e:
+        m = re.match(r"column '(\w+)': (.*)", str(e), re.S)
+        return (m[1], m[2]) if m else ("answer", str(e))
+    return None
+
+
+def image_problem(img: dict[str, Any] | None, *, decode: bool = True) -> str | None:
+    """Why an image cell is unusable, or None. Checks the byte size and the header's pixel count (bomb check) before
+    decoding; `decode` then decodes the whole picture (a truncated file has a valid header), else PIL's structural
+    `verify` (cheap: it does not decode pixels, and checks little for JPEG)."""
     from PIL import Image
 
     if img is None or not img.get("bytes"):
         return "no image bytes (ovkit datasets are self-contained; convert path-only images with `ovkit convert`)"
+    data = img["bytes"]
+    if len(data) > MAX_IMAGE_BYTES:
+        return f"{len(data):,} bytes, over the limit of {MAX_IMAGE_BYTES:,}"
     try:
-        with Image.open(io.BytesIO(img["bytes"])) as im:
+        with Image.open(io.BytesIO(data)) as im:
             w, h = im.size
             if w * h > MAX_IMAGE_PIXELS:
                 return f"image is {w}x{h} = {w * h} pixels, over the limit of {MAX_IMAGE_PIXELS}"
-            im.verify()
+            if decode:
+                im.load()
+            else:
+                im.verify()
     except Image.DecompressionBombError as e:
         return f"decompression bomb: {e}"
     except Exception as e:  # noqa: BLE001 -- PIL raises many types for corrupt data
         return f"unreadable image: {type(e).__name__}: {e}"
     return None
+
+
+def read_image_file(path: Path, limit: int = MAX_IMAGE_BYTES) -> bytes:
+    """The bytes of an image file, read only if it is a regular file of at most `limit` bytes: a device (/dev/zero)
+    would be read until memory runs out, a FIFO would block forever. Raises OSError with the reason."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # opening a FIFO must not wait for a writer
+    try:
+        st = os.fstat(fd)  # of what was opened, not of what the name pointed to a moment earlier
+        if not stat.S_ISREG(st.st_mode):
+            kind = "directory" if stat.S_ISDIR(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode) else "device or special file"
+            raise OSError(errno.EINVAL, f"not a regular file (a {kind})")
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{st.st_size:,} bytes, over the limit of {limit:,}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # grew while being read
+        raise OSError(errno.EFBIG, f"over the limit of {limit:,} bytes")
+    return data
 
 
 def image_cell(image: Any, fmt: str = "PNG") -> dict[str, Any]:

@@ -317,17 +317,21 @@ def _load_with_datasets(path: str, spec: Spec, *, hub: bool) -> Any:
 
 
 def _probe_hub(spec: Spec) -> None:
-    """One HEAD request with a short timeout: `datasets` would retry an unreachable Hub for about half a minute."""
-    import datasets
-    from huggingface_hub import get_session
+    probe_hub(spec.text, "a dataset cached earlier loads with HF_HUB_OFFLINE=1")
 
-    endpoint = datasets.config.HF_ENDPOINT
+
+def probe_hub(subject: str, hint: str) -> None:
+    """One HEAD request with a short timeout: `datasets` and transformers would retry an unreachable Hub for half a
+    minute to minutes. `subject` names what was asked for (a dataset spec, `--model ID`); `hint` says what to do."""
+    from huggingface_hub import constants, get_session
+
+    endpoint = constants.ENDPOINT
     try:
         get_session().head(endpoint, timeout=PROBE_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 -- any transport failure means the same thing here
         raise OvkitError(
-            f"{spec.text}: no local file or directory of that name, and the Hugging Face Hub ({endpoint}) cannot be "
-            f"reached ({type(e).__name__}: {e}); a dataset cached earlier loads with HF_HUB_OFFLINE=1"
+            f"{subject}: no local file or directory of that name, and the Hugging Face Hub ({endpoint}) cannot be "
+            f"reached ({type(e).__name__}: {e}); {hint}"
         ) from None
 
 

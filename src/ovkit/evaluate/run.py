@@ -95,7 +95,7 @@ def load_rows(paths: Sequence[Path], limit: int | None = None) -> tuple[list[dic
 
     rows: list[dict[str, Any]] = []
     for path in paths:
-        table = read_samples(path).table
+        table = read_samples(path, answers=True).table
         if "answer" not in table.column_names:
             raise OvkitError(f"{where(path, column='answer')}: eval rows need a gold answer (this looks like a training split)")
         for i, row in enumerate(table.to_pylist()):

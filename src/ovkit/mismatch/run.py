@@ -131,24 +131,26 @@ def check_not_empty(rows: Sequence[dict[str, Any]], source: str) -> None:
 def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
     """Write report.json, report.md, report.html, figures/, logprobs.parquet (and rollouts/ with --generate) into
     `out_dir`; return the headline metrics per run."""
+    from ovkit.mismatch.score import data_images
+    from ovkit.models import vocab_size
     from ovkit.runtime.engines import load_for_inference
 
+    # Every input is read and checked before the model loads: rollouts (token ids inside the model's vocabulary,
+    # finite log-probs, images), prompt rows (answers included) and --data.
     inputs: list[tuple[str, list[dict[str, Any]], str]] = []
     if cfg.rollouts is not None:
         from ovkit.rollouts.table import read_rollouts
 
-        rows = read_rollouts(cfg.rollouts).to_pylist()
+        rows = read_rollouts(cfg.rollouts, vocab_size=vocab_size(cfg.model)).to_pylist()
         check_not_empty(rows, str(cfg.rollouts))
         inputs.append(("rollouts", rows, str(cfg.rollouts)))
+    prompt_rows = _prompt_rows(cfg) if cfg.generate is not None else None
+    images_for = data_images(cfg.data)
     model, processor = load_for_inference(cfg.model, precision=cfg.precision, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code)
     device = str(next(model.parameters()).device)
     temperature, temperature_from, top_p = _sampling(cfg)
-    if cfg.generate is not None:
-        inputs += _generate_all(cfg, model, processor, out_dir, temperature, top_p)
-
-    from ovkit.mismatch.score import data_images
-
-    images_for = data_images(cfg.data)
+    if prompt_rows is not None:
+        inputs += _generate_all(cfg, prompt_rows, model, processor, out_dir, temperature, top_p)
     runs: dict[str, dict[str, Any]] = {}
     figures: dict[str, dict[str, bytes]] = {}
     logprob_rows: list[dict[str, Any]] = []
@@ -186,14 +188,19 @@ def _sampling(cfg: MismatchConfig) -> tuple[float, str, float | None]:
     return 1.0, "default: the rollouts' producer is unknown", None
 
 
-def _generate_all(cfg: MismatchConfig, model, processor, out_dir: Path, temperature: float, top_p: float) -> list:
+def _prompt_rows(cfg: MismatchConfig) -> Any:
+    """The --generate rows to sample from (the first --limit per category), read and checked."""
     from ovkit.data import read_samples
+
+    return first_per_category(read_samples(cfg.generate, answers=True).table, cfg.limit)
+
+
+def _generate_all(cfg: MismatchConfig, table: Any, model, processor, out_dir: Path, temperature: float, top_p: float) -> list:
     from ovkit.rollouts.table import write_rollouts
     from ovkit.mismatch.sample import generate_rollouts, make_sampler
     from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
     from ovkit.rollouts.prompts import encode_prompts
 
-    table = first_per_category(read_samples(cfg.generate).table, cfg.limit)
     prompts = encode_prompts(table, processor, mode=cfg.prompt, system=cfg.system_prompt, max_pixels=cfg.max_pixels or None, extra=env_instruction(cfg), tools=env_tools(cfg))
     mode = "answer" if cfg.prompt == "none" else cfg.prompt
     out = []

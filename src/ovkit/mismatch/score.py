@@ -105,9 +105,9 @@ def data_images(data: Path | None) -> Callable[[str], list | None] | None:
     """prompt id -> the `images` cells of that row of `data` (for rollout tables without an images column)."""
     if data is None:
         return None
-    from ovkit.data.io import read_table
+    from ovkit.data.io import read_samples
 
-    table = read_table(data, columns=["id", "images"])
+    table = read_samples(data).table  # checked like every sample table: a bad picture is named here, not mid-report
     cells = dict(zip(map(str, table.column("id").to_pylist()), table.column("images").to_pylist()))
     return cells.get
 

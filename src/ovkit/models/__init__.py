@@ -6,6 +6,7 @@ Everything ovkit trains or evaluates is an ordinary transformers image-text-to-t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -27,27 +28,156 @@ def load(
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    path_str = str(path)
-    local = Path(path_str).expanduser()
-    if not local.exists() and (path_str.startswith((".", "/", "~")) or path_str.count("/") != 1):
-        raise OvkitError(f"--model {path_str}: no such directory (expected a model saved with save_pretrained, e.g. by `ovkit init-model`)")
-    if local.is_dir() and not (local / "config.json").is_file():
-        raise OvkitError(f"--model {path_str}: not a model directory (no config.json)")
+    where = locate(path)
     if isinstance(dtype, str) and dtype != "auto":
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise OvkitError(f"--dtype {dtype!r} is not a torch dtype (e.g. float32, bfloat16, float16, auto)")
         dtype = getattr(torch, dtype)
-    where = str(local) if local.exists() else path_str
     try:
         processor = AutoProcessor.from_pretrained(where, trust_remote_code=trust_remote_code)
+    except (*_load_errors(), ValueError) as e:  # missing or damaged tokenizer / processor files
+        raise OvkitError(f"--model {path}: cannot load its processor ({_one_line(e)})") from None
+    try:
         model = AutoModelForImageTextToText.from_pretrained(where, dtype=dtype, trust_remote_code=trust_remote_code)
-    except OSError as e:  # missing files, or a hub id while offline
-        raise OvkitError(f"--model {path_str}: cannot load ({e})") from None
+    except _load_errors() as e:  # missing or damaged files, a hub id not in the cache while offline
+        raise OvkitError(f"--model {path}: cannot load ({_one_line(e)})") from None
     except ValueError as e:  # an architecture without an image-text-to-text class, or custom code not trusted
-        raise OvkitError(f"--model {path_str}: not a vision-language model transformers can load ({e})") from None
+        raise OvkitError(f"--model {path}: not a vision-language model transformers can load ({_one_line(e)})") from None
     if device is not None:
         model = model.to(device)
     return model, processor
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a model directory it cannot read (a damaged file the header check let through,
+    a truncated pytorch_model.bin)."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    return (OSError, SafetensorError, EOFError, pickle.UnpicklingError)
+
+
+TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.tiktoken")  # any tokenizer's saved files
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def locate(path: Path | str, flag: str = "--model", *, weights: bool = True) -> str:
+    """What to hand `from_pretrained`: a local directory, checked by `check_model_dir` (weights too unless
+    `weights=False`: a processor is all some commands read), or a Hub id. A name that looks local (it starts with
+    `.`, `/` or `~`, or has no `/` or more than one) and does not exist is an error; a Hub id is looked up only when
+    the Hub can answer: from the HF cache with HF_HUB_OFFLINE=1 (an uncached one is an error at once), else after
+    one short probe of the Hub instead of transformers' minutes of retries."""
+    text = str(path)
+    local = Path(text).expanduser()
+    if local.exists():
+        check_model_dir(local, flag, weights=weights)
+        return str(local)
+    from ovkit.data.sources import HUB_ID
+
+    if text.startswith((".", "/", "~")) or text.count("/") != 1 or not HUB_ID.fullmatch(text):
+        raise OvkitError(f"{flag} {text}: no such directory (expected a model saved with save_pretrained, e.g. by `ovkit init-model`)")
+    if _offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(text, "config.json"), str):
+            raise OvkitError(f"{flag} {text}: no such directory, and the Hub model {text!r} is not in the HF cache while HF_HUB_OFFLINE=1")
+        return text
+    from ovkit.data.sources import probe_hub
+
+    probe_hub(f"{flag} {text}", "a model downloaded earlier loads with HF_HUB_OFFLINE=1, or give a local directory")
+    return text
+
+
+def _offline() -> bool:
+    import os
+
+    from huggingface_hub import constants
+
+    flags = (os.environ.get(k, "").upper() for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return bool(constants.HF_HUB_OFFLINE) or any(f in ("1", "ON", "YES", "TRUE") for f in flags)
+
+
+def check_model_dir(directory: Path | str, flag: str = "--model", *, weights: bool = True) -> None:
+    """A model directory holds a readable config.json and, with `weights`, complete weight files: every safetensors
+    file as long as its header says (a truncated copy is named here, not by the loader's deserialisation error).
+    Without `weights` (a processor is all the caller reads) config.json may be absent, but must parse if present."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise OvkitError(f"{flag} {d}: not a directory (expected a model saved with save_pretrained)")
+    config = d / "config.json"
+    if config.is_file():
+        try:
+            parsed = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise OvkitError(f"{flag} {d}: config.json is not readable JSON ({_one_line(e)})") from None
+        if not isinstance(parsed, dict):
+            raise OvkitError(f"{flag} {d}: config.json holds a {type(parsed).__name__}, not an object")
+    elif weights:
+        raise OvkitError(f"{flag} {d}: not a model directory (no config.json)")
+    if not any(f.is_file() for pattern in TOKENIZER_FILES for f in d.glob(pattern)):
+        # without them transformers builds an empty tokenizer and fails only when a row is encoded
+        raise OvkitError(f"{flag} {d}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    if not weights:
+        return
+    present = [name for name in WEIGHTS if (d / name).is_file()]
+    if not present:
+        raise OvkitError(f"{flag} {d}: no weights ({', '.join(WEIGHTS)})")
+    for f in _safetensors_files(d, flag):
+        problem = safetensors_problem(f)
+        if problem:
+            raise OvkitError(f"{flag} {d}: {f.name} {problem}; copy or save the model again")
+
+
+def _safetensors_files(d: Path, flag: str) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if not index.is_file():
+        return [d / "model.safetensors"] if (d / "model.safetensors").is_file() else []
+    try:
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise OvkitError(f"{flag} {d}: model.safetensors.index.json is not a weight index ({_one_line(e)})") from None
+    missing = [s for s in shards if not (d / s).is_file()]
+    if missing:
+        raise OvkitError(f"{flag} {d}: {len(missing)} of {len(shards)} weight shards are missing ({', '.join(missing[:3])})")
+    return [d / s for s in shards]
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file is damaged (its 8-byte header length, JSON header and the tensors' byte ranges against
+    the file's size), or None. Reads the header only."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            return f"is truncated or not safetensors ({size:,} bytes, header length {n:,})"
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            return f"has an unreadable header ({type(e).__name__}: {e})"
+    if 8 + n + end != size:
+        return f"is {size:,} bytes but its header describes {8 + n + end:,} (truncated or damaged)"
+    return None
+
+
+def vocab_size(path: Path | str) -> int | None:
+    """Rows of the model's input embedding, from config.json (`text_config.vocab_size` for a VLM); None if it does
+    not say. Token ids at or above it index past the embedding."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for c in (config.get("text_config"), config.get("llm_config"), config):
+        if isinstance(c, dict) and isinstance(c.get("vocab_size"), int):
+            return c["vocab_size"]
+    return None
+
+
+def _one_line(e: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def pad_token_id(processor: Any, model: Any = None) -> int:
@@ -60,4 +190,4 @@ def pad_token_id(processor: Any, model: Any = None) -> int:
     return 0
 
 
-__all__ = ["load", "pad_token_id"]
+__all__ = ["check_model_dir", "load", "locate", "pad_token_id", "vocab_size"]

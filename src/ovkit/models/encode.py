@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 from ovkit.data.schema import IMAGE_TOKEN
@@ -68,19 +69,27 @@ def to_hf_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def decode_images(cells: Sequence[dict[str, Any]] | None) -> list:
-    """The `images` column cells ({bytes, path}) -> RGB PIL images (bytes win over path, as in `datasets`)."""
+    """The `images` column cells ({bytes, path}) -> RGB PIL images (bytes win over path, as in `datasets`). A cell
+    that cannot be decoded is an OvkitError saying which image and why (the caller adds the file, row and column);
+    the size limits are those of the read-time check (ovkit.data.schema)."""
     from PIL import Image
 
+    from ovkit.data.schema import MAX_IMAGE_PIXELS, read_image_file
+
     images = []
-    for cell in cells or []:
+    for k, cell in enumerate(cells or []):
         data, path = cell.get("bytes"), cell.get("path")
-        if data is not None:
-            img = Image.open(io.BytesIO(data))
-        elif path:
-            img = Image.open(path)
-        else:
-            raise OvkitError("an image cell has neither bytes nor path")
-        images.append(img.convert("RGB"))
+        if data is None and not path:
+            raise OvkitError(f"image {k}: the cell has neither bytes nor path")
+        try:
+            img = Image.open(io.BytesIO(data if data is not None else read_image_file(Path(path))))
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise OvkitError(f"image {k}: image is {img.width}x{img.height}, over the limit of {MAX_IMAGE_PIXELS} pixels")
+            images.append(img.convert("RGB"))
+        except OvkitError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- PIL raises many types for corrupt data (OSError: image file is truncated, ...)
+            raise OvkitError(f"image {k}: unreadable image: {type(e).__name__}: {e}") from None
     return images
 
 

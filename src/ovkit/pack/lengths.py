@@ -117,12 +117,17 @@ def _init_worker(model_dir: str, method: str) -> None:
 
 
 def _lengths_of(rows: list[tuple[list, list]]) -> list[tuple[int, str | None]]:
+    from ovkit.data.schema import image_problem
+
     processor, method, counts = _WORKER["processor"], _WORKER["method"], _WORKER["counts"]
     out = []
     for messages, images in rows:
         try:
             if method == "sizes":
-                out.append((length_by_sizes(processor, messages, images, counts), None))
+                # The sizes need only headers, but this is the pass that reads every image: decode it whole here, so a
+                # truncated picture is a reject now rather than an error in training (`processor` decodes anyway).
+                bad = next((f"image {k}: {p}" for k, cell in enumerate(images) if (p := image_problem(cell))), None)
+                out.append((-1, bad) if bad else (length_by_sizes(processor, messages, images, counts), None))
             else:
                 out.append((length_by_processor(processor, messages, images), None))
         except OvkitError as e:
@@ -135,10 +140,13 @@ def _lengths_of(rows: list[tuple[list, list]]) -> list[tuple[int, str | None]]:
 def load_processor(model_dir: str | Path):
     from transformers import AutoProcessor
 
+    from ovkit.models import locate
+
+    where = locate(model_dir, weights=False)  # only the processor is read: a damaged weight file does not matter here
     try:
-        return AutoProcessor.from_pretrained(str(model_dir))
+        return AutoProcessor.from_pretrained(where)
     except (OSError, ValueError) as e:
-        raise OvkitError(f"--model {model_dir}: cannot load its processor ({e})") from None
+        raise OvkitError(f"--model {model_dir}: cannot load its processor ({' '.join(str(e).split())})") from None
 
 
 def compute_lengths(
@@ -219,7 +227,8 @@ def _run(rows: list, model_dir: str, method: str, workers: int, progress: bool) 
 def cache_key(data_fingerprint: dict, model_dir: Path, method: str, shard: tuple[int, int] | None) -> str:
     """Changes when the input, the processor's files, the method or the shard change; not with --max-len."""
     h = hashlib.sha256()
-    h.update(json.dumps({"data": data_fingerprint, "method": method, "shard": shard}, sort_keys=True).encode())
+    # "images": what the pass checks of each image; rows measured before it decoded them whole must be measured again
+    h.update(json.dumps({"data": data_fingerprint, "method": method, "shard": shard, "images": "decode"}, sort_keys=True).encode())
     for f in sorted(Path(model_dir).rglob("*")):
         if f.is_file() and not f.name.endswith(_NOT_PROCESSOR) and f.name not in _NOT_PROCESSOR_NAMES:
             h.update(f.name.encode())

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ovkit.errors import OvkitError
+from ovkit.errors import OvkitError, where
 
 IGNORE = -100
 PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
@@ -226,6 +226,7 @@ class _Rows:
 
         from ovkit.data import parquet_files
 
+        self.path = data
         self.columns = list(columns)
         self.groups: list[tuple[Path, int]] = []
         starts = []
@@ -302,7 +303,11 @@ class PackedDataset(torch.utils.data.Dataset):
             row = self.data[int(self.rows[j])]
             if row["id"] != self.ids[j]:
                 raise OvkitError(f"plan row {j}: id {self.ids[j]!r} is {row['id']!r} in the data; the plan was made from other data")
-            enc = encode_sample(self.processor, row["messages"], decode_images(row["images"]))
+            try:
+                images = decode_images(row["images"])
+            except OvkitError as e:  # the plan's pack pass decoded it; the data changed since
+                raise OvkitError(f"{where(self.data.path, f'{self.ids[j]!r} (index {int(self.rows[j])})', 'images')}: {e}") from None
+            enc = encode_sample(self.processor, row["messages"], images)
             if enc.length != int(self.sample_lengths[j]):
                 raise OvkitError(
                     f"sample {self.ids[j]!r} encodes to {enc.length} tokens but the plan says {int(self.sample_lengths[j])}: "

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ovkit.errors import OvkitError, where
+from ovkit.errors import OvkitError
 
 PLAN = "plan.parquet"
 STATS = "stats.json"
@@ -96,17 +96,17 @@ def build_plan(cfg: PackConfig, out_dir: Path) -> dict:
     started = time.perf_counter()
     shard = cfg.shard_tuple
     shard_index = shard[0] if shard else 0
-    samples = read_samples(cfg.data, shard=shard, on_error=cfg.on_error)
+    samples = read_samples(cfg.data, shard=shard, on_error=cfg.on_error, images="header")  # the length pass decodes them
     table = samples.table
     ids = table.column("id").to_pylist()
-    rows = _global_rows(cfg.data, ids, shard)
+    rows = samples.rows  # each kept row's index in the whole input (its id may repeat a rejected row's)
 
     measured = _lengths(cfg, table, ids, shard)
     lengths = measured.lengths
     bad = [i for i, e in enumerate(measured.errors) if e is not None]
     if bad and cfg.on_error == "fail":
         i = bad[0]
-        at = where(cfg.data, f"{ids[i]!r} (index {rows[i]})", "messages")
+        at = samples.where(i, _error_column(measured.errors[i]))
         raise OvkitError(f"{at}: {measured.errors[i]} (use --on-error skip to move bad rows to {REJECTS})")
     too_long = [i for i in range(len(ids)) if measured.errors[i] is None and lengths[i] > cfg.max_len]
     keep = np.array([measured.errors[i] is None and lengths[i] <= cfg.max_len for i in range(len(ids))], dtype=bool)
@@ -155,18 +155,6 @@ def _plan_table(ids, rows, lengths, keep, packs, shard, max_len: int) -> pa.Tabl
     return table.replace_schema_metadata({"ovkit": json.dumps({"max_len": max_len, "shard": list(shard) if shard else None})})
 
 
-def _global_rows(data: Path, ids: list[str], shard) -> list[int]:
-    """Each kept row's index in the whole input (validation drops rows, so positions shift; ids are unique)."""
-    from ovkit.data import read_table, shard_bounds
-
-    all_ids = read_table(data, columns=["id"]).column("id").to_pylist()
-    lo, hi = shard_bounds(len(all_ids), shard) if shard else (0, len(all_ids))
-    first: dict[str, int] = {}
-    for r in range(lo, hi):
-        first.setdefault(all_ids[r], r)
-    return [first[i] for i in ids]
-
-
 def _lengths(cfg: PackConfig, table: pa.Table, ids: list[str], shard):
     from ovkit.pack.lengths import cache_key, compute_lengths, default_cache_dir, read_cached, write_cached
     from ovkit.runs import fingerprint
@@ -185,6 +173,11 @@ def _lengths(cfg: PackConfig, table: pa.Table, ids: list[str], shard):
     return result
 
 
+def _error_column(error: str) -> str:
+    """The column a length-pass error is about: a picture that does not decode, else the conversation."""
+    return "images" if error.startswith("image ") else "messages"
+
+
 def _rejects(invalid: pa.Table | None, ids, rows, lengths, errors, too_long, max_len: int, shard_index: int) -> pa.Table:
     out = {name: [] for name in REJECT_SCHEMA.names}
 
@@ -197,7 +190,7 @@ def _rejects(invalid: pa.Table | None, ids, rows, lengths, errors, too_long, max
             add(rid, None, None, reason)
     for i, e in enumerate(errors):
         if e is not None:
-            add(ids[i], rows[i], None, e)
+            add(ids[i], rows[i], None, f"column '{_error_column(e)}': {e}")
     for i in too_long:
         add(ids[i], rows[i], int(lengths[i]), f"length {int(lengths[i])} > --max-len {max_len}")
     return pa.table(out, schema=REJECT_SCHEMA)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ovkit.errors import OvkitError
 from ovkit.rewards import boxes, codeexec, markup, mathexpr, number, ocr, text
-from ovkit.rewards.base import Reward
+from ovkit.rewards.base import Reward, alternatives
 from ovkit.rewards.extract import extract_answer
 from ovkit.rewards.formatting import format_reward, format_scorer, prompt_mode
 from ovkit.rewards.pool import shared_pool, shutdown
@@ -29,6 +29,7 @@ __all__ = [
     "SANDBOXED",
     "SCORERS",
     "Reward",
+    "check_gold",
     "extract_answer",
     "format_reward",
     "resolve_scorer",
@@ -143,6 +144,33 @@ def _prepare(item: Mapping[str, Any], source_map: Mapping[str, str] | None) -> t
         raise OvkitError(f"column 'answer': expected a string for scorer {name!r}, got {answer!r:.80}")
     completion = item.get("completion") or ""
     return name, func, completion, answer or "", kwargs, mode, float(format_weight)
+
+
+def check_gold(item: Mapping[str, Any], source_map: Mapping[str, str] | None = None) -> None:
+    """Raise OvkitError, its message starting with the column at fault, when a row's gold answer cannot be scored:
+    a null, unknown or unmappable answer_type, a null, empty or non-string answer, bad reward_kwargs, or an answer
+    its scorer cannot read. Read-time check of RL and eval tables (ovkit.data.schema), before any model loads: the
+    in-process scorers are run against an empty completion, since each reads (and checks) its gold answer and its
+    kwargs first; the sandboxed ones only have their cheap gold parsers run (math-verify and SVG rendering are not)."""
+    if item.get("answer_type") is None and not source_map:
+        known = ", ".join(sorted({*SCORERS, *ALIASES}))
+        raise OvkitError(f"column 'answer_type': is null; RL and eval rows name the scorer of their answer (known: {known})")
+    if item.get("answer") is None and resolve_scorer(item.get("answer_type"), item.get("source"), source_map) != "format":
+        raise OvkitError("column 'answer': the gold answer is null")
+    name, func, _, answer, kwargs, _, _ = _prepare({**item, "completion": ""}, source_map)
+    if name != "format" and not answer.strip():
+        raise OvkitError(f"column 'answer': the gold answer is empty, so no completion can score for {name!r}")
+    if name in SANDBOXED:
+        if name == "code":
+            codeexec._tests(answer)  # the gold test cases, parsed as the scorer does
+        return
+    try:
+        func("", answer, **kwargs)
+    except (TypeError, ValueError) as e:  # a reward_kwargs value of the wrong type reaches the scorer's arithmetic
+        raise OvkitError(f"column 'reward_kwargs': scorer {name!r} cannot use them ({type(e).__name__}: {e})") from None
+    unreadable = {"boolean": text._yes_no(answer) is None, "multiple_choice": not any(text._choice_letter(a) for a in alternatives(answer))}
+    if unreadable.get(name):
+        raise OvkitError(f"column 'answer': {answer[:80]!r} is not a gold answer for {name!r} (expected {'yes/no' if name == 'boolean' else 'a choice letter'})")
 
 
 def _finish(raw: Reward, completion: str, mode: str, format_weight: float) -> Reward:

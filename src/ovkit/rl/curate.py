@@ -198,7 +198,7 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
 
     from ovkit.rollouts.prompts import limit_per_category
 
-    table = limit_per_category(read_samples(cfg.data, shard=shard).table, cfg.limit)
+    table = limit_per_category(read_samples(cfg.data, shard=shard, answers=True).table, cfg.limit)
     engine = build_engine(cfg.engine, model_dir=cfg.model, precision=cfg.precision, batch_size=cfg.batch_size, seed=cfg.seed,
                           trust_remote_code=cfg.trust_remote_code, attn_implementation=cfg.attn_implementation)
     processor = engine.processor

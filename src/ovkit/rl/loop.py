@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -48,9 +47,10 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
         return None
     rt = Runtime(cfg, command="rl-train", trajectory=TRAJECTORY)
     rt.check_run_dir()
+    tables = _tables(cfg)  # every row checked (answers included) before the model loads
     model, processor = rt.load_model(cfg.model)
     params = trainable(model, cfg, rt)
-    prompts = _prompts(cfg, processor)
+    prompts = _prompts(cfg, tables, processor)
     if cfg.prompts_per_step % rt.processes:
         raise OvkitError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of the {rt.processes} processes (each samples an equal share)")
     rt.make_run_dir()  # only now: bad inputs leave nothing behind
@@ -147,27 +147,24 @@ def _reference(rt: Runtime, cfg: RLTrainConfig):
     return ref.to(rt.precision.dtype)
 
 
-def _prompts(cfg: RLTrainConfig, processor) -> list:
-    """Every row of every DATA path (several: e.g. the shards of a sharded rl-curate); empty tables are skipped."""
-    from ovkit.data import parquet_files, read_samples
+def _tables(cfg: RLTrainConfig) -> list:
+    """Every DATA path (several: e.g. the shards of a sharded rl-curate) read and validated; empty tables are skipped."""
+    from ovkit.data import count_rows, read_samples
+
+    return [read_samples(path, answers=True).table for path in cfg.data if count_rows(path) > 0]
+
+
+def _prompts(cfg: RLTrainConfig, tables: list, processor) -> list:
+    """Every row of every DATA table, encoded."""
     from ovkit.rollouts.episodes import env_instruction, env_tools
     from ovkit.rollouts.prompts import encode_prompts
 
     prompts = []
-    for path in cfg.data:
-        if sum(pq_rows(f) for f in parquet_files(path)) == 0:
-            continue
-        table = read_samples(path).table
+    for table in tables:
         prompts += encode_prompts(table, processor, mode=cfg.mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels, extra=env_instruction(cfg), tools=env_tools(cfg))
     if not prompts:
         raise OvkitError(f"DATA {', '.join(map(str, cfg.data))}: no RL prompts (an rl-curate stage set can be empty when the model solves all or none of the prompts)")
     return prompts
-
-
-def pq_rows(path: Path) -> int:
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(path).metadata.num_rows
 
 
 def make_sampler(cfg: RLTrainConfig, model, processor):

@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ovkit.data.io import parquet_files, read_table, write_table
-from ovkit.data.schema import IMAGE
+from ovkit.data.schema import IMAGE, compatible
 from ovkit.errors import OvkitError, where
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -133,8 +134,10 @@ def write_rollouts(rows: pa.Table | Iterable[Mapping[str, Any]], path: Path | st
     return write_table(table, path)
 
 
-def read_rollouts(path: Path | str, columns: Iterable[str] | None = None) -> pa.Table:
-    """Read a rollout file, a directory of rollout shards, or a run directory holding `rollouts.parquet`."""
+def read_rollouts(path: Path | str, columns: Iterable[str] | None = None, *, vocab_size: int | None = None) -> pa.Table:
+    """Read a rollout file, a directory of rollout shards, or a run directory holding `rollouts.parquet`, and check
+    what a reader re-runs (`check_rollout_values`: token ids below `vocab_size` when given, finite log-probs,
+    decodable images)."""
     path = Path(path)
     if path.is_dir() and (path / ROLLOUTS_FILE).is_file():
         path = path / ROLLOUTS_FILE
@@ -142,4 +145,51 @@ def read_rollouts(path: Path | str, columns: Iterable[str] | None = None) -> pa.
     table = read_table(path, columns=list(columns) if columns is not None else None)
     if columns is None or set(ROLLOUT_SCHEMA.names) <= set(columns):
         check_rollouts(table, path)
+        check_rollout_values(table, path, vocab_size)
     return table
+
+
+def check_rollout_values(table: pa.Table, path: Path | str, vocab_size: int | None = None) -> None:
+    """The values a reader feeds to a model or a figure: token ids in [0, vocab_size) (an id past the embedding is an
+    IndexError deep in the forward pass), finite behaviour log-probs (NaN or inf cannot be a sampled token's), and
+    images that decode. Checked when a table is read, not when one is written: a sampler's NaN must not stop a run."""
+    ids = table.column("prompt_id").to_pylist()
+
+    def fail(i: int, column: str, reason: str) -> None:
+        raise OvkitError(f"{where(path, f'{ids[i]!r} (index {i})', column)}: {reason}")
+
+    for name, typ in OPTIONAL_COLUMNS.items():
+        if name in table.column_names and not compatible(table.schema.field(name).type, typ):
+            raise OvkitError(f"{where(path, 'every row', name)}: type is {table.schema.field(name).type}, expected {typ}")
+    for column in ("prompt_ids", "response_ids", "behave_logprobs"):
+        if pa.types.is_null(table.schema.field(column).type):
+            raise OvkitError(f"{where(path, 'every row', column)}: every value is null")
+    empty = pc.fill_null(pc.equal(pc.list_value_length(table.column("prompt_ids")), 0), True)
+    if pc.any(empty).as_py():
+        fail(pc.index(empty, True).as_py(), "prompt_ids", "no prompt tokens")
+    for column in ("prompt_ids", "response_ids"):
+        values = pc.list_flatten(table.column(column))
+        bad = pc.less(values, 0) if vocab_size is None else pc.or_(pc.less(values, 0), pc.greater_equal(values, vocab_size))
+        if pc.any(bad).as_py():
+            k = pc.index(bad, True).as_py()
+            row = pc.list_parent_indices(table.column(column))[k].as_py()
+            v = values[k].as_py()
+            fail(row, column, f"token id {v} is negative" if v < 0 else f"token id {v} is outside the model's vocabulary [0, {vocab_size})")
+    logprobs = table.column("behave_logprobs")
+    finite = pc.is_finite(pc.list_flatten(logprobs))
+    if not pc.all(finite, min_count=0).as_py():
+        k = pc.index(finite, False).as_py()
+        fail(pc.list_parent_indices(logprobs)[k].as_py(), "behave_logprobs", f"log-prob {pc.list_flatten(logprobs)[k].as_py()} is not finite")
+    if "images" in table.column_names:
+        from ovkit.data.schema import image_problem
+
+        checked: set[int] = set()  # a group's rollouts repeat their prompt's images: decode each picture once
+        for i, cells in enumerate(table.column("images").to_pylist()):
+            for k, cell in enumerate(cells or []):
+                key = hash((cell or {}).get("bytes"))
+                if key in checked:
+                    continue
+                problem = image_problem(cell)
+                if problem:
+                    fail(i, "images", f"image {k}: {problem}")
+                checked.add(key)

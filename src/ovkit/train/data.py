@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from ovkit.errors import OvkitError, where
+from ovkit.errors import OvkitError
 from ovkit.models.encode import IGNORE, PER_TOKEN_KEYS, Encoded, decode_images, encode_sample
 
 CHUNK_BATCHES = 64  # length-bucketing window, in global batches
@@ -80,9 +80,10 @@ class SampleSource:
         from ovkit.data.io import read_samples
 
         paths = [Path(data)] if isinstance(data, (str, Path)) else [Path(p) for p in data]
-        tables = [read_samples(p).table.select(["id", "messages", "images"]) for p in paths]
-        table = pa.concat_tables(tables, promote_options="default")
-        self.origin = [p for p, t in zip(paths, tables) for _ in range(t.num_rows)]  # dataset of each row, for errors
+        # images="header": the encoding pass below decodes every picture before the first step, and names a bad one
+        samples = [read_samples(p, images="header") for p in paths]
+        table = pa.concat_tables([s.table.select(["id", "messages", "images"]) for s in samples], promote_options="default")
+        self.origin = [(s, i) for s in samples for i in range(s.table.num_rows)]  # where each row came from, for errors
         self.processor = processor
         self._messages = table.column("messages")
         self._images = table.column("images")
@@ -105,10 +106,17 @@ class SampleSource:
         self.rows, self.lengths = keep, lengths
 
     def _encode(self, row: int) -> Encoded:
+        column = "images"
         try:
-            return encode_sample(self.processor, self._messages[row].as_py(), decode_images(self._images[row].as_py()))
+            images = decode_images(self._images[row].as_py())
+            column = "messages"
+            return encode_sample(self.processor, self._messages[row].as_py(), images)
         except OvkitError as e:
-            raise OvkitError(f"{where(self.origin[row], repr(self._ids[row].as_py()), 'messages')}: {e}") from None
+            samples, i = self.origin[row]
+            raise OvkitError(f"{samples.where(i, column)}: {e}") from None
+        except Exception as e:  # noqa: BLE001 -- the processor raises many types for a row it cannot encode (pack rejects those)
+            samples, i = self.origin[row]
+            raise OvkitError(f"{samples.where(i, column)}: the processor cannot encode this row ({type(e).__name__}: {' '.join(str(e).split())})") from None
 
     def __len__(self) -> int:
         return len(self.rows)

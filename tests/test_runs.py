@@ -1,0 +1,80 @@
+"""Stage outputs: the temporary directories of a killed run are removed by the next run of the same output, never
+those of a live process (a concurrent run) or of another output (another --shard part)."""
+
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from ovkit.data import image_cell, samples_table, write_samples
+from ovkit.runs import pid_alive, remove_stale
+
+
+@pytest.fixture()
+def pids():
+    """(a pid that was a process and has exited, the pid of a live process)."""
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield done.pid, live.pid
+    live.kill()
+    live.wait()
+
+
+def _leftovers(out, dead, live):
+    made = {
+        "dead_tmp": out.parent / f"{out.name}.tmp-{dead}",
+        "dead_old": out.parent / f"{out.name}.old-{dead}",
+        "live_tmp": out.parent / f"{out.name}.tmp-{live}",
+        "other_output": out.parent / f"{out.name}-2.tmp-{dead}",  # not this output's
+    }
+    for p in made.values():
+        p.mkdir(parents=True)
+        (p / "part-00000-of-00001.parquet").write_bytes(b"half a file")
+    return made
+
+
+def test_pid_alive(pids):
+    dead, live = pids
+    assert not pid_alive(dead) and pid_alive(live) and pid_alive(1)
+
+
+@pytest.mark.parametrize("shard", [None, "1/2"])
+def test_a_rerun_removes_a_killed_runs_temporary_directories(cli, tmp_path, pids, shard):
+    dead, live = pids
+    data = tmp_path / "data"
+    cell = image_cell(Image.new("RGB", (28, 28), "red"))
+    rows = [{"id": f"r{i}", "images": [cell], "messages": [{"role": "user", "content": "<image>what?"}, {"role": "assistant", "content": "a red square"}], "source": "t"} for i in range(4)]
+    write_samples(samples_table(rows), data)
+    (tmp_path / "concepts.txt").write_text("red\n")
+    out = tmp_path / "out"
+    target = out / "part-00001-of-00002" if shard else out  # a sharded run's output is its part directory
+    made = _leftovers(target, dead, live)
+    args = ["balance", data, "--concepts", tmp_path / "concepts.txt", "--method", "text", "--out", out, "--quiet"]
+    if shard:
+        args += ["--shard", shard, "--phase", "assign"]
+    code, _, err = cli(*args)
+    assert code == 0, err
+    assert not made["dead_tmp"].exists() and not made["dead_old"].exists()
+    assert made["live_tmp"].exists() and made["other_output"].exists()
+    assert f"removed {made['dead_tmp']}" in err
+
+    # a skipped rerun (the output is complete) cleans up as well
+    made["dead_tmp"].mkdir()
+    code, stdout, _ = cli(*args)
+    assert code == 0 and "skipped" in stdout and not made["dead_tmp"].exists()
+
+
+def test_remove_stale_leaves_the_own_process_and_unrelated_names(tmp_path, pids):
+    import os
+
+    dead, _ = pids
+    out = tmp_path / "o"
+    own = tmp_path / f"o.tmp-{os.getpid()}"
+    for p in (own, tmp_path / f"o.tmp-{dead}x", tmp_path / "o.tmp-", tmp_path / f"oo.tmp-{dead}"):
+        p.mkdir()
+    (tmp_path / f"o.old-{dead}").write_text("a file, not a directory")
+    removed = remove_stale(out)
+    assert removed == [tmp_path / f"o.old-{dead}"]
+    assert own.exists() and (tmp_path / f"o.tmp-{dead}x").exists() and (tmp_path / f"oo.tmp-{dead}").exists()
