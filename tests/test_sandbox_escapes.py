@@ -270,3 +270,12 @@ def test_a_fallback_is_said_once_and_an_impossible_request_is_an_error(monkeypat
     assert first is again and first.level in ("seccomp", "rlimits")
     err = capsys.readouterr().err
     assert err.count("code reward sandbox falls back to") == 1 and "no bwrap binary" in err
+
+
+@pytest.mark.parametrize("level", [*_levels(), "rlimits"])
+def test_the_cpu_limit_is_a_timeout_when_it_comes_before_the_wall_clock(level):
+    # Under bwrap a child killed by SIGXCPU shows as bwrap's exit code 128 + SIGXCPU, not as -SIGXCPU: both are a
+    # timeout, and a run that ends before its last report never passes as a complete (empty) one.
+    reports, flags = run_sandboxed("def f():\n    while True: pass", "f", [[]], level=level, cpu_s=1.0, wall_s=30.0,
+                                   memory_mb=200)
+    assert flags["timeout"] and reports is None

@@ -296,6 +296,11 @@ def run_sandboxed(
             except (BrokenPipeError, OSError):
                 pass
             raw, timed_out, overflow = _read_report(proc, time.monotonic() + wall_s)
+            if not (timed_out or overflow):  # EOF: let the exit status say whether a limit ended it
+                try:
+                    proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    pass
         finally:
             # The process group is the child (or the outer bwrap, whose death takes the whole pid namespace with it:
             # --die-with-parent), so every descendant ends here, whatever it did with its session or alarm.
@@ -308,8 +313,7 @@ def run_sandboxed(
             if info_r is not None:  # the namespace dies with its first process (PDEATHSIG): wait until it has
                 _wait_gone(_sandbox_pid(info_r))
                 os.close(info_r)
-    killed_by_limit = proc.returncode in (-signal.SIGXCPU, -signal.SIGALRM)
-    flags = {"timeout": timed_out or killed_by_limit, "output_limit": overflow}
+    flags = {"timeout": timed_out or proc.returncode in _LIMIT_EXITS, "output_limit": overflow}
     if flags["timeout"] or overflow:  # a run stopped by a limit has no complete report, whichever limit came first
         return None, flags
     reports = []
@@ -318,7 +322,14 @@ def run_sandboxed(
             reports.append(json.loads(line))
         except ValueError:
             return None, flags
+    if len(reports) != len(calls):  # ended before its last report, by a signal no limit of ours sends
+        return None, flags
     return reports, flags
+
+
+# How a run ended by the CPU limit (SIGXCPU) or the wall alarm (SIGALRM) exits: killed by the signal, or, under bwrap,
+# which reports a signalled child as 128 + the signal's number, that exit code.
+_LIMIT_EXITS = frozenset(code for sig in (signal.SIGXCPU, signal.SIGALRM) for code in (-sig, 128 + sig))
 
 
 def _sandbox_pid(fd: int) -> int | None:
