@@ -212,18 +212,52 @@ def test_compare_prints_one_table_across_runs(tmp_path, eval_set, processor, cli
     table = [line for line in out.splitlines() if line.startswith("|")]
     assert [c.strip() for c in table[0].split("|")[1:-1]] == ["category", "eval-sft", "rl"]  # labels: dir or LABEL=
     cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table[2:]}
-    assert list(cells) == ["counting", "grounding", "spatial", "uncategorized", "**overall**"]  # overall last
-    assert cells["spatial"] == ["66.7", "100.0"] and cells["**overall**"] == ["59.4", "100.0"]
+    assert list(cells) == ["counting", "grounding", "spatial", "uncategorized", "**overall**", "**change vs left**"]
+    values = {k: [c.split(" ±")[0] for c in v] for k, v in cells.items()}
+    assert values["spatial"] == ["66.7", "100.0"] and values["**overall**"] == ["59.4", "100.0"]
+    assert all(" ±" in c for c in cells["**overall**"])  # every cell carries its interval
+    assert cells["**change vs left**"][1].startswith("+40.6 ±")  # paired over the same 8 rows
     assert len({len(line) for line in table}) == 1  # aligned columns
     assert (tmp_path / "final.md").read_text() in out
     code, out, _ = cli("eval", "--compare", tmp_path / "eval-sft", "--metric", "accuracy")
-    assert code == 0 and "accuracy" in out and "| **overall**" in out and "62.5" in out
+    assert code == 0 and "accuracy" in out and "| **overall**" in out and "62.5 ±" in out
     lmms = next((tmp_path / "eval-rl").glob("*/*_results.json"))  # an lmms-eval results file reads too
     code, out, _ = cli("eval", "--compare", f"lmms={lmms}")
     assert code == 0
     header, *_, overall = [line for line in out.splitlines() if line.startswith("|")]
     assert [c.strip() for c in header.split("|")[1:-1]] == ["category", "lmms"]
-    assert overall.split("|")[2].strip() == "100.0"
+    assert overall.split("|")[2].strip().split(" ±")[0] == "100.0"
+
+
+def test_wilson_interval_covers_the_binomial_truth_and_stays_inside_0_1():
+    import random
+
+    from ovkit.evaluate.metrics import wilson_interval
+
+    assert wilson_interval(0.0, 40)[0] == 0.0 and 0.08 < wilson_interval(0.0, 40)[1] < 0.09  # not a point at 0%
+    assert wilson_interval(1.0, 40)[1] == 1.0
+    lo, hi = wilson_interval(0.5, 400)
+    assert abs((hi - lo) / 2 - 0.049) < 0.001  # ~ 1.96 sqrt(0.25 / 400) near the middle
+    rng = random.Random(0)
+    covered = 0
+    for _ in range(2000):  # nominal 95% coverage for p = 0.2, n = 100 (binomial draws)
+        k = sum(rng.random() < 0.2 for _ in range(100))
+        lo, hi = wilson_interval(k / 100, 100)
+        covered += lo <= 0.2 <= hi
+    assert 0.93 < covered / 2000 < 0.975
+
+
+def test_paired_difference_is_tighter_than_two_intervals_when_runs_agree():
+    from ovkit.evaluate.metrics import paired_difference, wilson_interval
+
+    before = [1.0] * 100 + [0.0] * 300
+    after = [1.0] * 110 + [0.0] * 290  # the same rows, 10 more right
+    mean, half = paired_difference(after, before)
+    assert abs(mean - 0.025) < 1e-12 and half < 0.016
+    lo, hi = wilson_interval(0.25, 400)
+    assert half < (hi - lo) / 2  # the unpaired intervals alone could not tell a 2.5-point change from noise
+    with pytest.raises(ValueError):
+        paired_difference([1.0], [])
 
 
 def test_compare_errors_name_the_problem(tmp_path, cli):
