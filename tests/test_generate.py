@@ -238,6 +238,40 @@ def test_int8_sampler_is_close_to_fp32_and_requantises_on_update(tiny, prompts):
     assert after.logprobs != int8[0][0].logprobs
 
 
+def test_int4_sampler_has_16_levels_per_group_and_requantises_on_update(tiny, prompts):
+    import copy
+
+    import torch
+
+    from ovkit.generate import HFEngine
+    from ovkit.generate.hf import INT4_GROUP, int4_weights
+
+    w = torch.randn(3, 2 * INT4_GROUP + 5)
+    layer = torch.nn.Linear(w.shape[1], 3, bias=False)
+    layer.weight.data.copy_(w)
+    q = int4_weights(torch.nn.Sequential(layer))[0].weight.data
+    for row in range(3):  # every group holds at most 16 distinct values, within half a step of the original
+        for start in range(0, w.shape[1], INT4_GROUP):
+            group, orig = q[row, start : start + INT4_GROUP], w[row, start : start + INT4_GROUP]
+            assert len(torch.unique(group)) <= 16
+            assert float((group - orig).abs().max()) <= float(orig.abs().max()) / 7 / 2 + 1e-6
+    learner = copy.deepcopy(tiny[0])
+    engine = HFEngine(learner, tiny[1], quant="int4")
+    assert engine.model is not learner
+    assert all(torch.equal(a, b) for a, b in zip(learner.parameters(), tiny[0].parameters()))  # the learner untouched
+    fp32 = _engine(tiny).generate(prompts[:2], temperature=0, max_new_tokens=4)
+    int4 = engine.generate(prompts[:2], temperature=0, max_new_tokens=4)
+    for a, b in zip(fp32, int4):
+        assert all(math.isfinite(x) for x in b[0].logprobs)
+        assert a[0].logprobs[0] != b[0].logprobs[0]
+    before = engine.model
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.mul_(0.5)
+    engine.update_weights(learner)
+    assert engine.model is not before
+
+
 def test_bad_options_are_user_errors(tiny, prompts):
     from ovkit.errors import OvkitError
     from ovkit.runtime.engines import build_engine
@@ -249,7 +283,7 @@ def test_bad_options_are_user_errors(tiny, prompts):
     with pytest.raises(OvkitError, match="dtype must be one of"):
         _engine(tiny, dtype="int4")
     with pytest.raises(OvkitError, match="--quant"):
-        _engine(tiny, quant="int4")
+        _engine(tiny, quant="int2")
     with pytest.raises(OvkitError, match="--top-p"):
         _engine(tiny).generate(prompts[:1], top_p=0)
     with pytest.raises(OvkitError, match="--temperature"):

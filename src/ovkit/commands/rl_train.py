@@ -21,7 +21,7 @@ def rl_train(
     precision: str = PRECISION,
     attn_implementation: str = ATTN_IMPLEMENTATION,
     sampler_precision: str = _O(None, "--sampler-precision", help="Sample from a copy in another precision than the learner: fp32, bf16, fp16."),
-    sampler_quant: str = _O(None, "--sampler-quant", help="int8: sample from a dynamically quantised copy (hf engine, CPU)."),
+    sampler_quant: str = _O(None, "--sampler-quant", help="int8: sample from a dynamically quantised copy (hf engine, CPU); int4: from a copy with 4-bit weights."),
     prompts_per_step: int = _O(32, "--prompts-per-step", help="GRPO groups (prompts) per step."),
     group_size: int = _O(16, "--group-size", "--n-samples", help="Completions per prompt (G)."),
     max_new_tokens: int = _O(4096, "--max-new-tokens", help="Completion length limit."),

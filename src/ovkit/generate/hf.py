@@ -34,7 +34,8 @@ from ovkit.generate import Completion
 # Tensors of an encoded prompt with one value per token; everything else in `Encoded.mm` is per image.
 PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTS = ("int8",)
+QUANTS = ("int8", "int4")
+INT4_GROUP = 64  # weights per int4 scale (along the input dimension), as group-wise W4 formats (GPTQ/AWQ) store them
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
@@ -146,7 +147,8 @@ class HFEngine:
 
     The sampler is the learner model itself when no `dtype`/`quant` is asked for (colocated: nothing to sync), else a
     copy cast to `dtype`, or dynamically int8-quantised (`torch.ao.quantization.quantize_dynamic` on every Linear,
-    fp32 activations; CPU only) to reproduce low-precision sampling. `batch_size` counts sequences (prompts x n).
+    fp32 activations; CPU only), or with 4-bit weights (`int4`: group-wise symmetric rounding of every Linear weight,
+    `int4_weights`) to reproduce low-precision sampling. `batch_size` counts sequences (prompts x n).
     """
 
     def __init__(
@@ -193,6 +195,8 @@ class HFEngine:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 warnings.simplefilter("ignore", UserWarning)
                 return quantize_dynamic(sampler, {torch.nn.Linear}, dtype=torch.qint8)
+        if self.quant == "int4":
+            return int4_weights(cast_copy(model, torch.float32).eval())
         if (self.dtype is None or self.dtype == param.dtype) and not self.separate:
             return model
         return cast_copy(model, self.dtype or param.dtype).eval()
@@ -287,6 +291,26 @@ def cast_copy(model: Any, dtype: torch.dtype) -> Any:
     run, or one in another precision, costs its own weights in its own dtype and nothing more."""
     memo = {id(p): torch.nn.Parameter(p.detach().to(dtype=dtype, copy=True), requires_grad=False) for p in model.parameters()}
     return copy.deepcopy(model, memo)
+
+
+@torch.no_grad()
+def int4_weights(model: Any, group: int = INT4_GROUP) -> Any:
+    """Round every Linear weight of `model` (in place) to 4-bit integers with one symmetric scale per `group` inputs
+    of each output row, and store the dequantised values: a weight-only W4 sampler (activations in fp32), the kind of
+    low-bit rollout engine whose gap to the learner is far larger than int8's. Tied weights are rounded once."""
+    seen: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or id(module.weight) in seen:
+            continue
+        seen.add(id(module.weight))
+        w = module.weight.data
+        rows, cols = w.shape
+        pad = (-cols) % group
+        g = torch.nn.functional.pad(w, (0, pad)).reshape(rows, -1, group)
+        scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 7.0
+        q = (g / scale).round().clamp(-8, 7) * scale
+        w.copy_(q.reshape(rows, -1)[:, :cols])
+    return model
 
 
 def _check_sampling(n: int, max_new_tokens: int, temperature: float, top_p: float) -> None:

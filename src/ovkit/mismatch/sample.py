@@ -7,6 +7,7 @@ Each sampler samples the same prompts with the same seed from the learner's weig
 | `fp32` | the learner model itself, in float32 | `HFEngine(dtype="float32")`: KV-cached, left-padded batched decoding |
 | `bf16`, `fp16` | a copy cast to bfloat16 / float16 | `HFEngine(dtype=...)` (fp16 wants a GPU) |
 | `int8` | a dynamically int8-quantised copy (every Linear) | `HFEngine(quant="int8")`, CPU only (Yao et al.'s INT8 rollouts) |
+| `int4` | a copy with 4-bit weights (group-wise symmetric, fp32 activations) | `HFEngine(quant="int4")`: a larger, honest gap |
 | `vllm` | vLLM on the model directory | `VLLMEngine` (GPU, `pip install 'ovkit[vllm]'`) |
 
 Even `fp32` is not bit-identical to the learner: batched, cached decoding sums in another order than one
@@ -26,6 +27,7 @@ SAMPLERS = {
     "bf16": {"precision": "bf16"},
     "fp16": {"precision": "fp16"},
     "int8": {"quant": "int8"},
+    "int4": {"quant": "int4"},
     "vllm": {},
 }
 ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "hf": "fp32"}
