@@ -154,6 +154,23 @@ def test_token_budget_per_category_fits_the_longest_gold_answer(tmp_path, eval_s
     assert token_budgets(rows, processor, "answer", 7) == {"svg": 7}
 
 
+def test_prompt_auto_asks_each_row_in_the_mode_of_its_rl_stage(tmp_path, eval_set, processor):
+    from ovkit.evaluate.run import row_mode, token_budgets
+    from ovkit.prompts import ANSWER_PROMPT, THINK_PROMPT
+
+    assert row_mode({"category": "science"}, "auto") == "think" and row_mode({"category": "counting"}, "auto") == "answer"
+    assert row_mode({"category": "counting", "prompt_type": "default"}, "auto") == "think"  # the released column wins
+    assert row_mode({"category": "science"}, "answer") == "answer"
+    rows = [{"category": "svg", "answer": "<svg/>"}, {"category": "counting", "answer": "3"}]
+    budgets = token_budgets(rows, processor, "auto", None)
+    assert budgets["svg"] == budgets["counting"] + 256  # svg is a stage-2 (think) category, counting is not
+    science = {q: f"<think>it tips left</think><answer>{a}</answer>" for _, _, _, q, a, _, _, _, _ in ROWS}
+    _, summary, _ = _run(tmp_path, eval_set, processor, answers=science, prompt="auto")
+    lines = [json.loads(x) for f in tmp_path.glob("*/*_samples_*.jsonl") for x in f.read_text().splitlines()]
+    assert all(ANSWER_PROMPT in x["input"] and THINK_PROMPT not in x["input"] for x in lines)  # none of these is stage 2
+    assert summary["prompt"] == "auto"
+
+
 def test_pass_at_k_matches_the_combinatorial_definition():
     from ovkit.evaluate import pass_at_k
 

@@ -16,7 +16,7 @@ def evaluate(
     out: Path = typer.Option(None, "--out", help="Output directory (written atomically); with --compare: a markdown file for the table."),
     compare: bool = typer.Option(False, "--compare", help="Tabulate finished evals (the DATA arguments) instead of running one."),
     metric: str = typer.Option("reward", "--metric", help="--compare: reward, accuracy, pass@K or truncated."),
-    prompt: str = typer.Option("answer", "--prompt", help="Instruction added to each prompt: answer, think or none."),
+    prompt: str = typer.Option("answer", "--prompt", help="Instruction added to each prompt: answer, think, none, or auto (each row in the mode of its RL stage: think for rl-curate's stage-2 categories)."),
     engine: str = typer.Option("hf", "--engine", help="hf (transformers, any device) or vllm (GPU)."),
     batch_size: int = typer.Option(64, "--batch-size", help="Sequences per generate call (rows x n), hf engine."),
     max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="Tokens per completion (default: per category, 1.25 x its longest gold answer, at least 32; +256 with --prompt think)."),
