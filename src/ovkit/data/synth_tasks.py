@@ -357,7 +357,9 @@ RELATIONS = {"left": (0, -1), "right": (0, 1), "above": (-1, 0), "below": (1, 0)
 
 
 def spatial(rng: random.Random, pick: Picker, side: str) -> Task:
-    """Two shapes in one row or one column; multiple choice: where is A relative to B."""
+    """Two shapes in one row or one column; multiple choice: where is A relative to B. The four relations are always
+    listed in the same order (A. left, B. right, C. above, D. below): a shuffled order made the tiny model look the
+    relation up among the options as well, and it stayed at chance."""
 
     def sample():
         (a, b), relation = pick.combos_distinct(2), rng.choice(list(RELATIONS))
@@ -372,7 +374,6 @@ def spatial(rng: random.Random, pick: Picker, side: str) -> Task:
     a_cell = (b_cell // 3 + dr * k) * 3 + b_cell % 3 + dc * k
     oa, ob = place(rng, *a, a_cell), place(rng, *b, b_cell)
     options = list(RELATIONS)
-    rng.shuffle(options)
     letter = "ABCD"[options.index(relation)]
     phrase = {"left": "to the left of", "right": "to the right of", "above": "above", "below": "below"}[relation]
     return Task(
@@ -388,7 +389,9 @@ ARROW_PAIRS = [(a, b) for a in range(9) for b in range(9) if max(abs(a // 3 - b 
 
 
 def diagram(rng: random.Random, pick: Picker, side: str) -> Task:
-    """An arrow from one shape to another; multiple choice: which shape does it point to (plus one absent shape)."""
+    """An arrow from one shape to another; multiple choice: which shape does it point to. The options name the two
+    shapes in reading order (top-left first), then one shape that is not in the picture, so the answer is read off
+    the arrow's head rather than looked up among shuffled names."""
 
     def sample():
         src, dst = pick.combos_distinct(2)
@@ -400,8 +403,7 @@ def diagram(rng: random.Random, pick: Picker, side: str) -> Task:
     img = scene_image([os_, od])
     _arrow(ImageDraw.Draw(img), _centre(os_.box), _centre(od.box), shorten=13)
     absent = next(" ".join(c) for c in pick.combos_distinct(3) if c not in (src, dst))
-    options = [os_.name, od.name, absent]
-    rng.shuffle(options)
+    options = [o.name for o in sorted((os_, od), key=lambda o: o.cell)] + [absent]
     letter = "ABCD"[options.index(od.name)]
     en, zh = f"an arrow from {_a(os_.name)} to {_a(od.name)}", f"一个箭头从{_zh(os_.name)}指向{_zh(od.name)}"
     return Task(
@@ -421,9 +423,9 @@ def _arrow(draw: ImageDraw.ImageDraw, p: tuple[float, float], q: tuple[float, fl
     ux, uy = dx / length, dy / length
     start = (p[0] + ux * shorten, p[1] + uy * shorten)
     tip = (q[0] - ux * shorten, q[1] - uy * shorten)
-    draw.line([start, tip], fill=INK, width=2)
-    back = (tip[0] - ux * 7, tip[1] - uy * 7)
-    draw.polygon([tip, (back[0] - uy * 4, back[1] + ux * 4), (back[0] + uy * 4, back[1] - ux * 4)], fill=INK)
+    draw.line([start, tip], fill=INK, width=3)
+    back = (tip[0] - ux * 10, tip[1] - uy * 10)
+    draw.polygon([tip, (back[0] - uy * 6, back[1] + ux * 6), (back[0] + uy * 6, back[1] - ux * 6)], fill=INK)
 
 
 def _zh(name: str) -> str:
@@ -432,35 +434,36 @@ def _zh(name: str) -> str:
 
 
 def science(rng: random.Random, pick: Picker, side: str) -> Task:
-    """A seesaw tipped towards the heavier of two shapes; multiple choice: which one is heavier."""
+    """A seesaw tipped towards the heavier of two shapes; multiple choice: which one is heavier. The options list the
+    shapes as they sit, left then right, so the answer is read off the tilt (a shuffled order would add a name-to-
+    letter lookup that the tiny model never learnt: the first design stayed at chance)."""
 
     def sample():
         (left, right), heavier = pick.combos_distinct(2), rng.choice(("left", "right"))
         return f"science:{' '.join(left)} | {' '.join(right)} heavier {heavier}", (left, right, heavier)
 
     key, (left, right, heavier) = draw_until(rng, side, sample)
-    tilt = 11 if heavier == "left" else -11  # the left end goes down by `tilt` pixels
+    drop, dx, size = rng.randint(9, 13), rng.randint(-4, 4), rng.randint(18, 22)
+    tilt = drop if heavier == "left" else -drop  # the left end goes down by `tilt` pixels
     img = Image.new("RGB", (SCENE, SCENE), WHITE)
     draw = ImageDraw.Draw(img)
-    draw.polygon([(42, 58), (52, 78), (32, 78)], fill=(110, 110, 110))  # the fulcrum
+    draw.polygon([(42 + dx, 58), (52 + dx, 78), (32 + dx, 78)], fill=(110, 110, 110))  # the fulcrum
     yl, yr = 58 + tilt, 58 - tilt
-    draw.line([(6, yl), (78, yr)], fill=INK, width=3)
-    size = 20
+    x1, x2 = 6 + dx, 78 + dx
+    draw.line([(x1, yl), (x2, yr)], fill=INK, width=3)
     objs = [
-        Obj(*left, 3, (6, yl - 2 - size, 6 + size, yl - 2)),
-        Obj(*right, 5, (78 - size, yr - 2 - size, 78, yr - 2)),
+        Obj(*left, 3, (x1, yl - 2 - size, x1 + size, yl - 2)),
+        Obj(*right, 5, (x2 - size, yr - 2 - size, x2, yr - 2)),
     ]
     for o in objs:
         draw_shape(draw, o.shape, o.box, COLOURS[o.colour])
     names = [o.name for o in objs]
-    options = list(names)
-    rng.shuffle(options)
     heavy = names[0] if heavier == "left" else names[1]
-    letter = "ABCD"[options.index(heavy)]
+    letter = "A" if heavier == "left" else "B"
     side_zh = "左" if heavier == "left" else "右"
     return Task(
         "science", key, img,
-        f"The seesaw tips towards the heavier side. Which shape is heavier?\n{options_text(options)}",
+        f"The seesaw tips towards the heavier side. Which shape is heavier?\n{options_text(names)}",
         letter, f"The seesaw is lower on the {heavier}, under the {heavy}, so the {heavy} is heavier: option {letter}.",
         f"a seesaw with {_a(names[0])} on the left and {_a(names[1])} on the right, lower on the {heavier}",
         f"一个向{side_zh}倾斜的跷跷板，左边是{_zh(names[0])}，右边是{_zh(names[1])}",
@@ -531,7 +534,7 @@ def chart(rng: random.Random, pick: Picker, side: str) -> Task:
     for i, v in enumerate(values):
         cx = slot * (i + 0.5)
         draw.rectangle((cx - 12, base - unit * v, cx + 11, base - 1), fill=COLOURS[colour])
-        draw_text(img, (cx, base - unit * v - 10), str(v), 18)
+        draw_text(img, (cx, base - unit * v - 13), str(v), 24)  # digits span two patches: 18 px ones were not read
         draw_text(img, (cx, base + 12), labels[i], 18)
     i = rng.randrange(len(values))
     pairs = [f"{lab} is {v}" for lab, v in zip(labels, values)]
