@@ -1,6 +1,7 @@
 # ovkit: the recipe as a readable, runnable pipeline (nanochat's runcpu.sh plays this role there).
 #
 #   make full-pipeline   set up, then run every stage on the embedded default (synthetic corpus + tiny model, CPU)
+#   make science         after it: the seed write-ups' mismatch findings rerun with ovkit's commands (report.html)
 #   make test            set up, then run the fast test suite
 #
 # Every stage is one `ovkit` command reading and writing plain files under $(RUN); re-running skips finished
@@ -28,10 +29,10 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: setup test test-slow full-pipeline mismatch-demo multiturn-demo clean-run bench help
+.PHONY: setup test test-slow full-pipeline science science-runs mismatch-demo multiturn-demo clean-run bench help
 
 help:
-	@sed -n '2,7p' Makefile
+	@sed -n '2,8p' Makefile
 
 setup: $(STAMP)
 
@@ -168,3 +169,44 @@ full-pipeline: setup $(CAPTIONED) $(foreach s,$(STAGES),$(EVALS)/$(s)/summary.js
 	@echo
 	@echo "Held-out score per category after each stage (mean reward; $(RUN)/table.md):"
 	@$(OVKIT) eval --compare $(foreach s,$(STAGES),$(s)=$(EVALS)/$(s)) --out $(RUN)/table.md
+
+# ---------------------------------------------------------------------------------------------------------------
+# make science: the findings of the seed write-ups on sampler/learner mismatch, rerun with ovkit's own commands on the
+# pipeline's SFT model and RL prompts, in one report ($(RUN)/science/report.html, report.md; python -m ovkit.science).
+#  1. rl-train stage 1 from the SFT model, learner fp32, sampler fp32 / int8 / int4 (4-bit weights), the low-precision
+#     ones without correction and with token-TIS, seq-MIS and geometric rejection; 3 seeds each, synchronous, so a seed
+#     gives the same run; each final model scored on the validation split (the table's eval split stays untouched);
+#  2. mismatch by the sampler's token probability, bf16 / int8 / int4 samplers (the low-probability-token trap);
+#  3. first vs later turns of verifier episodes at matched context positions, bf16 / int8 / int4;
+#  4. packing compression and the balancing long tail, read from the pipeline's pack plan and balanced split.
+# The runs are independent processes: two at a time on two cores.
+
+SCI          := $(RUN)/science
+SCI_SEEDS    := 1 2 3
+SCI_VARIANTS := fp32 int8 int8-tis int8-seqmis int8-geors int4 int4-tis int4-seqmis int4-geors
+SCI_EVALS    := $(foreach v,$(SCI_VARIANTS),$(foreach s,$(SCI_SEEDS),$(SCI)/eval/$(v)/s$(s)/summary.json))
+# rl-train flags of a variant directory name: the sampler, then the correction
+sci_flags = $(if $(findstring int8,$(1)),--sampler-quant int8)$(if $(findstring int4,$(1)),--sampler-quant int4) \
+	$(if $(findstring -tis,$(1)),--correction token-tis)$(if $(findstring -seqmis,$(1)),--correction seq-mis --correction-lower 0.5)$(if $(findstring -geors,$(1)),--correction geo-rs)
+
+$(SCI)/rl/%/ovkit.json: $(RUN)/rl-data/ovkit.json
+	$(OVKIT) rl-train $(RUN)/rl-data/stage1 --model $(MODELS)/sft --out $(SCI)/rl/$* --config examples/tiny/rl-science.yaml \
+		$(call sci_flags,$(dir $*)) --seed $(patsubst s%,%,$(notdir $*)) --quiet
+
+$(SCI)/eval/%/summary.json: $(SCI)/rl/%/ovkit.json
+	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(SCI)/rl/$* $(DATA)/val --limit 40 --out $(SCI)/eval/$* --quiet
+
+$(SCI)/buckets/ovkit.json: $(MODELS)/sft/ovkit.json
+	$(OVKIT) mismatch-report --model $(MODELS)/sft --generate $(DATA)/val --limit 24 --n 8 --max-new-tokens 64 \
+		--no-system-prompt --sampler bf16 --sampler int8 --sampler int4 --seed $(SEED) --out $(SCI)/buckets --quiet
+
+$(SCI)/turns/ovkit.json: $(RUN)/rl-data/ovkit.json
+	$(OVKIT) mismatch-report --generate $(RUN)/rl-data/stage1 --model $(MODELS)/sft --env verifier --limit 40 --n 8 \
+		--max-new-tokens 32 --no-system-prompt --sampler bf16 --sampler int8 --sampler int4 --seed $(SEED) \
+		--out $(SCI)/turns --quiet
+
+science-runs: $(SCI_EVALS) $(SCI)/buckets/ovkit.json $(SCI)/turns/ovkit.json
+
+science: setup $(RUN)/rl-data/ovkit.json
+	$(MAKE) -j2 science-runs RUN=$(RUN) SEED=$(SEED)
+	$(BIN)/python -m ovkit.science $(RUN)
