@@ -29,7 +29,7 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: setup test test-slow full-pipeline science science-runs mismatch-demo multiturn-demo clean-run bench help
+.PHONY: setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
 
 help:
 	@sed -n '2,8p' Makefile
@@ -114,10 +114,11 @@ $(MODELS)/sft/ovkit.json: $(MODELS)/midtrain/ovkit.json
 		--config examples/tiny/sft.yaml --seed $(SEED) --resume --quiet
 
 # 9. RL data curation: 8 rollouts per prompt with the SFT model; keep prompts with 0 < pass@1 < 0.6 and split them
-#    into the answer-only (stage 1) and chain-of-thought (stage 2) sets.
+#    into the answer-only (stage 1) and chain-of-thought (stage 2) sets. 256 new tokens: a think rationale and its
+#    answer must fit (with 64, most think rollouts were cut before <answer> and stage 2's set was chosen on noise).
 $(RUN)/rl-data/ovkit.json: $(MODELS)/sft/ovkit.json
-	$(OVKIT) rl-curate $(DATA)/rl --model $(MODELS)/sft --out $(RUN)/rl-data --n 8 --limit 24 \
-		--max-new-tokens 64 --no-system-prompt --seed $(SEED) --quiet
+	$(OVKIT) rl-curate $(DATA)/rl --model $(MODELS)/sft --out $(RUN)/rl-data --n 8 --limit 16 \
+		--max-new-tokens 256 --no-system-prompt --seed $(SEED) --quiet
 
 # 10. GRPO, stage 1 (answer-only) then stage 2 (think), decoupled PPO with the capped behaviour weight.
 $(MODELS)/rl1/ovkit.json: $(RUN)/rl-data/ovkit.json
@@ -154,9 +155,9 @@ multiturn-demo: $(RUN)/rl-data/ovkit.json
 	$(OVKIT) mismatch-report --generate $(RUN)/rl-data/stage1 --model $(MODELS)/sft --env verifier --limit 4 --n 4 \
 		--max-new-tokens 32 --no-system-prompt --sampler fp32 --sampler bf16 --sampler int8 --seed $(SEED) \
 		--out $(RUN)/mismatch-multiturn-samplers --overwrite --quiet
-	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/sft $(DATA)/eval --env zoom \
+	$(OVKIT) eval --config examples/tiny/eval.yaml --prompt answer --model $(MODELS)/sft $(DATA)/eval --env zoom \
 		--out $(EVALS)/sft-zoom --quiet
-	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/sft $(DATA)/eval --env verifier \
+	$(OVKIT) eval --config examples/tiny/eval.yaml --prompt answer --model $(MODELS)/sft $(DATA)/eval --env verifier \
 		--env-arg discount=1.0 --out $(EVALS)/sft-verifier --quiet
 
 # Held-out evaluation after every stage: the same eval split, answer-only prompts, greedy.
@@ -165,10 +166,15 @@ $(EVALS)/%/summary.json: $(MODELS)/%/ovkit.json
 
 STAGES := stage0 align midtrain sft rl1 rl2
 
-full-pipeline: setup $(CAPTIONED) $(foreach s,$(STAGES),$(EVALS)/$(s)/summary.json) $(RUN)/mismatch/ovkit.json
+# Two jobs at a time: each eval runs beside the next training stage (every stage is its own single-threaded process,
+# so this changes no result, only the wall time on two cores).
+full-pipeline: setup
+	$(MAKE) -j2 pipeline-outputs RUN=$(RUN) SEED=$(SEED)
 	@echo
 	@echo "Held-out score per category after each stage (mean reward; $(RUN)/table.md):"
 	@$(OVKIT) eval --compare $(foreach s,$(STAGES),$(s)=$(EVALS)/$(s)) --out $(RUN)/table.md
+
+pipeline-outputs: $(CAPTIONED) $(foreach s,$(STAGES),$(EVALS)/$(s)/summary.json) $(RUN)/mismatch/ovkit.json
 
 # ---------------------------------------------------------------------------------------------------------------
 # make science: the findings of the seed write-ups on sampler/learner mismatch, rerun with ovkit's own commands on the
