@@ -299,7 +299,7 @@ def test_example_config_is_valid():
 
     values = load_yaml(ROOT / "examples" / "tiny" / "eval.yaml")
     cfg = merge(EvalConfig, {"data": [Path("data/eval")], "model": Path("runs/sft"), "out": Path("runs/eval-sft")}, {"data", "model", "out"}, values)
-    assert cfg.prompt in ("answer", "think") and cfg.engine == "hf"
+    assert cfg.prompt in ("answer", "think", "auto") and cfg.engine == "hf"
 
 
 def test_eval_command_end_to_end_on_the_tiny_model(tmp_path, eval_set, cli):
