@@ -1,6 +1,7 @@
 # ovkit: the recipe as a readable, runnable pipeline (nanochat's runcpu.sh plays this role there).
 #
 #   make full-pipeline   set up, then run every stage on the embedded default (synthetic corpus + tiny model, CPU)
+#   make science         after it: the seed write-ups' mismatch findings rerun with ovkit's commands (report.html)
 #   make test            set up, then run the fast test suite
 #
 # Every stage is one `ovkit` command reading and writing plain files under $(RUN); re-running skips finished
@@ -28,10 +29,10 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: setup test test-slow full-pipeline mismatch-demo multiturn-demo clean-run bench help
+.PHONY: setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
 
 help:
-	@sed -n '2,7p' Makefile
+	@sed -n '2,8p' Makefile
 
 setup: $(STAMP)
 
@@ -113,10 +114,11 @@ $(MODELS)/sft/ovkit.json: $(MODELS)/midtrain/ovkit.json
 		--config examples/tiny/sft.yaml --seed $(SEED) --resume --quiet
 
 # 9. RL data curation: 8 rollouts per prompt with the SFT model; keep prompts with 0 < pass@1 < 0.6 and split them
-#    into the answer-only (stage 1) and chain-of-thought (stage 2) sets.
+#    into the answer-only (stage 1) and chain-of-thought (stage 2) sets. 256 new tokens: a think rationale and its
+#    answer must fit (with 64, most think rollouts were cut before <answer> and stage 2's set was chosen on noise).
 $(RUN)/rl-data/ovkit.json: $(MODELS)/sft/ovkit.json
-	$(OVKIT) rl-curate $(DATA)/rl --model $(MODELS)/sft --out $(RUN)/rl-data --n 8 --limit 24 \
-		--max-new-tokens 64 --no-system-prompt --seed $(SEED) --quiet
+	$(OVKIT) rl-curate $(DATA)/rl --model $(MODELS)/sft --out $(RUN)/rl-data --n 8 --limit 16 \
+		--max-new-tokens 256 --no-system-prompt --seed $(SEED) --quiet
 
 # 10. GRPO, stage 1 (answer-only) then stage 2 (think), decoupled PPO with the capped behaviour weight.
 $(MODELS)/rl1/ovkit.json: $(RUN)/rl-data/ovkit.json
@@ -153,18 +155,70 @@ multiturn-demo: $(RUN)/rl-data/ovkit.json
 	$(OVKIT) mismatch-report --generate $(RUN)/rl-data/stage1 --model $(MODELS)/sft --env verifier --limit 4 --n 4 \
 		--max-new-tokens 32 --no-system-prompt --sampler fp32 --sampler bf16 --sampler int8 --seed $(SEED) \
 		--out $(RUN)/mismatch-multiturn-samplers --overwrite --quiet
-	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/sft $(DATA)/eval --env zoom \
+	$(OVKIT) eval --config examples/tiny/eval.yaml --prompt answer --model $(MODELS)/sft $(DATA)/eval --env zoom \
 		--out $(EVALS)/sft-zoom --quiet
-	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/sft $(DATA)/eval --env verifier \
+	$(OVKIT) eval --config examples/tiny/eval.yaml --prompt answer --model $(MODELS)/sft $(DATA)/eval --env verifier \
 		--env-arg discount=1.0 --out $(EVALS)/sft-verifier --quiet
 
-# Held-out evaluation after every stage: the same eval split, answer-only prompts, greedy.
+# Held-out evaluation after every stage: the same eval split, each row in its RL stage's mode, greedy.
 $(EVALS)/%/summary.json: $(MODELS)/%/ovkit.json
 	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/$* $(DATA)/eval --out $(EVALS)/$* --quiet
 
+# The untrained stage-0 model never closes an answer, so every row runs to its token budget (~10 minutes for the
+# whole split on one core): it is scored on the first 50 rows of each category (the table says so, and its
+# intervals are wider).
+$(EVALS)/stage0/summary.json: $(MODELS)/stage0/ovkit.json
+	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(MODELS)/stage0 $(DATA)/eval --limit 50 --out $(EVALS)/stage0 --quiet
+
 STAGES := stage0 align midtrain sft rl1 rl2
 
-full-pipeline: setup $(CAPTIONED) $(foreach s,$(STAGES),$(EVALS)/$(s)/summary.json) $(RUN)/mismatch/ovkit.json
+# Two jobs at a time: each eval runs beside the next training stage (every stage is its own single-threaded process,
+# so this changes no result, only the wall time on two cores).
+full-pipeline: setup
+	$(MAKE) -j2 pipeline-outputs RUN=$(RUN) SEED=$(SEED)
 	@echo
 	@echo "Held-out score per category after each stage (mean reward; $(RUN)/table.md):"
 	@$(OVKIT) eval --compare $(foreach s,$(STAGES),$(s)=$(EVALS)/$(s)) --out $(RUN)/table.md
+
+pipeline-outputs: $(CAPTIONED) $(foreach s,$(STAGES),$(EVALS)/$(s)/summary.json) $(RUN)/mismatch/ovkit.json
+
+# ---------------------------------------------------------------------------------------------------------------
+# make science: the findings of the seed write-ups on sampler/learner mismatch, rerun with ovkit's own commands on the
+# pipeline's SFT model and RL prompts, in one report ($(RUN)/science/report.html, report.md; python -m ovkit.science).
+#  1. rl-train stage 1 from the SFT model, learner fp32, sampler fp32 / int8 / int4 (4-bit weights), the low-precision
+#     ones without correction and with token-TIS, seq-MIS and geometric rejection; 3 seeds each, synchronous, so a seed
+#     gives the same run; each final model scored on the validation split (the table's eval split stays untouched);
+#  2. mismatch by the sampler's token probability, bf16 / int8 / int4 samplers (the low-probability-token trap);
+#  3. first vs later turns of verifier episodes at matched context positions, bf16 / int8 / int4;
+#  4. packing compression and the balancing long tail, read from the pipeline's pack plan and balanced split.
+# The runs are independent processes: two at a time on two cores.
+
+SCI          := $(RUN)/science
+SCI_SEEDS    := 1 2 3
+SCI_VARIANTS := fp32 int8 int8-tis int8-seqmis int8-geors int4 int4-tis int4-seqmis int4-geors
+SCI_EVALS    := $(foreach v,$(SCI_VARIANTS),$(foreach s,$(SCI_SEEDS),$(SCI)/eval/$(v)/s$(s)/summary.json))
+# rl-train flags of a variant directory name: the sampler, then the correction
+sci_flags = $(if $(findstring int8,$(1)),--sampler-quant int8)$(if $(findstring int4,$(1)),--sampler-quant int4) \
+	$(if $(findstring -tis,$(1)),--correction token-tis)$(if $(findstring -seqmis,$(1)),--correction seq-mis --correction-lower 0.5)$(if $(findstring -geors,$(1)),--correction geo-rs)
+
+$(SCI)/rl/%/ovkit.json: $(RUN)/rl-data/ovkit.json
+	$(OVKIT) rl-train $(RUN)/rl-data/stage1 --model $(MODELS)/sft --out $(SCI)/rl/$* --config examples/tiny/rl-science.yaml \
+		$(call sci_flags,$(dir $*)) --seed $(patsubst s%,%,$(notdir $*)) --quiet
+
+$(SCI)/eval/%/summary.json: $(SCI)/rl/%/ovkit.json
+	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(SCI)/rl/$* $(DATA)/val --limit 40 --out $(SCI)/eval/$* --quiet
+
+$(SCI)/buckets/ovkit.json: $(MODELS)/sft/ovkit.json
+	$(OVKIT) mismatch-report --model $(MODELS)/sft --generate $(DATA)/val --limit 24 --n 8 --max-new-tokens 64 \
+		--no-system-prompt --sampler bf16 --sampler int8 --sampler int4 --seed $(SEED) --out $(SCI)/buckets --quiet
+
+$(SCI)/turns/ovkit.json: $(RUN)/rl-data/ovkit.json
+	$(OVKIT) mismatch-report --generate $(RUN)/rl-data/stage1 --model $(MODELS)/sft --env verifier --limit 40 --n 8 \
+		--max-new-tokens 32 --no-system-prompt --sampler bf16 --sampler int8 --sampler int4 --seed $(SEED) \
+		--out $(SCI)/turns --quiet
+
+science-runs: $(SCI_EVALS) $(SCI)/buckets/ovkit.json $(SCI)/turns/ovkit.json
+
+science: setup $(RUN)/rl-data/ovkit.json
+	$(MAKE) -j2 science-runs RUN=$(RUN) SEED=$(SEED)
+	$(BIN)/python -m ovkit.science $(RUN)

@@ -198,7 +198,7 @@ def tiny_model(tmp_path_factory):
     from ovkit.data.synth import pretrain_rows
     from ovkit.models.tiny import build_tiny
 
-    synth = pretrain_rows(0, {"all": 12}, set())
+    synth = pretrain_rows(0, {"all": 12}, {})
     texts = [m["content"] for r in synth for m in r["messages"]] * 4
     base = tmp_path_factory.mktemp("caption")
     model = build_tiny(base / "tiny", texts, seed=0)

@@ -76,7 +76,7 @@ def test_synth_card_loads_every_split_with_its_rows_and_pil_images(corpus):
     assert eval_.num_rows == expected["eval"] and "answer" in eval_.column_names
     assert set(ds["instruct"].column_names) == set(pretrain.column_names) & set(eval_.column_names)
     meta = card_meta(corpus)
-    assert [c["config_name"] for c in meta["configs"]] == ["default", "eval", "instruct", "pretrain", "rl"]
+    assert [c["config_name"] for c in meta["configs"]] == ["default", "eval", "instruct", "pretrain", "rl", "val"]
 
 
 def test_card_prose_comes_from_provenance(corpus):

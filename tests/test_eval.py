@@ -154,6 +154,23 @@ def test_token_budget_per_category_fits_the_longest_gold_answer(tmp_path, eval_s
     assert token_budgets(rows, processor, "answer", 7) == {"svg": 7}
 
 
+def test_prompt_auto_asks_each_row_in_the_mode_of_its_rl_stage(tmp_path, eval_set, processor):
+    from ovkit.evaluate.run import row_mode, token_budgets
+    from ovkit.prompts import ANSWER_PROMPT, THINK_PROMPT
+
+    assert row_mode({"category": "science"}, "auto") == "think" and row_mode({"category": "counting"}, "auto") == "answer"
+    assert row_mode({"category": "counting", "prompt_type": "default"}, "auto") == "think"  # the released column wins
+    assert row_mode({"category": "science"}, "answer") == "answer"
+    rows = [{"category": "svg", "answer": "<svg/>"}, {"category": "counting", "answer": "3"}]
+    budgets = token_budgets(rows, processor, "auto", None)
+    assert budgets["svg"] == budgets["counting"] + 256  # svg is a stage-2 (think) category, counting is not
+    science = {q: f"<think>it tips left</think><answer>{a}</answer>" for _, _, _, q, a, _, _, _, _ in ROWS}
+    _, summary, _ = _run(tmp_path, eval_set, processor, answers=science, prompt="auto")
+    lines = [json.loads(x) for f in tmp_path.glob("*/*_samples_*.jsonl") for x in f.read_text().splitlines()]
+    assert all(ANSWER_PROMPT in x["input"] and THINK_PROMPT not in x["input"] for x in lines)  # none of these is stage 2
+    assert summary["prompt"] == "auto"
+
+
 def test_pass_at_k_matches_the_combinatorial_definition():
     from ovkit.evaluate import pass_at_k
 
@@ -212,18 +229,52 @@ def test_compare_prints_one_table_across_runs(tmp_path, eval_set, processor, cli
     table = [line for line in out.splitlines() if line.startswith("|")]
     assert [c.strip() for c in table[0].split("|")[1:-1]] == ["category", "eval-sft", "rl"]  # labels: dir or LABEL=
     cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table[2:]}
-    assert list(cells) == ["counting", "grounding", "spatial", "uncategorized", "**overall**"]  # overall last
-    assert cells["spatial"] == ["66.7", "100.0"] and cells["**overall**"] == ["59.4", "100.0"]
+    assert list(cells) == ["counting", "grounding", "spatial", "uncategorized", "**overall**", "**change vs left**"]
+    values = {k: [c.split(" ±")[0] for c in v] for k, v in cells.items()}
+    assert values["spatial"] == ["66.7", "100.0"] and values["**overall**"] == ["59.4", "100.0"]
+    assert all(" ±" in c for c in cells["**overall**"])  # every cell carries its interval
+    assert cells["**change vs left**"][1].startswith("+40.6 ±")  # paired over the same 8 rows
     assert len({len(line) for line in table}) == 1  # aligned columns
     assert (tmp_path / "final.md").read_text() in out
     code, out, _ = cli("eval", "--compare", tmp_path / "eval-sft", "--metric", "accuracy")
-    assert code == 0 and "accuracy" in out and "| **overall**" in out and "62.5" in out
+    assert code == 0 and "accuracy" in out and "| **overall**" in out and "62.5 ±" in out
     lmms = next((tmp_path / "eval-rl").glob("*/*_results.json"))  # an lmms-eval results file reads too
     code, out, _ = cli("eval", "--compare", f"lmms={lmms}")
     assert code == 0
     header, *_, overall = [line for line in out.splitlines() if line.startswith("|")]
     assert [c.strip() for c in header.split("|")[1:-1]] == ["category", "lmms"]
-    assert overall.split("|")[2].strip() == "100.0"
+    assert overall.split("|")[2].strip().split(" ±")[0] == "100.0"
+
+
+def test_wilson_interval_covers_the_binomial_truth_and_stays_inside_0_1():
+    import random
+
+    from ovkit.evaluate.metrics import wilson_interval
+
+    assert wilson_interval(0.0, 40)[0] == 0.0 and 0.08 < wilson_interval(0.0, 40)[1] < 0.09  # not a point at 0%
+    assert wilson_interval(1.0, 40)[1] == 1.0
+    lo, hi = wilson_interval(0.5, 400)
+    assert abs((hi - lo) / 2 - 0.049) < 0.001  # ~ 1.96 sqrt(0.25 / 400) near the middle
+    rng = random.Random(0)
+    covered = 0
+    for _ in range(2000):  # nominal 95% coverage for p = 0.2, n = 100 (binomial draws)
+        k = sum(rng.random() < 0.2 for _ in range(100))
+        lo, hi = wilson_interval(k / 100, 100)
+        covered += lo <= 0.2 <= hi
+    assert 0.93 < covered / 2000 < 0.975
+
+
+def test_paired_difference_is_tighter_than_two_intervals_when_runs_agree():
+    from ovkit.evaluate.metrics import paired_difference, wilson_interval
+
+    before = [1.0] * 100 + [0.0] * 300
+    after = [1.0] * 110 + [0.0] * 290  # the same rows, 10 more right
+    mean, half = paired_difference(after, before)
+    assert abs(mean - 0.025) < 1e-12 and half < 0.016
+    lo, hi = wilson_interval(0.25, 400)
+    assert half < (hi - lo) / 2  # the unpaired intervals alone could not tell a 2.5-point change from noise
+    with pytest.raises(ValueError):
+        paired_difference([1.0], [])
 
 
 def test_compare_errors_name_the_problem(tmp_path, cli):
@@ -248,7 +299,7 @@ def test_example_config_is_valid():
 
     values = load_yaml(ROOT / "examples" / "tiny" / "eval.yaml")
     cfg = merge(EvalConfig, {"data": [Path("data/eval")], "model": Path("runs/sft"), "out": Path("runs/eval-sft")}, {"data", "model", "out"}, values)
-    assert cfg.prompt in ("answer", "think") and cfg.engine == "hf"
+    assert cfg.prompt in ("answer", "think", "auto") and cfg.engine == "hf"
 
 
 def test_eval_command_end_to_end_on_the_tiny_model(tmp_path, eval_set, cli):

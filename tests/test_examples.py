@@ -22,7 +22,9 @@ from ovkit.errors import OvkitError
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
-FILE_COMMANDS = {"rl-stage1": "rl-train", "rl-stage2": "rl-train", "rl-multiturn": "rl-train", "sft-lora": "sft"}  # file stem -> command, where they differ
+FILE_COMMANDS = {
+    "rl-stage1": "rl-train", "rl-stage2": "rl-train", "rl-multiturn": "rl-train", "rl-science": "rl-train", "sft-lora": "sft",
+}  # file stem -> command, where they differ
 
 cli_mod._register()
 CALLBACKS = {c.name: c.callback for c in cli_mod.app.registered_commands}

@@ -209,7 +209,9 @@ def test_bfloat16_sampler_is_a_synced_copy(tiny, prompts):
         assert torch.equal(mine, theirs.to(torch.bfloat16)), name
 
 
-def test_int8_sampler_is_close_to_fp32_and_requantises_on_update(tiny, prompts):
+def _quantised_sampler_differs_and_requantises(tiny, prompts, quant):
+    """A quantised sampler is a copy (the learner untouched) whose log-probs differ from fp32 by less than 1 nat on
+    the first greedy token, and `update_weights` rebuilds it from the learner's new weights."""
     import copy
 
     import torch
@@ -217,14 +219,12 @@ def test_int8_sampler_is_close_to_fp32_and_requantises_on_update(tiny, prompts):
     from ovkit.generate import HFEngine
 
     learner = copy.deepcopy(tiny[0])
-    engine = HFEngine(learner, tiny[1], quant="int8")
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-
-    assert any(isinstance(m, DynamicQuantizedLinear) for m in engine.model.modules())
-    assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())
+    engine = HFEngine(learner, tiny[1], quant=quant)
+    assert engine.model is not learner
+    assert all(torch.equal(a, b) for a, b in zip(learner.parameters(), tiny[0].parameters()))
     fp32 = _engine(tiny).generate(prompts[:2], temperature=0, max_new_tokens=4)
-    int8 = engine.generate(prompts[:2], temperature=0, max_new_tokens=4)
-    for a, b in zip(fp32, int8):
+    low = engine.generate(prompts[:2], temperature=0, max_new_tokens=4)
+    for a, b in zip(fp32, low):
         assert len(b[0].logprobs) == 4 and all(math.isfinite(x) for x in b[0].logprobs)
         assert a[0].logprobs[0] != b[0].logprobs[0]  # low precision really changes the distribution
         assert abs(a[0].logprobs[0] - b[0].logprobs[0]) < 1.0
@@ -235,7 +235,34 @@ def test_int8_sampler_is_close_to_fp32_and_requantises_on_update(tiny, prompts):
     engine.update_weights(learner)
     assert engine.model is not before
     after = engine.generate(prompts[:1], temperature=0, max_new_tokens=4)[0][0]
-    assert after.logprobs != int8[0][0].logprobs
+    assert after.logprobs != low[0][0].logprobs
+    return engine
+
+
+def test_int8_sampler_is_close_to_fp32_and_requantises_on_update(tiny, prompts):
+    import torch
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    engine = _quantised_sampler_differs_and_requantises(tiny, prompts, "int8")
+    assert any(isinstance(m, DynamicQuantizedLinear) for m in engine.model.modules())
+    assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())
+
+
+def test_int4_sampler_has_16_levels_per_group_and_requantises_on_update(tiny, prompts):
+    import torch
+
+    from ovkit.generate.quant import INT4_GROUP, round_weights
+
+    w = torch.randn(3, 2 * INT4_GROUP + 5)
+    layer = torch.nn.Linear(w.shape[1], 3, bias=False)
+    layer.weight.data.copy_(w)
+    q = round_weights(torch.nn.Sequential(layer), "int4")[0].weight.data
+    for row in range(3):  # every group holds at most 16 distinct values, within half a step of the original
+        for start in range(0, w.shape[1], INT4_GROUP):
+            group, orig = q[row, start : start + INT4_GROUP], w[row, start : start + INT4_GROUP]
+            assert len(torch.unique(group)) <= 16
+            assert float((group - orig).abs().max()) <= float(orig.abs().max()) / 7 / 2 + 1e-6
+    _quantised_sampler_differs_and_requantises(tiny, prompts, "int4")
 
 
 def test_bad_options_are_user_errors(tiny, prompts):
@@ -249,7 +276,7 @@ def test_bad_options_are_user_errors(tiny, prompts):
     with pytest.raises(OvkitError, match="dtype must be one of"):
         _engine(tiny, dtype="int4")
     with pytest.raises(OvkitError, match="--quant"):
-        _engine(tiny, quant="int4")
+        _engine(tiny, quant="int2")
     with pytest.raises(OvkitError, match="--top-p"):
         _engine(tiny).generate(prompts[:1], top_p=0)
     with pytest.raises(OvkitError, match="--temperature"):

@@ -242,6 +242,8 @@ def test_end_to_end_on_the_tiny_model(rl_assets, tmp_path, cli, one_thread):  # 
         for stem in ("prob_vs_logratio", "prob_scatter", "max_mismatch_by_length", "turns"):
             assert (out / "figures" / run / f"{stem}.png").stat().st_size > 0
     assert "| k3_kl |" in (out / "report.md").read_text()
+    for text in ((out / "report.md").read_text(), page):  # cited sources are listed by title, not by file number
+        assert "References" in text and "When Speed Kills Stability" in text and "Secretly Brings You Off-Policy" in text
     lp = pq.read_table(out / "logprobs.parquet")
     assert set(lp.column("run").to_pylist()) == {"fp32", "int8"}
 

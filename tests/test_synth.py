@@ -26,11 +26,11 @@ from ovkit.data.synth import (
     pretrain_rows,
 )
 from ovkit.data import synth_tasks
-from ovkit.data.synth_tasks import ANSWER_TYPES, CATEGORIES, COLOURS, SHAPES, is_heldout, render_svg
+from ovkit.data.synth_tasks import ANSWER_TYPES, CATEGORIES, COLOURS, SHAPES, is_heldout, render_svg, side_of
 from ovkit.errors import OvkitError
 from ovkit.prompts import ANSWER_PROMPT, THINK_PROMPT
 
-SCALE = 0.05  # 200 pretrain, 154 instruct, 33 rl, 22 eval rows: about two seconds
+SCALE = 0.05  # 200 pretrain, 396 instruct, 33 rl, 33 val, 165 eval rows: a few seconds
 
 
 def build(out: Path, scale: float = SCALE, seed: int = 0) -> dict:
@@ -104,7 +104,7 @@ def test_instruct_targets_follow_the_stage_instructions(corpus):
 
 
 def test_rl_and_eval_cover_every_category_with_its_scorer(corpus):
-    for split in ("rl", "eval"):
+    for split in ("rl", "val", "eval"):
         table = rows(corpus, split)
         assert {r["category"] for r in table} == set(CATEGORIES)
         for r in table:
@@ -119,21 +119,26 @@ def test_rl_and_eval_cover_every_category_with_its_scorer(corpus):
                 assert kwargs is None
 
 
-def test_eval_is_held_out_from_every_training_split(corpus):
+def test_eval_and_val_are_held_out_from_every_training_split_and_from_each_other(corpus):
     train = [r for split in ("pretrain", "instruct", "rl") for r in rows(corpus, split)]
-    evals = rows(corpus, "eval")
+    evals, vals = rows(corpus, "eval"), rows(corpus, "val")
     train_keys = {r["composition"] for r in train}
-    assert all(is_heldout(r["composition"]) for r in evals)
+    assert all(side_of(r["composition"]) == "eval" for r in evals)
+    assert all(side_of(r["composition"]) == "val" for r in vals)
     assert not any(is_heldout(k) for k in train_keys)
-    assert not train_keys & {r["composition"] for r in evals}
+    eval_keys, val_keys = {r["composition"] for r in evals}, {r["composition"] for r in vals}
+    assert not train_keys & eval_keys and not train_keys & val_keys and not val_keys & eval_keys
     digest = lambda r: hashlib.sha1(r["images"][0]["bytes"]).hexdigest()  # noqa: E731
-    assert not {digest(r) for r in train} & {digest(r) for r in evals}
+    train_images, eval_images, val_images = ({digest(r) for r in t} for t in (train, evals, vals))
+    assert not train_images & eval_images and not train_images & val_images and not val_images & eval_images
+    assert {r["category"] for r in vals} == set(CATEGORIES)
 
 
-def test_held_out_share_is_about_one_in_eight():
+def test_held_out_shares_are_about_one_in_eight_each():
     keys = [f"counting:{c} {s} x{n}" for c in COLOURS for s in SHAPES for n in range(1, 6)]
-    share = sum(map(is_heldout, keys)) / len(keys)
-    assert 0.05 < share < 0.25
+    for side in ("eval", "val"):
+        share = sum(side_of(k) == side for k in keys) / len(keys)
+        assert 0.05 < share < 0.25, side
 
 
 def test_text_renders_without_freetype(monkeypatch):
@@ -145,7 +150,7 @@ def test_text_renders_without_freetype(monkeypatch):
 
 
 def test_pretrain_concepts_are_long_tailed():
-    counts = concept_counts(pretrain_rows(seed=0, sizes={"all": 600}, eval_images=set()))
+    counts = concept_counts(pretrain_rows(seed=0, sizes={"all": 600}, images={}))
     assert max(counts.values()) >= 10 * statistics.median(counts.values())
 
 
@@ -255,7 +260,9 @@ def test_cli_writes_provenance_and_skips_a_complete_output(tmp_path):
     assert (out / "config.yaml").is_file() and (out / "preview.png").is_file()
     prov = json.loads((out / "ovkit.json").read_text())
     assert prov["command"] == "synth" and prov["seed"] == 3 and prov["config"]["scale"] == 0.01
-    assert prov["metrics"]["splits"]["eval"] == len(CATEGORIES)
+    from ovkit.data.synth import split_sizes
+
+    assert prov["metrics"]["splits"]["eval"] == sum(split_sizes(0.01)["eval"].values()) >= len(CATEGORIES)
     before = (out / "ovkit.json").read_bytes()
     second = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert second.returncode == 0 and "skipped" in second.stdout

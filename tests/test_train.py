@@ -357,3 +357,29 @@ def test_packed_rows_give_the_same_loss_and_update_as_padded_batches(assets, tmp
         torch.testing.assert_close(w_pad[name], w_pack[name], rtol=1e-4, atol=1e-6, msg=name)
     meta = [json.loads(x) for x in (tmp_path / "packed" / "metrics.jsonl").read_text().splitlines()]
     assert meta[0]["ovkit/target_tokens"] == json.loads((tmp_path / "padded" / "metrics.jsonl").read_text())["ovkit/target_tokens"]
+
+
+def test_vision_lr_gives_the_vision_encoder_its_own_learning_rate(tmp_path):
+    import torch
+
+    from ovkit.models.groups import group_of
+    from ovkit.runtime.optim import adamw
+    from ovkit.train.loop import vision_lrs
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.visual = torch.nn.Linear(4, 4)  # Qwen-VL names: model.visual.* is the vision encoder
+            self.language_model = torch.nn.Linear(4, 4)
+
+    model = Tiny()
+    assert group_of("visual.weight") == "vision"
+    assert vision_lrs(model, None) == {}
+    lrs = vision_lrs(model, 1e-4)
+    assert set(lrs) == {id(model.visual.weight), id(model.visual.bias)}
+    opt = adamw(model.parameters(), lr=1e-3, weight_decay=0.1, fused=False, lrs=lrs)
+    by_param = {id(p): (g["lr"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
+    assert by_param[id(model.visual.weight)] == (1e-4, 0.1) and by_param[id(model.visual.bias)] == (1e-4, 0.0)
+    assert by_param[id(model.language_model.weight)] == (1e-3, 0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    assert sorted(sched.get_last_lr()) == [5e-5, 5e-5, 5e-4, 5e-4]  # one schedule scales both rates

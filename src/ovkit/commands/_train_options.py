@@ -16,6 +16,7 @@ PLAN = typer.Option(None, "--plan", help="Pack plan of DATA (`ovkit pack`): trai
 TRAINABLE = typer.Option(None, "--trainable", help="Group (projector, vision, llm, all) or parameter-name regex to train; repeat for several. Default: the stage's preset.", rich_help_panel=OPTIMISER)
 FREEZE_VISION = typer.Option(None, "--freeze-vision", help="Keep the vision encoder frozen whatever --trainable selects.", rich_help_panel=OPTIMISER)
 LR = typer.Option(None, "--lr", help="Peak learning rate. Default: the stage's preset (align 1e-4, midtrain 1e-5, sft 1e-5).", rich_help_panel=OPTIMISER)
+VISION_LR = typer.Option(None, "--vision-lr", help="Peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr). Default: --lr.", rich_help_panel=OPTIMISER)
 MIN_LR = typer.Option(None, "--min-lr", help="Learning rate at the end of the cosine schedule.", rich_help_panel=OPTIMISER)
 WARMUP_RATIO = typer.Option(None, "--warmup-ratio", help="Fraction of the steps with linear warmup from 0.", rich_help_panel=OPTIMISER)
 WEIGHT_DECAY = typer.Option(None, "--weight-decay", help="AdamW weight decay on weight matrices. Default: the stage's preset (midtrain 0.01, else 0).", rich_help_panel=OPTIMISER)

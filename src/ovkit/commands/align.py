@@ -20,6 +20,7 @@ def align(
     trainable: list[str] = T.TRAINABLE,
     freeze_vision: bool = T.FREEZE_VISION,
     lr: float = T.LR,
+    vision_lr: float = T.VISION_LR,
     min_lr: float = T.MIN_LR,
     warmup_ratio: float = T.WARMUP_RATIO,
     weight_decay: float = T.WEIGHT_DECAY,

@@ -26,7 +26,7 @@ def evaluate(
     out: Path = _O(None, "--out", help="Output directory (written atomically); with --compare: a markdown file for the table.", rich_help_panel=IO),
     compare: bool = _O(None, "--compare", help="Tabulate finished evals (the DATA arguments) instead of running one.", rich_help_panel=COMPARE),
     metric: str = _O(None, "--metric", help="--compare: reward, accuracy, pass@K or truncated.", rich_help_panel=COMPARE),
-    prompt: str = _O(None, "--prompt", help="Instruction added to each prompt: answer, think or none.", rich_help_panel=GENERATION),
+    prompt: str = _O(None, "--prompt", help="Instruction added to each prompt: answer, think, none, or auto (each row in the mode of its RL stage: think for rl-curate's stage-2 categories).", rich_help_panel=GENERATION),
     engine: str = _O(None, "--engine", help="hf (transformers, any device) or vllm (GPU).", rich_help_panel=RUNTIME),
     batch_size: int = _O(None, "--batch-size", help="Sequences per generate call (rows x n), hf engine.", rich_help_panel=RUNTIME),
     max_new_tokens: int = _O(None, "--max-new-tokens", help="Tokens per completion (default: per category, 1.25 x its longest gold answer, at least 32; +256 with --prompt think).", rich_help_panel=GENERATION),

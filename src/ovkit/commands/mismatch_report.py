@@ -25,7 +25,7 @@ def mismatch_report(
     model: Path = _O(None, "--model", help="The learner: a model directory (save_pretrained).", rich_help_panel=IO),
     out: Path = OUT,
     generate: Path = _O(None, "--generate", help="Sample fresh rollouts from these prompt rows (RL/eval table) instead of reading ROLLOUTS.", rich_help_panel=FRESH),
-    sampler: list[str] = _O(None, "--sampler", help="With --generate: fp32, bf16, fp16, int8 (CPU) or vllm (GPU); repeat to compare (default bf16).", rich_help_panel=FRESH),
+    sampler: list[str] = _O(None, "--sampler", help="With --generate: fp32, bf16, fp16, int8, fp8, int4 (4-bit weights) or vllm (GPU); repeat to compare (default bf16).", rich_help_panel=FRESH),
     data: Path = _O(None, "--data", help="Prompt rows (matched by prompt_id) for the images of rollout tables that store none (rl-train).", rich_help_panel=IO),
     temperature: float = _O(None, "--temperature", help="Sampling temperature; the learner divides its logits by it (default: the rollouts' producer's, else 1.0).", rich_help_panel=LEARNER),
     top_p: float = _O(None, "--top-p", help="With --generate: nucleus sampling mass (default 1.0).", rich_help_panel=FRESH),

@@ -26,7 +26,7 @@ def rl_train(
     config: Path = CONFIG,
     engine: str = _O(None, "--engine", help="Rollout engine: hf (transformers, CPU or GPU) or vllm (GPU).", rich_help_panel=SAMPLING),
     sampler_precision: str = _O(None, "--sampler-precision", help="Sample from a copy in another precision than the learner: fp32, bf16, fp16.", rich_help_panel=SAMPLING),
-    sampler_quant: str = _O(None, "--sampler-quant", help="int8 or fp8: sample from a quantised copy (hf engine: int8 is dynamic W8A8 on CPU, weight-only on GPU; fp8 weight-only; vllm: fp8).", rich_help_panel=SAMPLING),
+    sampler_quant: str = _O(None, "--sampler-quant", help="int8, fp8 or int4: sample from a quantised copy (hf engine: int8 is dynamic W8A8 on CPU, weight-only on GPU; fp8 weight-only; int4 group-wise 4-bit weights; vllm: fp8).", rich_help_panel=SAMPLING),
     prompts_per_step: int = _O(None, "--prompts-per-step", help="GRPO groups (prompts) per step.", rich_help_panel=SAMPLING),
     group_size: int = _O(None, "--group-size", "--n-samples", help="Completions per prompt (G).", rich_help_panel=SAMPLING),
     max_new_tokens: int = _O(None, "--max-new-tokens", help="Completion length limit.", rich_help_panel=SAMPLING),

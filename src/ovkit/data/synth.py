@@ -7,13 +7,16 @@ Splits, each a dataset directory with one parquet shard:
   other tasks, so the vision tower also learns to read before instruction tuning.
 - `instruct/`: one question per image with the stage instruction of `ovkit.prompts` and the target
   `<answer>X</answer>` (70%) or `<think>templated rationale</think><answer>X</answer>` (30%).
-- `rl/` and `eval/`: prompt-only rows (`<image>` + question; the command adds the instruction) with `answer`,
-  `answer_type` (the reward scorer), `reward_kwargs` where the scorer needs them, `category` and `source`.
+- `rl/`, `val/` and `eval/`: prompt-only rows (`<image>` + question; the command adds the instruction) with
+  `answer`, `answer_type` (the reward scorer), `reward_kwargs` where the scorer needs them, `category` and `source`.
+  `val/` is the validation split that hyper-parameters are chosen on; `eval/` is the held-out split the pipeline
+  table reports, and nothing is tuned on it.
 
-Held out: eval uses only compositions whose key a fixed hash puts in the held-out bucket (synth_tasks.is_heldout:
-one in eight colour-shape-count triples, word pairs, sums, bar-value lists, ...), and the train splits never use
-those keys for the same category; eval and train draw from different random streams, and no train image has the
-same PNG bytes as an eval image. Every row carries its key in the `composition` column so this can be checked.
+Held out: eval uses only compositions whose key a fixed hash puts in eval's bucket and val only those of val's
+bucket (synth_tasks.side_of: one in eight colour-shape-count triples, word pairs, sums, bar-value lists, ... each),
+and the train splits never use either for the same category; every split draws from its own random stream, and no
+image of one split family (train, val, eval) has the same PNG bytes as an image of another. Every row carries its
+key in the `composition` column so this can be checked.
 """
 
 from __future__ import annotations
@@ -42,15 +45,18 @@ from ovkit.errors import OvkitError
 Rows = list[dict[str, Any]]
 Tick = Callable[[], Any]  # advances the progress bar by one image
 
-SPLITS = ("pretrain", "instruct", "rl", "eval")
+SPLITS = ("pretrain", "instruct", "rl", "val", "eval")
 CONCEPTS_FILE = "concepts.txt"
 PREVIEW_FILE = "preview.png"
 
 # Rows at --scale 1: sized so the whole CPU pipeline trains in minutes (DESIGN.md, "The embedded default").
 PRETRAIN_ROWS = 4000
-INSTRUCT_ROWS = 3000
+INSTRUCT_ROWS = 8000
 RL_ROWS = 600
-EVAL_PER_CATEGORY = 40
+# eval: 300 rows per category, so a cell's 95% interval is at most +-5.7 points (Wilson, at 50%) and a paired
+# change of 5 points between two stages is well outside noise; val is smaller (it picks hyper-parameters).
+EVAL_PER_CATEGORY = 300
+VAL_PER_CATEGORY = 60
 MAX_SCALE = 100  # rows are held in memory until written (about 2 KB each)
 
 # What the pretrain images show: mostly shape scenes (the long-tailed concepts), plus every other kind of image.
@@ -67,7 +73,7 @@ CAPTION_PROMPTS = {
 
 @dataclass
 class SynthConfig:
-    out: Path | None = None  # output directory: pretrain/, instruct/, rl/, eval/, concepts.txt, preview.png
+    out: Path | None = None  # output directory: pretrain/, instruct/, rl/, val/, eval/, concepts.txt, preview.png
     scale: float = 1.0  # multiplies every split's size (at least one row per category and split)
     seed: int = 0  # the same seed gives byte-identical files; held-out compositions do not depend on it
     overwrite: bool = False
@@ -92,13 +98,14 @@ def build_corpus(cfg: SynthConfig, out_dir: Path) -> dict[str, Any]:
     out_dir = Path(out_dir)
     sizes = split_sizes(cfg.scale)
     bar = tqdm(total=sum(sum(s.values()) for s in sizes.values()), desc="synth", unit="img", disable=cfg.quiet)
-    eval_images: set[str] = set()
+    images: dict[str, str] = {}  # PNG digest -> the side (eval, val, train) whose split drew it first
     rows: dict[str, Rows] = {}
-    # eval first: its images are collected so that no training image repeats one
-    rows["eval"] = prompt_rows("eval", cfg.seed, sizes["eval"], eval_images, bar.update)
-    rows["pretrain"] = pretrain_rows(cfg.seed, sizes["pretrain"], eval_images, bar.update)
-    rows["instruct"] = instruct_rows(cfg.seed, sizes["instruct"], eval_images, bar.update)
-    rows["rl"] = prompt_rows("rl", cfg.seed, sizes["rl"], eval_images, bar.update)
+    # held-out splits first: their images are recorded so that no other side repeats one
+    rows["eval"] = prompt_rows("eval", cfg.seed, sizes["eval"], images, bar.update)
+    rows["val"] = prompt_rows("val", cfg.seed, sizes["val"], images, bar.update)
+    rows["pretrain"] = pretrain_rows(cfg.seed, sizes["pretrain"], images, bar.update)
+    rows["instruct"] = instruct_rows(cfg.seed, sizes["instruct"], images, bar.update)
+    rows["rl"] = prompt_rows("rl", cfg.seed, sizes["rl"], images, bar.update)
     bar.close()
     for split in SPLITS:
         write_samples(samples_table(rows[split]), out_dir / split)
@@ -129,6 +136,7 @@ def split_sizes(scale: float) -> dict[str, dict[str, int]]:
         "pretrain": {"all": max(len(PRETRAIN_KINDS), round(PRETRAIN_ROWS * scale))},
         "instruct": {c: per(INSTRUCT_ROWS) for c in CATEGORIES},
         "rl": {c: per(RL_ROWS) for c in CATEGORIES},
+        "val": {c: max(1, round(VAL_PER_CATEGORY * scale)) for c in CATEGORIES},
         "eval": {c: max(1, round(EVAL_PER_CATEGORY * scale)) for c in CATEGORIES},
     }
 
@@ -138,19 +146,20 @@ def _stream(seed: int, split: str, name: str) -> random.Random:
     return random.Random(f"ovkit-synth/{seed}/{split}/{name}")
 
 
-def _render(category: str, rng: random.Random, picker: Picker, heldout: bool, avoid: set[str]) -> tuple[Task, dict]:
-    """A task and its image cell, redrawn while its PNG equals an eval image (tiny scenes can coincide)."""
+def _render(category: str, rng: random.Random, picker: Picker, side: str, images: dict[str, str]) -> tuple[Task, dict]:
+    """A task and its image cell, redrawn while its PNG equals an image of another side (tiny scenes can coincide);
+    the images of held-out sides are recorded in `images`."""
     from ovkit.data import image_cell
 
     while True:
-        task = GENERATORS[category](rng, picker, heldout)
+        task = GENERATORS[category](rng, picker, side)
         cell = image_cell(task.image)
         digest = hashlib.sha1(cell["bytes"]).hexdigest()
-        if heldout:
-            avoid.add(digest)
-            return task, cell
-        if digest not in avoid:
-            return task, cell
+        if images.get(digest, side) != side:
+            continue
+        if side != "train":
+            images[digest] = side
+        return task, cell
 
 
 def _common(task: Task, cell: dict, rid: str) -> dict[str, Any]:
@@ -171,18 +180,19 @@ def _with_answer(row: dict[str, Any], task: Task) -> dict[str, Any]:
     return row
 
 
-def prompt_rows(split: str, seed: int, sizes: dict[str, int], eval_images: set[str], tick: Tick = _nothing) -> Rows:
-    """The rl or eval split: prompt-only rows with their gold answer; eval draws held-out compositions only."""
-    heldout = split == "eval"
+def prompt_rows(split: str, seed: int, sizes: dict[str, int], images: dict[str, str], tick: Tick = _nothing) -> Rows:
+    """The rl, val or eval split: prompt-only rows with their gold answer; val and eval draw their own held-out
+    compositions only."""
+    side = split if split in ("val", "eval") else "train"
     rows = []
     for category in CATEGORIES:
         rng = _stream(seed, split, category)
         picker = Picker(rng, zipf=False)
         for i in range(sizes[category]):
-            task, cell = _render(category, rng, picker, heldout, eval_images)
+            task, cell = _render(category, rng, picker, side, images)
             rows.append(_with_answer(_common(task, cell, f"{split}-{category}-{i:05d}") | _prompt(task), task))
             tick()
-    if not heldout:  # eval stays grouped by category; training data is mixed
+    if side == "train":  # val and eval stay grouped by category; training data is mixed
         _stream(seed, split, "order").shuffle(rows)
     return rows
 
@@ -191,7 +201,7 @@ def _prompt(task: Task) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": f"<image>\n{task.question}"}]}
 
 
-def instruct_rows(seed: int, sizes: dict[str, int], eval_images: set[str], tick: Tick = _nothing) -> Rows:
+def instruct_rows(seed: int, sizes: dict[str, int], images: dict[str, str], tick: Tick = _nothing) -> Rows:
     from ovkit.prompts import with_instruction
 
     rows = []
@@ -199,7 +209,7 @@ def instruct_rows(seed: int, sizes: dict[str, int], eval_images: set[str], tick:
         rng = _stream(seed, "instruct", category)
         picker = Picker(rng, zipf=False)
         for i in range(sizes[category]):
-            task, cell = _render(category, rng, picker, False, eval_images)
+            task, cell = _render(category, rng, picker, "train", images)
             mode = "think" if rng.random() < THINK_SHARE else "answer"
             target = f"<answer>{task.answer}</answer>"
             if mode == "think":
@@ -213,7 +223,7 @@ def instruct_rows(seed: int, sizes: dict[str, int], eval_images: set[str], tick:
     return rows
 
 
-def pretrain_rows(seed: int, sizes: dict[str, int], eval_images: set[str], tick: Tick = _nothing) -> Rows:
+def pretrain_rows(seed: int, sizes: dict[str, int], images: dict[str, str], tick: Tick = _nothing) -> Rows:
     rng = _stream(seed, "pretrain", "kinds")
     kinds, weights = list(PRETRAIN_KINDS), list(PRETRAIN_KINDS.values())
     streams = {k: _stream(seed, "pretrain", k) for k in kinds}
@@ -221,7 +231,7 @@ def pretrain_rows(seed: int, sizes: dict[str, int], eval_images: set[str], tick:
     rows = []
     for i in range(sizes["all"]):
         kind = rng.choices(kinds, weights)[0]
-        task, cell = _render(kind, streams[kind], pickers[kind], False, eval_images)
+        task, cell = _render(kind, streams[kind], pickers[kind], "train", images)
         lang = "zh" if rng.random() < CHINESE_SHARE else "en"
         prompt = rng.choice(CAPTION_PROMPTS[lang])
         row = _common(task, cell, f"pretrain-{i:06d}")

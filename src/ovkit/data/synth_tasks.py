@@ -1,10 +1,11 @@
 """The task families of the synthetic corpus: what each image shows, the question, the verifiable answer.
 
 Every generator draws a *composition* first (the facts a question is about, e.g. "3 red stars"), keyed by a string
-such as `counting:red star x3`. A fixed hash of that key decides whether the composition is held out for eval
-(`is_heldout`), the same for every seed: train splits (pretrain, instruct, rl) never use a held-out key of a
-category and eval uses only held-out keys, so eval asks about combinations the model has not been trained on even
-though it has seen every colour, shape, word and digit involved.
+such as `counting:red star x3`. A fixed hash of that key puts the composition on one side (`side_of`), the same for
+every seed: one bucket of eight is held out for eval, another for validation, the rest trains. Train splits
+(pretrain, instruct, rl) never use a held-out key, eval and val use only their own, so both ask about combinations
+the model has not been trained on (though it has seen every colour, shape, word and digit involved), and choosing
+hyper-parameters on val never looks at an eval composition.
 
 Sizes follow DESIGN.md "Facts verified": shape scenes are 84x84 with 18-24 pixel shapes on a 3x3 grid of 28-pixel
 cells (one shape per 2x2-merged visual token of a patch-14 model); text-reading tasks get wider images and big glyphs.
@@ -59,8 +60,10 @@ CHART_SIZE = (168, 112)
 WHITE = (255, 255, 255)
 INK = (20, 20, 20)
 
-# Which share of compositions eval holds out (a fixed hash bucket of the key, the same for every seed).
+# Compositions are split by a fixed hash bucket of their key, the same for every seed: one bucket of HELDOUT_BUCKETS
+# is eval's, one val's, the rest train.
 HELDOUT_BUCKETS = 8
+SIDES = ("train", "val", "eval")
 
 # Zipf's law over the colour-shape concepts of the pretrain split: the concept of rank k is drawn with probability
 # proportional to 1 / k**ZIPF_EXPONENT, so a few concepts dominate and many are rare (what `balance` corrects).
@@ -91,7 +94,7 @@ class Task:
     """One rendered example: the image and everything the splits make of it."""
 
     category: str
-    key: str  # the composition, e.g. "counting:red star x3"; held out by `is_heldout`
+    key: str  # the composition, e.g. "counting:red star x3"; its side (train, val, eval) is `side_of(key)`
     image: Image.Image
     question: str
     answer: str
@@ -114,8 +117,15 @@ class Obj:
         return f"{self.colour} {self.shape}"
 
 
+def side_of(key: str) -> str:
+    """Which split family may use a composition: "eval", "val" (one hash bucket each) or "train"."""
+    bucket = hashlib.sha1(key.encode()).digest()[0] % HELDOUT_BUCKETS
+    return "eval" if bucket == 0 else "val" if bucket == 1 else "train"
+
+
 def is_heldout(key: str) -> bool:
-    return hashlib.sha1(key.encode()).digest()[0] % HELDOUT_BUCKETS == 0
+    """Whether training splits must not use the composition (it belongs to eval or val)."""
+    return side_of(key) != "train"
 
 
 class Picker:
@@ -243,11 +253,11 @@ def options_text(options: list[str]) -> str:
     return "\n".join(f"{'ABCD'[i]}. {o}" for i, o in enumerate(options))
 
 
-def draw_until(rng: random.Random, heldout: bool, sample: Callable[[], tuple[str, Any]]) -> tuple[str, Any]:
-    """Sample compositions until one lands on the wanted side of the held-out split."""
+def draw_until(rng: random.Random, side: str, sample: Callable[[], tuple[str, Any]]) -> tuple[str, Any]:
+    """Sample compositions until one lands on the wanted side (train, val or eval)."""
     for _ in range(10_000):
         key, params = sample()
-        if is_heldout(key) == heldout:
+        if side_of(key) == side:
             return key, params
     raise RuntimeError("no composition on the wanted side of the held-out split; the key space is too small")
 
@@ -255,7 +265,7 @@ def draw_until(rng: random.Random, heldout: bool, sample: Callable[[], tuple[str
 # --------------------------------------------------------------------------------------------------- shape scenes
 
 
-def caption(rng: random.Random, pick: Picker, heldout: bool) -> Task:
+def caption(rng: random.Random, pick: Picker, side: str) -> Task:
     """1-3 concepts, 1-3 of each (at most 6 shapes); the caption names them in reading order."""
 
     def sample():
@@ -265,7 +275,7 @@ def caption(rng: random.Random, pick: Picker, heldout: bool) -> Task:
             counts[counts.index(max(counts))] -= 1
         return "caption:" + ", ".join(f"{c} {s} x{n}" for (c, s), n in sorted(zip(combos, counts))), (combos, counts)
 
-    key, (combos, counts) = draw_until(rng, heldout, sample)
+    key, (combos, counts) = draw_until(rng, side, sample)
     cells = rng.sample(range(9), sum(counts))
     objs = [place(rng, c, s, cells.pop()) for (c, s), n in zip(combos, counts) for _ in range(n)]
     en, zh = objects_en(objs), objects_zh(objs)
@@ -276,14 +286,14 @@ def caption(rng: random.Random, pick: Picker, heldout: bool) -> Task:
     )  # fmt: skip
 
 
-def counting(rng: random.Random, pick: Picker, heldout: bool) -> Task:
+def counting(rng: random.Random, pick: Picker, side: str) -> Task:
     """1-5 shapes of one colour and kind, and 0-2 distractors of other kinds; asks how many of the kind."""
 
     def sample():
         (colour, shape), n = pick.combos_distinct(1)[0], rng.randint(1, 5)
         return f"counting:{colour} {shape} x{n}", (colour, shape, n)
 
-    key, (colour, shape, n) = draw_until(rng, heldout, sample)
+    key, (colour, shape, n) = draw_until(rng, side, sample)
     cells = rng.sample(range(9), n + rng.randint(0, 2))
     objs = [place(rng, colour, shape, c) for c in cells[:n]]
     for c in cells[n:]:
@@ -300,14 +310,14 @@ def counting(rng: random.Random, pick: Picker, heldout: bool) -> Task:
     )  # fmt: skip
 
 
-def grounding(rng: random.Random, pick: Picker, heldout: bool) -> Task:
+def grounding(rng: random.Random, pick: Picker, side: str) -> Task:
     """2-3 different shapes; asks for the pixel box of one of them."""
 
     def sample():
         (colour, shape), cell = pick.combos_distinct(1)[0], rng.randrange(9)
         return f"grounding:{colour} {shape} @{CELL_NAMES[cell]}", (colour, shape, cell)
 
-    key, (colour, shape, cell) = draw_until(rng, heldout, sample)
+    key, (colour, shape, cell) = draw_until(rng, side, sample)
     target = place(rng, colour, shape, cell)
     others = [c for c in pick.combos_distinct(4) if c != (colour, shape)][: rng.randint(1, 2)]
     cells = rng.sample([c for c in range(9) if c != cell], len(others))
@@ -322,7 +332,7 @@ def grounding(rng: random.Random, pick: Picker, heldout: bool) -> Task:
     )  # fmt: skip
 
 
-def detection(rng: random.Random, pick: Picker, heldout: bool) -> Task:
+def detection(rng: random.Random, pick: Picker, side: str) -> Task:
     """2-3 different shapes; asks for every shape's label and pixel box (in reading order)."""
 
     def sample():
@@ -331,7 +341,7 @@ def detection(rng: random.Random, pick: Picker, heldout: bool) -> Task:
         parts = sorted(f"{c} {s} @{CELL_NAMES[k]}" for (c, s), k in zip(combos, cells))
         return "detection:" + ", ".join(parts), (combos, cells)
 
-    key, (combos, cells) = draw_until(rng, heldout, sample)
+    key, (combos, cells) = draw_until(rng, side, sample)
     objs = sorted((place(rng, c, s, k) for (c, s), k in zip(combos, cells)), key=lambda o: o.cell)
     answer = json.dumps([{"label": o.name, "box": list(o.box)} for o in objs])
     where = _join_en([f"{_a(o.name)} at the {CELL_NAMES[o.cell]}" for o in objs])
@@ -346,14 +356,16 @@ def detection(rng: random.Random, pick: Picker, heldout: bool) -> Task:
 RELATIONS = {"left": (0, -1), "right": (0, 1), "above": (-1, 0), "below": (1, 0)}  # (row, col) step from B to A
 
 
-def spatial(rng: random.Random, pick: Picker, heldout: bool) -> Task:
-    """Two shapes in one row or one column; multiple choice: where is A relative to B."""
+def spatial(rng: random.Random, pick: Picker, side: str) -> Task:
+    """Two shapes in one row or one column; multiple choice: where is A relative to B. The four relations are always
+    listed in the same order (A. left, B. right, C. above, D. below): a shuffled order made the tiny model look the
+    relation up among the options as well, and it stayed at chance."""
 
     def sample():
         (a, b), relation = pick.combos_distinct(2), rng.choice(list(RELATIONS))
         return f"spatial:{' '.join(a)} {relation} {' '.join(b)}", (a, b, relation)
 
-    key, (a, b, relation) = draw_until(rng, heldout, sample)
+    key, (a, b, relation) = draw_until(rng, side, sample)
     dr, dc = RELATIONS[relation]
     b_cells = [c for c in range(9) if 0 <= c // 3 + dr * 1 <= 2 and 0 <= c % 3 + dc <= 2]
     b_cell = rng.choice(b_cells)
@@ -362,7 +374,6 @@ def spatial(rng: random.Random, pick: Picker, heldout: bool) -> Task:
     a_cell = (b_cell // 3 + dr * k) * 3 + b_cell % 3 + dc * k
     oa, ob = place(rng, *a, a_cell), place(rng, *b, b_cell)
     options = list(RELATIONS)
-    rng.shuffle(options)
     letter = "ABCD"[options.index(relation)]
     phrase = {"left": "to the left of", "right": "to the right of", "above": "above", "below": "below"}[relation]
     return Task(
@@ -377,21 +388,22 @@ def spatial(rng: random.Random, pick: Picker, heldout: bool) -> Task:
 ARROW_PAIRS = [(a, b) for a in range(9) for b in range(9) if max(abs(a // 3 - b // 3), abs(a % 3 - b % 3)) == 2]
 
 
-def diagram(rng: random.Random, pick: Picker, heldout: bool) -> Task:
-    """An arrow from one shape to another; multiple choice: which shape does it point to (plus one absent shape)."""
+def diagram(rng: random.Random, pick: Picker, side: str) -> Task:
+    """An arrow from one shape to another; multiple choice: which shape does it point to. The options name the two
+    shapes in reading order (top-left first), then one shape that is not in the picture, so the answer is read off
+    the arrow's head rather than looked up among shuffled names."""
 
     def sample():
         src, dst = pick.combos_distinct(2)
         return f"diagram:{' '.join(src)} -> {' '.join(dst)}", (src, dst)
 
-    key, (src, dst) = draw_until(rng, heldout, sample)
+    key, (src, dst) = draw_until(rng, side, sample)
     cs, cd = rng.choice(ARROW_PAIRS)
     os_, od = place(rng, *src, cs), place(rng, *dst, cd)
     img = scene_image([os_, od])
     _arrow(ImageDraw.Draw(img), _centre(os_.box), _centre(od.box), shorten=13)
     absent = next(" ".join(c) for c in pick.combos_distinct(3) if c not in (src, dst))
-    options = [os_.name, od.name, absent]
-    rng.shuffle(options)
+    options = [o.name for o in sorted((os_, od), key=lambda o: o.cell)] + [absent]
     letter = "ABCD"[options.index(od.name)]
     en, zh = f"an arrow from {_a(os_.name)} to {_a(od.name)}", f"一个箭头从{_zh(os_.name)}指向{_zh(od.name)}"
     return Task(
@@ -411,9 +423,9 @@ def _arrow(draw: ImageDraw.ImageDraw, p: tuple[float, float], q: tuple[float, fl
     ux, uy = dx / length, dy / length
     start = (p[0] + ux * shorten, p[1] + uy * shorten)
     tip = (q[0] - ux * shorten, q[1] - uy * shorten)
-    draw.line([start, tip], fill=INK, width=2)
-    back = (tip[0] - ux * 7, tip[1] - uy * 7)
-    draw.polygon([tip, (back[0] - uy * 4, back[1] + ux * 4), (back[0] + uy * 4, back[1] - ux * 4)], fill=INK)
+    draw.line([start, tip], fill=INK, width=3)
+    back = (tip[0] - ux * 10, tip[1] - uy * 10)
+    draw.polygon([tip, (back[0] - uy * 6, back[1] + ux * 6), (back[0] + uy * 6, back[1] - ux * 6)], fill=INK)
 
 
 def _zh(name: str) -> str:
@@ -421,36 +433,37 @@ def _zh(name: str) -> str:
     return f"{COLOURS_ZH[colour]}{SHAPES_ZH[shape]}"
 
 
-def science(rng: random.Random, pick: Picker, heldout: bool) -> Task:
-    """A seesaw tipped towards the heavier of two shapes; multiple choice: which one is heavier."""
+def science(rng: random.Random, pick: Picker, side: str) -> Task:
+    """A seesaw tipped towards the heavier of two shapes; multiple choice: which one is heavier. The options list the
+    shapes as they sit, left then right, so the answer is read off the tilt (a shuffled order would add a name-to-
+    letter lookup that the tiny model never learnt: the first design stayed at chance)."""
 
     def sample():
         (left, right), heavier = pick.combos_distinct(2), rng.choice(("left", "right"))
         return f"science:{' '.join(left)} | {' '.join(right)} heavier {heavier}", (left, right, heavier)
 
-    key, (left, right, heavier) = draw_until(rng, heldout, sample)
-    tilt = 11 if heavier == "left" else -11  # the left end goes down by `tilt` pixels
+    key, (left, right, heavier) = draw_until(rng, side, sample)
+    drop, dx, size = rng.randint(9, 13), rng.randint(-4, 4), rng.randint(18, 22)
+    tilt = drop if heavier == "left" else -drop  # the left end goes down by `tilt` pixels
     img = Image.new("RGB", (SCENE, SCENE), WHITE)
     draw = ImageDraw.Draw(img)
-    draw.polygon([(42, 58), (52, 78), (32, 78)], fill=(110, 110, 110))  # the fulcrum
+    draw.polygon([(42 + dx, 58), (52 + dx, 78), (32 + dx, 78)], fill=(110, 110, 110))  # the fulcrum
     yl, yr = 58 + tilt, 58 - tilt
-    draw.line([(6, yl), (78, yr)], fill=INK, width=3)
-    size = 20
+    x1, x2 = 6 + dx, 78 + dx
+    draw.line([(x1, yl), (x2, yr)], fill=INK, width=3)
     objs = [
-        Obj(*left, 3, (6, yl - 2 - size, 6 + size, yl - 2)),
-        Obj(*right, 5, (78 - size, yr - 2 - size, 78, yr - 2)),
+        Obj(*left, 3, (x1, yl - 2 - size, x1 + size, yl - 2)),
+        Obj(*right, 5, (x2 - size, yr - 2 - size, x2, yr - 2)),
     ]
     for o in objs:
         draw_shape(draw, o.shape, o.box, COLOURS[o.colour])
     names = [o.name for o in objs]
-    options = list(names)
-    rng.shuffle(options)
     heavy = names[0] if heavier == "left" else names[1]
-    letter = "ABCD"[options.index(heavy)]
+    letter = "A" if heavier == "left" else "B"
     side_zh = "左" if heavier == "left" else "右"
     return Task(
         "science", key, img,
-        f"The seesaw tips towards the heavier side. Which shape is heavier?\n{options_text(options)}",
+        f"The seesaw tips towards the heavier side. Which shape is heavier?\n{options_text(names)}",
         letter, f"The seesaw is lower on the {heavier}, under the {heavy}, so the {heavy} is heavier: option {letter}.",
         f"a seesaw with {_a(names[0])} on the left and {_a(names[1])} on the right, lower on the {heavier}",
         f"一个向{side_zh}倾斜的跷跷板，左边是{_zh(names[0])}，右边是{_zh(names[1])}",
@@ -461,14 +474,14 @@ def science(rng: random.Random, pick: Picker, heldout: bool) -> Task:
 # ------------------------------------------------------------------------------------------- text-reading tasks
 
 
-def ocr(rng: random.Random, pick: Picker, heldout: bool) -> Task:
+def ocr(rng: random.Random, pick: Picker, side: str) -> Task:
     """Two different words, one per line; held out: word pairs (every single word also appears in training)."""
 
     def sample():
         w1, w2 = rng.sample(WORDS, 2)
         return f"ocr:{w1} {w2}", (w1, w2)
 
-    key, (w1, w2) = draw_until(rng, heldout, sample)
+    key, (w1, w2) = draw_until(rng, side, sample)
     img = Image.new("RGB", TEXT_SIZE, WHITE)
     w, h = TEXT_SIZE
     draw_text(img, (w / 2 + rng.randint(-20, 20), h * 0.3), w1, 32)
@@ -481,7 +494,7 @@ def ocr(rng: random.Random, pick: Picker, heldout: bool) -> Task:
     )  # fmt: skip
 
 
-def math(rng: random.Random, pick: Picker, heldout: bool) -> Task:
+def math(rng: random.Random, pick: Picker, side: str) -> Task:
     """`a + b = ?` or `a - b = ?` with digits 0-9 rendered in the image; the answer is an integer."""
 
     def sample():
@@ -490,7 +503,7 @@ def math(rng: random.Random, pick: Picker, heldout: bool) -> Task:
             a, b = b, a
         return f"math:{a} {op} {b}", (a, b, op)
 
-    key, (a, b, op) = draw_until(rng, heldout, sample)
+    key, (a, b, op) = draw_until(rng, side, sample)
     value = a + b if op == "+" else a - b
     img = Image.new("RGB", TEXT_SIZE, WHITE)
     w, h = TEXT_SIZE
@@ -503,14 +516,14 @@ def math(rng: random.Random, pick: Picker, heldout: bool) -> Task:
     )  # fmt: skip
 
 
-def chart(rng: random.Random, pick: Picker, heldout: bool) -> Task:
+def chart(rng: random.Random, pick: Picker, side: str) -> Task:
     """A bar chart of 3-4 bars labelled A-D with their values (1-9) printed on top; asks one bar's value."""
 
     def sample():
         values = [rng.randint(1, 9) for _ in range(rng.randint(3, 4))]
         return "chart:" + ",".join(map(str, values)), values
 
-    key, values = draw_until(rng, heldout, sample)
+    key, values = draw_until(rng, side, sample)
     labels = "ABCD"[: len(values)]
     colour = rng.choice([c for c in COLOURS if c != "yellow"])  # printed digits must stay readable
     img = Image.new("RGB", CHART_SIZE, WHITE)
@@ -521,7 +534,7 @@ def chart(rng: random.Random, pick: Picker, heldout: bool) -> Task:
     for i, v in enumerate(values):
         cx = slot * (i + 0.5)
         draw.rectangle((cx - 12, base - unit * v, cx + 11, base - 1), fill=COLOURS[colour])
-        draw_text(img, (cx, base - unit * v - 10), str(v), 18)
+        draw_text(img, (cx, base - unit * v - 13), str(v), 24)  # digits span two patches: 18 px ones were not read
         draw_text(img, (cx, base + 12), labels[i], 18)
     i = rng.randrange(len(values))
     pairs = [f"{lab} is {v}" for lab, v in zip(labels, values)]
@@ -564,7 +577,7 @@ def render_svg(code: str) -> Image.Image:
     return img
 
 
-def svg(rng: random.Random, pick: Picker, heldout: bool) -> Task:
+def svg(rng: random.Random, pick: Picker, side: str) -> Task:
     """1-2 circles, squares or triangles centred on grid cells; the answer is the SVG source that draws them."""
 
     def sample():
@@ -576,7 +589,7 @@ def svg(rng: random.Random, pick: Picker, heldout: bool) -> Task:
             shapes.append((colour, rng.choice(SVG_SHAPES), cell, rng.choice(SVG_HALF)))
         return "svg:" + svg_code(shapes), shapes
 
-    key, shapes = draw_until(rng, heldout, sample)
+    key, shapes = draw_until(rng, side, sample)
     code = svg_code(shapes)
     objs = [Obj(c, k, cell, (0, 0, 0, 0)) for c, k, cell, _ in shapes]
     where = _join_en([f"{_a(o.name)} at the {CELL_NAMES[o.cell]}" for o in objs])
@@ -586,7 +599,7 @@ def svg(rng: random.Random, pick: Picker, heldout: bool) -> Task:
     )  # fmt: skip
 
 
-GENERATORS: dict[str, Callable[[random.Random, Picker, bool], Task]] = {
+GENERATORS: dict[str, Callable[[random.Random, Picker, str], Task]] = {
     "caption": caption,
     "counting": counting,
     "ocr": ocr,

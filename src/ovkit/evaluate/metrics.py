@@ -8,6 +8,13 @@
   Code", eq. 1): 1 - C(n - c, k) / C(n, k), c = correct completions among n.
 Aggregates are means over rows (every row weighs the same, so `overall` is the mean over all rows, not over
 categories), each with its standard error (sample std / sqrt(rows)), as lmms-eval reports `<metric>_stderr`.
+
+Confidence intervals (`wilson_interval`, shown by `eval --compare`): the 95% Wilson score interval of a mean of
+values in [0, 1] over n rows. For 0/1 values (accuracy, exact-match rewards) it is the usual binomial interval, and
+it stays sensible at 0% and 100% where mean +- 1.96 stderr collapses to a point; for continuous rewards in [0, 1]
+(IoU, edit similarity) it is conservative, since a variable in [0, 1] with mean p has variance at most p (1 - p).
+Changes between two runs on the same rows (`paired_difference`) use the per-row differences, which is far tighter
+than comparing two intervals when the runs agree on most rows.
 """
 
 from __future__ import annotations
@@ -17,6 +24,29 @@ from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
 CORRECT = 0.5  # a completion with reward >= CORRECT counts as correct (accuracy, pass@k)
+Z95 = 1.959964  # two-sided 95% normal quantile
+
+
+def wilson_interval(mean: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """95% Wilson score interval of a mean of n values in [0, 1] (Wilson 1927); (0, 1) when n is 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = min(1.0, max(0.0, mean))
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired_difference(after: Sequence[float], before: Sequence[float], z: float = Z95) -> tuple[float, float]:
+    """(mean of after_i - before_i, half-width of its 95% normal interval) over rows scored by both runs."""
+    if len(after) != len(before) or not after:
+        raise ValueError("a paired difference needs two equally long, non-empty lists of per-row values")
+    d = [a - b for a, b in zip(after, before)]
+    mean = sum(d) / len(d)
+    if len(d) == 1:
+        return mean, float("inf")
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
+    return mean, z * sd / math.sqrt(len(d))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

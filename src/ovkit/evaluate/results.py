@@ -130,6 +130,7 @@ def load_run(spec: str | Path) -> tuple[str, dict[str, Any]]:
     except (OSError, json.JSONDecodeError) as e:
         raise OvkitError(f"{path}: not readable JSON ({e})") from None
     summary = doc if "categories" in doc else _summary_from_lmms(doc, path)
+    summary["_path"] = str(path)  # where it was read from: per-row values live beside it (row_values)
     if not label:
         label = path.parent.resolve().name or path.stem  # the eval output's directory (lmms-eval: the model folder)
     return label, summary
@@ -161,17 +162,48 @@ METRIC_TITLES = {
 }
 
 
-def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "reward") -> str:
+def row_values(summary: Mapping[str, Any], metric: str = "reward") -> dict[str, tuple[str, float]] | None:
+    """Per-row `metric` of a run, {row id: (category, value)}, from the `_samples_<task>.jsonl` files written with its
+    results; None when they are not there (e.g. a bare lmms-eval results file)."""
+    results = summary.get("results")
+    if not results or "_path" not in summary:
+        return None
+    results_path = Path(summary["_path"]).parent / results
+    prefix = results_path.name.removesuffix("_results.json")
+    files = sorted(results_path.parent.glob(f"{prefix}_samples_*.jsonl"))
+    if not files:
+        return None
+    out: dict[str, tuple[str, float]] = {}
+    for f in files:
+        for line in f.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                if metric in rec:
+                    out[str(rec["id"])] = (f.stem[len(prefix) + len("_samples_"):], float(rec[metric]))
+    return out or None
+
+
+def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "reward", ci: bool = True) -> str:
     """A markdown table, aligned so it also reads in a terminal: rows = categories (then `overall`, the mean over
-    all rows), columns = runs in the given order, values = `metric` x 100; `-` where a run lacks a category."""
+    all rows), columns = runs in the given order, values = `metric` x 100 with the half-width of its 95% Wilson
+    interval (`ci`); `-` where a run lacks a category. When the runs' per-row results are at hand, a last row gives
+    each run's change in `overall` against the column before it, paired over the rows both scored, with its 95%
+    interval: the number that says whether a stage helped."""
     if not runs:
         raise OvkitError("--compare needs at least one eval output")
     categories = sorted({c for _, s in runs for c in _categories(s)})
     if not any(metric_value(s, metric, c) is not None for _, s in runs for c in [None, *categories]):
         raise OvkitError(f"--metric {metric}: no run reports it (reward and accuracy always exist; pass@k needs --n > 1)")
     header = ["category", *[label for label, _ in runs]]
-    body = [[c, *[_cell(metric_value(s, metric, c)) for _, s in runs]] for c in categories]
-    body.append(["**overall**", *[_cell(metric_value(s, metric, None)) for _, s in runs]])
+
+    def cell(s: Mapping[str, Any], c: str | None) -> str:
+        return _cell(metric_value(s, metric, c), _rows(s, c) if ci else 0)
+
+    body = [[c, *[cell(s, c) for _, s in runs]] for c in categories]
+    body.append(["**overall**", *[cell(s, None) for _, s in runs]])
+    deltas = _paired_row(runs, metric)
+    if deltas:
+        body.append(["**change vs left**", *deltas])
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
 
     def line(cells: Sequence[str]) -> str:
@@ -182,15 +214,54 @@ def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "
     title = METRIC_TITLES.get(metric, f"{metric} x 100")
     lines = [line(header), rule, *[line(r) for r in body]]
     note = f"Held-out {title}; rows = categories, columns = runs; overall = mean over all rows."
-    counts = {label: int(s.get("detail", {}).get("overall", {}).get("rows", 0)) for label, s in runs}
+    if ci:
+        note += " +- = the larger side of the 95% Wilson interval of the mean over the cell's rows."
+    if deltas:
+        note += " change vs left: overall minus the column to its left, paired over the same rows, +- its 95% interval."
+    counts = {label: _rows(s, None) for label, s in runs}
     if len(set(counts.values())) > 1:  # e.g. one run used --limit: its numbers are not comparable row for row
         note += " Runs scored different rows: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + "."
     return "\n".join([note, "", *lines]) + "\n"
+
+
+def _rows(summary: Mapping[str, Any], category: str | None) -> int:
+    detail = summary.get("detail", {})
+    where = detail.get("overall", {}) if category is None else detail.get("categories", {}).get(category, {})
+    return int(where.get("rows", 0) or 0)
+
+
+def _paired_row(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str) -> list[str] | None:
+    """Cells of the `change vs left` row, or None when a run's per-row values cannot be read."""
+    from ovkit.evaluate.metrics import paired_difference
+
+    if len(runs) < 2:
+        return None
+    values = [row_values(s, metric) for _, s in runs]
+    if any(v is None for v in values):
+        return None
+    cells = [""]
+    for before, after in zip(values, values[1:]):
+        common = sorted(set(before) & set(after))  # type: ignore[arg-type]
+        if not common:
+            cells.append("-")
+            continue
+        mean, half = paired_difference([after[i][1] for i in common], [before[i][1] for i in common])  # type: ignore[index]
+        cells.append(f"{100 * mean:+.1f} ±{100 * half:.1f}")
+    return cells
 
 
 def _categories(summary: Mapping[str, Any]) -> list[str]:
     return list(summary.get("detail", {}).get("categories", {}) or summary.get("categories", {}))
 
 
-def _cell(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}"
+def _cell(value: float | None, rows: int = 0) -> str:
+    """`45.3 ±3.1`: the value x 100 and the larger side of its 95% Wilson interval (no interval without a row count,
+    or for a metric outside [0, 1])."""
+    from ovkit.evaluate.metrics import wilson_interval
+
+    if value is None:
+        return "-"
+    if rows <= 0 or not 0.0 <= value <= 1.0:
+        return f"{100 * value:.1f}"
+    lo, hi = wilson_interval(value, rows)
+    return f"{100 * value:.1f} ±{100 * max(value - lo, hi - value):.1f}"

@@ -25,7 +25,7 @@ class EvalConfig:
     out: Path | None = None  # output directory; with --compare: a markdown file to write the table to (optional)
     compare: bool = False  # tabulate finished evals instead of running one
     metric: str = "reward"  # --compare: reward | accuracy | pass@K | truncated
-    prompt: str = "answer"  # stage instruction added to each prompt: answer | think | none
+    prompt: str = "answer"  # stage instruction added to each prompt: answer | think | none | auto (the row's RL stage)
     engine: str = "hf"  # hf (transformers, any device) | vllm (GPU)
     batch_size: int = 64  # sequences per generate call (prompts x n); hf engine
     max_new_tokens: int | None = None  # default: per category, from its longest gold answer (token_budgets)
@@ -64,8 +64,10 @@ class EvalConfig:
         if self.out is None:
             raise OvkitError("--out is required")
         self.prompt = ALIASES.get(self.prompt, self.prompt)
-        if self.prompt not in INSTRUCTIONS:
-            raise OvkitError(f"--prompt must be one of {', '.join(INSTRUCTIONS)}, got {self.prompt!r}")
+        if self.prompt not in (*INSTRUCTIONS, "auto"):
+            raise OvkitError(f"--prompt must be one of {', '.join(INSTRUCTIONS)} or auto, got {self.prompt!r}")
+        if self.prompt == "auto" and self.env:
+            raise OvkitError("--prompt auto asks rows in different modes; with --env give one: --prompt answer or think")
         if self.engine not in ENGINES:
             raise OvkitError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         for name in ("batch_size", "n"):
@@ -184,9 +186,19 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: A
     }
 
 
+def row_mode(row: dict[str, Any], prompt: str) -> str:
+    """The instruction a row is asked with: `prompt`, or with `auto` the mode of the RL stage the row belongs to
+    (rl-curate's split: its `prompt_type` column, else its category; think for stage 2, answer for stage 1)."""
+    if prompt != "auto":
+        return prompt
+    from ovkit.rl.curate import STAGE2_CATEGORIES, mode_of, stage_of
+
+    return mode_of(stage_of(row, STAGE2_CATEGORIES), "auto")
+
+
 def encode_rows(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, *, progress: bool = False, extra: str = "", tools: Any = None) -> tuple[list, list, list[str]]:
-    """(encoded prompts, PIL images, prompt text) per row, the stage instruction (then an environment's, `extra`)
-    added to the last user turn."""
+    """(encoded prompts, PIL images, prompt text) per row, the stage instruction (`row_mode`; then an
+    environment's, `extra`) added to the last user turn."""
     from tqdm.auto import tqdm
 
     from ovkit.models.encode import decode_images, encode_prompt
@@ -195,7 +207,7 @@ def encode_rows(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, *, 
 
     prompts, images, inputs = [], [], []
     for row in tqdm(rows, desc="encode", unit="row", leave=False, disable=not progress):
-        messages = with_extra(with_instruction(row["messages"], prompt), extra)
+        messages = with_extra(with_instruction(row["messages"], row_mode(row, prompt)), extra)
         pics = decode_images(row["images"])
         prompts.append(encode_prompt(processor, messages, pics, tools=tools))
         images.append(pics)
@@ -206,17 +218,20 @@ def encode_rows(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, *, 
 def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, fixed: int | None) -> dict[str, int]:
     """max_new_tokens per category (lmms-eval sets generation length per task too). Without --max-new-tokens: room
     for the category's longest gold answer written as `<answer>X</answer>` plus the stop token, times 1.25, at least
-    32; with --prompt think another 256 for the reasoning. A fixed 32 would cut every SVG and detection answer."""
+    32; another 256 for the reasoning where the category is asked in think mode. A fixed 32 would cut every SVG and
+    detection answer."""
     categories = list(dict.fromkeys(r["category"] for r in rows))
     if fixed is not None:
         return {c: fixed for c in categories}
     tokenizer = getattr(processor, "tokenizer", processor)
     longest: dict[str, int] = {}
+    think: set[str] = set()
     for r in rows:
         n = len(tokenizer.encode(f"<answer>{r['answer']}</answer>", add_special_tokens=False)) + 1
         longest[r["category"]] = max(longest.get(r["category"], 0), n)
-    extra = THINK_EXTRA_TOKENS if prompt == "think" else 0
-    return {c: max(MIN_NEW_TOKENS, math.ceil(1.25 * longest[c])) + extra for c in categories}
+        if row_mode(r, prompt) == "think":
+            think.add(r["category"])
+    return {c: max(MIN_NEW_TOKENS, math.ceil(1.25 * longest[c])) + (THINK_EXTRA_TOKENS if c in think else 0) for c in categories}
 
 
 def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: dict[str, int], processor: Any = None) -> list[list[Any]]:
@@ -310,7 +325,7 @@ def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], 
             "answer_type": row.get("answer_type"),
             "source": row["source"],
             "reward_kwargs": row.get("reward_kwargs"),
-            "prompt_type": "answer" if prompt == "none" else prompt,
+            "prompt_type": "answer" if prompt == "none" else row_mode(row, prompt),
         }
         for row, outs in zip(rows, completions)
         for c in outs
@@ -376,7 +391,7 @@ def _task_configs(cfg: EvalConfig, budgets: dict[str, int]) -> dict[str, Any]:
             "dataset_path": [str(p) for p in cfg.data],
             "dataset_filter": {"category": t},
             "output_type": "generate_until",
-            "instruction": instruction(cfg.prompt),
+            "instruction": instruction(row_mode({"category": t}, cfg.prompt)),
             "generation_kwargs": {"max_new_tokens": budgets[t], **gen},
             "metric_list": [{"metric": m, "higher_is_better": m != "truncated"} for m in ("reward", "accuracy", "truncated")],
             "scorer": "ovkit.rewards (per-row answer_type)",

@@ -34,7 +34,7 @@ from ovkit.generate import Completion
 # Tensors of an encoded prompt with one value per token; everything else in `Encoded.mm` is per image.
 PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTS = ("int8", "fp8")
+QUANTS = ("int8", "fp8", "int4")
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
@@ -145,9 +145,9 @@ class HFEngine:
     """Generation with a transformers model.
 
     The sampler is the learner model itself when no `dtype`/`quant` is asked for (colocated: nothing to sync), else a
-    copy cast to `dtype`, or int8 / fp8 (ovkit.generate.quant: on CPU int8 is torch's dynamic quantisation,
-    `torch.ao.quantization.quantize_dynamic` on every Linear,
-    fp32 activations; CPU only) to reproduce low-precision sampling. `batch_size` counts sequences (prompts x n).
+    copy cast to `dtype`, or int8 / fp8 / int4 (ovkit.generate.quant: on CPU int8 is torch's dynamic quantisation,
+    `torch.ao.quantization.quantize_dynamic` on every Linear, fp32 activations; fp8 and int4 (group-wise 4-bit) round
+    the weights on any device) to reproduce low-precision sampling. `batch_size` counts sequences (prompts x n).
     """
 
     def __init__(
@@ -184,7 +184,7 @@ class HFEngine:
     def _sampler(self, model: Any) -> Any:
         """The model to sample from: `model` itself, or a cast / quantised copy of it."""
         param = next(model.parameters())
-        if self.quant == "fp8" or (self.quant == "int8" and param.device.type != "cpu"):
+        if self.quant in ("fp8", "int4") or (self.quant == "int8" and param.device.type != "cpu"):
             from ovkit.generate.quant import round_weights  # weight-only rounding: any device
 
             return round_weights(cast_copy(model, self.dtype or param.dtype).eval(), self.quant)

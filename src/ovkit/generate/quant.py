@@ -4,6 +4,8 @@ the W8A16 / FP8-weight formats of serving engines).
 
     int8 (CUDA)   per output channel, symmetric: 255 levels scaled by the row's max |w|
     fp8           per output channel: w / s cast to float8_e4m3fn and back, s = the row's max |w| / 448
+    int4          per group of 64 inputs of each output row, symmetric: 16 levels (-8..7) scaled by the group's
+                  max |w| / 7, as the group-wise W4 formats (GPTQ, AWQ) store them; a gap far larger than int8's
 
 On CPU `int8` is torch's dynamic quantisation instead (int8 weights and activations, ovkit.generate.hf), the INT8
 rollouts of Yao et al.; on CUDA that kernel does not exist, and the weight-only rounding here stands in for it.
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+INT4_GROUP = 64  # weights per int4 scale, along the input dimension
 
 
 @torch.no_grad()
@@ -27,6 +30,12 @@ def round_weights(model: Any, kind: str) -> Any:
             continue
         seen.add(id(module.weight))
         w = module.weight.data
+        if kind == "int4":
+            rows, cols = w.shape
+            g = torch.nn.functional.pad(w.float(), (0, (-cols) % INT4_GROUP)).reshape(rows, -1, INT4_GROUP)
+            step = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 7.0
+            w.copy_(((g / step).round().clamp(-8, 7) * step).reshape(rows, -1)[:, :cols].to(w.dtype))
+            continue
         scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
         if kind == "int8":
             q = (w.float() / scale * 127.0).round().clamp(-127, 127) * scale / 127.0

@@ -108,20 +108,20 @@ def run_tables(run: dict[str, Any]) -> list[Table]:
             "Mismatch by sampler probability",
             [("bin", "p_sampler"), ("tokens", "tokens"), ("share", "share"), ("mean_log_ratio", "mean log ratio"), ("mean_abs_log_ratio", "mean |log ratio|"), ("k3_kl", "K3"), ("mean_abs_prob_diff", "mean |dp|"), ("learner_lower_frac", "learner lower")],
             run["by_sampler_prob"],
-            "log ratio = log p_learner - log p_sampler. The low-probability-token trap (004, section 3.3): the gap concentrates where the sampler's probability is small.",
+            "log ratio = log p_learner - log p_sampler. The low-probability-token trap [2, section 3.3]: the gap concentrates where the sampler's probability is small.",
             {"share": pct, "learner_lower_frac": pct},
         ),
         Table(
             "First turn vs later turns",
             [("turn", "turn"), ("segments", "turn outputs"), ("tokens", "tokens"), ("k3_kl", "K3"), ("kl", "k1"), ("rollout_log_ppl", "sampler log-PPL"), ("training_log_ppl", "learner log-PPL"), ("log_ppl_abs_diff", "mean |log-PPL diff|"), ("mean_abs_prob_diff", "mean |dp|"), ("pearson", "Pearson")],
             run["by_turn"],
-            "004 section 3.4.1: later turns of multi-turn rollouts mismatch more." + ("" if len(run["by_turn"]) > 1 else " These rollouts are single-turn: only the first turn exists."),
+            "Later turns of multi-turn rollouts mismatch more [2, section 3.4.1]." + ("" if len(run["by_turn"]) > 1 else " These rollouts are single-turn: only the first turn exists."),
         ),
         Table(
             "Max mismatch by response length",
             [("bucket", "compared tokens"), ("responses", "responses"), ("mean_length", "mean length"), ("max_mismatch_mean", "mean max |dp|"), ("max_mismatch_p90", "p90 max |dp|"), ("max_mismatch_frac_high", "max |dp| > 0.5"), ("mean_mismatch_mean", "mean mean |dp|"), ("k3_kl", "K3")],
             run["by_length"],
-            "Yao et al. 2025 (003): longer responses have larger max mismatch while the mean mismatch barely moves.",
+            "Longer responses have larger max mismatch while the mean mismatch barely moves [1].",
             {"max_mismatch_frac_high": pct},
         ),
         _group_table("By category", "category", run["by_category"]),
@@ -145,6 +145,13 @@ def comparison_table(runs: dict[str, dict[str, Any]]) -> Table:
     columns = [("run", "run"), ("responses", "responses"), ("tokens", "tokens"), ("k3_kl", "K3 (vllm-kl)"), ("kl", "k1"), ("training_ppl", "learner PPL"), ("rollout_ppl", "sampler PPL"), ("chi2_token", "chi2 token"), ("max_mismatch_mean", "mean max |dp|"), ("mean_mismatch_mean", "mean mean |dp|")]
     columns += [(mode, f"{mode} tokens") for mode in modes]
     return Table("Comparison", columns, rows, "Same prompts and seed for every sampler; the learner is the same forward pass each time.", {mode: pct for mode in modes})
+
+
+# The write-ups the notes cite as [1] and [2] (shared/reference/003 and 004).
+REFERENCES = (
+    'Feng Yao, Liyuan Liu, Dinghuai Zhang, Chengyu Dong, Jingbo Shang, Jianfeng Gao, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", 2025.',
+    'Jiacai Liu, Yingru Li, Yuqian Fu, Jiawei Wang, Qian Liu, Yu Shen, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch", 2025.',
+)
 
 
 def header_lines(doc: dict[str, Any]) -> list[str]:
@@ -177,7 +184,9 @@ def markdown(doc: dict[str, Any], figure_paths: dict[str, dict[str, str]]) -> st
         parts.append(run_summary(run) + "\n")
         parts += [t.markdown() for t in run_tables(run)]
         parts += [f"![{stem}]({path})\n" for stem, path in figure_paths.get(name, {}).items()]
-    return "\n".join(parts)
+    parts.append("## References\n")
+    parts += [f"{i}. {ref}" for i, ref in enumerate(REFERENCES, 1)]
+    return "\n".join(parts) + "\n"
 
 
 CSS = """
@@ -206,5 +215,6 @@ def html_page(doc: dict[str, Any], figures: dict[str, dict[str, bytes]], compare
         parts.append(f"<h2>{html.escape(name)}</h2><p>{html.escape(run_summary(run))}</p>")
         parts += [t.html() for t in run_tables(run)]
         parts += [_img(png, stem) for stem, png in figures.get(name, {}).items()]
+    parts.append("<h2>References</h2><ol>" + "".join(f"<li>{html.escape(ref)}</li>" for ref in REFERENCES) + "</ol>")
     parts.append("</body></html>\n")
     return "\n".join(parts)

@@ -8,6 +8,7 @@ Each sampler samples the same prompts with the same seed from the learner's weig
 | `bf16`, `fp16` | a copy cast to bfloat16 / float16 | `HFEngine(dtype=...)` (fp16 wants a GPU) |
 | `int8` | an int8 copy: dynamic W8A8 on CPU (Yao et al.'s INT8 rollouts), weight-only on GPU | `HFEngine(quant="int8")` |
 | `fp8` | weight-only fp8 (e4m3, per output channel) on any device | `HFEngine(quant="fp8")` (ovkit.generate.quant) |
+| `int4` | 4-bit weights (group-wise symmetric, 64 per scale) on any device: a larger, honest gap | `HFEngine(quant="int4")` (ovkit.generate.quant) |
 | `vllm` | vLLM on the model directory | `VLLMEngine` (GPU, `pip install 'ovkit[vllm]'`) |
 
 Even `fp32` is not bit-identical to the learner: batched, cached decoding sums in another order than one
@@ -28,6 +29,7 @@ SAMPLERS = {
     "fp16": {"precision": "fp16"},
     "int8": {"quant": "int8"},
     "fp8": {"quant": "fp8"},
+    "int4": {"quant": "int4"},
     "vllm": {},
 }
 ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "hf": "fp32"}

@@ -13,9 +13,14 @@ _FALSE = frozenset({"no", "false", "n", "incorrect", "wrong"})
 
 
 def _choice_letter(text: str) -> str:
-    """Released rule: strip, strip `.()`, first character upper-cased ("(b)." -> "B")."""
+    """Released rule: strip, strip `.()`, first character upper-cased ("(b)." -> "B"), with one change: that
+    character must be a letter standing alone, i.e. not followed by another letter ("B. a red cat" -> "B", but
+    "ares" -> no choice). The released rule read any word as the option of its first letter, so a model that wrote
+    "ares" scored every "A" row (the synthetic eval's science column measured exactly that)."""
     s = text.strip().strip(".()")
-    return s[0].upper() if s else ""
+    if not s or not s[0].isalpha() or (len(s) > 1 and s[1].isalpha()):
+        return ""
+    return s[0].upper()
 
 
 def multiple_choice(completion: str, answer: str, *, strict: bool = False) -> Reward:

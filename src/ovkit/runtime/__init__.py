@@ -206,19 +206,19 @@ class Runtime:
         self.attention = attn.apply(model, self.attention)
         return model.to(self.device), processor
 
-    def optimizer(self, model: Any, *, lr: float, weight_decay: float, schedule: Callable[[int], float]):
+    def optimizer(self, model: Any, *, lr: float, weight_decay: float, schedule: Callable[[int], float], lrs: dict[int, float] | None = None):
         """AdamW over the trainable parameters and a LambdaLR `schedule` (multiplier of lr per 0-based step). With
         bf16-mixed (single process) the model's floating parameters become bf16 and the optimiser keeps fp32
         masters; with bf16-true they become bf16 and so does the optimiser state."""
         params = [p for p in model.parameters() if p.requires_grad]
         if self.precision.name != "fp32" and (self.master_weights or self.precision.name == "bf16-true"):
-            masters = adamw(params, lr=lr, weight_decay=weight_decay, master_weights=True) if self.master_weights else None
+            masters = adamw(params, lr=lr, weight_decay=weight_decay, master_weights=True, lrs=lrs) if self.master_weights else None
             for p in model.parameters():  # parameters only: buffers (rotary inv_freq) stay fp32
                 if p.is_floating_point():
                     p.data = p.data.to(torch.bfloat16)
-            optimizer = masters or adamw(params, lr=lr, weight_decay=weight_decay, fused=self._fused_ok())
+            optimizer = masters or adamw(params, lr=lr, weight_decay=weight_decay, fused=self._fused_ok(), lrs=lrs)
         else:
-            optimizer = adamw(params, lr=lr, weight_decay=weight_decay, fused=self._fused_ok())
+            optimizer = adamw(params, lr=lr, weight_decay=weight_decay, fused=self._fused_ok(), lrs=lrs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return optimizer, scheduler
 

@@ -13,19 +13,24 @@ ADAM_EPS = 1e-5  # LLaVA-OneVision-1.5 (and its RL stage)
 BETAS = (0.9, 0.999)
 
 
-def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only: biases, norms and other 1-D parameters are not decayed (Megatron / HF)."""
+def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float, lrs: dict[int, float] | None = None) -> list[dict[str, Any]]:
+    """Weight decay on matrices only: biases, norms and other 1-D parameters are not decayed (Megatron / HF).
+    `lrs`: {id(parameter): lr} for parameters with their own learning rate (e.g. the vision encoder's)."""
     params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    lrs = lrs or {}
+    groups = []
+    for lr in [None, *sorted(set(lrs.values()))]:
+        own = [p for p in params if lrs.get(id(p)) == lr]
+        extra = {} if lr is None else {"lr": lr}
+        groups += [{"params": [p for p in own if p.dim() >= 2], "weight_decay": weight_decay, **extra}, {"params": [p for p in own if p.dim() < 2], "weight_decay": 0.0, **extra}]
+    return [g for g in groups if g["params"]]
 
 
-def adamw(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float, master_weights: bool = False, fused: bool = True) -> torch.optim.Optimizer:
+def adamw(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float, master_weights: bool = False, fused: bool = True, lrs: dict[int, float] | None = None) -> torch.optim.Optimizer:
     """AdamW (eps 1e-5). `master_weights`: the parameters are bf16 and the optimiser keeps fp32 copies
     (MixedPrecisionAdamW). `fused`: torch's fused kernel (CPU and CUDA; ~4x the per-tensor loop on small models, the
     default of transformers' Trainer), where the device and dtype allow."""
-    groups = param_groups(params, weight_decay)
+    groups = param_groups(params, weight_decay, lrs)
     cls = MixedPrecisionAdamW if master_weights else torch.optim.AdamW
     if fused:
         try:

@@ -29,7 +29,7 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
 }
 # Options that shape the trajectory: a resumed run must use the same values (others, e.g. --save-every, may change).
 TRAJECTORY = (
-    "data", "model", "plan", "trainable", "freeze_vision", "lr", "min_lr", "warmup_ratio", "weight_decay",
+    "data", "model", "plan", "trainable", "freeze_vision", "lr", "vision_lr", "min_lr", "warmup_ratio", "weight_decay",
     "max_grad_norm", "batch_size", "grad_accum", "max_steps", "epochs", "max_len", "precision", "seed",
     "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
 )
@@ -48,6 +48,7 @@ class TrainConfig:
     trainable: list[str] | None = None  # groups (projector, vision, llm, all) or regexes; None = the stage's preset
     freeze_vision: bool = False  # drop the vision encoder from the trainable set
     lr: float | None = None  # peak learning rate; None = the stage's preset
+    vision_lr: float | None = None  # peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr); None = --lr
     min_lr: float = 1e-6  # the cosine schedule ends here
     warmup_ratio: float = 0.002  # fraction of the steps spent warming up linearly from 0
     weight_decay: float | None = None  # AdamW decoupled weight decay on matrices (not on biases/norms)
@@ -106,6 +107,8 @@ class TrainConfig:
             raise OvkitError(f"--max-steps must be >= 1, got {self.max_steps}")
         if self.epochs is not None and self.epochs <= 0:
             raise OvkitError(f"--epochs must be > 0, got {self.epochs}")
+        if self.vision_lr is not None and self.vision_lr <= 0:
+            raise OvkitError(f"--vision-lr must be > 0 (freeze the encoder with --freeze-vision), got {self.vision_lr}")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise OvkitError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got lr {self.lr}, min-lr {self.min_lr}")
         if not 0 <= self.warmup_ratio < 1:
