@@ -323,3 +323,37 @@ def test_eval_command_end_to_end_on_the_tiny_model(tmp_path, eval_set, cli):
         assert 0 < len(r["response_ids"]) <= 6 and all(lp <= 0 for lp in r["behave_logprobs"])
     code, stdout, _ = cli(*args)
     assert code == 0 and "skipped" in stdout
+
+
+# The shape lmms-eval (0.3+) writes: "<metric>,<filter>" keys, "N/A" stderrs, several metrics for some tasks, scores
+# and percentages beside fractions, n-samples per task.
+LMMS_RESULTS = {
+    "results": {
+        "mmmu_val": {"alias": "mmmu_val", "mmmu_acc,none": 0.41, "mmmu_acc_stderr,none": "N/A"},
+        "ai2d": {"alias": "ai2d", "exact_match,flexible-extract": 0.73, "exact_match_stderr,flexible-extract": 0.008},
+        "mmbench_en_dev": {"alias": "mmbench_en_dev", "gpt_eval_score,none": 68.2, "gpt_eval_score_stderr,none": "N/A"},
+        "mme": {"alias": "mme", "mme_cognition_score,none": 312.5, "mme_percetion_score,none": 1480.2},
+        "pope": {"alias": "pope", "pope_accuracy,none": 0.86, "pope_f1_score,none": 0.85, "pope_precision,none": 0.9},
+    },
+    "n-samples": {"mmmu_val": {"original": 900, "effective": 900}, "ai2d": {"original": 3088, "effective": 3088}},
+    "config": {"model": "llava_onevision"},
+    "date": "20261124_120000",
+}
+
+
+def test_compare_reads_a_real_lmms_eval_results_file_and_warns_on_tasks_it_cannot_map(tmp_path, cli):
+    path = tmp_path / "llava" / "20261124_120000_results.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(LMMS_RESULTS))
+    code, out, err = cli("eval", "--compare", path)
+    assert code == 0, err
+    cells = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()[3:] if line.startswith("|")}
+    assert cells["mmmu_val"].startswith("41.0 ±") and cells["mmmu_val"].endswith("(mmmu_acc)")  # 900 rows: an interval
+    assert cells["ai2d"].startswith("73.0 ±") and cells["ai2d"].endswith("(exact_match)")  # the filter does not matter
+    assert cells["mmbench_en_dev"] == "68.2 (gpt_eval_score)"  # a percentage is shown as reported, not x 100
+    assert cells["mme"] == "-" and cells["pope"] == "-" and cells["**overall**"] == "-"
+    warned = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 2 and "'mme'" in warned[0] + warned[1] and "pope_f1_score" in "".join(warned)
+    code, out, err = cli("eval", "--compare", path, "--metric", "pope_f1_score")
+    assert code == 0 and "| pope " in out and "85.0" in out, err
+    assert "warning: llava: lmms-eval task 'pope'" not in err

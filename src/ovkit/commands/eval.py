@@ -51,11 +51,15 @@ def evaluate(
 ) -> None:
     """Evaluate a model on held-out rows: mean reward and accuracy per category, per source and overall."""
     from ovkit.evaluate import compare_table, load_run, run_eval
+    from ovkit.evaluate.results import unmapped
     from ovkit.runs import Stage
 
     cfg = resolve(ctx)
     if cfg.compare:
-        table = compare_table([load_run(p) for p in cfg.data], cfg.metric)
+        runs = [load_run(p) for p in cfg.data]
+        for note in unmapped(runs, cfg.metric):
+            typer.echo(f"warning: {note}", err=True)
+        table = compare_table(runs, cfg.metric)
         typer.echo(table, nl=False)
         if cfg.out is not None:
             _write_text(cfg.out, table)

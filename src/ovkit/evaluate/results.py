@@ -137,12 +137,58 @@ def load_run(spec: str | Path) -> tuple[str, dict[str, Any]]:
 
 
 def _summary_from_lmms(doc: Mapping[str, Any], path: Path) -> dict[str, Any]:
-    if "results" not in doc:
+    """A summary from an lmms-eval results file: each task (results, then groups) becomes a category holding its
+    metrics by name (`"<metric>,<filter>"`, the `none` filter preferred, stderr and non-numbers left out) and, from
+    `n-samples`, its row count. ovkit's own results files map one to one; another harness's tasks keep their own
+    metric names (see metric_value)."""
+    if not isinstance(doc.get("results"), Mapping):
         raise OvkitError(f"{path}: neither an ovkit {SUMMARY} nor an lmms-eval results file")
-    detail = {t: {k.split(",")[0]: v for k, v in m.items() if isinstance(v, (int, float))} for t, m in doc["results"].items()}
-    groups = doc.get("groups", {})
-    overall = {k.split(",")[0]: v for k, v in groups.get("overall", {}).items() if isinstance(v, (int, float))}
-    return {"categories": {}, "detail": {"categories": detail, "overall": overall}}
+
+    def metrics(entry: Any) -> dict[str, float]:
+        found: dict[str, tuple[bool, float]] = {}
+        for key, value in (entry.items() if isinstance(entry, Mapping) else ()):
+            name, _, filt = str(key).partition(",")
+            if name.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if name not in found or (filt == FILTER and not found[name][0]):
+                found[name] = (filt == FILTER, float(value))
+        return {name: v for name, (_, v) in found.items()}
+
+    samples = doc.get("n-samples") if isinstance(doc.get("n-samples"), Mapping) else {}
+    detail: dict[str, dict[str, float]] = {}
+    for task, entry in [*doc["results"].items(), *(doc.get("groups") or {}).items()]:
+        if task == "overall" or task in detail:
+            continue
+        detail[task] = metrics(entry)
+        n = samples.get(task, {}) if isinstance(samples.get(task), Mapping) else {}
+        if "rows" not in detail[task] and isinstance(n.get("effective", n.get("original")), int):
+            detail[task]["rows"] = n.get("effective", n.get("original"))
+    overall = metrics((doc.get("groups") or {}).get("overall", {}))
+    return {"categories": {}, "detail": {"categories": detail, "overall": overall}, "harness": "lmms-eval"}
+
+
+def headline(summary: Mapping[str, Any], metric: str, category: str) -> str | None:
+    """The metric a category of another harness's results is shown under when it lacks `metric`: its only metric
+    (e.g. mmmu_acc, exact_match), else None (several, e.g. MME's perception and cognition scores: --metric picks)."""
+    found = summary.get("detail", {}).get("categories", {}).get(category, {})
+    if summary.get("harness") != "lmms-eval" or metric in found:
+        return None
+    names = [k for k in found if k != "rows"]
+    return names[0] if len(names) == 1 else None
+
+
+def unmapped(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str) -> list[str]:
+    """One warning per task of an lmms-eval results file that the table cannot show under `metric`."""
+    notes = []
+    for label, s in runs:
+        if s.get("harness") != "lmms-eval":
+            continue
+        for task, found in s.get("detail", {}).get("categories", {}).items():
+            names = sorted(k for k in found if k != "rows")
+            if metric not in found and headline(s, metric, task) is None:
+                offer = f"it reports {', '.join(names)}: pass --metric with one of them" if names else "it reports no number"
+                notes.append(f"{label}: lmms-eval task {task!r} has no {metric!r} and no single metric to show instead; {offer}")
+    return notes
 
 
 def metric_value(summary: Mapping[str, Any], metric: str, category: str | None) -> float | None:
@@ -150,6 +196,10 @@ def metric_value(summary: Mapping[str, Any], metric: str, category: str | None) 
     detail = summary.get("detail", {})
     where = detail.get("overall", {}) if category is None else detail.get("categories", {}).get(category, {})
     value = where.get(metric)
+    if value is None and category is not None:
+        value = where.get(headline(summary, metric, category) or "")
+    if value is not None and summary.get("harness") == "lmms-eval" and not 0.0 <= float(value) <= 1.0:
+        value = float(value) / 100  # a score or a percentage: shown as the harness reports it (the table is x 100)
     if value is None and metric == summary.get("metric", "reward"):
         value = summary.get("overall") if category is None else summary.get("categories", {}).get(category)
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
@@ -197,7 +247,10 @@ def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "
     header = ["category", *[label for label, _ in runs]]
 
     def cell(s: Mapping[str, Any], c: str | None) -> str:
-        return _cell(metric_value(s, metric, c), _rows(s, c) if ci else 0)
+        value = metric_value(s, metric, c)
+        text = _cell(value, _rows(s, c) if ci and not _as_reported(s, metric, c) else 0)
+        stand_in = headline(s, metric, c) if c is not None else None
+        return f"{text} ({stand_in})" if stand_in and value is not None else text
 
     body = [[c, *[cell(s, c) for _, s in runs]] for c in categories]
     body.append(["**overall**", *[cell(s, None) for _, s in runs]])
@@ -218,10 +271,23 @@ def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "
         note += " +- = the larger side of the 95% Wilson interval of the mean over the cell's rows."
     if deltas:
         note += " change vs left: overall minus the column to its left, paired over the same rows, +- its 95% interval."
+    if any(s.get("harness") == "lmms-eval" for _, s in runs):
+        note += (f" lmms-eval results: a task without {metric!r} shows its only metric (named in the cell); values"
+                 " outside [0, 1] (scores, percentages) are shown as the harness reports them, without an interval.")
     counts = {label: _rows(s, None) for label, s in runs}
     if len(set(counts.values())) > 1:  # e.g. one run used --limit: its numbers are not comparable row for row
         note += " Runs scored different rows: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + "."
     return "\n".join([note, "", *lines]) + "\n"
+
+
+def _as_reported(summary: Mapping[str, Any], metric: str, category: str | None) -> bool:
+    """Whether a cell holds another harness's number outside [0, 1] (a score or a percentage), shown unscaled."""
+    if summary.get("harness") != "lmms-eval":
+        return False
+    detail = summary.get("detail", {})
+    where = detail.get("overall", {}) if category is None else detail.get("categories", {}).get(category, {})
+    raw = where.get(metric, where.get(headline(summary, metric, category) or "") if category is not None else None)
+    return raw is not None and not 0.0 <= float(raw) <= 1.0
 
 
 def _rows(summary: Mapping[str, Any], category: str | None) -> int:
