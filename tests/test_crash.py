@@ -39,7 +39,7 @@ def corpus(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("crash")
     _ovkit("synth", "--out", root / "data", "--scale", "0.02", "--quiet")
-    texts = [m["content"] for r in pretrain_rows(0, {"all": 48}, set()) for m in r["messages"]] * 2
+    texts = [m["content"] for r in pretrain_rows(0, {"all": 48}, {}) for m in r["messages"]] * 2
     spec = TinySpec(
         hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, mrope_section=(2, 3, 3),
         vision_hidden_size=32, vision_depth=1, vision_heads=2, vision_intermediate_size=64,
