@@ -44,11 +44,12 @@ class Completion:
         return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.token_ids)
 
 
-ENGINES = ("hf", "vllm")  # built by ovkit.runtime.engines.build_engine
+ENGINES = ("hf", "vllm", "vllm-server")  # built by ovkit.runtime.engines.build_engine
 
 
 # Imported after Completion is defined: the engines return Completions.
 from ovkit.generate.hf import HFEngine, sampling_logprobs  # noqa: E402
 from ovkit.generate.vllm import VLLMEngine  # noqa: E402  (imports vllm itself only when constructed)
+from ovkit.generate.vllm_server import VLLMServerEngine  # noqa: E402  (imports TRL's client only when constructed)
 
-__all__ = ["Completion", "ENGINES", "HFEngine", "VLLMEngine", "sampling_logprobs"]
+__all__ = ["Completion", "ENGINES", "HFEngine", "VLLMEngine", "VLLMServerEngine", "sampling_logprobs"]

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
+from ovkit.generate import ENGINES
 from ovkit.rl.correction import Correction, canonical_mode
 from ovkit.rl.loss import AGGREGATIONS, KL_ESTIMATORS
 from ovkit.runtime.attention import ATTENTION
@@ -38,7 +39,7 @@ class RLTrainConfig:
     model: Path | None = None  # HF model directory: the SFT model for stage 1, the stage-1 output for stage 2
     out: Path | None = None
     stage: int = 1  # 1: answer-only prompts; 2: think prompts + format reward (the curriculum)
-    engine: str = "hf"  # hf | vllm (ovkit.generate)
+    engine: str = "hf"  # hf | vllm (colocated) | vllm-server (ovkit.generate)
     precision: str = "auto"  # the learner's: auto | fp32 | bf16-mixed | bf16-true (ovkit.runtime.precision)
     attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager
     sampler_precision: str | None = None  # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
@@ -77,6 +78,8 @@ class RLTrainConfig:
     micro_batch_size: int = 8  # trajectories per learner forward (memory)
     rollout_batch_size: int = 64  # sequences per generate call of the hf engine
     vllm_gpu_memory_utilization: float = 0.3  # --engine vllm (colocated): the GPU share vLLM takes (TRL's default)
+    vllm_server_url: str = "http://localhost:8000"  # --engine vllm-server: where `vllm serve` listens
+    vllm_server_timeout: float = 240.0  # --engine vllm-server: seconds to wait for the server to answer at start
     format_weight: float | None = None  # weight of the format reward; None = 0 in stage 1, 0.1 in stage 2
     system_prompt: bool = True  # prepend "You are a helpful AI assistant." (the recipe's system prompt)
     max_pixels: int = 512 * 512  # images are downscaled to at most this many pixels (the recipe's 512x512 cap)
@@ -154,7 +157,7 @@ class RLTrainConfig:
             (self.correction_threshold > 0, "--correction-threshold must be > 0"),
             (self.correction_lower is None or 0 <= self.correction_lower <= self.correction_threshold, "need 0 <= --correction-lower <= --correction-threshold"),
             (self.geo_lower <= self.geo_upper, "need --geo-lower <= --geo-upper"),
-            (self.engine in ("hf", "vllm"), "--engine must be hf or vllm"),
+            (self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}"),
             (self.lora_r >= 0 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1, "need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1"),
             (self.attn_implementation in ATTENTION, f"--attn-implementation must be one of {', '.join(ATTENTION)}"),
             (self.save_every >= 0, "--save-every must be >= 0"),

@@ -172,6 +172,11 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
     synchronous ones share the learner's unless --sampler-precision / --sampler-quant asks for a separate copy."""
     from ovkit.runtime.engines import build_engine
 
+    if cfg.engine == "vllm-server":  # its own process: weights pushed over NCCL every step
+        if cfg.sampler_precision is not None:
+            raise OvkitError("--sampler-precision with --engine vllm-server: the server samples in the dtype it was started with (vllm serve --dtype)")
+        return build_engine("vllm-server", model=model, processor=processor, quant=cfg.sampler_quant, seed=cfg.seed,
+                            server_url=cfg.vllm_server_url, server_timeout=cfg.vllm_server_timeout)
     if cfg.engine == "vllm":
         if cfg.sampler_quant not in (None, "fp8"):
             raise OvkitError(f"--sampler-quant {cfg.sampler_quant} with --engine vllm: vLLM quantises a bf16 checkpoint on the fly to fp8 only (use --engine hf for int8)")

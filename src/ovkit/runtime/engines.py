@@ -17,6 +17,7 @@ from ovkit.errors import OvkitError
 
 # A sampler's own precision (rl-train --sampler-precision, mismatch-report's samplers): the dtype of its weights.
 SAMPLER_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DEFAULT_SERVER_URL = "http://localhost:8000"  # `vllm serve`'s default address
 SAMPLER_ALIASES = {"float32": "fp32", "32": "fp32", "bfloat16": "bf16", "bf16-true": "bf16", "bf16-mixed": "bf16", "float16": "fp16", "16": "fp16"}
 
 
@@ -64,9 +65,12 @@ def build_engine(
     progress: bool = False,
     trust_remote_code: bool = False,
     attn_implementation: str = "auto",
+    server_url: str | None = None,
+    server_timeout: float = 240.0,
 ) -> Any:
     """A generation engine. `hf`: from a loaded `model` (rl-train's learner: `precision` then names a sampler copy's
-    precision, `quant` its quantisation, `separate` an own copy even in the learner's dtype) or from `model_dir` (loaded in `precision`); `vllm`: from `model_dir`."""
+    precision, `quant` its quantisation, `separate` an own copy even in the learner's dtype) or from `model_dir` (loaded in `precision`); `vllm`: from `model_dir`;
+    `vllm-server`: a running vLLM server at `server_url` (ovkit.generate.vllm_server), which serves its own weights."""
     from ovkit.generate import HFEngine, VLLMEngine
 
     if kind == "hf":
@@ -87,4 +91,14 @@ def build_engine(
         extra = {"quantization": "fp8"} if quant == "fp8" else {}  # vLLM's online fp8 quantisation of the checkpoint
         return VLLMEngine(model_dir, processor=processor, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, progress=progress,
                           sleep=sleep, gpu_memory_utilization=gpu_memory_utilization, **extra)
-    raise OvkitError(f"--engine must be one of hf, vllm, got {kind!r}")
+    if kind == "vllm-server":
+        from ovkit.generate import VLLMServerEngine
+
+        if quant is not None:
+            raise OvkitError("--engine vllm-server samples with the server's own weights and quantisation (vllm serve --quantization ...); drop --sampler-quant")
+        if processor is None:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(str(model_dir or model.config.name_or_path), trust_remote_code=trust_remote_code)
+        return VLLMServerEngine(server_url or DEFAULT_SERVER_URL, processor, timeout=server_timeout, seed=seed, progress=progress)
+    raise OvkitError(f"--engine must be one of hf, vllm, vllm-server, got {kind!r}")

@@ -1,0 +1,171 @@
+"""Generation with a vLLM server (`--engine vllm-server`, the server mode TRL users know): the sampler runs as its own
+process (other GPUs, or another node), started by the user, for example
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL_DIR --logprobs-mode processed_logprobs \\
+        --weight-transfer-config '{"backend": "nccl"}'
+
+and ovkit talks to it through TRL's `VLLMClient` (trl.generation.vllm_client: generation requests, the image feature
+endpoint, and the NCCL weight-transfer group), so the wire protocol is the one TRL maintains against vLLM's releases.
+
+Prompts are the same `Encoded` objects HFEngine takes and go to the server as token ids (token-in/token-out, also for
+multi-turn contexts); a prompt's images go through the server's render endpoint into features paired with its ids.
+Behaviour log-probs are those of the distribution the server sampled from when it runs with
+`--logprobs-mode processed_logprobs` (after temperature and top-p); a server reporting raw log-probs is refused when
+the sampling is not plain (temperature 1, top-p 1), where raw and processed differ, so corrections and the mismatch
+report stay right.
+
+Weights: `update_weights(model)` streams the learner's parameters, under their checkpoint names (`checkpoint_weights`,
+as the colocated engine), over an NCCL group that the first call opens, then drops the server's cached prefixes. Every
+process of a multi-process learner calls it (a sharded parameter is gathered collectively); only the main one sends.
+The group needs CUDA on the learner's side; generation alone works from any device.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from ovkit.errors import OvkitError
+from ovkit.generate import Completion
+
+DEFAULT_URL = "http://localhost:8000"
+
+
+def _client_class():
+    try:
+        from trl.generation.vllm_client import VLLMClient
+    except ImportError:
+        raise OvkitError("--engine vllm-server needs TRL's vLLM client and vLLM: pip install 'ovkit[vllm]'") from None
+    return VLLMClient
+
+
+class VLLMServerEngine:
+    def __init__(self, url: str = DEFAULT_URL, processor: Any = None, *, timeout: float = 240.0, group_port: int = 51216,
+                 seed: int = 0, progress: bool = False, client: Any = None, **_: Any):
+        try:
+            self.client = client or _client_class()(base_url=url, group_port=group_port, connection_timeout=timeout)
+        except ImportError as e:
+            raise OvkitError(f"--engine vllm-server: {e} (pip install 'ovkit[vllm]')") from None
+        except Exception as e:  # requests' ConnectionError and friends: the server is not there
+            raise OvkitError(f"--engine vllm-server: no vLLM server at {url} ({type(e).__name__}: {e}); start one with `vllm serve MODEL_DIR` (module docstring of ovkit.generate.vllm_server)") from None
+        self.url, self.seed, self.progress = url, seed, progress
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        from ovkit.generate.hf import stop_token_ids
+
+        self.stop_ids = stop_token_ids(self.tokenizer)
+        models = self.client._get(f"{self.client.base_url}/v1/models")["data"]
+        self._max_model_len = models[0].get("max_model_len") if models else None
+        self.logprobs_mode = self._logprobs_mode()
+        self.synced = False
+
+    def _logprobs_mode(self) -> str | None:
+        """The server's `logprobs_mode`, or None when it does not say (no development endpoints)."""
+        try:
+            info = self.client.get_server_info()
+        except Exception:
+            return None
+        return _find(info, "logprobs_mode")
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest prompt + completion the server accepts (multi-turn rollouts stop before it)."""
+        return int(self._max_model_len) if self._max_model_len else None
+
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        *,
+        n: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        images: Sequence[Sequence[Any]] | None = None,
+        suppress_ids: Sequence[int] = (),
+    ) -> list[list[Completion]]:
+        """Per prompt, `n` completions (the contract of HFEngine.generate)."""
+        from ovkit.generate.hf import _check_sampling
+
+        _check_sampling(n, max_new_tokens, temperature, top_p)
+        if not prompts:
+            return []
+        plain = temperature == 1.0 and top_p == 1.0
+        if self.logprobs_mode not in (None, "processed_logprobs") and not plain:
+            raise OvkitError(
+                f"the vLLM server at {self.url} reports {self.logprobs_mode} log-probs, not those of the distribution it samples "
+                f"from at temperature {temperature} / top-p {top_p}: restart it with --logprobs-mode processed_logprobs"
+            )
+        ids = [list(map(int, p.input_ids)) for p in prompts]
+        features = None
+        if any(p.mm for p in prompts):
+            if images is None:
+                raise OvkitError("VLLMServerEngine.generate: a prompt has images; pass them as images=[[PIL images], ...]")
+            features = self.client.image_features([list(im) if im else None for im in images])
+        extra = {"seed": seed, "stop_token_ids": list(self.stop_ids), "skip_special_tokens": True}
+        if suppress_ids:
+            extra["logit_bias"] = {str(int(t)): -100.0 for t in suppress_ids}
+        out = self.client.generate(ids, features=features, n=n, temperature=temperature, top_p=top_p,
+                                   max_tokens=max_new_tokens, logprobs=0, generation_kwargs=extra)
+        seqs = out["completion_ids"]
+        if len(seqs) != len(prompts) * n:
+            raise OvkitError(f"the vLLM server at {self.url} returned {len(seqs)} completions for {len(prompts)} prompts x {n}")
+        completions = [self._completion(seqs[j], out["logprobs"][j], out["logprob_token_ids"][j], max_new_tokens)
+                       for j in range(len(seqs))]
+        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _completion(self, ids: list[int], logprobs: list[list[float]], logprob_ids: list[list[int]], limit: int) -> Completion:
+        """One sequence: the sampled token's own log-prob at each position (found by id among the returned ones)."""
+        ids = [int(t) for t in ids]
+        if len(logprobs) != len(ids):
+            raise OvkitError(f"the vLLM server returned {len(logprobs)} log-probs for {len(ids)} tokens")
+        own = []
+        for t, values, tokens in zip(ids, logprobs, logprob_ids):
+            if t not in tokens or values[tokens.index(t)] is None:
+                raise OvkitError("the vLLM server returned no log-prob for a sampled token")
+            own.append(float(values[tokens.index(t)]))
+        stopped = bool(ids) and ids[-1] in self.stop_ids
+        reason = "stop" if stopped or len(ids) < limit else "length"
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return Completion(token_ids=ids, text=text, logprobs=own, finish_reason=reason)
+
+    def update_weights(self, model: Any) -> None:
+        """Stream the learner's parameters to the server (checkpoint names), then drop its cached prefixes."""
+        from ovkit.generate.vllm import checkpoint_weights
+
+        main = int(os.environ.get("RANK", "0")) == 0
+        named = [(name, _full(t)) for name, t in checkpoint_weights(model)]  # collective when sharded: every rank
+        if not main:
+            return
+        if self.client.communicator is None:
+            device = named[0][1].device if named else "cpu"
+            try:
+                self.client.init_communicator(device=device)
+            except NotImplementedError as e:
+                raise OvkitError(f"--engine vllm-server: weights reach the server over NCCL, which needs the learner on CUDA ({e})") from None
+        metadata = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in named]
+        self.client.update_named_params(metadata, iter(named))
+        self.client.reset_prefix_cache()
+        self.synced = True
+
+
+def _full(tensor: Any) -> Any:
+    """A parameter as one tensor: an FSDP2 shard (DTensor) gathered from every process, anything else as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _find(tree: Any, key: str) -> Any:
+    """The first value under `key` anywhere in a JSON tree."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        for value in tree.values():
+            found = _find(value, key)
+            if found is not None:
+                return found
+    elif isinstance(tree, list):
+        for value in tree:
+            found = _find(value, key)
+            if found is not None:
+                return found
+    return None
