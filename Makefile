@@ -30,6 +30,9 @@ TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
 .PHONY: setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
+# Keep every file a rule made: make deletes the intermediate files of chained pattern rules (it removed each science
+# RL run's ovkit.json, its completion mark, once that run's eval was done).
+.SECONDARY:
 
 help:
 	@sed -n '2,8p' Makefile
