@@ -84,7 +84,8 @@ class ChunkedHeadLogprob(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.rows):
             h, g = hidden[s : s + ctx.rows], grad[s : s + ctx.rows].float()
             # d log p(y) / d logits = onehot(y) - softmax; logits = (h W^T + b) / t
-            d = -torch.softmax(_chunk_logits(h, weight, bias, ctx.temperature), dim=-1)
+            d = _chunk_logits(h, weight, bias, ctx.temperature)  # -softmax in place: one chunk-sized buffer, not two
+            d.sub_(torch.logsumexp(d, dim=-1, keepdim=True)).exp_().neg_()
             d.scatter_add_(-1, targets[s : s + ctx.rows, None], torch.ones_like(g)[:, None])
             d.mul_((g / t)[:, None])
             if grad_h is not None:
