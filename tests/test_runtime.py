@@ -324,3 +324,49 @@ def test_every_checkpoint_state_file_loads_with_weights_only(deep, tmp_path):
     assert files and not [f for f in files if f.name.startswith("custom_checkpoint")]
     for f in files:
         load(f, map_location="cpu", weights_only=True)
+
+
+def test_qlora_trains_adapters_on_a_four_bit_base_and_saves_a_plain_merged_model(deep, tmp_path):
+    """sft --lora-r 4 --load-in-4bit (bitsandbytes' NF4, which runs on CPU): the language model's Linear layers are
+    4-bit and stay as loaded, the vision tower and the head are not quantised, the adapters train; OUT is a plain
+    checkpoint (no quantisation config) whose logits equal the 4-bit base + adapters' own."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForImageTextToText
+
+    from peft import PeftModel
+
+    from ovkit.errors import OvkitError
+    from ovkit.models.encode import decode_images, encode_sample
+    from ovkit.runtime import Runtime, lora
+    from ovkit.train import train
+    from ovkit.train.config import TRAJECTORY
+
+    root, _ = deep
+    with pytest.raises(OvkitError, match="--lora-r"):
+        train(config("SFTConfig", root, tmp_path / "no-rank", max_steps=1, load_in_4bit=True))
+    cfg = config("SFTConfig", root, tmp_path / "qlora", max_steps=3, lr=5e-2, lora_r=4, lora_alpha=8, trainable=["llm"], load_in_4bit=True)
+    rt = Runtime(cfg, command="sft", trajectory=TRAJECTORY)
+    model, processor = rt.load_model(root / "model")
+    four_bit = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert four_bit and all("layers." in n and "visual" not in n for n in four_bit) and "lm_head" not in four_bit
+    before = {n: m.weight.data.clone() for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+
+    res = train(cfg)
+    assert res.metrics["trainable_params"] < res.metrics["total_params"] / 5
+    assert "quantization_config" not in json.loads((tmp_path / "qlora" / "config.json").read_text())
+    merged = weights(tmp_path / "qlora")
+    assert set(merged) == set(weights(root / "model"))  # the base's checkpoint layout, every weight full precision
+    assert all(v.dtype == torch.float32 for v in merged.values())
+
+    row = make_rows(1)[0]
+    inputs = encode_sample(processor, row["messages"], decode_images(row["images"])).model_inputs(labels=False)
+    # the user's way back to the trained model: the 4-bit base (plain transformers) and the adapter through peft
+    base = AutoModelForImageTextToText.from_pretrained(root / "model", quantization_config=lora.four_bit_config(torch.float32))
+    assert all(torch.equal(before[n], m.weight.data) for n, m in base.named_modules() if n in before)  # NF4 is deterministic
+    with torch.no_grad():  # train mode: bitsandbytes' CPU inference path (eval + no grad) repacks the weights and
+        untrained = base.train()(**inputs).logits  # fails on tiny layers; no dropout anywhere, so the same function
+    adapted = PeftModel.from_pretrained(base, tmp_path / "qlora" / "adapter")
+    plain = AutoModelForImageTextToText.from_pretrained(tmp_path / "qlora").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(**inputs).logits, adapted.train()(**inputs).logits, rtol=1e-3, atol=1e-4)
+        assert not torch.allclose(plain(**inputs).logits, untrained, atol=1e-4)  # the adapters moved

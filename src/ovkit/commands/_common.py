@@ -45,6 +45,7 @@ LORA = "LoRA"
 LORA_R = typer.Option(None, "--lora-r", help="LoRA rank: train low-rank adapters on the selection's attention/MLP projections instead of every weight (0: full fine-tuning).", rich_help_panel=LORA)
 LORA_ALPHA = typer.Option(None, "--lora-alpha", help="LoRA scale alpha (the update is alpha / r x B A).", rich_help_panel=LORA)
 LORA_DROPOUT = typer.Option(None, "--lora-dropout", help="Dropout on the LoRA branch.", rich_help_panel=LORA)
+LOAD_IN_4BIT = typer.Option(None, "--load-in-4bit", help="QLoRA: load the language model's Linear weights in 4-bit NF4 (bitsandbytes) and train LoRA adapters on them; needs --lora-r > 0.", rich_help_panel=LORA)
 LORA_TARGETS = typer.Option(None, "--lora-targets", help="Regex over module names to adapt instead of the per-architecture default; repeatable.", rich_help_panel=LORA)
 ON_ERROR = typer.Option(None, "--on-error", help="fail: stop at the first bad row; skip: move bad rows to OUT/rejects.parquet.", rich_help_panel=RUN)
 

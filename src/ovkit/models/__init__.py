@@ -19,6 +19,7 @@ def load(
     dtype: Any = None,
     device: Any = None,
     trust_remote_code: bool = False,
+    quantization_config: Any = None,
 ) -> tuple[Any, Any]:
     """(model, processor) from a local model directory, or a hub id when the machine is online.
 
@@ -38,12 +39,13 @@ def load(
     except (*_load_errors(), ValueError) as e:  # missing or damaged tokenizer / processor files
         raise OvkitError(f"--model {path}: cannot load its processor ({_one_line(e)})") from None
     try:
-        model = AutoModelForImageTextToText.from_pretrained(where, dtype=dtype, trust_remote_code=trust_remote_code)
+        quant = {} if quantization_config is None else {"quantization_config": quantization_config, "device_map": {"": str(device or "cpu")}}
+        model = AutoModelForImageTextToText.from_pretrained(where, dtype=dtype, trust_remote_code=trust_remote_code, **quant)
     except _load_errors() as e:  # missing or damaged files, a hub id not in the cache while offline
         raise OvkitError(f"--model {path}: cannot load ({_one_line(e)})") from None
     except ValueError as e:  # an architecture without an image-text-to-text class, or custom code not trusted
         raise OvkitError(f"--model {path}: not a vision-language model transformers can load ({_one_line(e)})") from None
-    if device is not None:
+    if device is not None and quantization_config is None:  # a quantised model is placed by device_map
         model = model.to(device)
     return model, processor
 

@@ -202,9 +202,11 @@ class Runtime:
         implementation applied, on this process's device."""
         from ovkit.models import load
 
-        model, processor = load(path, dtype=torch.float32, trust_remote_code=self.cfg.trust_remote_code)
+        quant = lora.four_bit_config(self.precision.dtype) if getattr(self.cfg, "load_in_4bit", False) else None
+        model, processor = load(path, dtype=torch.float32, trust_remote_code=self.cfg.trust_remote_code, quantization_config=quant,
+                                device=self.device if quant is not None else None)
         self.attention = attn.apply(model, self.attention)
-        return model.to(self.device), processor
+        return (model if quant is not None else model.to(self.device)), processor
 
     def optimizer(self, model: Any, *, lr: float, weight_decay: float, schedule: Callable[[int], float], lrs: dict[int, float] | None = None):
         """AdamW over the trainable parameters and a LambdaLR `schedule` (multiplier of lr per 0-based step). With
@@ -277,7 +279,7 @@ class Runtime:
             masters = _master_values(self._optimizer, model)
             state_dict = {k: masters.get(k, v) for k, v in state_dict.items()}
         state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
-        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        lora.plain(model).save_pretrained(out, state_dict=state_dict, safe_serialization=True)
         processor.save_pretrained(out)
 
     def lora(self, model: Any, trainable: list[str]) -> tuple[int, int] | None:
@@ -288,6 +290,8 @@ class Runtime:
         if self.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
             raise OvkitError("--lora-r with FSDP or DeepSpeed is not supported here; use DDP (plain accelerate launch / torchrun)")
         spec = lora.LoraSpec(r=r, alpha=self.cfg.lora_alpha, dropout=self.cfg.lora_dropout, targets=tuple(self.cfg.lora_targets or ()))
+        if getattr(self.cfg, "load_in_4bit", False):
+            lora.prepare_four_bit(model, gradient_checkpointing=bool(getattr(self.cfg, "gradient_checkpointing", False)))
         return lora.apply(model, trainable, spec)
 
     def save_checkpoint(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int) -> Path:

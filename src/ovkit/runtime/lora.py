@@ -14,7 +14,13 @@ AutoModelForImageTextToText like any other stage's output), and the adapter alon
 (`peft.PeftModel.from_pretrained(base, OUT/adapter)`). The RL sampler samples from the adapted model (the learner
 itself, its copy with the adapters, or vLLM given the merged weights).
 
-QLoRA (a 4-bit base) is not provided: it needs bitsandbytes and CUDA, which this code has not been run on.
+QLoRA (`--load-in-4bit` with `--lora-r`): the language model's Linear weights load as 4-bit NF4 with double
+quantisation (bitsandbytes, through transformers' BitsAndBytesConfig; the vision tower, the projector and the output
+head stay in full precision), peft's `prepare_model_for_kbit_training` readies the rest, and the adapters train on
+top in the compute dtype. The merged model at OUT's root is the dequantised base + scale * B A in full precision (a
+plain checkpoint, no quantisation config), so later stages and vLLM load it like any other; the adapter in
+OUT/adapter/ applies to the 4-bit base as to the full one. bitsandbytes runs 4-bit on CPU as well as CUDA
+(`pip install bitsandbytes`).
 """
 
 from __future__ import annotations
@@ -78,9 +84,61 @@ def apply(model: Any, trainable: list[str], spec: LoraSpec) -> tuple[int, int]:
     for name, p in model.named_parameters():
         train = "lora_" in name or name in full
         p.requires_grad_(train)
-        n_total += 0 if "lora_" in name else p.numel()
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)  # a 4-bit weight: its packed storage is smaller
+        n_total += 0 if "lora_" in name else (int(torch.Size(shape).numel()) if shape is not None else p.numel())
         n_train += p.numel() if train else 0
     return n_train, n_total
+
+
+# Modules never quantised: the vision tower, the projector and the output head (by the names of the supported
+# architectures), so only the language model's Linear layers are 4-bit, as in QLoRA. transformers 5 reads these as
+# regular expressions matched from the start of a module's name (or as its suffix), transformers 4 as substrings.
+_KEEP = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "mm_projector")
+NOT_QUANTISED = [*_KEEP, *(r"(?:.*\.)?" + name for name in _KEEP), "lm_head"]
+
+
+def four_bit_config(compute_dtype: torch.dtype) -> Any:
+    """transformers' BitsAndBytesConfig for QLoRA: NF4 weights, double quantisation, compute in `compute_dtype`."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise OvkitError("--load-in-4bit needs bitsandbytes: pip install bitsandbytes") from None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=NOT_QUANTISED)
+
+
+def prepare_four_bit(model: Any, gradient_checkpointing: bool) -> None:
+    """peft's preparation of a k-bit model for adapter training (norms and the other full-precision weights in fp32,
+    input gradients enabled for checkpointing); every parameter frozen until `apply` picks what trains."""
+    from peft import prepare_model_for_kbit_training
+
+    prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+
+
+def _dequantised(module: Any) -> torch.Tensor | None:
+    """The full-precision weight of a bitsandbytes 4-bit Linear, None for any other module."""
+    weight = getattr(module, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    if state is None:
+        return None
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_4bit(weight.data, state).to(state.dtype)
+
+
+def plain(model: Any) -> Any:
+    """What saves the merged weights: `model` itself, or for a 4-bit base the same architecture without its
+    quantisation config (on the meta device: save_pretrained is given the weights), so the checkpoint is a plain one."""
+    if getattr(model.config, "quantization_config", None) is None:
+        return model
+    import copy
+
+    config = copy.deepcopy(model.config)
+    del config.quantization_config
+    with torch.device("meta"):  # eager: ovkit's own attention functions are registered at runtime, not saved
+        return type(model)._from_config(config, attn_implementation="eager")
 
 
 def has_lora(model: Any) -> bool:
@@ -94,13 +152,19 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
 
     out: dict[str, torch.Tensor] = {}
     lora_modules = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    four_bit = {name.replace(".base_layer", ""): w for name, m in model.named_modules() if (w := _dequantised(m)) is not None}
     for name, tensor in model.state_dict().items():
         if "lora_" in name:
             continue
-        out[name.replace(".base_layer.", ".")] = tensor
+        name = name.replace(".base_layer.", ".")
+        module, _, leaf = name.rpartition(".weight")
+        if module in four_bit and leaf:  # a 4-bit weight's quantisation state (weight.absmax, weight.quant_map, ...)
+            continue
+        out[name] = four_bit[module] if module in four_bit and name == f"{module}.weight" else tensor
     with torch.no_grad():
         for name, module in lora_modules.items():
-            base = module.get_base_layer().weight
+            base = four_bit.get(name)
+            base = module.get_base_layer().weight if base is None else base
             out[f"{name}.weight"] = (base + module.get_delta_weight(ADAPTER).to(base.dtype)).detach()
     return out
 

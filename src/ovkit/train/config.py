@@ -31,7 +31,7 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
 TRAJECTORY = (
     "data", "model", "plan", "trainable", "freeze_vision", "lr", "vision_lr", "min_lr", "warmup_ratio", "weight_decay",
     "max_grad_norm", "batch_size", "grad_accum", "max_steps", "epochs", "max_len", "precision", "seed",
-    "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
+    "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "load_in_4bit",
 )
 
 
@@ -64,6 +64,7 @@ class TrainConfig:
     lora_alpha: float = 16.0  # LoRA scale alpha (the update is alpha / r * B A)
     lora_dropout: float = 0.0
     lora_targets: list[str] | None = None  # regexes over module names to adapt instead of the per-architecture default
+    load_in_4bit: bool = False  # QLoRA: the language model's Linear weights in 4-bit NF4 (bitsandbytes), adapters on top
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% slower)
     save_every: int = 0  # write a checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2  # how many intermediate checkpoints to keep (oldest deleted first)
@@ -118,6 +119,8 @@ class TrainConfig:
         self.precision = canonical_precision(self.precision)
         if self.attn_implementation not in ATTENTION:
             raise OvkitError(f"--attn-implementation must be one of {', '.join(ATTENTION)}, got {self.attn_implementation!r}")
+        if self.load_in_4bit and self.lora_r <= 0:
+            raise OvkitError("--load-in-4bit trains LoRA adapters on a frozen 4-bit base: give --lora-r > 0")
         if self.lora_r < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
             raise OvkitError("need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1")
         if self.save_every < 0 or self.keep_checkpoints < 1:
