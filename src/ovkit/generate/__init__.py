@@ -44,7 +44,10 @@ class Completion:
         return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.token_ids)
 
 
-ENGINES = ("hf", "vllm", "vllm-server")  # built by ovkit.runtime.engines.build_engine
+# Engines that sample from the --model directory itself (eval, caption, rl-curate, mismatch-report) ...
+ENGINES = ("hf", "vllm")  # built by ovkit.runtime.engines.build_engine
+# ... and rl-train's, which can also sample from a running vLLM server that it keeps in sync with the learner.
+RL_ENGINES = (*ENGINES, "vllm-server")
 
 
 # Imported after Completion is defined: the engines return Completions.
@@ -52,4 +55,4 @@ from ovkit.generate.hf import HFEngine, sampling_logprobs  # noqa: E402
 from ovkit.generate.vllm import VLLMEngine  # noqa: E402  (imports vllm itself only when constructed)
 from ovkit.generate.vllm_server import VLLMServerEngine  # noqa: E402  (imports TRL's client only when constructed)
 
-__all__ = ["Completion", "ENGINES", "HFEngine", "VLLMEngine", "VLLMServerEngine", "sampling_logprobs"]
+__all__ = ["Completion", "ENGINES", "RL_ENGINES", "HFEngine", "VLLMEngine", "VLLMServerEngine", "sampling_logprobs"]

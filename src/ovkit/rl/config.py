@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
-from ovkit.generate import ENGINES
+from ovkit.generate import RL_ENGINES
 from ovkit.rl.correction import Correction, canonical_mode
 from ovkit.rl.loss import AGGREGATIONS, KL_ESTIMATORS
 from ovkit.runtime.attention import ATTENTION
@@ -157,7 +157,7 @@ class RLTrainConfig:
             (self.correction_threshold > 0, "--correction-threshold must be > 0"),
             (self.correction_lower is None or 0 <= self.correction_lower <= self.correction_threshold, "need 0 <= --correction-lower <= --correction-threshold"),
             (self.geo_lower <= self.geo_upper, "need --geo-lower <= --geo-upper"),
-            (self.engine in ENGINES, f"--engine must be one of {', '.join(ENGINES)}"),
+            (self.engine in RL_ENGINES, f"--engine must be one of {', '.join(RL_ENGINES)}"),
             (self.lora_r >= 0 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1, "need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1"),
             (self.attn_implementation in ATTENTION, f"--attn-implementation must be one of {', '.join(ATTENTION)}"),
             (self.save_every >= 0, "--save-every must be >= 0"),
