@@ -84,9 +84,7 @@ def build_engine(
         if model_dir is None:
             model_dir = model.config.name_or_path
         if processor is None:
-            from transformers import AutoProcessor
-
-            processor = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+            processor = _processor(model_dir, trust_remote_code)
         dtype = sampler_dtype(precision) if precision not in (None, "auto") else "auto"
         extra = {"quantization": "fp8"} if quant == "fp8" else {}  # vLLM's online fp8 quantisation of the checkpoint
         return VLLMEngine(model_dir, processor=processor, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, progress=progress,
@@ -97,8 +95,17 @@ def build_engine(
         if quant is not None:
             raise OvkitError("--engine vllm-server samples with the server's own weights and quantisation (vllm serve --quantization ...); drop --sampler-quant")
         if processor is None:
-            from transformers import AutoProcessor
-
-            processor = AutoProcessor.from_pretrained(str(model_dir or model.config.name_or_path), trust_remote_code=trust_remote_code)
+            processor = _processor(model_dir or model.config.name_or_path, trust_remote_code)
         return VLLMServerEngine(server_url or DEFAULT_SERVER_URL, processor, timeout=server_timeout, seed=seed, progress=progress)
     raise OvkitError(f"--engine must be one of hf, vllm, vllm-server, got {kind!r}")
+
+
+def _processor(model_dir: Path | str, trust_remote_code: bool) -> Any:
+    """The processor of a model directory (or Hub id) for an engine that loads the weights itself: checked and
+    resolved the way every other model path is (ovkit.models.locate), so a missing directory is one clear error and
+    an id is never sent to an offline Hub."""
+    from transformers import AutoProcessor
+
+    from ovkit.models import locate
+
+    return AutoProcessor.from_pretrained(locate(model_dir, weights=False), trust_remote_code=trust_remote_code)
