@@ -34,3 +34,21 @@ def buggy(completion: str, answer: str) -> Reward:
 
 def echo_length(completion: str, answer: str) -> Reward:
     return Reward(min(1.0, len(completion) / 10), {"pid": os.getpid()})
+
+
+def ours_or_orphaned(pid: int) -> bool:
+    """Whether process `pid` is this test process's descendant, or an orphan (re-parented to PID 1): what a sandbox
+    run of this process could have left behind. A live process under another parent is another test run's (two
+    suites on one machine), not a leak of ours."""
+    me, seen = os.getpid(), set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if ppid == me or ppid == 1 and len(seen) == 1:
+            return True
+        pid = ppid
+    return False

@@ -17,7 +17,7 @@ from ovkit.rewards import score, score_batch
 from ovkit.rewards.codeexec import run_sandboxed
 from ovkit.rewards.markup import render
 from ovkit.rewards.pool import shared_pool
-from test_rewards_helpers import allocate, buggy, crash, echo_length, record_pid_then_sleep
+from test_rewards_helpers import allocate, buggy, crash, echo_length, ours_or_orphaned, record_pid_then_sleep
 
 SLACK = 3.0  # seconds on top of a limit: process start and a loaded 2-core CI box
 CODE_ONE_TEST = json.dumps({"entry": "solution", "tests": [{"input": 1, "output": 1}]})
@@ -214,7 +214,7 @@ def _sandbox_children() -> list[int]:
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"def _guard(tmp, read_roots)" in f.read():
+                    if b"def _guard(tmp, read_roots)" in f.read() and ours_or_orphaned(int(entry)):
                         pids.append(int(entry))
             except OSError:
                 pass

@@ -24,6 +24,7 @@ import pytest
 from ovkit.rewards import score
 from ovkit.rewards.codeexec import run_sandboxed
 from ovkit.rewards.sandbox import LEVELS, isolation
+from test_rewards_helpers import ours_or_orphaned
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS isolation is Linux's")
 
@@ -96,8 +97,8 @@ BOOTSTRAP_MARK = b"def _guard(tmp, read_roots)"  # in the command line of every 
 
 
 def _survivors(token: str, within: float = 5.0) -> list[int]:
-    """Sandboxed interpreters (and their forks), or processes whose command line carries `token` (what a shell
-    started), still alive after giving the kernel `within` s to reap them."""
+    """Sandboxed interpreters (and their forks) of this test process, or processes whose command line carries `token`
+    (what a shell started), still alive after giving the kernel `within` s to reap them."""
     deadline = time.monotonic() + within
     while True:
         found = []
@@ -111,7 +112,7 @@ def _survivors(token: str, within: float = 5.0) -> list[int]:
                     zombie = "\nState:\tZ" in f.read()
             except OSError:
                 continue
-            if (token.encode() in cmdline or BOOTSTRAP_MARK in cmdline) and not zombie:
+            if (token.encode() in cmdline or BOOTSTRAP_MARK in cmdline and ours_or_orphaned(int(entry))) and not zombie:
                 found.append(int(entry))
         if not found or time.monotonic() > deadline:
             return found
