@@ -191,14 +191,31 @@ def unmapped(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str) -> list
     return notes
 
 
-def metric_value(summary: Mapping[str, Any], metric: str, category: str | None) -> float | None:
-    """One number of a run: `metric` of `category` (None = overall), or None where the run lacks it."""
+def _where(summary: Mapping[str, Any], category: str | None) -> Mapping[str, Any]:
+    """The detail entry of `category` (None = overall): its metrics by name and its row count."""
     detail = summary.get("detail", {})
-    where = detail.get("overall", {}) if category is None else detail.get("categories", {}).get(category, {})
+    return detail.get("overall", {}) if category is None else detail.get("categories", {}).get(category, {})
+
+
+def _raw(summary: Mapping[str, Any], metric: str, category: str | None) -> Any:
+    """`metric` of `category` as stored, or the category's stand-in (headline) metric; None if neither."""
+    where = _where(summary, category)
     value = where.get(metric)
     if value is None and category is not None:
         value = where.get(headline(summary, metric, category) or "")
-    if value is not None and summary.get("harness") == "lmms-eval" and not 0.0 <= float(value) <= 1.0:
+    return value
+
+
+def _as_reported(summary: Mapping[str, Any], metric: str, category: str | None) -> bool:
+    """Whether a cell holds another harness's number outside [0, 1] (a score or a percentage), shown unscaled."""
+    raw = _raw(summary, metric, category) if summary.get("harness") == "lmms-eval" else None
+    return raw is not None and not 0.0 <= float(raw) <= 1.0
+
+
+def metric_value(summary: Mapping[str, Any], metric: str, category: str | None) -> float | None:
+    """One number of a run: `metric` of `category` (None = overall), or None where the run lacks it."""
+    value = _raw(summary, metric, category)
+    if _as_reported(summary, metric, category):
         value = float(value) / 100  # a score or a percentage: shown as the harness reports it (the table is x 100)
     if value is None and metric == summary.get("metric", "reward"):
         value = summary.get("overall") if category is None else summary.get("categories", {}).get(category)
@@ -280,20 +297,8 @@ def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "
     return "\n".join([note, "", *lines]) + "\n"
 
 
-def _as_reported(summary: Mapping[str, Any], metric: str, category: str | None) -> bool:
-    """Whether a cell holds another harness's number outside [0, 1] (a score or a percentage), shown unscaled."""
-    if summary.get("harness") != "lmms-eval":
-        return False
-    detail = summary.get("detail", {})
-    where = detail.get("overall", {}) if category is None else detail.get("categories", {}).get(category, {})
-    raw = where.get(metric, where.get(headline(summary, metric, category) or "") if category is not None else None)
-    return raw is not None and not 0.0 <= float(raw) <= 1.0
-
-
 def _rows(summary: Mapping[str, Any], category: str | None) -> int:
-    detail = summary.get("detail", {})
-    where = detail.get("overall", {}) if category is None else detail.get("categories", {}).get(category, {})
-    return int(where.get("rows", 0) or 0)
+    return int(_where(summary, category).get("rows", 0) or 0)
 
 
 def _paired_row(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str) -> list[str] | None:

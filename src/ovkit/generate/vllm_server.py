@@ -121,9 +121,10 @@ class VLLMServerEngine:
             raise OvkitError(f"the vLLM server returned {len(logprobs)} log-probs for {len(ids)} tokens")
         own = []
         for t, values, tokens in zip(ids, logprobs, logprob_ids):
-            if t not in tokens or values[tokens.index(t)] is None:
+            value = dict(zip(tokens, values)).get(t)
+            if value is None:
                 raise OvkitError("the vLLM server returned no log-prob for a sampled token")
-            own.append(float(values[tokens.index(t)]))
+            own.append(float(value))
         stopped = bool(ids) and ids[-1] in self.stop_ids
         reason = "stop" if stopped or len(ids) < limit else "length"
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""

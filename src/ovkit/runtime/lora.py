@@ -160,11 +160,10 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
         module, _, leaf = name.rpartition(".weight")
         if module in four_bit and leaf:  # a 4-bit weight's quantisation state (weight.absmax, weight.quant_map, ...)
             continue
-        out[name] = four_bit[module] if module in four_bit and name == f"{module}.weight" else tensor
+        out[name] = tensor if leaf else four_bit.get(module, tensor)
     with torch.no_grad():
         for name, module in lora_modules.items():
-            base = four_bit.get(name)
-            base = module.get_base_layer().weight if base is None else base
+            base = four_bit.get(name, module.get_base_layer().weight)
             out[f"{name}.weight"] = (base + module.get_delta_weight(ADAPTER).to(base.dtype)).detach()
     return out
 
