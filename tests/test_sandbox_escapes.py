@@ -205,6 +205,64 @@ def test_a_detached_grandchild_does_not_survive(level, hook):
     assert _survivors(token) == []
 
 
+def _peak_processes(source: str, level: str, hook: bool, **limits) -> tuple[float, int, int]:
+    """(reward, most sandboxed processes of this test seen at once, most threads seen in one of them) while
+    `source` is scored, sampled from /proc every 20 ms."""
+    peak = {"processes": 0, "threads": 0}
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            found = 0
+            for entry in os.listdir("/proc"):
+                if not entry.isdigit():
+                    continue
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        if BOOTSTRAP_MARK not in f.read() or not ours_or_orphaned(int(entry)):
+                            continue
+                    with open(f"/proc/{entry}/status") as f:
+                        threads = int(next(line for line in f if line.startswith("Threads:")).split()[1])
+                except (OSError, StopIteration, ValueError):
+                    continue
+                found += 1
+                peak["threads"] = max(peak["threads"], threads)
+            peak["processes"] = max(peak["processes"], found)
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        reward, _, _ = _score(source, level, hook, **limits)
+    finally:
+        done.set()
+        sampler.join()
+    return reward, peak["processes"], peak["threads"]
+
+
+@pytest.mark.parametrize("level,hook", LEVEL_PARAMS)
+def test_the_candidate_is_one_process_and_its_threads_are_bounded(level, hook):
+    """The process-count limit: a candidate that forks in a loop (swallowing each refusal) never has more processes
+    than one that only sleeps, and a thread bomb stops at the address-space limit (each thread reserves its stack)."""
+    idle = "import time\ntime.sleep(1.0)"
+    forks = (
+        "import posix, time\nborn = 0\nfor _ in range(50):\n    try:\n        pid = posix.fork()\n"
+        "    except Exception:\n        continue\n    if pid == 0:\n        time.sleep(5)\n        posix._exit(0)\n"
+        "    born += 1\ntime.sleep(1.0)\nx = x + born"
+    )
+    threads = (
+        "import _thread, time\nlock = _thread.allocate_lock()\nlock.acquire()\nstarted = 0\nfor _ in range(2000):\n"
+        "    try:\n        _thread.start_new_thread(lock.acquire, ())\n    except Exception:\n        break\n"
+        "    started += 1\ntime.sleep(1.0)"
+    )
+    _, baseline, _ = _peak_processes(_solution("", idle), level, hook, wall_s=4.0)
+    reward, peak, _ = _peak_processes(_solution("", forks), level, hook, wall_s=4.0)
+    assert baseline >= 1
+    assert peak == baseline and reward == 1.0  # every fork refused: nothing born, the right answer returned
+    _, _, most_threads = _peak_processes(_solution("", threads), level, hook, wall_s=4.0, memory_mb=50)
+    assert 1 <= most_threads <= 16
+
+
 @pytest.mark.parametrize("level,hook", LEVEL_PARAMS)
 def test_no_connection_to_localhost(level, hook, listener):
     port, seen = listener
