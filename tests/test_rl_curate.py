@@ -91,6 +91,21 @@ def test_curate_end_to_end(rl_assets, tmp_path, cli):  # noqa: F811
             assert f.read_bytes() == (tmp_path / "b" / f.relative_to(out)).read_bytes(), f  # same seed, same bytes
 
 
+def test_an_excluded_category_is_not_sampled(rl_assets, tmp_path, cli):  # noqa: F811
+    from ovkit.rollouts.table import read_rollouts
+
+    model_dir, data = rl_assets
+    args = ["rl-curate", data, "--model", model_dir, "--n", "2", "--max-new-tokens", "3", "--min-reward", "-0.01", "--no-system-prompt", "--reward-workers", "1", "--quiet"]
+    code, stdout, err = cli(*args, "--exclude-category", "math", "--out", tmp_path / "a")
+    assert code == 0, err
+    stats = json.loads((tmp_path / "a" / "stats.json").read_text())
+    assert stats["excluded"] == {"math": 3} and stats["prompts"] == 3 and set(stats["categories"]) == {"counting"}
+    assert set(read_rollouts(tmp_path / "a" / "rollouts").column("category").to_pylist()) == {"counting"}
+    assert pq.read_table(next((tmp_path / "a" / "stage2").glob("*.parquet"))).num_rows == 0
+    code, _, err = cli(*args, "--exclude-category", "math", "--exclude-category", "counting", "--out", tmp_path / "b")
+    assert code == 2 and "every prompt is in an excluded category" in err and not (tmp_path / "b").exists()
+
+
 def test_help_options_are_documented(cli):
     code, out, _ = cli("rl-curate", "--help")
     assert code == 0

@@ -32,6 +32,7 @@ def rl_curate(
     min_gap: float = _O(None, "--min-gap", help="gap rule: keep prompts with pass@N - pass@1 >= this.", rich_help_panel=SELECTION),
     keep_sources: list[str] = _O(None, "--keep-source", help="Keep every prompt whose source contains this tag, whatever its difficulty; repeatable.", rich_help_panel=SELECTION),
     stage2_categories: list[str] = _O(None, "--stage2-category", help="Categories that go to the stage-2 (thinking) set; repeatable (default: math chart science diagram svg code stem coding).", rich_help_panel=SELECTION),
+    exclude_categories: list[str] = _O(None, "--exclude-category", help="Leave this category out of RL (its prompts are not sampled); repeatable.", rich_help_panel=SELECTION),
     prompt: str = _O(None, "--prompt", help="Instruction the rollouts are sampled with: auto (the row's stage: 1 answer-only, 2 think), answer or think.", rich_help_panel=SAMPLING),
     engine: str = _O(None, "--engine", help="hf (transformers, CPU or GPU) or vllm (GPU).", rich_help_panel=RUNTIME),
     precision: str = PRECISION,

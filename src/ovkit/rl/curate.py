@@ -10,6 +10,9 @@ best one (for 0/1 rewards: whether any rollout is right). Two selection rules:
   prompt but does not do so reliably ("latent capability").
 
 Sources listed in `keep_sources` are kept whatever their difficulty (the release keeps some sources whole).
+Categories listed in `exclude_categories` are not sampled and never reach RL: for a category whose rollouts at the
+sampling temperature are mostly malformed, RL follows noise and can erase what greedy decoding had (on the embedded
+default, SVG: sampled reward ~0.1 against 0.73 greedy, and stage 2 took held-out SVG from 73 to 13-26; BENCHMARKS.md).
 
 The stage split. The release trains stage 1 (answer-only, 19.9K) mostly on perception (grounding, counting, OCR,
 spatial) and stage 2 (chain-of-thought, 49.2K) on reasoning (STEM, charts, diagrams, code); the write-up shows the
@@ -48,6 +51,7 @@ class CurateConfig:
     min_gap: float = 0.25
     keep_sources: list[str] = field(default_factory=list)  # sources kept whatever their difficulty
     stage2_categories: list[str] = field(default_factory=lambda: list(STAGE2_CATEGORIES))
+    exclude_categories: list[str] = field(default_factory=list)  # categories left out of RL (not sampled)
     prompt: str = "auto"  # instruction the rollouts are sampled with: auto (the row's stage: 1 answer, 2 think) | answer | think
     engine: str = "hf"
     precision: str = "auto"  # the sampler's compute precision (ovkit.runtime.precision)
@@ -95,6 +99,7 @@ class CurateConfig:
                 raise OvkitError(message)
         self.keep_sources = list(self.keep_sources or [])
         self.stage2_categories = list(self.stage2_categories or [])
+        self.exclude_categories = list(self.exclude_categories or [])
 
 
 @dataclass
@@ -199,6 +204,7 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
     from ovkit.rollouts.prompts import limit_per_category
 
     table = limit_per_category(read_samples(cfg.data, shard=shard, answers=True).table, cfg.limit)
+    table, excluded = exclude_categories(table, cfg.exclude_categories, cfg.data)
     engine = build_engine(cfg.engine, model_dir=cfg.model, precision=cfg.precision, batch_size=cfg.batch_size, seed=cfg.seed,
                           trust_remote_code=cfg.trust_remote_code, attn_implementation=cfg.attn_implementation)
     processor = engine.processor
@@ -213,10 +219,24 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
         write_samples(annotated.take(pa.array(keep, pa.int64())), out_dir / f"stage{stage}", shard)
     write_table(groups_table(groups, with_images=cfg.rollout_images, tokenizer=getattr(processor, "tokenizer", processor)), out_dir / "rollouts" / _part(shard))
     write_table(pa.Table.from_pylist([vars(s) for s in stats]), out_dir / "curation.parquet")
-    summary = summarise(stats, cfg)
+    summary = {**summarise(stats, cfg), "excluded": excluded}
     (out_dir / "stats.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     plot_difficulty(stats, cfg, out_dir / "difficulty.png")
     return summary
+
+
+def exclude_categories(table, categories: Sequence[str], data: Path):
+    """(the table without rows of `categories`, rows dropped per category); an error if nothing is left."""
+    import pyarrow as pa
+
+    if not categories:
+        return table, {}
+    cats = table.column("category").to_pylist() if "category" in table.column_names else [None] * table.num_rows
+    keep = [i for i, c in enumerate(cats) if c not in categories]
+    if not keep:
+        raise OvkitError(f"{data}: every prompt is in an excluded category (--exclude-category {' '.join(categories)})")
+    excluded = {c: cats.count(c) for c in sorted(set(categories)) if c in cats}
+    return table.take(pa.array(keep, pa.int64())), excluded
 
 
 def _part(shard: tuple[int, int] | None) -> str:
