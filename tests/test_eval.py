@@ -205,6 +205,20 @@ def test_limit_keeps_the_first_rows_of_each_category(tmp_path, eval_set, process
     assert doc["n-samples"]["spatial"] == {"original": 3, "effective": 1}
 
 
+def test_shuffled_images_come_from_another_row_of_the_same_category():
+    from ovkit.evaluate.run import shuffle_images
+
+    rows = [{"id": f"{c}{i}", "category": c, "answer": f"{c}{i}", "images": [f"img-{c}{i}"]} for c, n in (("a", 5), ("b", 2), ("c", 1)) for i in range(n)]
+    out = shuffle_images(rows, seed=3)
+    assert [r["id"] for r in out] == [r["id"] for r in rows] and [r["answer"] for r in out] == [r["answer"] for r in rows]
+    for cat in "abc":
+        mine = [(r, o) for r, o in zip(rows, out) if r["category"] == cat]
+        assert sorted(o["images"][0] for _, o in mine) == sorted(r["images"][0] for r, _ in mine)  # a permutation
+        assert all((o["images"] != r["images"]) == (len(mine) > 1) for r, o in mine)  # nobody keeps its own image
+    assert out == shuffle_images(rows, seed=3) and out != shuffle_images(rows, seed=4)
+    assert rows[0]["images"] == ["img-a0"]  # the input rows are not changed
+
+
 def test_save_logprobs_writes_rollouts_mismatch_report_can_read(tmp_path, eval_set, processor):
     from ovkit.rollouts.table import read_rollouts
 

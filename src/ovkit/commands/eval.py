@@ -34,6 +34,7 @@ def evaluate(
     temperature: float = _O(None, "--temperature", help="0 = greedy (default: 0 for --n 1, 1.0 for --n > 1).", rich_help_panel=GENERATION),
     top_p: float = _O(None, "--top-p", help="Nucleus sampling mass (with --temperature > 0).", rich_help_panel=GENERATION),
     limit: int = _O(None, "--limit", help="At most this many rows per category (the first ones).", rich_help_panel=GENERATION),
+    shuffle_images: bool = _O(None, "--shuffle-images", help="Give each row another row's images (same category, seeded): the drop from the plain eval is what the model reads from the image.", rich_help_panel=GENERATION),
     save_logprobs: bool = _O(None, "--save-logprobs", help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards).", rich_help_panel=IO),
     precision: str = PRECISION,
     attn_implementation: str = ATTN_IMPLEMENTATION,

@@ -33,6 +33,7 @@ class EvalConfig:
     temperature: float | None = None  # default: 0 (greedy) for --n 1, 1.0 for --n > 1
     top_p: float = 1.0
     limit: int | None = None  # at most this many rows per category (the first ones), like lmms-eval's --limit
+    shuffle_images: bool = False  # each row gets another row's images (same category): how much the score needs the image
     save_logprobs: bool = False  # also write OUT/rollouts.parquet (token ids, sampler logprobs, rewards)
     precision: str = "auto"  # the weights' compute precision (ovkit.runtime.precision): auto | fp32 | bf16-true | bf16-mixed
     attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
@@ -116,6 +117,24 @@ def load_rows(paths: Sequence[Path], limit: int | None = None) -> tuple[list[dic
     return kept, original
 
 
+def shuffle_images(rows: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
+    """The rows with each one's images taken from another row of its category (a seeded random cycle, so no row keeps
+    its own; a category of one row keeps it). Scored against the row's own answer, the drop from the plain eval is
+    what the model reads from the image rather than from the question (a "blind" baseline)."""
+    import random
+
+    rng = random.Random(seed)
+    by_category: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_category.setdefault(row["category"], []).append(i)
+    out = [dict(row) for row in rows]
+    for members in by_category.values():
+        order = rng.sample(members, len(members))
+        for k, i in enumerate(order):
+            out[i]["images"] = rows[order[(k + 1) % len(order)]].get("images")
+    return out
+
+
 # -- the run --------------------------------------------------------------------------------------------------------
 
 
@@ -132,6 +151,8 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: A
     clock = {"start": time.perf_counter()}
     timestamp = _dt.datetime.now().strftime("%Y%m%d_%H%M%S")
     rows, n_original = load_rows(cfg.data, cfg.limit)
+    if cfg.shuffle_images:
+        rows = shuffle_images(rows, cfg.seed)
     if engine is None:
         engine, processor = build_engine(cfg)
     clock["load"] = time.perf_counter()
@@ -429,6 +450,7 @@ def _summary_doc(cfg: EvalConfig, summary: dict[str, Any], budgets: dict[str, in
         "n": cfg.n,
         "rows": int(summary["overall"]["rows"]),
         "prompt": cfg.prompt,
+        "shuffled_images": cfg.shuffle_images,
         "temperature": cfg.temperature,
         "max_new_tokens": dict(sorted(budgets.items())),
         "data": [str(p) for p in cfg.data],
