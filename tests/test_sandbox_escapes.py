@@ -258,7 +258,9 @@ def test_the_candidate_is_one_process_and_its_threads_are_bounded(level, hook):
     _, baseline, _ = _peak_processes(_solution("", idle), level, hook, wall_s=4.0)
     reward, peak, _ = _peak_processes(_solution("", forks), level, hook, wall_s=4.0)
     assert baseline >= 1
-    assert peak == baseline and reward == 1.0  # every fork refused: nothing born, the right answer returned
+    # every fork refused: nothing born, the right answer returned (+1: slack for a sample taken mid-start-up; a fork
+    # that works adds up to 50)
+    assert peak <= baseline + 1 and reward == 1.0
     _, _, most_threads = _peak_processes(_solution("", threads), level, hook, wall_s=4.0, memory_mb=50)
     assert 1 <= most_threads <= 16
 
