@@ -96,24 +96,31 @@ def bystander():
 BOOTSTRAP_MARK = b"def _guard(tmp, read_roots)"  # in the command line of every sandboxed interpreter and its forks
 
 
+def _sandboxed(token: str | None = None) -> dict[int, str]:
+    """The /proc status text of each live (not zombie) sandboxed interpreter (or fork of one) of this test process or
+    orphaned by it, and of each process whose command line carries `token` (what a shell started)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        ours = token is not None and token.encode() in cmdline or BOOTSTRAP_MARK in cmdline and ours_or_orphaned(int(entry))
+        if ours and "\nState:\tZ" not in status:
+            found[int(entry)] = status
+    return found
+
+
 def _survivors(token: str, within: float = 5.0) -> list[int]:
-    """Sandboxed interpreters (and their forks) of this test process, or processes whose command line carries `token`
-    (what a shell started), still alive after giving the kernel `within` s to reap them."""
+    """`_sandboxed(token)` still alive after giving the kernel `within` s to reap them."""
     deadline = time.monotonic() + within
     while True:
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read()
-                with open(f"/proc/{entry}/status") as f:
-                    zombie = "\nState:\tZ" in f.read()
-            except OSError:
-                continue
-            if (token.encode() in cmdline or BOOTSTRAP_MARK in cmdline and ours_or_orphaned(int(entry))) and not zombie:
-                found.append(int(entry))
+        found = list(_sandboxed(token))
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
@@ -213,21 +220,10 @@ def _peak_processes(source: str, level: str, hook: bool, **limits) -> tuple[floa
 
     def sample():
         while not done.is_set():
-            found = 0
-            for entry in os.listdir("/proc"):
-                if not entry.isdigit():
-                    continue
-                try:
-                    with open(f"/proc/{entry}/cmdline", "rb") as f:
-                        if BOOTSTRAP_MARK not in f.read() or not ours_or_orphaned(int(entry)):
-                            continue
-                    with open(f"/proc/{entry}/status") as f:
-                        threads = int(next(line for line in f if line.startswith("Threads:")).split()[1])
-                except (OSError, StopIteration, ValueError):
-                    continue
-                found += 1
-                peak["threads"] = max(peak["threads"], threads)
-            peak["processes"] = max(peak["processes"], found)
+            found = _sandboxed()
+            threads = [int(line.split()[1]) for status in found.values() for line in status.splitlines() if line.startswith("Threads:")]
+            peak["processes"] = max(peak["processes"], len(found))
+            peak["threads"] = max(peak["threads"], *threads, 0)
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample, daemon=True)
