@@ -25,6 +25,7 @@ import torch
 from ovkit.data.synth_tasks import COLOURS, SHAPES, place, scene_image
 
 SCENES, TRAIN, EMPTY = 3000, 2000, 0.45
+COLOUR_NAMES = list(COLOURS)
 
 
 def scenes(seed: int) -> tuple[list, torch.Tensor]:
@@ -37,9 +38,9 @@ def scenes(seed: int) -> tuple[list, torch.Tensor]:
             if rng.random() < EMPTY:
                 lab.append((0, 0))
                 continue
-            colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
+            colour, shape = rng.choice(COLOUR_NAMES), rng.choice(SHAPES)
             objs.append(place(rng, colour, shape, cell))
-            lab.append((1 + list(COLOURS).index(colour), 1 + SHAPES.index(shape)))
+            lab.append((1 + COLOUR_NAMES.index(colour), 1 + SHAPES.index(shape)))
         images.append(scene_image(objs))
         labels.append(lab)
     return images, torch.tensor(labels)

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import torch
 
+from ovkit.data.synth_tasks import CELL
+
 SPEC = importlib.util.spec_from_file_location("vision_probe", Path(__file__).parents[1] / "bench" / "vision_probe.py")
 vision_probe = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(vision_probe)
@@ -37,7 +39,7 @@ def test_scenes_label_every_cell_and_draw_what_they_label():
     assert ((labels[..., 0] == 0) == (labels[..., 1] == 0)).all()  # a cell is empty in both labels or in neither
     img, lab = images[0].convert("RGB"), labels[0]
     for cell in range(9):  # an occupied cell has non-white pixels, an empty one none
-        x, y = (cell % 3) * 28, (cell // 3) * 28
-        crop = img.crop((x, y, x + 28, y + 28))
+        x, y = (cell % 3) * CELL, (cell // 3) * CELL
+        crop = img.crop((x, y, x + CELL, y + CELL))
         inked = any(p != (255, 255, 255) for p in crop.getdata())
         assert inked == bool(lab[cell, 0] > 0), cell

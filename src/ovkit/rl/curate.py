@@ -227,16 +227,20 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
 
 def exclude_categories(table, categories: Sequence[str], data: Path):
     """(the table without rows of `categories`, rows dropped per category); an error if nothing is left."""
+    from collections import Counter
+
     import pyarrow as pa
+
+    from ovkit.rollouts.prompts import categories_of
 
     if not categories:
         return table, {}
-    cats = table.column("category").to_pylist() if "category" in table.column_names else [None] * table.num_rows
+    cats = categories_of(table)
     keep = [i for i, c in enumerate(cats) if c not in categories]
     if not keep:
         raise OvkitError(f"{data}: every prompt is in an excluded category (--exclude-category {' '.join(categories)})")
-    excluded = {c: cats.count(c) for c in sorted(set(categories)) if c in cats}
-    return table.take(pa.array(keep, pa.int64())), excluded
+    dropped = Counter(c for c in cats if c in categories)
+    return table.take(pa.array(keep, pa.int64())), dict(sorted(dropped.items()))
 
 
 def _part(shard: tuple[int, int] | None) -> str:

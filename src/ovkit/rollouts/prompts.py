@@ -89,6 +89,11 @@ def with_extra(messages: list[dict[str, Any]], extra: str) -> list[dict[str, Any
     return out
 
 
+def categories_of(table) -> list[str | None]:
+    """Each row's category (None for every row of a table without the column)."""
+    return table.column("category").to_pylist() if "category" in table.column_names else [None] * table.num_rows
+
+
 def limit_per_category(table, limit: int | None):
     """The first `limit` rows of each category, in their original order (all rows when limit is None)."""
     import pyarrow as pa
@@ -97,8 +102,7 @@ def limit_per_category(table, limit: int | None):
         return table
     seen: dict[str, int] = {}
     keep = []
-    cats = table.column("category").to_pylist() if "category" in table.column_names else [None] * table.num_rows
-    for i, cat in enumerate(cats):
+    for i, cat in enumerate(categories_of(table)):
         seen[cat] = seen.get(cat, 0) + 1
         if seen[cat] <= limit:
             keep.append(i)
