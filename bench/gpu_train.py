@@ -142,6 +142,10 @@ def run_ovkit(spec: dict, packed: bool) -> dict:
             "tokens_per_step": statistics.mean(r["ovkit/tok_per_s"] * r["ovkit/step_s"] for r in rows)}
 
 
+# What a plain loop passes to model(**batch): the padded batch as a processor makes it, the loss from labels.
+PLAIN_INPUTS = ("input_ids", "attention_mask", "labels", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
 def run_plain(spec: dict) -> dict:
     import torch
 
@@ -158,7 +162,7 @@ def run_plain(spec: dict) -> dict:
     times, tokens = [], []
     for k, batch in enumerate(batches):
         n = int(batch.pop("num_tokens"))
-        batch = {key: v.to(device) for key, v in batch.items()}
+        batch = {key: v.to(device) for key, v in batch.items() if key in PLAIN_INPUTS}
         t = time.perf_counter()
         loss = model(**batch, use_cache=False).loss
         loss.backward()

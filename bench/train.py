@@ -102,8 +102,7 @@ def hf_trainer_step_times(data: Path, model_dir: Path, batch_size: int, steps: i
     batches = []
     for _, _, micro in schedule.steps(0, steps, 0):
         b = source.collate([source[i] for i in micro[0]], pad)
-        b.pop("num_tokens")
-        batches.append(b)
+        batches.append({k: v for k, v in b.items() if k not in ("num_tokens", "num_targets", "target_index")})
 
     class Batches(torch.utils.data.Dataset):
         def __len__(self):

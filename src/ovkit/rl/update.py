@@ -93,7 +93,7 @@ def ppo_update(model, optimizer, params, batch: Trajectories, advantages, ref, c
             stats.skipped += 1  # everything masked: train nothing (no optimizer step), but log it
             continue
         norm = rt.clip(params, optimizer, cfg.max_grad_norm) if rt is not None else clip_grad_norm(optimizer, params, cfg.max_grad_norm)
-        stats.grad_norms.append(norm)
+        stats.grad_norms.append(float(norm))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return prox, entropy, stats

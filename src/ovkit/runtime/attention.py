@@ -128,10 +128,17 @@ def text_implementation(config: Any) -> str | None:
 def register() -> None:
     """Make `ovkit_varlen_flash` known to transformers (attention function and mask function)."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import flash_attention_mask
 
     AttentionInterface.register(VARLEN, varlen_attention)
-    AttentionMaskInterface.register(VARLEN, flash_attention_mask)
+    AttentionMaskInterface.register(VARLEN, padding_mask)
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0, mask_function: Any = None,
+                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:  # fmt: skip
+    """The mask `varlen_attention` takes: the 2D padding mask as given (sliced to the keys), or None. transformers'
+    flash mask also returns None for an all-ones mask, which costs a device-to-host read (`mask.all()`) per forward;
+    ovkit's collate functions leave the mask out when a batch has no padding, so that check would never succeed."""
+    return None if attention_mask is None else attention_mask[:, -kv_length:]
 
 
 def varlen_attention(
@@ -173,25 +180,65 @@ def varlen_attention(
             scale=scaling, window_size=(-1, 0) if causal else (-1, -1),
         )  # fmt: skip
         return out.unsqueeze(0), None
-    if not torch.equal(cu_seq_lens_q, cu_k):
+    if cu_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q, cu_k):
         raise ValueError("varlen attention without a CUDA kernel needs the same boundaries for queries and keys")
     out = torch.empty_like(query)
     dropout = dropout if module.training else 0.0
-    for starts, lengths in _groups(cu_seq_lens_q.tolist()):
+    for flat, mask, keep, n, width in _gather_plan(cu_seq_lens_q, causal):
+        q, k, v = (t[0][:, flat].reshape(t.shape[1], n, width, -1).transpose(0, 1) for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        out[0][:, flat.index_select(0, keep)] = o.transpose(0, 1).reshape(o.shape[1], -1, o.shape[-1]).index_select(1, keep)
+    return out.transpose(1, 2), None
+
+
+_PLANS: dict[tuple[int, bool], tuple[Any, list]] = {}
+
+
+def _gather_plan(cu: torch.Tensor, causal: bool) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]:
+    """For each SDPA call of `_groups(cu)`: the token positions to gather (padded past each sequence's end by
+    repeating its start), the mask, the positions of the real tokens among them, the sequence count and width; on
+    cu's device. Kept for as long as `cu` lives: a tower passes the same boundaries to every block, so the host reads
+    them once per forward, not once per layer (on a GPU each read waits for the device)."""
+    import weakref
+
+    key = (id(cu), causal)
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0]() is cu:
+        return hit[1]
+    plan = []
+    host = _HOST.get(id(cu))
+    values = host[1] if host is not None and host[0]() is cu else cu.tolist()
+    for starts, lengths in _groups(values):
         width = max(lengths)
-        # (n, width) token positions of each sequence, padded past its end by repeating its start (masked out below)
         offsets = torch.arange(width)
         index = torch.tensor(starts)[:, None] + torch.minimum(offsets[None, :], torch.tensor(lengths)[:, None] - 1)
         valid = offsets[None, :] < torch.tensor(lengths)[:, None]  # (n, width)
         mask = valid[:, None, None, :]  # keys past a sequence's end are never attended to
         if causal:
             mask = mask & torch.ones(width, width, dtype=torch.bool).tril()
-        flat = index.reshape(-1).to(query.device)
-        q, k, v = (t[0][:, flat].reshape(t.shape[1], len(starts), width, -1).transpose(0, 1) for t in (query, key, value))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(query.device), dropout_p=dropout, scale=scaling)
-        keep = valid.reshape(-1).to(query.device)
-        out[0][:, flat[keep]] = o.transpose(0, 1).reshape(o.shape[1], -1, o.shape[-1])[:, keep]
-    return out.transpose(1, 2), None
+        keep = torch.tensor([r * width + c for r, n in enumerate(lengths) for c in range(n)])
+        plan.append((index.reshape(-1).to(cu.device), mask.to(cu.device), keep.to(cu.device), len(starts), width))
+    _forget_dead(_PLANS)
+    _PLANS[key] = (weakref.ref(cu), plan)
+    return plan
+
+
+_HOST: dict[int, tuple[Any, list[int]]] = {}
+_host_list = torch.Tensor.tolist  # bound at import: a host tensor's values, which ovkit.runtime.syncs need not count
+
+
+def remember_host(device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
+    """Boundaries moved to the device whose values the host already has (ovkit.models.precompute): the CPU-path
+    varlen attention above plans from these instead of reading the device copy back."""
+    import weakref
+
+    _forget_dead(_HOST)
+    _HOST[id(device_tensor)] = (weakref.ref(device_tensor), _host_list(host_tensor))
+
+
+def _forget_dead(table: dict) -> None:
+    for k in [k for k, (ref, _) in table.items() if ref() is None]:
+        del table[k]
 
 
 def _packed_boundaries(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:

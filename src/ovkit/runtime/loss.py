@@ -147,17 +147,26 @@ def _score_full(model, inputs, targets, where, *, temperature, entropy):
     return out, ent
 
 
-def nll_sum(model: Any, inputs: dict[str, Any], labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Sum of next-token NLLs over the target tokens (labels != ignore_index), the supervised loss's numerator."""
+def nll_sum(model: Any, inputs: dict[str, Any], labels: torch.Tensor, ignore_index: int = -100, index: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum of next-token NLLs over the target tokens (labels != ignore_index), the supervised loss's numerator.
+    `index`: the flat positions of those targets in labels[:, 1:] when the caller has them (computed on the host,
+    ovkit.models.precompute.target_index): gathered with index_select, the step never reads a count back from the
+    device, which a boolean mask would (its output size)."""
     targets = labels[:, 1:]
-    where = targets != ignore_index
+    if _unsupported(model):
+        logp, _ = score(model, inputs, targets.clamp(min=0), targets != ignore_index)
+        return -logp.sum()
+    if index is None:
+        index = (targets != ignore_index).reshape(-1).nonzero().reshape(-1)
+    _, head = _head(model)
+    hidden = hidden_states(model, inputs)[:, :-1]
+    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+    targets = targets.reshape(-1).index_select(0, index)
     if _liger_ok(model, labels):
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        _, head = _head(model)
-        hidden = hidden_states(model, inputs)[:, :-1]
-        return liger_fused_linear_cross_entropy(hidden[where], head.weight, targets[where], getattr(head, "bias", None), reduction="sum")
-    logp, _ = score(model, inputs, targets.clamp(min=0), where)
+        return liger_fused_linear_cross_entropy(hidden, head.weight, targets, getattr(head, "bias", None), reduction="sum")
+    logp, _ = head_logprobs(hidden, head, targets)
     return -logp.sum()
 
 
@@ -178,7 +187,7 @@ class TokenScorer(nn.Module):
     def config(self) -> Any:
         return self.model.config
 
-    def forward(self, inputs: dict[str, Any], labels: torch.Tensor | None = None, **kw: Any):
+    def forward(self, inputs: dict[str, Any], labels: torch.Tensor | None = None, target_index: torch.Tensor | None = None, **kw: Any):
         if labels is not None:
-            return nll_sum(self.model, inputs, labels)
+            return nll_sum(self.model, inputs, labels, index=target_index)
         return score(self.model, inputs, **kw)

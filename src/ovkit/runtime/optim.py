@@ -77,7 +77,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
             p.grad = None
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_([m for _, m in self.pairs], max_norm if max_norm > 0 else math.inf)
+        return _clip([m for _, m in self.pairs], max_norm)
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -103,15 +103,24 @@ def _into_master(master: torch.Tensor, param: torch.Tensor) -> None:
     param.grad = None
 
 
-def clip_grad_norm(optimizer: Any, params: list[torch.nn.Parameter], max_norm: float, accelerator: Any = None) -> float:
+def clip_grad_norm(optimizer: Any, params: list[torch.nn.Parameter], max_norm: float, accelerator: Any = None) -> torch.Tensor:
     """Clip the gradient (global L2 norm; max_norm 0: measure only) and return its norm before clipping, wherever
-    the gradient lives (the fp32 masters, or the parameters, through accelerate under DDP/FSDP)."""
+    the gradient lives (the fp32 masters, or the parameters, through accelerate under DDP/FSDP). The norm stays a
+    device tensor (reading it is a device-to-host sync: the loop reads it with the step's other metrics), and the
+    per-tensor norms are one foreach kernel (torch uses foreach only on CUDA unless asked)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
     if isinstance(inner, MixedPrecisionAdamW):
-        return float(inner.clip_grad_norm_(max_norm))
-    if accelerator is not None and max_norm > 0:
-        return float(accelerator.clip_grad_norm_(params, max_norm))
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf))
+        return inner.clip_grad_norm_(max_norm)
+    engine = accelerator is not None and (accelerator.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU") or accelerator.scaler is not None)
+    if engine and max_norm > 0:
+        return accelerator.clip_grad_norm_(params, max_norm)  # FSDP / DeepSpeed's sharded norm, fp16's unscaling
+    return _clip(params, max_norm)
+
+
+def _clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    grads = [p for p in params if p.grad is not None]
+    foreach = bool(grads) and all(p.grad.device.type in ("cpu", "cuda") for p in grads)
+    return torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm > 0 else math.inf, foreach=foreach)
 
 
 def cosine_factor(step: int, n_steps: int, warmup_ratio: float, min_ratio: float) -> float:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ovkit.errors import OvkitError
+from ovkit.models import precompute
 from ovkit.models.encode import IGNORE, PER_TOKEN_KEYS, Encoded, decode_images, encode_sample
 
 CHUNK_BATCHES = 64  # length-bucketing window, in global batches
@@ -74,8 +75,10 @@ class SampleSource:
 
     kind = "padded"
 
-    def __init__(self, data: Path | Sequence[Path], processor, *, max_len: int, quiet: bool = True):
+    def __init__(self, data: Path | Sequence[Path], processor, *, max_len: int, quiet: bool = True, model: Any = None):
         import pyarrow as pa
+
+        from ovkit.pack.packed import PackLayout
 
         from ovkit.data.io import read_samples
 
@@ -85,6 +88,8 @@ class SampleSource:
         table = pa.concat_tables([s.table.select(["id", "messages", "images"]) for s in samples], promote_options="default")
         self.origin = [(s, i) for s in samples for i in range(s.table.num_rows)]  # where each row came from, for errors
         self.processor = processor
+        # the model (or its config), for the inputs computed on the host (ovkit.models.precompute); None: none
+        self.layout = PackLayout.for_model(model) if model is not None else None
         self._messages = table.column("messages")
         self._images = table.column("images")
         self._ids = table.column("id")
@@ -125,7 +130,7 @@ class SampleSource:
         return self.memo(self.rows[i])
 
     def collate(self, items: Sequence[Encoded], pad_id: int) -> dict[str, Any]:
-        return collate_padded(items, pad_id)
+        return collate_padded(items, pad_id, self.layout)
 
 
 class PackedSource:
@@ -159,9 +164,11 @@ class PackedSource:
         layout = self.dataset.layout
         if layout.attention == "positions":  # varlen kernels: one long row, boundaries from the positions
             batch = dict(self.dataset.collate(items))
-            batch["num_tokens"] = torch.tensor(batch["input_ids"].numel())
-            return batch
-        return stack_packs(items, layout, pad_id)
+            batch["num_tokens"] = batch["input_ids"].numel()
+            text = batch["position_ids"][0] if batch["position_ids"].ndim == 3 else batch["position_ids"]
+            batch.update(precompute.varlen_boundaries(text))
+            return _host_inputs(batch, layout)
+        return _host_inputs(stack_packs(items, layout, pad_id), layout)
 
 
 def stack_packs(items: Sequence[dict[str, Any]], layout, pad_id: int) -> dict[str, Any]:
@@ -195,14 +202,16 @@ def stack_packs(items: Sequence[dict[str, Any]], layout, pad_id: int) -> dict[st
             batch[key] = torch.cat([it[key] for it in items], dim=layout.mm_dim)
     if masks[0] is not None:
         batch["attention_mask"] = torch.cat(masks, dim=0)
-    batch["num_tokens"] = torch.tensor(n_real)
+    batch["num_tokens"] = n_real
     return batch
 
 
-def collate_padded(items: Sequence[Encoded], pad_id: int) -> dict[str, Any]:
+def collate_padded(items: Sequence[Encoded], pad_id: int, layout: Any = None) -> dict[str, Any]:
     """Right-padded batch: input_ids/attention_mask/labels (IGNORE on padding) and per-token keys padded with 0;
     multimodal tensors concatenated along dim 0 in sample order (the layout every HF VLM processor uses for a
-    batch: Qwen's flattened patches + image_grid_thw, LLaVA's per-image pixel_values)."""
+    batch: Qwen's flattened patches + image_grid_thw, LLaVA's per-image pixel_values). With the model's `layout`
+    (ovkit.pack.PackLayout), what the forward would compute from ids and grids is computed here, on the host
+    (ovkit.models.precompute)."""
     width = max(e.length for e in items)
     n = len(items)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -216,10 +225,23 @@ def collate_padded(items: Sequence[Encoded], pad_id: int) -> dict[str, Any]:
         for k, v in e.per_token.items():
             per_token[k][r, : e.length] = torch.tensor(v)
     batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention, "labels": labels, **per_token}
-    batch["num_tokens"] = attention.sum()
+    if all(e.length == width for e in items):
+        del batch["attention_mask"]  # no padding: plain causal attention, and no mask for the kernel to inspect
+    batch["num_tokens"] = sum(e.length for e in items)
     for key in {k for e in items for k in e.mm}:
         parts = [e.mm[key] for e in items if key in e.mm]
         batch[key] = torch.cat(parts, dim=0)
+    if layout is not None and layout.has_rope_index:
+        batch["position_ids"] = precompute.padded_positions([layout.sample_positions(e) for e in items], width)
+    return _host_inputs(batch, layout)
+
+
+def _host_inputs(batch: dict[str, Any], layout: Any) -> dict[str, Any]:
+    """The loss's target positions and counts, and the vision tower's layout, as host values (no device syncs)."""
+    index = precompute.target_index(batch["labels"])
+    batch["target_index"], batch["num_targets"] = index, int(index.numel())
+    if layout is not None:
+        batch.update(precompute.vision_inputs(layout.config, batch.get("image_grid_thw")))
     return batch
 
 
@@ -284,7 +306,7 @@ def total_steps(max_steps: int | None, epochs: float | None, steps_per_epoch: in
 
 def target_tokens(batch: dict[str, Any]) -> int:
     """Tokens that carry a loss in a batch (labels shifted by one, as the loss sees them)."""
-    return int((batch["labels"][:, 1:] != IGNORE).sum())
+    return int(batch["num_targets"]) if "num_targets" in batch else int((batch["labels"][:, 1:] != IGNORE).sum())
 
 
 def real_tokens(batch: dict[str, Any]) -> int:

@@ -27,6 +27,7 @@ import torch
 
 from ovkit.errors import OvkitError
 from ovkit.models import pad_token_id
+from ovkit.models.precompute import LOSS_KEYS, to_device
 from ovkit.models.groups import set_trainable, trainable_names
 from ovkit.runs import is_complete
 from ovkit.runtime import Result, Runtime
@@ -35,7 +36,7 @@ from ovkit.train.config import TRAJECTORY, TrainConfig
 from ovkit.train.data import PackedSource, SampleSource, Schedule, real_tokens, target_tokens, total_steps
 
 # Keys of a batch that are for the loss or for bookkeeping, not model inputs.
-NOT_MODEL_INPUTS = ("labels", "num_tokens")
+NOT_MODEL_INPUTS = LOSS_KEYS
 
 
 def train(cfg: TrainConfig) -> Result:
@@ -76,12 +77,15 @@ def train(cfg: TrainConfig) -> Result:
     try:
         for step, epoch, batches in _prefetched(schedule.steps(state["step"], n_steps, rt.accelerator.process_index), source, pad_id):
             t_step = time.perf_counter()
-            loss, n_target, n_real, n_positions = _step(rt, scorer, batches)
+            nll, n_target, n_real, n_positions = _step(rt, scorer, batches)
             grad_norm = rt.clip(params, optimizer, cfg.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            # the step's one device-to-host read: its metrics, after the optimiser step was queued
+            nll, grad_norm = torch.stack([nll, grad_norm.to(nll.device, torch.float32)]).tolist()
+            loss = nll / max(n_target, 1)
             step_s = time.perf_counter() - t_step
             state.update(step=step, tokens=state["tokens"] + n_real, elapsed_s=time.perf_counter() - t0)
             metrics = {
@@ -142,31 +146,37 @@ def _prefetched(steps: Iterator, source: Any, pad_id: int) -> Iterator[tuple[int
 
 def _step(rt: Runtime, scorer, batches: list[dict[str, Any]]):
     """Forward/backward over this process's micro-batches of one global batch, normalised by the target tokens of
-    the whole global batch (module docstring). Returns the step's loss and the global counts of target, non-padding
-    and all tokens."""
+    the whole global batch (module docstring). Returns the step's NLL sum (a device tensor: read once, with the
+    other metrics, after the optimiser step) and the global counts of target, non-padding and all tokens (host
+    values from the collate function; one all-reduce when there are several processes)."""
     acc = rt.accelerator
-    local = [sum(target_tokens(b) for b in batches), sum(real_tokens(b) for b in batches), sum(b["input_ids"].numel() for b in batches)]
-    n_target, n_real, n_positions = (int(x) for x in acc.reduce(torch.tensor(local, device=acc.device), "sum"))
+    counts = [sum(target_tokens(b) for b in batches), sum(real_tokens(b) for b in batches), sum(b["input_ids"].numel() for b in batches)]
+    if acc.num_processes > 1:
+        counts = acc.reduce(torch.tensor(counts, device=acc.device), "sum").tolist()
+    n_target, n_real, n_positions = (int(x) for x in counts)
     scale = acc.num_processes / max(n_target, 1)  # DDP averages gradients over processes
     nll_sum = torch.zeros((), device=acc.device)
     for j, batch in enumerate(batches):
         with rt.no_sync(scorer, sync=j == len(batches) - 1), rt.autocast():
-            nll = scorer(model_inputs(batch, acc.device), labels=batch["labels"].to(acc.device))
+            nll = scorer(model_inputs(batch, acc.device), labels=_on(batch["labels"], acc.device), target_index=_on(batch.get("target_index"), acc.device))
         rt.backward(nll * scale)
         nll_sum += nll.detach().float()
-    loss = float(acc.reduce(nll_sum, "sum")) / max(n_target, 1)
-    return loss, n_target, n_real, n_positions
+    return acc.reduce(nll_sum, "sum") if acc.num_processes > 1 else nll_sum, n_target, n_real, n_positions
+
+
+def _on(tensor: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device, non_blocking=True)
 
 
 def model_inputs(batch: dict[str, Any], device) -> dict[str, Any]:
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
+    return to_device(batch, device, NOT_MODEL_INPUTS)
 
 
 def token_nll_sum(model, batch: dict[str, Any], device) -> torch.Tensor:
     """Sum of next-token NLLs over the target tokens of one micro-batch of a bare model (labels IGNORE elsewhere)."""
     from ovkit.runtime.loss import nll_sum
 
-    return nll_sum(model, model_inputs(batch, device), batch["labels"].to(device))
+    return nll_sum(model, model_inputs(batch, device), batch["labels"].to(device), index=_on(batch.get("target_index"), device))
 
 
 def step_line(step: int, m: dict[str, Any]) -> str:
@@ -197,4 +207,4 @@ def lr_factor(step: int, n_steps: int, cfg: TrainConfig) -> float:
 def _source(cfg: TrainConfig, processor, model):
     if cfg.plan is not None:
         return PackedSource(cfg.plan, cfg.data[0], processor, model, max_len=cfg.max_len)
-    return SampleSource(cfg.data, processor, max_len=cfg.max_len, quiet=cfg.quiet)
+    return SampleSource(cfg.data, processor, max_len=cfg.max_len, quiet=cfg.quiet, model=model)

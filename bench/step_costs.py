@@ -1,0 +1,204 @@
+"""The CPU proxies of one optimiser step's GPU overheads (#25), measured on this checkout (or another, via PYTHONPATH):
+
+  syncs      device-to-host reads per optimiser step on the training thread (ovkit.runtime.syncs.SyncCounter:
+             `.item()`/`float()`/`.tolist()`/`.cpu()`, nonzero, boolean-mask indexing, ...): each one stalls a GPU's
+             queue. The issue's `aten::_local_scalar_dense` count (profiler, every thread) is printed beside it.
+  aten ops   aten ops per optimiser step on the training thread (torch.profiler; each top-level one is about a kernel
+             launch on a GPU), with the dtype casts (`aten::_to_copy`) and per-tensor norms among them.
+  host time  the share of a step spent outside the model's forward, backward, gradient clipping and optimiser step
+             (waiting for data, collating, moving inputs, logging), from timers around those four (on a CPU the
+             device work is synchronous, so the timers measure it exactly).
+
+Inputs: the tiny default (synth at --scale 0.25 + init-model) for `ovkit sft --batch-size 8 --precision bf16-mixed`
+on its instruct split, as #25 measured it, and a table of 448x448-pixel images (256 visual tokens each, ~120-word
+captions) for the host-time share, as #25 asks it.
+
+    python bench/step_costs.py                                   # this checkout
+    PYTHONPATH=/other/src python bench/step_costs.py --work /tmp/costs   # another checkout, same inputs
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def prepare(work: Path, image_rows: int) -> None:
+    import subprocess
+
+    def ovkit(*args):
+        subprocess.run([sys.executable, "-m", "ovkit", *map(str, args), "--quiet"], check=True)
+
+    if not (work / "data" / "ovkit.json").is_file():
+        ovkit("synth", "--out", work / "data", "--scale", "0.25", "--seed", "0")
+    if not (work / "tiny" / "ovkit.json").is_file():
+        ovkit("init-model", "--preset", "tiny", "--corpus", work / "data", "--out", work / "tiny")
+    if not (work / "img448").exists():
+        from gpu_train import make_data
+
+        make_data(argparse.Namespace(rows=image_rows, image_size=448, text_tokens=120), work / "img448")
+
+
+def sft_config(work: Path, data: Path, out: str, batch_size: int, steps: int, precision: str):
+    from ovkit.train import SFTConfig
+
+    return SFTConfig(data=data, model=work / "tiny", out=work / out, batch_size=batch_size, max_steps=steps, precision=precision,
+                     quiet=True, overwrite=True, max_len=1 << 20)  # fmt: skip
+
+
+class StepHooks:
+    """Calls `on_step()` after each outermost optimizer.step (MixedPrecisionAdamW's step calls AdamW's)."""
+
+    def __init__(self, on_step, on_start=None):
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self.depth, self.on_step, self.on_start = 0, on_step, on_start
+        self.handles = [register_optimizer_step_pre_hook(self._enter), register_optimizer_step_post_hook(self._leave)]
+
+    def _enter(self, *a):
+        self.depth += 1
+        if self.depth == 1 and self.on_start is not None:
+            self.on_start()
+
+    def _leave(self, *a):
+        self.depth -= 1
+        if self.depth == 0:
+            self.on_step()
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def op_counts(cfg) -> dict:
+    """aten ops of the third optimiser step (end of step 2 to end of step 3), training thread and every thread."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from ovkit.train import train
+
+    prof = profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=2, warmup=0, active=1, repeat=1))
+    hooks = StepHooks(prof.step)
+    prof.start()
+    try:
+        train(cfg)
+    finally:
+        prof.stop()
+        hooks.remove()
+    every, mine = collections.Counter(), collections.Counter()
+    # the training thread: the one that ran the optimiser step
+    main_tid = next(e.thread for e in prof.events() if e.name.startswith("Optimizer.step"))
+    for e in prof.events():
+        if e.name.startswith("aten::"):
+            every[e.name] += 1
+            if e.thread == main_tid:
+                mine[e.name] += 1
+    top = sum(1 for e in prof.events() if e.name.startswith("aten::") and e.thread == main_tid and not _has_aten_parent(e))
+    return {
+        "aten_ops_training_thread": sum(mine.values()),
+        "aten_ops_top_level_training_thread": top,
+        "aten_ops_every_thread": sum(every.values()),
+        "casts_training_thread": mine["aten::_to_copy"],
+        "per_tensor_norms_training_thread": mine["aten::linalg_vector_norm"],
+        "local_scalar_dense_every_thread": every["aten::_local_scalar_dense"],
+    }
+
+
+def _has_aten_parent(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def sync_counts(cfg) -> list[int]:
+    from ovkit.runtime.syncs import SyncCounter
+    from ovkit.train import train
+
+    with SyncCounter(steps=True) as syncs:
+        train(cfg)
+    return syncs.step_counts()
+
+
+def host_share(cfg, warmup: int) -> dict:
+    """Per step: wall time, and the time inside forward, backward, clipping and optimizer.step."""
+    from ovkit.runtime import Runtime
+    from ovkit.runtime.loss import TokenScorer
+    from ovkit.train import train
+
+    inside = [0.0]
+    steps: list[tuple[float, float]] = []
+    last = [time.perf_counter()]
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                inside[0] += time.perf_counter() - t
+
+        return wrapper
+
+    saved = TokenScorer.forward, Runtime.backward, Runtime.clip
+    TokenScorer.forward, Runtime.backward, Runtime.clip = (timed(f) for f in saved)
+    opt_start = [0.0]
+
+    def step_end():
+        inside[0] += time.perf_counter() - opt_start[0]
+        now = time.perf_counter()
+        steps.append((now - last[0], inside[0]))
+        last[0], inside[0] = now, 0.0
+
+    hooks = StepHooks(step_end, on_start=lambda: opt_start.__setitem__(0, time.perf_counter()))
+    try:
+        train(cfg)
+    finally:
+        TokenScorer.forward, Runtime.backward, Runtime.clip = saved
+        hooks.remove()
+    measured = steps[warmup:]
+    wall = statistics.median(w for w, _ in measured)
+    host = statistics.median(w - i for w, i in measured)
+    return {"step_s": round(wall, 4), "host_s": round(host, 4), "host_share": round(host / wall, 4), "steps": len(measured)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, help="keep inputs here (reused by a run on another checkout)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--image-rows", type=int, default=96)
+    args = p.parse_args()
+    import torch
+
+    import ovkit
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        prepare(work, args.image_rows)
+        instruct = work / "data" / "instruct"
+        result = {"ovkit": str(Path(ovkit.__file__).parent), "torch": torch.__version__, "threads": torch.get_num_threads()}
+        result["sft_b8_bf16_mixed"] = op_counts(sft_config(work, instruct, "ops", 8, 4, "bf16-mixed"))
+        for batch in (2, 8):
+            result[f"syncs_per_step_b{batch}_bf16_mixed"] = sync_counts(sft_config(work, instruct, "syncs", batch, 5, "bf16-mixed"))
+        for precision in ("fp32", "bf16-mixed"):
+            result[f"host_448px_b8_{precision}"] = host_share(sft_config(work, work / "img448", "host", 8, args.steps, precision), warmup=2)
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

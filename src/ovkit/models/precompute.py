@@ -1,0 +1,103 @@
+"""What a forward pass would otherwise work out on the device from the batch's shapes, computed on the host ahead of
+the step (in the data thread), so the training step runs without device-to-host syncs.
+
+On a GPU every `.item()`, `.tolist()`, boolean-mask index or `nonzero` on a device tensor stops the host until the
+device catches up; the kernels of the next op cannot be queued meanwhile. transformers' Qwen-VL forward does several
+per micro-batch, and some per sample: the 3-D rope index loops over the samples with four `.item()` each, the vision
+tower reads its window layout with `grid_thw.tolist()` and its longest sequence with `.max().item()`. All of these are
+functions of token ids and image grids, which the collate function holds on the host anyway, so it computes them
+there with transformers' own helpers (the values are the same by construction) and the model takes them as inputs:
+
+- `position_ids` (3, B, T) of a padded batch: the per-sample rope index (`PackLayout.sample_positions`, as packed
+  rows already had it);
+- the vision tower's `image_cu_seqlens`, `image_max_seqlen`, `image_position_ids`, `image_window_index`,
+  `image_cu_window_seqlens`, `image_max_window_seqlen` (transformers' precomputed-kwargs interface of the Qwen2.5-VL
+  tower, `accepts_precomputed_kwargs`);
+- `cu_seq_lens_q/k` and `max_length_q/k` of a packed row (the flash varlen kwargs: no boundary search per layer);
+- `target_index`: the flat positions that carry a loss, so the loss gathers them with `index_select` instead of a
+  boolean mask (whose output size the host must read back).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Keys that describe a batch for the loss, not inputs of the model's forward.
+LOSS_KEYS = ("labels", "num_tokens", "num_targets", "target_index")
+# Sequence boundaries the attention kernels take; `to_device` tells the CPU-path kernel their host values.
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "image_cu_seqlens", "image_cu_window_seqlens")
+
+
+def to_device(batch: dict[str, Any], device: Any, skip: tuple[str, ...] = LOSS_KEYS) -> dict[str, Any]:
+    """The model inputs of `batch` on `device` (copies queued without waiting; host values stay as they are)."""
+    from ovkit.runtime.attention import remember_host
+
+    out = {}
+    for k, v in batch.items():
+        if k in skip:
+            continue
+        if isinstance(v, torch.Tensor):
+            moved = v.to(device, non_blocking=True)
+            if k in BOUNDARY_KEYS:
+                remember_host(moved, v)
+            v = moved
+        out[k] = v
+    return out
+
+
+def target_index(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Flat indices into labels[:, 1:] (row-major) of the tokens that carry a loss: the next-token targets."""
+    return (labels[:, 1:] != ignore_index).reshape(-1).nonzero().reshape(-1)
+
+
+def padded_positions(rope: list[torch.Tensor], width: int) -> torch.Tensor:
+    """(3, B, width) rope position ids of a right-padded batch from each sample's (3, n) rope index, continued past
+    each sample's end (padding is masked: only the real tokens' values matter, and those equal the model's own).
+    Without a 4th row of text positions the model never looks for packed sequences in them (transformers' Qwen-VL:
+    only a (4, B, T) tensor is read as packed), which would cost a device-to-host read per forward."""
+    out = torch.empty(3, len(rope), width, dtype=torch.long)
+    for r, pos in enumerate(rope):
+        n = pos.shape[1]
+        out[:, r, :n] = pos
+        start = int(pos.max()) + 1 if n else 0
+        out[:, r, n:] = torch.arange(start, start + width - n)
+    return out
+
+
+def varlen_boundaries(text_positions: torch.Tensor) -> dict[str, Any]:
+    """The flash varlen kwargs of one packed row (positions restart at 0 where a sample starts)."""
+    pos = text_positions.reshape(-1)
+    starts = (pos == 0).nonzero().reshape(-1)
+    cu = torch.cat([starts, torch.tensor([pos.numel()])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def vision_inputs(config: Any, grid_thw: torch.Tensor | None) -> dict[str, Any]:
+    """The Qwen2.5-VL vision tower's layout for `grid_thw` (host tensor), under the names its forward pops; empty
+    for other architectures or a transformers without the precomputed-kwargs interface."""
+    if grid_thw is None or getattr(config, "model_type", "") != "qwen2_5_vl":
+        return {}
+    try:
+        from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+    except ImportError:
+        return {}
+    vision = config.vision_config
+    grid = grid_thw.to(torch.long)
+    cu = get_vision_cu_seqlens(grid)
+    window_index, cu_window = get_vision_window_index(grid, spatial_merge_size=vision.spatial_merge_size, window_size=vision.window_size,
+                                                      patch_size=vision.patch_size)  # fmt: skip
+    return {
+        "image_cu_seqlens": cu,
+        "image_max_seqlen": _longest(cu),
+        "image_position_ids": get_vision_position_ids(grid, vision.spatial_merge_size),
+        "image_window_index": window_index,
+        "image_cu_window_seqlens": cu_window,
+        "image_max_window_seqlen": _longest(cu_window),
+    }
+
+
+def _longest(cu: torch.Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0

@@ -1,0 +1,96 @@
+"""The training step's host side (#25): what the forward would work out from ids and grids is computed on the host
+ahead of the step and gives the same numbers, and an optimiser step reads the device back a bounded number of times
+whatever the batch (ovkit.runtime.syncs: on a GPU each read stalls the host; on a CPU box the reads are counted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_runtime import _pack, deep  # noqa: F401 (a fixture)
+from test_train import _one_thread, assets, config, make_rows  # noqa: F401 (fixtures)
+
+
+def _trainable_model(root):
+    """The tiny model as a learner has it: the learner's attention (varlen for packed rows and the vision tower)."""
+    from ovkit.models import load
+    from ovkit.runtime import attention as attn
+
+    model, processor = load(root / "model")
+    attn.apply(model, attn.resolve("auto", "cpu", train=True))
+    return model, processor
+
+
+def _loss_and_grads(model, batch):
+    from ovkit.runtime.loss import nll_sum
+    from ovkit.train.loop import model_inputs
+
+    model.zero_grad(set_to_none=True)
+    loss = nll_sum(model, model_inputs(batch, "cpu"), batch["labels"], index=batch.get("target_index"))
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(a, b):
+    assert a[0] == pytest.approx(b[0], rel=1e-6)
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_host_computed_positions_and_vision_layout_give_the_models_own_loss_and_gradients(deep):
+    from ovkit.models.encode import decode_images, encode_sample
+    from ovkit.pack.packed import PackLayout
+    from ovkit.train.data import collate_padded
+
+    root, _ = deep
+    model, processor = _trainable_model(root)
+    encoded = [encode_sample(processor, r["messages"], decode_images(r["images"])) for r in make_rows(6)]
+    assert len({e.length for e in encoded}) > 1 and len({tuple(e.mm["image_grid_thw"][0].tolist()) for e in encoded}) == 2
+    layout = PackLayout.for_model(model)
+    host = collate_padded(encoded, 0, layout)
+    for key in ("position_ids", "image_cu_seqlens", "image_window_index", "image_cu_window_seqlens", "target_index"):
+        assert key in host, key
+    plain = {k: v for k, v in collate_padded(encoded, 0).items() if k not in ("target_index", "num_targets")}
+    _assert_same(_loss_and_grads(model, host), _loss_and_grads(model, plain))
+    # a batch without padding goes without a mask (plain causal attention)
+    same = [encoded[0]] * 3
+    host = collate_padded(same, 0, layout)
+    assert "attention_mask" not in host
+    plain = {k: v for k, v in collate_padded(same, 0).items() if k not in ("target_index", "num_targets")}
+    _assert_same(_loss_and_grads(model, host), _loss_and_grads(model, plain))
+
+
+def test_packed_rows_with_host_boundaries_give_the_loss_of_the_boundary_search(deep, cli):
+    from ovkit.train.data import PackedSource
+
+    root, _ = deep
+    model, processor = _trainable_model(root)
+    plan, n_packs = _pack(cli, root, 128)
+    source = PackedSource(plan, root / "data", processor, model, max_len=128)
+    assert source.dataset.layout.attention == "positions"
+    batch = source.collate([source[0]], 0)
+    assert int(batch["cu_seq_lens_q"].numel()) > 2 and batch["max_length_q"] > 0  # several samples in the row
+    searched = {k: v for k, v in batch.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    _assert_same(_loss_and_grads(model, batch), _loss_and_grads(model, searched))
+
+
+def _syncs_per_step(cfg) -> list[int]:
+    from ovkit.runtime.syncs import SyncCounter
+    from ovkit.train import train
+
+    with SyncCounter(steps=True) as syncs:
+        train(cfg)
+    return syncs.step_counts()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_an_optimiser_step_reads_the_device_back_at_most_four_times_whatever_the_batch(assets, tmp_path, precision):
+    """1 for the step's metrics (loss and gradient norm, read after the optimiser step) and 3 inside transformers'
+    Qwen-VL forward per micro-batch (its image-token count check, twice, and the image split sizes). Before #25: 107
+    at batch 8, growing with the batch (the per-sample rope index, the vision windows, per-layer boundary reads)."""
+    small = _syncs_per_step(config("SFTConfig", assets, tmp_path / "b2", batch_size=2, max_steps=4, precision=precision))
+    large = _syncs_per_step(config("SFTConfig", assets, tmp_path / "b8", batch_size=8, max_steps=4, precision=precision))
+    assert len(small) == len(large) == 3  # the periods from the end of one step to the end of the next
+    assert max(large) <= 4, large
+    assert small == large
