@@ -80,6 +80,7 @@ def train(cfg: TrainConfig) -> Result:
             grad_norm = rt.clip(params, optimizer, cfg.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
+            rt.measure(params, optimizer)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step_s = time.perf_counter() - t_step
