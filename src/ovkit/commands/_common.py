@@ -39,6 +39,7 @@ QUIET = typer.Option(None, "--quiet", help="No progress bars (ovkit's, nor those
 SHARD = typer.Option(None, "--shard", help="Process only part I of N ('I/N', 0-based I), e.g. '3/8'.", rich_help_panel=RUN)
 # Every command that loads a model: how it computes (ovkit.runtime.precision, ovkit.runtime.attention).
 PRECISION = typer.Option(None, "--precision", help="auto (bf16-mixed on a bf16 GPU, else fp32) | fp32 | bf16-mixed (bf16 compute, fp32 master weights) | bf16-true (pure bf16). Aliases: bf16 = bf16-mixed, 32 = fp32.", rich_help_panel=RUNTIME)
+OPTIM = typer.Option(None, "--optim", help="adamw_torch_fused (fused AdamW; foreach where fused is unsupported) | adamw_torch (foreach) | adamw_8bit (bitsandbytes 8-bit state) | adamw_bf16 (bf16 weights and state with Kahan-compensated updates; implies --precision bf16-true).", rich_help_panel=RUNTIME)
 ATTN_IMPLEMENTATION = typer.Option(None, "--attn-implementation", help="auto (flash_attention_2 on CUDA with flash-attn, else sdpa) | sdpa | flash_attention_2 | flex_attention | eager. The ViT attends varlen (one call per layer) except with eager.", rich_help_panel=RUNTIME)
 # LoRA (ovkit.runtime.lora) on every training command.
 LORA = "LoRA"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from ovkit.commands._common import ATTN_IMPLEMENTATION, CHECKPOINTS, IO, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, LOAD_IN_4BIT, PRECISION, RUNTIME, done, resolve, skipped  # noqa: F401 (re-exported)
+from ovkit.commands._common import ATTN_IMPLEMENTATION, CHECKPOINTS, IO, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, LOAD_IN_4BIT, OPTIM, PRECISION, RUNTIME, done, resolve, skipped  # noqa: F401 (re-exported)
 
 OPTIMISER = "Optimiser & schedule"
 BATCHING = "Batches & length"

@@ -31,6 +31,7 @@ def sft(
     epochs: float = T.EPOCHS,
     max_len: int = T.MAX_LEN,
     precision: str = T.PRECISION,
+    optim: str = T.OPTIM,
     attn_implementation: str = T.ATTN_IMPLEMENTATION,
     lora_r: int = T.LORA_R,
     lora_alpha: float = T.LORA_ALPHA,

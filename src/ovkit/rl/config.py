@@ -12,6 +12,7 @@ from ovkit.rl.correction import Correction, canonical_mode
 from ovkit.rl.loss import AGGREGATIONS, KL_ESTIMATORS
 from ovkit.runtime.attention import ATTENTION
 from ovkit.runtime.log import check_trackers
+from ovkit.runtime.optim import check_optim
 from ovkit.runtime.engines import sampler_dtype
 from ovkit.runtime.precision import canonical as canonical_precision
 
@@ -23,7 +24,7 @@ STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 
 # Options that shape the trajectory: a resumed run must use the same values.
 TRAJECTORY = (
-    "data", "model", "stage", "engine", "precision", "sampler_precision", "sampler_quant", "prompts_per_step", "group_size",
+    "data", "model", "stage", "engine", "precision", "optim", "sampler_precision", "sampler_quant", "prompts_per_step", "group_size",
     "max_new_tokens", "temperature", "top_p", "lr", "weight_decay", "warmup_ratio", "max_grad_norm", "eps_clip",
     "eps_clip_high", "reward_bias", "reward_scale", "loss_agg", "kl_coef", "correction", "max_staleness",
     "ppo_minibatches", "format_weight", "system_prompt", "seed", "env", "env_arg", "max_turns", "max_response_tokens",
@@ -41,6 +42,7 @@ class RLTrainConfig:
     stage: int = 1  # 1: answer-only prompts; 2: think prompts + format reward (the curriculum)
     engine: str = "hf"  # hf | vllm (colocated) | vllm-server (ovkit.generate)
     precision: str = "auto"  # the learner's: auto | fp32 | bf16-mixed | bf16-true (ovkit.runtime.precision)
+    optim: str = "adamw_torch_fused"  # adamw_torch_fused | adamw_torch | adamw_8bit | adamw_bf16 (x --precision: ovkit.runtime.optim)
     attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager
     sampler_precision: str | None = None  # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
     sampler_quant: str | None = None  # int8 | fp8: a low-precision sampler (the INT8-rollout ablation of Yao et al.)
@@ -125,7 +127,7 @@ class RLTrainConfig:
         except ValueError as e:
             raise OvkitError(f"--correction: {e}") from None
         self.report_to = [r for r in (self.report_to or []) if r != "none"]
-        self.precision = canonical_precision(self.precision)
+        self.precision = check_optim(self.optim, canonical_precision(self.precision))  # adamw_bf16: auto -> bf16-true
         check_trackers(self.report_to)
         if self.sampler_precision is not None:
             sampler_dtype(self.sampler_precision)  # a bad name fails here, naming the option

@@ -95,6 +95,8 @@ def ppo_update(model, optimizer, params, batch: Trajectories, advantages, ref, c
         norm = rt.clip(params, optimizer, cfg.max_grad_norm) if rt is not None else clip_grad_norm(optimizer, params, cfg.max_grad_norm)
         stats.grad_norms.append(float(norm))
         optimizer.step()
+        if rt is not None:
+            rt.measure(params, optimizer)  # bytes per parameter, once (ovkit.json)
     optimizer.zero_grad(set_to_none=True)
     return prox, entropy, stats
 

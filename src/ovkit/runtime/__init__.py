@@ -6,11 +6,12 @@
     rt = Runtime(cfg, command="sft", trajectory=TRAJECTORY)   # accelerator, device, precision, attention, seed
     rt.check_run_dir()                                          # OUT.partial: fresh, or the checkpoint to resume
     model, processor = rt.load_model(cfg.model)                 # attention set, on the device, fp32
-    optimizer, scheduler = rt.optimizer(model, lr=..., weight_decay=..., schedule=...)   # casts to bf16 if asked
+    optimizer, scheduler = rt.optimizer(model, lr=..., weight_decay=..., schedule=...)   # --optim; casts to bf16 if asked
     scorer, optimizer = rt.prepare(model, optimizer, scheduler) # TokenScorer (loss in forward) under accelerate
     state = rt.resume(state)                                    # trajectory options checked, state loaded
     logger = rt.logger(total, state["step"], console=line_fn)
-    ... the loop: rt.autocast(), rt.backward(loss), rt.clip(params, optimizer, max_norm), rt.save_checkpoint(...)
+    ... the loop: rt.autocast(), rt.backward(loss), rt.clip(params, optimizer, max_norm), optimizer.step(),
+        rt.measure(params, optimizer) (bytes per parameter, once), rt.save_checkpoint(...)
     return rt.finish(model, processor, state, summary)          # final model, ovkit.json, OUT.partial -> OUT
 
 Run directory while training, and at the end (both loops):
@@ -53,7 +54,7 @@ from ovkit.runtime import lora
 from ovkit.runtime import precision as prec
 from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
 from ovkit.runtime.loss import TokenScorer
-from ovkit.runtime.optim import adamw, clip_grad_norm
+from ovkit.runtime.optim import adamw, bytes_per_param, clip_grad_norm
 
 CHECKPOINTS = "checkpoints"
 STATE = "state"
@@ -104,8 +105,12 @@ class Runtime:
         # bring their own mixed-precision policy: those runs use accelerate's bf16 (autocast / the engine's policy).
         # (cpu=True: on a CPU box, the process group torchrun set up is gloo's; without it accelerate sees one process)
         distributed = PartialState(cpu=device.type == "cpu").distributed_type.value not in ("NO",)
-        self.master_weights = self.precision.master_weights and not distributed
-        mixed = "bf16" if self.precision.name == "bf16-mixed" and distributed else "no"
+        # --optim adamw_8bit keeps its 8-bit state over the weights themselves: bf16-mixed is autocast over fp32 weights
+        # with it (transformers' Trainer's bf16 + adamw_8bit), not fp32 masters (ovkit.runtime.optim's table).
+        self.optim = getattr(cfg, "optim", "adamw_torch_fused")
+        autocast = distributed or self.optim == "adamw_8bit"
+        self.master_weights = self.precision.master_weights and not autocast
+        mixed = "bf16" if self.precision.name == "bf16-mixed" and autocast else "no"
         # find_unused_parameters: a text-only micro-batch leaves the vision tower without gradients on that process.
         ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
         AcceleratorState._reset_state()  # a second run in one process (tests, benchmarks) sets its own precision
@@ -122,6 +127,7 @@ class Runtime:
         hf_logging.disable_progress_bar()  # weight loading/saving bars would break up the step lines
         self.resume_from: Path | None = None
         self.scheduler = self._optimizer = None
+        self.bytes_per_param: dict[str, Any] | None = None  # measured after the first optimiser step (rt.measure)
 
     # -- facts ------------------------------------------------------------------------------------------------------
 
@@ -145,6 +151,8 @@ class Runtime:
             "distributed": self.accelerator.distributed_type.value,
             "precision": {**self.precision.as_dict(), "master_weights": self.master_weights},
             "attention": self.attention.as_dict(),
+            "optim": self.optim,
+            **({"bytes_per_param": self.bytes_per_param} if self.bytes_per_param else {}),
         }
 
     # -- run directory and resume ----------------------------------------------------------------------------------
@@ -209,18 +217,20 @@ class Runtime:
         return (model if quant is not None else model.to(self.device)), processor
 
     def optimizer(self, model: Any, *, lr: float, weight_decay: float, schedule: Callable[[int], float], lrs: dict[int, float] | None = None):
-        """AdamW over the trainable parameters and a LambdaLR `schedule` (multiplier of lr per 0-based step). With
-        bf16-mixed (single process) the model's floating parameters become bf16 and the optimiser keeps fp32
-        masters; with bf16-true they become bf16 and so does the optimiser state."""
+        """The --optim AdamW over the trainable parameters and a LambdaLR `schedule` (multiplier of lr per 0-based
+        step). With bf16-mixed (single process, not adamw_8bit) the model's floating parameters become bf16 and the
+        optimiser keeps fp32 masters; with bf16-true they become bf16 and so does the optimiser state (8-bit with
+        adamw_8bit, Kahan-compensated with adamw_bf16)."""
         params = [p for p in model.parameters() if p.requires_grad]
-        if self.precision.name != "fp32" and (self.master_weights or self.precision.name == "bf16-true"):
-            masters = adamw(params, lr=lr, weight_decay=weight_decay, master_weights=True, lrs=lrs) if self.master_weights else None
+        kw = dict(lr=lr, weight_decay=weight_decay, lrs=lrs, optim=self.optim)
+        if self.master_weights or self.precision.name == "bf16-true":
+            masters = adamw(params, master_weights=True, **kw) if self.master_weights else None  # fp32 copies, made before the cast
             for p in model.parameters():  # parameters only: buffers (rotary inv_freq) stay fp32
                 if p.is_floating_point():
                     p.data = p.data.to(torch.bfloat16)
-            optimizer = masters or adamw(params, lr=lr, weight_decay=weight_decay, fused=self._fused_ok(), lrs=lrs)
+            optimizer = masters or adamw(params, fused=self._fused_ok(), **kw)
         else:
-            optimizer = adamw(params, lr=lr, weight_decay=weight_decay, fused=self._fused_ok(), lrs=lrs)
+            optimizer = adamw(params, fused=self._fused_ok(), **kw)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return optimizer, scheduler
 
@@ -255,6 +265,12 @@ class Runtime:
 
     def clip(self, params: list[torch.nn.Parameter], optimizer: Any, max_norm: float) -> float:
         return clip_grad_norm(optimizer, params, max_norm, self.accelerator)
+
+    def measure(self, params: list[torch.nn.Parameter], optimizer: Any) -> None:
+        """Bytes per trainable parameter (weights, gradients, masters, optimiser state: ovkit.runtime.optim), measured
+        once, between the first optimiser step and zero_grad; recorded in ovkit.json's `runtime`."""
+        if self.bytes_per_param is None:
+            self.bytes_per_param = bytes_per_param(params, optimizer)
 
     def logger(self, total: int, start: int, *, console: Callable[[int, dict], str], desc: str) -> Logger:
         trackers = None

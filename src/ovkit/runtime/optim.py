@@ -1,5 +1,17 @@
-"""The optimiser every learner uses: AdamW with the recipe's eps, weight decay on matrices only, and fp32 master
-weights when the model computes in bf16 (`--precision bf16-mixed`)."""
+"""The optimiser every learner uses: AdamW with the recipe's eps, weight decay on matrices only, in one of four
+implementations (`--optim`, named as transformers' Trainer and EasyR1 name them), and the bytes each trainable
+parameter costs with it (`bytes_per_param`, recorded in ovkit.json).
+
+| `--optim` | `--precision fp32` | `bf16-mixed` | `bf16-true` | `auto` |
+|---|---|---|---|---|
+| `adamw_torch_fused` (default) | fused AdamW, 16 B/param | fp32 masters of bf16 weights (MixedPrecisionAdamW), 18 B | bf16 AdamW state, 8 B (updates below bf16's resolution are lost) | fp32 on CPU, bf16-mixed on a bf16 GPU |
+| `adamw_torch` | the same with torch's foreach kernels | the same, foreach | the same, foreach | as above |
+| `adamw_8bit` | bitsandbytes AdamW8bit over fp32 weights, ~10 B | fp32 weights under bf16 autocast (no masters: the weights are fp32), 8-bit state, ~10 B | 8-bit state over bf16 weights, ~6 B (bf16 drift as above) | as above |
+| `adamw_bf16` | refused | refused | bf16 weights, m, v and a Kahan compensation buffer (KahanAdamW), 10 B | implies bf16-true |
+
+The byte counts are weights + gradients + optimiser state per trainable parameter (bitsandbytes keeps tensors of
+fewer than 4,096 elements in 32-bit state, so a tiny model's 8-bit figure is higher).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +21,27 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ovkit.errors import OvkitError
+
 ADAM_EPS = 1e-5  # LLaVA-OneVision-1.5 (and its RL stage)
 BETAS = (0.9, 0.999)
+OPTIMS = ("adamw_torch_fused", "adamw_torch", "adamw_8bit", "adamw_bf16")
+
+
+def check_optim(optim: str, precision: str) -> str:
+    """Validate `--optim` against the (canonical) `--precision` and return the precision to use: `adamw_bf16` keeps
+    bf16 weights, so `auto` means bf16-true with it and fp32 / bf16-mixed are refused (the table above)."""
+    if optim not in OPTIMS:
+        raise OvkitError(f"--optim must be one of {', '.join(OPTIMS)}; got {optim!r}")
+    if optim == "adamw_bf16":
+        if precision == "auto":
+            return "bf16-true"
+        if precision != "bf16-true":
+            raise OvkitError(
+                f"--optim adamw_bf16 trains bf16 weights with Kahan-compensated updates: use it with --precision bf16-true (or auto), "
+                f"not --precision {precision} (for fp32 weights or fp32 master weights use --optim adamw_torch_fused)"
+            )
+    return precision
 
 
 def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float, lrs: dict[int, float] | None = None) -> list[dict[str, Any]]:
@@ -26,18 +57,146 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float, lrs:
     return [g for g in groups if g["params"]]
 
 
-def adamw(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float, master_weights: bool = False, fused: bool = True, lrs: dict[int, float] | None = None) -> torch.optim.Optimizer:
-    """AdamW (eps 1e-5). `master_weights`: the parameters are bf16 and the optimiser keeps fp32 copies
-    (MixedPrecisionAdamW). `fused`: torch's fused kernel (CPU and CUDA; ~4x the per-tensor loop on small models, the
-    default of transformers' Trainer), where the device and dtype allow."""
+def adamw(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float, master_weights: bool = False, fused: bool = True,
+          lrs: dict[int, float] | None = None, optim: str = "adamw_torch_fused") -> torch.optim.Optimizer:
+    """AdamW (eps 1e-5) as `optim` names it (module docstring). `master_weights`: the parameters are bf16 and the
+    optimiser keeps fp32 copies (MixedPrecisionAdamW; torch's AdamW only). `fused`: whether the run allows torch's fused
+    kernel (CPU and CUDA; ~4x the per-tensor loop on small models, the default of transformers' Trainer); where the
+    device or dtype does not support it, the foreach kernel runs instead."""
     groups = param_groups(params, weight_decay, lrs)
+    if optim == "adamw_8bit":
+        if master_weights:
+            raise OvkitError("--optim adamw_8bit keeps no fp32 master weights (bf16-mixed runs it over fp32 weights under autocast)")
+        return _adamw_8bit(groups, lr)
+    if optim == "adamw_bf16":
+        return KahanAdamW(groups, lr=lr, eps=ADAM_EPS, betas=BETAS)
+    if optim not in ("adamw_torch_fused", "adamw_torch"):
+        raise OvkitError(f"--optim must be one of {', '.join(OPTIMS)}; got {optim!r}")
     cls = MixedPrecisionAdamW if master_weights else torch.optim.AdamW
-    if fused:
+    if fused and optim == "adamw_torch_fused":
         try:
             return cls(groups, lr=lr, eps=ADAM_EPS, betas=BETAS, fused=True)
         except (RuntimeError, ValueError):  # a device or dtype the fused kernel does not support
             pass
-    return cls(groups, lr=lr, eps=ADAM_EPS, betas=BETAS)
+    return cls(groups, lr=lr, eps=ADAM_EPS, betas=BETAS, foreach=True)
+
+
+def _adamw_8bit(groups: list[dict[str, Any]], lr: float) -> torch.optim.Optimizer:
+    """bitsandbytes' block-wise 8-bit AdamW (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"),
+    the optimiser transformers' Trainer runs for `adamw_8bit`; bitsandbytes >= 0.46 runs it on CPU tensors too."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise OvkitError("--optim adamw_8bit needs bitsandbytes: pip install 'ovkit[qlora]' (or pip install 'bitsandbytes>=0.46')") from None
+    return bnb.optim.AdamW8bit(groups, lr=lr, eps=ADAM_EPS, betas=BETAS)
+
+
+class KahanAdamW(torch.optim.Optimizer):
+    """AdamW for bf16 weights with bf16 state and Kahan-compensated updates: `--optim adamw_bf16` (EasyR1's name).
+
+    This is torchdistx's AnyPrecisionAdamW (use_kahan_summation=True, bf16 momentum and variance), the optimiser
+    EasyR1 runs for `adamw_bf16`: per parameter a bf16 m, v and compensation buffer, so weights + gradients + state
+    are 2 + 2 + 2 + 2 + 2 = 10 bytes. A plain bf16 AdamW loses every update smaller than half a unit in the last
+    place of the weight (lr 1e-5 times an O(1) Adam step is below bf16's 2^-8 relative resolution); here the update
+    is added into the compensation buffer first, the buffer is added into the weight, and what the rounding lost
+    stays in the buffer for the next step (Kahan 1965). Rounding is deterministic (no stochastic rounding), so a
+    resumed run continues bit for bit without any RNG state. One difference from AnyPrecisionAdamW: the decoupled
+    weight decay is part of the compensated update instead of a separate uncompensated `p *= 1 - lr * wd`, which
+    bf16 would round away just the same. Every step is a handful of torch._foreach_* ops over each group's tensors.
+    """
+
+    def __init__(self, params: Any, *, lr: float, betas: tuple[float, float] = BETAS, eps: float = ADAM_EPS, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if not self.state[p]:
+                    st = self.state[p]
+                    st["step"] = torch.tensor(0.0)
+                    for name in ("exp_avg", "exp_avg_sq", "compensation"):
+                        st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._update(group, params)
+        return loss
+
+    def _update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        states = [self.state[p] for p in params]
+        grads = [p.grad for p in params]
+        m, v, comp = ([s[k] for s in states] for k in ("exp_avg", "exp_avg_sq", "compensation"))
+        (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
+        torch._foreach_add_([s["step"] for s in states], 1.0)
+        steps = [float(s["step"]) for s in states]  # equal within a group unless a parameter missed a step's gradient
+        torch._foreach_lerp_(m, grads, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, [math.sqrt(1 - beta2**t) for t in steps])
+        torch._foreach_add_(denom, group["eps"])
+        # the whole update (Adam step + decoupled decay, as torch's AdamW orders them) goes into the compensation ...
+        torch._foreach_addcdiv_(comp, m, denom, [-lr / (1 - beta1**t) for t in steps])
+        if wd:
+            torch._foreach_add_(comp, params, alpha=-lr * wd)
+        # ... which is added into the weight; what rounding to bf16 dropped stays in it (Kahan summation)
+        before = torch._foreach_add(params, 0.0)  # a copy (the weights' values before this step)
+        torch._foreach_add_(params, comp)
+        torch._foreach_sub_(before, params)  # = before - after: exact (Sterbenz), minus what the weight took in
+        torch._foreach_add_(comp, before)
+
+
+def bytes_per_param(params: Iterable[torch.nn.Parameter], optimizer: Any) -> dict[str, Any]:
+    """Measured bytes per trainable parameter of weights, gradients, master weights and optimiser state (every tensor
+    in optimizer.state), each storage counted once. Call it after an optimiser step and before zero_grad: the state
+    exists and the gradients are still there (for MixedPrecisionAdamW on the fp32 masters, the bf16 ones are freed)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    params = list({id(p): p for p in params if p.requires_grad}.values())
+    n = sum(p.numel() for p in params)
+    seen: set[tuple[str, int]] = set()
+
+    def nbytes(tensors: Iterable[Any]) -> int:
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if key not in seen and storage.nbytes():
+                seen.add(key)
+                total += storage.nbytes()
+        return total
+
+    own = {id(p) for p in params}
+    masters = [q for g in inner.param_groups for q in g["params"] if id(q) not in own]
+    state = [t for s in inner.state.values() for t in _tensors(s)]
+    counts = {
+        "weights": nbytes(params),
+        "master_weights": nbytes(masters),
+        "grads": nbytes([p.grad for p in params] + [q.grad for q in masters]),
+        "optimizer_state": nbytes(state),
+    }
+    out: dict[str, Any] = {k: round(v / max(n, 1), 4) for k, v in counts.items()}
+    out["total"] = round(sum(counts.values()) / max(n, 1), 4)
+    out["trainable_params"] = n
+    return out
+
+
+def _tensors(obj: Any) -> Iterable[Any]:
+    """Every tensor in an optimiser's per-parameter state (bitsandbytes nests some in dicts)."""
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+    else:
+        yield obj
 
 
 class MixedPrecisionAdamW(torch.optim.AdamW):

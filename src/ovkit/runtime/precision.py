@@ -12,7 +12,8 @@ every weight at every op: 4,381 casts in one profiled step); the optimiser holds
 after each step (Micikevicius et al. 2018, "Mixed Precision Training"). Under DDP (gradients are all-reduced from
 the bf16 parameters' `.grad`) it is accelerate's bf16 autocast over fp32 weights instead, and under FSDP / DeepSpeed
 the engine's own mixed-precision policy (bf16 compute, fp32 sharded master weights): `Precision.engine_policy` says
-which. Commands that only generate or score use the weight dtype alone.
+which. Commands that only generate or score use the weight dtype alone. How each precision combines with the
+optimiser (`--optim`: bitsandbytes' 8-bit AdamW, the Kahan-compensated bf16 AdamW) is ovkit.runtime.optim's table.
 """
 
 from __future__ import annotations

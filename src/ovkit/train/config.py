@@ -17,6 +17,7 @@ from ovkit.errors import OvkitError
 from ovkit.models.groups import STAGE_TRAINABLE
 from ovkit.runtime.attention import ATTENTION
 from ovkit.runtime.log import check_trackers
+from ovkit.runtime.optim import check_optim
 from ovkit.runtime.precision import canonical as canonical_precision
 
 
@@ -30,7 +31,7 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
 # Options that shape the trajectory: a resumed run must use the same values (others, e.g. --save-every, may change).
 TRAJECTORY = (
     "data", "model", "plan", "trainable", "freeze_vision", "lr", "vision_lr", "min_lr", "warmup_ratio", "weight_decay",
-    "max_grad_norm", "batch_size", "grad_accum", "max_steps", "epochs", "max_len", "precision", "seed",
+    "max_grad_norm", "batch_size", "grad_accum", "max_steps", "epochs", "max_len", "precision", "optim", "seed",
     "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "load_in_4bit",
 )
 
@@ -59,6 +60,7 @@ class TrainConfig:
     epochs: float | None = None  # passes over the data (default 1 when --max-steps is not given)
     max_len: int = 8192  # samples longer than this many tokens are skipped (counted in the summary)
     precision: str = "auto"  # auto | fp32 | bf16-mixed | bf16-true (ovkit.runtime.precision)
+    optim: str = "adamw_torch_fused"  # adamw_torch_fused | adamw_torch | adamw_8bit | adamw_bf16 (x --precision: ovkit.runtime.optim)
     attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
     lora_r: int = 0  # LoRA rank (0: full fine-tuning); adapters on the selection's attention/MLP projections (ovkit.runtime.lora)
     lora_alpha: float = 16.0  # LoRA scale alpha (the update is alpha / r * B A)
@@ -116,7 +118,7 @@ class TrainConfig:
             raise OvkitError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.weight_decay < 0 or self.max_grad_norm < 0:
             raise OvkitError("--weight-decay and --max-grad-norm must be >= 0")
-        self.precision = canonical_precision(self.precision)
+        self.precision = check_optim(self.optim, canonical_precision(self.precision))  # adamw_bf16: auto -> bf16-true
         if self.attn_implementation not in ATTENTION:
             raise OvkitError(f"--attn-implementation must be one of {', '.join(ATTENTION)}, got {self.attn_implementation!r}")
         if self.load_in_4bit and self.lora_r <= 0:

@@ -81,6 +81,7 @@ def train(cfg: TrainConfig) -> Result:
             grad_norm = rt.clip(params, optimizer, cfg.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
+            rt.measure(params, optimizer)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             # the step's one device-to-host read: its metrics, after the optimiser step was queued
