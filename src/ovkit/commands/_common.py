@@ -40,6 +40,8 @@ SHARD = typer.Option(None, "--shard", help="Process only part I of N ('I/N', 0-b
 # Every command that loads a model: how it computes (ovkit.runtime.precision, ovkit.runtime.attention).
 PRECISION = typer.Option(None, "--precision", help="auto (bf16-mixed on a bf16 GPU, else fp32) | fp32 | bf16-mixed (bf16 compute, fp32 master weights) | bf16-true (pure bf16). Aliases: bf16 = bf16-mixed, 32 = fp32.", rich_help_panel=RUNTIME)
 ATTN_IMPLEMENTATION = typer.Option(None, "--attn-implementation", help="auto (flash_attention_2 on CUDA with flash-attn, else sdpa) | sdpa | flash_attention_2 | flex_attention | eager. The ViT attends varlen (one call per layer) except with eager.", rich_help_panel=RUNTIME)
+ACTIVATION_CHECKPOINTING = typer.Option(None, "--activation-checkpointing", help="Recompute activations in backward, in the LLM's decoder layers and the ViT's blocks alike: off | full (every block) | every-K (every K-th block) | mlp (only each block's MLP) | auto (off on CPU; on CUDA full when a micro-batch's estimated activations exceed the memory free after weights and optimiser state). Less memory, more time; the same gradients.", rich_help_panel=RUNTIME)
+GRADIENT_CHECKPOINTING = typer.Option(None, "--gradient-checkpointing", help="TRL/HF's spelling of --activation-checkpointing full.", rich_help_panel=RUNTIME)
 # LoRA (ovkit.runtime.lora) on every training command.
 LORA = "LoRA"
 LORA_R = typer.Option(None, "--lora-r", help="LoRA rank: train low-rank adapters on the selection's attention/MLP projections instead of every weight (0: full fine-tuning).", rich_help_panel=LORA)
