@@ -56,6 +56,26 @@ def test_blocks_are_found_in_both_stacks(tiny):
     assert all(n.endswith(".mlp") for n, _ in ac.targets(model, "mlp")) and len(ac.targets(model, "mlp")) == 8
 
 
+@pytest.mark.parametrize("arch", ["llava-onevision", "smolvlm"])
+def test_blocks_are_found_by_structure_in_other_architectures(arch):
+    """No per-architecture table: LLaVA-OneVision (SigLIP + Qwen2) and SmolVLM/Idefics3 (its ViT + Llama), on meta."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, vocab_size=300)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14)
+    if arch == "llava-onevision":
+        config = LlavaOnevisionConfig(text_config={"model_type": "qwen2", **text}, vision_config={"model_type": "siglip_vision_model", **vision})
+        cls, names = LlavaOnevisionForConditionalGeneration, ("model.language_model.layers", "model.vision_tower.encoder.layers")
+    else:
+        config = Idefics3Config(text_config={"model_type": "llama", **text}, vision_config=vision)
+        cls, names = Idefics3ForConditionalGeneration, ("model.text_model.layers", "model.vision_model.encoder.layers")
+    with torch.device("meta"):
+        model = cls(config)
+    stacks = ac.block_stacks(model)
+    assert [n for n, _ in stacks["llm"]] == [names[0]] and [n for n, _ in stacks["vision"]] == [names[1]]
+    assert len(ac.targets(model, "full")) == 5 and len(ac.targets(model, "mlp")) == 5
+
+
 def test_every_mode_gives_the_same_gradients_and_keeps_fewer_bytes(tiny):
     model, batch = _model_and_batch(tiny)
     assert batch["pixel_values"].numel() > 0
