@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from ovkit.commands._common import ATTN_IMPLEMENTATION, CHECKPOINTS, IO, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, LOAD_IN_4BIT, OPTIM, PRECISION, RUNTIME, done, resolve, skipped  # noqa: F401 (re-exported)
+from ovkit.commands._common import ACTIVATION_CHECKPOINTING, ATTN_IMPLEMENTATION, CHECKPOINTS, GRADIENT_CHECKPOINTING, IO, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, LOAD_IN_4BIT, OPTIM, PRECISION, RUNTIME, done, resolve, skipped  # noqa: F401 (re-exported)
 
 OPTIMISER = "Optimiser & schedule"
 BATCHING = "Batches & length"
@@ -26,7 +26,6 @@ GRAD_ACCUM = typer.Option(None, "--grad-accum", help="Micro-batches per optimise
 MAX_STEPS = typer.Option(None, "--max-steps", help="Optimiser steps to run (instead of --epochs).", rich_help_panel=BATCHING)
 EPOCHS = typer.Option(None, "--epochs", help="Passes over the data (default 1 when --max-steps is not given).", rich_help_panel=BATCHING)
 MAX_LEN = typer.Option(None, "--max-len", help="Skip samples longer than this many tokens (text + image tokens).", rich_help_panel=BATCHING)
-GRADIENT_CHECKPOINTING = typer.Option(None, "--gradient-checkpointing", help="Recompute activations in the backward pass (less memory, slower).", rich_help_panel=RUNTIME)
 SAVE_EVERY = typer.Option(None, "--save-every", help="Write a resumable checkpoint every N steps into OUT.partial/checkpoints (0: only the final model).", rich_help_panel=CHECKPOINTS)
 KEEP_CHECKPOINTS = typer.Option(None, "--keep-checkpoints", help="Keep the newest N intermediate checkpoints.", rich_help_panel=CHECKPOINTS)
 RESUME = typer.Option(None, "--resume", help="Continue the unfinished run in OUT.partial/ from its last checkpoint (starts fresh if there is none).", rich_help_panel=CHECKPOINTS)

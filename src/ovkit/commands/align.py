@@ -38,6 +38,7 @@ def align(
     lora_dropout: float = T.LORA_DROPOUT,
     lora_targets: list[str] = T.LORA_TARGETS,
     load_in_4bit: bool = T.LOAD_IN_4BIT,
+    activation_checkpointing: str = T.ACTIVATION_CHECKPOINTING,
     gradient_checkpointing: bool = T.GRADIENT_CHECKPOINTING,
     save_every: int = T.SAVE_EVERY,
     keep_checkpoints: int = T.KEEP_CHECKPOINTS,

@@ -11,6 +11,7 @@ from ovkit.generate import RL_ENGINES
 from ovkit.rl.correction import Correction, canonical_mode
 from ovkit.rl.loss import AGGREGATIONS, KL_ESTIMATORS
 from ovkit.runtime.attention import ATTENTION
+from ovkit.runtime.checkpointing import check_option as check_checkpointing
 from ovkit.runtime.log import check_trackers
 from ovkit.runtime.optim import check_optim
 from ovkit.runtime.engines import sampler_dtype
@@ -44,6 +45,8 @@ class RLTrainConfig:
     precision: str = "auto"  # the learner's: auto | fp32 | bf16-mixed | bf16-true (ovkit.runtime.precision)
     optim: str = "adamw_torch_fused"  # adamw_torch_fused | adamw_torch | adamw_8bit | adamw_bf16 (x --precision: ovkit.runtime.optim)
     attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager
+    activation_checkpointing: str = "auto"  # auto | off | full | mlp | every-K: the learner's blocks recomputed in backward (ovkit.runtime.checkpointing)
+    gradient_checkpointing: bool = False  # TRL's spelling of --activation-checkpointing full
     sampler_precision: str | None = None  # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
     sampler_quant: str | None = None  # int8 | fp8: a low-precision sampler (the INT8-rollout ablation of Yao et al.)
     prompts_per_step: int = 32  # GRPO groups per step (batch size 32)
@@ -131,6 +134,7 @@ class RLTrainConfig:
         check_trackers(self.report_to)
         if self.sampler_precision is not None:
             sampler_dtype(self.sampler_precision)  # a bad name fails here, naming the option
+        self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         self._check()
 
     def _check(self) -> None:

@@ -7,6 +7,7 @@
     rt.check_run_dir()                                          # OUT.partial: fresh, or the checkpoint to resume
     model, processor = rt.load_model(cfg.model)                 # attention set, on the device, fp32
     optimizer, scheduler = rt.optimizer(model, lr=..., weight_decay=..., schedule=...)   # --optim; casts to bf16 if asked
+    rt.checkpointing(model, tokens=...)                         # --activation-checkpointing (auto resolved here)
     scorer, optimizer = rt.prepare(model, optimizer, scheduler) # TokenScorer (loss in forward) under accelerate
     state = rt.resume(state)                                    # trajectory options checked, state loaded
     logger = rt.logger(total, state["step"], console=line_fn)
@@ -50,6 +51,7 @@ from ovkit import __version__
 from ovkit.config import to_plain
 from ovkit.errors import OvkitError
 from ovkit.runtime import attention as attn
+from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import lora
 from ovkit.runtime import precision as prec
 from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
@@ -128,6 +130,7 @@ class Runtime:
         self.resume_from: Path | None = None
         self.scheduler = self._optimizer = None
         self.bytes_per_param: dict[str, Any] | None = None  # measured after the first optimiser step (rt.measure)
+        self.activation_checkpointing: dict[str, Any] = {"mode": "off", "why": "not applied"}
 
     # -- facts ------------------------------------------------------------------------------------------------------
 
@@ -153,6 +156,7 @@ class Runtime:
             "attention": self.attention.as_dict(),
             "optim": self.optim,
             **({"bytes_per_param": self.bytes_per_param} if self.bytes_per_param else {}),
+            "activation_checkpointing": self.activation_checkpointing,
         }
 
     # -- run directory and resume ----------------------------------------------------------------------------------
@@ -234,6 +238,24 @@ class Runtime:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return optimizer, scheduler
 
+    def checkpointing(self, model: Any, tokens: int) -> str:
+        """Apply --activation-checkpointing to the bare model and turn its KV cache off for training. `auto` is
+        decided here, once weights and the optimiser are in place: on CUDA, the estimated activations of a micro-batch
+        of `tokens` tokens against the free memory less the gradients and AdamW moments still to come
+        (ovkit.runtime.checkpointing.choose). The mode and why go into ovkit.json (`runtime.activation_checkpointing`)."""
+        asked = getattr(self.cfg, "activation_checkpointing", "off")
+        needed = free = None
+        if asked == "auto" and self.device.type == "cuda":
+            element = 2 if self.precision.dtype == torch.bfloat16 else 4
+            needed = ac.activation_bytes(model, tokens, element_bytes=element)
+            free = ac.free_cuda_bytes(self.device) - ac.optimiser_bytes(model, state_element_bytes=2 if self.precision.name == "bf16-true" else 4)
+        mode, why = ac.choose(asked, self.device, needed, free)
+        blocks = ac.apply(model, mode)
+        model.config.use_cache = False
+        self.activation_checkpointing = {"mode": mode, "requested": asked, "why": why, "blocks": len(blocks), "tokens_per_micro_batch": tokens,
+                                         "estimated_activation_bytes": needed, "free_bytes": free}  # fmt: skip
+        return mode
+
     def _fused_ok(self) -> bool:
         # The fused kernel for plain and DDP runs; FSDP and DeepSpeed bring their own sharded optimiser steps.
         return self.accelerator.distributed_type.value in ("NO", "MULTI_CPU", "MULTI_GPU")
@@ -307,7 +329,8 @@ class Runtime:
             raise OvkitError("--lora-r with FSDP or DeepSpeed is not supported here; use DDP (plain accelerate launch / torchrun)")
         spec = lora.LoraSpec(r=r, alpha=self.cfg.lora_alpha, dropout=self.cfg.lora_dropout, targets=tuple(self.cfg.lora_targets or ()))
         if getattr(self.cfg, "load_in_4bit", False):
-            lora.prepare_four_bit(model, gradient_checkpointing=bool(getattr(self.cfg, "gradient_checkpointing", False)))
+            # --activation-checkpointing does the recomputing (non-reentrant: no input gradients needed), not peft
+            lora.prepare_four_bit(model, gradient_checkpointing=False)
         return lora.apply(model, trainable, spec)
 
     def save_checkpoint(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int) -> Path:

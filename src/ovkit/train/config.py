@@ -16,6 +16,7 @@ from typing import ClassVar
 from ovkit.errors import OvkitError
 from ovkit.models.groups import STAGE_TRAINABLE
 from ovkit.runtime.attention import ATTENTION
+from ovkit.runtime.checkpointing import check_option as check_checkpointing
 from ovkit.runtime.log import check_trackers
 from ovkit.runtime.optim import check_optim
 from ovkit.runtime.precision import canonical as canonical_precision
@@ -67,7 +68,8 @@ class TrainConfig:
     lora_dropout: float = 0.0
     lora_targets: list[str] | None = None  # regexes over module names to adapt instead of the per-architecture default
     load_in_4bit: bool = False  # QLoRA: the language model's Linear weights in 4-bit NF4 (bitsandbytes), adapters on top
-    gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% slower)
+    activation_checkpointing: str = "auto"  # auto | off | full | mlp | every-K: blocks recomputed in backward (ovkit.runtime.checkpointing)
+    gradient_checkpointing: bool = False  # TRL/HF's spelling of --activation-checkpointing full
     save_every: int = 0  # write a checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2  # how many intermediate checkpoints to keep (oldest deleted first)
     resume: bool = False  # continue the run found in OUT.partial/ from its last checkpoint
@@ -127,6 +129,7 @@ class TrainConfig:
             raise OvkitError("need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1")
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise OvkitError("--save-every must be >= 0 and --keep-checkpoints >= 1")
+        self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         check_trackers(self.report_to)
 
     @property

@@ -48,12 +48,6 @@ def train(cfg: TrainConfig) -> Result:
     model, processor = rt.load_model(cfg.model)
     names = trainable_names(model, cfg.trainable, freeze_vision=cfg.freeze_vision)
     n_trainable, n_total = rt.lora(model, names) or set_trainable(model, names)
-    if cfg.gradient_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
-            model.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
 
     source = _source(cfg, processor, model)
     schedule = Schedule(tuple(source.lengths), cfg.batch_size, cfg.grad_accum, rt.processes, cfg.seed)
@@ -68,6 +62,7 @@ def train(cfg: TrainConfig) -> Result:
     pad_id = pad_token_id(processor, model)
     lrs = vision_lrs(model, cfg.vision_lr)
     optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: lr_factor(s, n_steps, cfg), lrs=lrs)
+    rt.checkpointing(model, tokens=cfg.batch_size * max(source.lengths))  # the longest micro-batch, padded
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
     state = rt.resume({"step": 0, "tokens": 0, "elapsed_s": 0.0})
     logger = rt.logger(n_steps, state["step"], console=step_line, desc=cfg.stage)
