@@ -226,8 +226,8 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         loss = super().step(closure)
-        for p, m in self.pairs:
-            p.copy_(m)
+        if self.pairs:  # one foreach copy (with the cast), not a kernel per parameter
+            torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
