@@ -198,22 +198,48 @@ def describe(hint: Any) -> str:
     return _NAMES.get(hint, getattr(hint, "__name__", str(hint)))
 
 
+def _plain(v: Any) -> Any:
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, enum.Enum):
+        return v.value
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
 def to_plain(cfg: Any) -> dict[str, Any]:
-    """A config as YAML-safe plain values (Paths and enums as strings)."""
+    """A config as YAML-safe plain values (Paths and enums as strings), keyed by option name (dashes)."""
+    return {f.name.replace("_", "-"): _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
-    def plain(v: Any) -> Any:
-        if isinstance(v, Path):
-            return str(v)
-        if isinstance(v, enum.Enum):
-            return v.value
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        if isinstance(v, dict):
-            return {k: plain(x) for k, x in v.items()}
-        return v
 
-    return {f.name.replace("_", "-"): plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+def to_plain_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` ({field name: value}) as to_plain writes them."""
+    return {k.replace("_", "-"): _plain(v) for k, v in values.items()}
 
 
 def dump_yaml(cfg: Any) -> str:
     return yaml.safe_dump(to_plain(cfg), sort_keys=False, allow_unicode=True)
+
+
+def trajectory_options(cls: type, run_control: frozenset[str]) -> tuple[str, ...]:
+    """The options of a learner's config a resumed run must keep: every field except the run-control ones. A name in
+    `run_control` that is not a field is a typo that would silently protect nothing, so it fails at import."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = set(run_control) - set(names) - {"compile", "kernels"}  # options other learners' configs may add
+    if unknown:
+        raise TypeError(f"{cls.__name__}: run-control names that are not options: {sorted(unknown)}")
+    return tuple(n for n in names if n not in run_control)
+
+
+def option_default(cls: type, name: str) -> Any:
+    """A field's declared default (what a config written before the option existed behaved as)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    return None

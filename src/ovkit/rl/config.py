@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
 from ovkit.generate import RL_ENGINES
 from ovkit.rl.correction import Correction, canonical_mode
@@ -23,14 +24,16 @@ STAGE_MODES = {1: "answer", 2: "think"}  # stage 1: answer-only prompts; stage 2
 STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 
 
-# Options that shape the trajectory: a resumed run must use the same values.
-TRAJECTORY = (
-    "data", "model", "stage", "engine", "precision", "optim", "sampler_precision", "sampler_quant", "prompts_per_step", "group_size",
-    "max_new_tokens", "temperature", "top_p", "lr", "weight_decay", "warmup_ratio", "max_grad_norm", "eps_clip",
-    "eps_clip_high", "reward_bias", "reward_scale", "loss_agg", "kl_coef", "correction", "max_staleness",
-    "ppo_minibatches", "format_weight", "system_prompt", "seed", "env", "env_arg", "max_turns", "max_response_tokens",
-    "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
-)
+# Options a resumed run may change: where it writes and reports, how it checkpoints, how many reward workers score,
+# where a vLLM server listens, and how the same numbers are computed (learner micro-batches, attention kernel,
+# activation checkpointing). Every other option shapes the trajectory (sampling, rewards, the loss, its corrections,
+# the optimiser), so a resumed run must keep it: TRAJECTORY is derived below, and an option added later is covered
+# without being listed (Runtime.resume exits 2 naming it).
+RUN_CONTROL = frozenset({
+    "out", "resume", "overwrite", "quiet", "report_to", "save_every", "keep_checkpoints", "save_rollouts", "reward_workers",
+    "trust_remote_code", "vllm_server_url", "vllm_server_timeout", "micro_batch_size", "activation_checkpointing",
+    "gradient_checkpointing", "compile", "kernels",
+})
 
 
 @dataclass
@@ -192,3 +195,6 @@ class RLTrainConfig:
             behave_action=self.behave_action,
             behave_level=self.behave_level,
         )
+
+
+TRAJECTORY = trajectory_options(RLTrainConfig, RUN_CONTROL)

@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ovkit import __version__
-from ovkit.config import to_plain
+from ovkit.config import option_default, to_plain, to_plain_values
 from ovkit.errors import OvkitError
 from ovkit.runtime import attention as attn
 from ovkit.runtime import checkpointing as ac
@@ -191,10 +191,12 @@ class Runtime:
             return {**state, "processes": self.processes}
         saved = json.loads((ckpt / PROVENANCE).read_text())["config"]
         now = to_plain(self.cfg)
+        # an option the checkpoint's config does not name did not exist when it was written: it ran as the default
+        defaults = to_plain_values({k: option_default(type(self.cfg), k) for k in self.trajectory})
         keys = [k.replace("_", "-") for k in self.trajectory]
-        changed = [k for k in keys if saved.get(k) != now.get(k)]
+        changed = [k for k in keys if saved.get(k, defaults[k]) != now.get(k)]
         if changed:
-            diffs = ", ".join(f"--{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
+            diffs = ", ".join(f"--{k} {saved.get(k, defaults[k])!r} -> {now.get(k)!r}" for k in changed)
             raise OvkitError(f"--resume: {ckpt} was trained with different options ({diffs}); use the same ones, or --overwrite to start over")
         loaded = json.loads((ckpt / RUN_STATE).read_text())
         if loaded.get("processes", 1) != self.processes:

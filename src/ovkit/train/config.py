@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
 from ovkit.models.groups import STAGE_TRAINABLE
 from ovkit.runtime.attention import ATTENTION
@@ -29,12 +30,13 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
     "midtrain": {"lr": 1e-5, "weight_decay": 0.01},
     "sft": {"lr": 1e-5, "weight_decay": 0.0},
 }
-# Options that shape the trajectory: a resumed run must use the same values (others, e.g. --save-every, may change).
-TRAJECTORY = (
-    "data", "model", "plan", "trainable", "freeze_vision", "lr", "vision_lr", "min_lr", "warmup_ratio", "weight_decay",
-    "max_grad_norm", "batch_size", "grad_accum", "max_steps", "epochs", "max_len", "precision", "optim", "seed",
-    "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "load_in_4bit",
-)
+# Options a resumed run may change: where it writes and reports, how it checkpoints, and how the same numbers are
+# computed (memory and speed). Every other option shapes the trajectory, so a resumed run must keep it: TRAJECTORY is
+# derived below, and an option added later is covered without being listed (Runtime.resume exits 2 naming it).
+RUN_CONTROL = frozenset({
+    "out", "resume", "overwrite", "quiet", "report_to", "save_every", "keep_checkpoints", "trust_remote_code",
+    "activation_checkpointing", "gradient_checkpointing", "compile", "kernels",
+})
 
 
 @dataclass
@@ -157,3 +159,4 @@ class SFTConfig(TrainConfig):
 
 
 STAGE_CONFIGS: dict[str, type[TrainConfig]] = {"align": AlignConfig, "midtrain": MidtrainConfig, "sft": SFTConfig}
+TRAJECTORY = trajectory_options(TrainConfig, RUN_CONTROL)

@@ -1,0 +1,91 @@
+"""Resume is exact or refused (#26): every option of a learner shapes the trajectory unless it is declared run
+control, so an option added later can never be forgotten; a resumed run with a changed trajectory option stops with
+exit 2 naming it, and a checkpoint written before an option existed counts as having run at its default."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from test_rl_train import _cfg as rl_cfg
+from test_rl_train import rl_assets  # noqa: F401 (a fixture)
+from test_train import _one_thread, assets, config  # noqa: F401 (fixtures)
+
+
+@pytest.mark.parametrize("module", ["ovkit.train.config", "ovkit.rl.config"])
+def test_every_option_is_trajectory_or_run_control(module):
+    import importlib
+
+    mod = importlib.import_module(module)
+    cls = mod.TrainConfig if module.endswith("train.config") else mod.RLTrainConfig
+    names = {f.name for f in dataclasses.fields(cls)}
+    assert set(mod.TRAJECTORY) == names - mod.RUN_CONTROL
+    assert not set(mod.TRAJECTORY) & mod.RUN_CONTROL
+
+
+def test_the_rl_options_the_hand_kept_list_forgot_are_kept():
+    from ovkit.rl.config import TRAJECTORY
+
+    forgotten = {"correction_threshold", "correction_lower", "behave_cap", "behave_action", "behave_level", "adv_std", "adv_eps",
+                 "kl_estimator", "max_pixels", "freeze_vision", "geo_lower", "geo_upper", "veto_threshold"}  # fmt: skip
+    assert forgotten <= set(TRAJECTORY)
+
+
+def test_a_run_control_name_that_is_no_option_fails_at_import():
+    from ovkit.config import trajectory_options
+    from ovkit.train.config import RUN_CONTROL, TrainConfig
+
+    with pytest.raises(TypeError, match="save_evry"):
+        trajectory_options(TrainConfig, RUN_CONTROL | {"save_evry"})
+
+
+def _unfinish(out):
+    """Make a finished run look interrupted: its output back to OUT.partial (it keeps its checkpoints)."""
+    os.replace(out, out.parent / f"{out.name}.partial")
+
+
+def test_sft_resume_refuses_a_changed_option_it_did_not_list_before_and_allows_run_control(assets, tmp_path):
+    from ovkit.errors import OvkitError
+    from ovkit.train import train
+
+    out = tmp_path / "r"
+    train(config("SFTConfig", assets, out, max_steps=2, save_every=1))
+    _unfinish(out)
+    with pytest.raises(OvkitError, match="--attn-implementation 'auto' -> 'eager'"):
+        train(config("SFTConfig", assets, out, max_steps=2, save_every=1, resume=True, attn_implementation="eager"))
+    done = train(config("SFTConfig", assets, out, max_steps=2, save_every=2, keep_checkpoints=3, resume=True))
+    assert done.status == "done" and done.metrics["resumed_from"]
+
+
+def test_a_checkpoint_from_before_an_option_existed_ran_at_its_default(assets, tmp_path):
+    from ovkit.errors import OvkitError
+    from ovkit.train import train
+
+    out = tmp_path / "old"
+    train(config("SFTConfig", assets, out, max_steps=2, save_every=1))
+    _unfinish(out)
+    ckpt = tmp_path / "old.partial" / "checkpoints" / "step-000001" / "ovkit.json"
+    meta = json.loads(ckpt.read_text())
+    del meta["config"]["optim"]  # as written before --optim existed
+    ckpt.write_text(json.dumps(meta))
+    with pytest.raises(OvkitError, match="--optim 'adamw_torch_fused' -> 'adamw_torch'"):
+        train(config("SFTConfig", assets, out, max_steps=2, save_every=1, resume=True, optim="adamw_torch"))
+    assert train(config("SFTConfig", assets, out, max_steps=2, save_every=1, resume=True)).status == "done"
+
+
+def test_rl_resume_with_a_changed_behaviour_cap_exits_2_naming_it(rl_assets, tmp_path, cli):
+    from ovkit.rl.loop import train_rl
+
+    model, data = rl_assets
+    out = tmp_path / "rl"
+    train_rl(rl_cfg(model, data, out, max_steps=2, save_every=1))
+    _unfinish(out)
+    code, _, err = cli("rl-train", str(data), "--model", str(model), "--out", str(out), "--resume", "--behave-cap", "3",
+                       "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-ratio", "0",
+                       "--weight-decay", "0", "--no-system-prompt", "--max-staleness", "0", "--max-steps", "2", "--save-every", "1",
+                       "--reward-workers", "1", "--quiet")  # fmt: skip
+    assert code == 2, err
+    assert "--behave-cap 5.0 -> 3.0" in err and "Traceback" not in err
