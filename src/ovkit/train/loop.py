@@ -70,7 +70,7 @@ def train(cfg: TrainConfig) -> Result:
     t0 = time.perf_counter() - state["elapsed_s"]
     scorer.train()
     try:
-        for step, epoch, batches in _prefetched(schedule.steps(state["step"], n_steps, rt.accelerator.process_index), source, pad_id):
+        for step, epoch, batches in _prefetched(schedule.steps(state["step"], n_steps, rt.accelerator.process_index), source, pad_id, pin=rt.device.type == "cuda"):
             t_step = time.perf_counter()
             nll, n_target, n_real, n_positions = _step(rt, scorer, batches)
             grad_norm = rt.clip(params, optimizer, cfg.max_grad_norm)
@@ -123,12 +123,16 @@ def train(cfg: TrainConfig) -> Result:
     return rt.finish(scorer, processor, state, summary, inputs=[*cfg.data, *([cfg.plan] if cfg.plan else [])])
 
 
-def _prefetched(steps: Iterator, source: Any, pad_id: int) -> Iterator[tuple[int, int, list[dict[str, Any]]]]:
-    """(step, epoch, collated micro-batches), the next step's prepared on a background thread during this one."""
+def _prefetched(steps: Iterator, source: Any, pad_id: int, pin: bool = False) -> Iterator[tuple[int, int, list[dict[str, Any]]]]:
+    """(step, epoch, collated micro-batches), the next step's prepared on a background thread during this one. `pin`:
+    the batches' tensors in page-locked memory (CUDA), so the step's non-blocking copies to the device really are."""
 
     def collate(item):
         step, epoch, micro = item
-        return step, epoch, [source.collate([source[i] for i in mb], pad_id) for mb in micro]
+        batches = [source.collate([source[i] for i in mb], pad_id) for mb in micro]
+        if pin:
+            batches = [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
+        return step, epoch, batches
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ovkit-data") as pool:
         pending = None
