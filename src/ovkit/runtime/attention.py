@@ -237,8 +237,9 @@ def remember_host(device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> Non
 
 
 def _forget_dead(table: dict) -> None:
-    for k in [k for k, (ref, _) in table.items() if ref() is None]:
-        del table[k]
+    # the async sampler's thread runs this attention beside the learner's: a snapshot of the keys, and pop
+    for k in [k for k, (ref, _) in list(table.items()) if ref() is None]:
+        table.pop(k, None)
 
 
 def _packed_boundaries(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
