@@ -29,7 +29,7 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
+.PHONY: gpu-suite gpu-suite-smoke setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
 # Keep every file a rule made: make deletes the intermediate files of chained pattern rules (it removed each science
 # RL run's ovkit.json, its completion mark, once that run's eval was done).
 .SECONDARY:
@@ -57,6 +57,16 @@ bench: setup
 	$(BIN)/python bench/pack.py
 	$(BIN)/python bench/rewards.py
 	$(BIN)/python bench/train.py
+
+# The GPU suite on a bare lent GPU machine, offline, in one command (bench/gpu_suite.sh: install the wheels fetched
+# beforehand with `bash ../shared/gpu/fetch.sh .gpu-wheels`, build the random-init 2.2B once, run the training and
+# GRPO benches, the gpu-marked tests and the default suite on CUDA, print one table; under 8 minutes). No venv: the
+# machine's python3 has torch. gpu-suite-smoke checks the same script on a CPU box with the tiny model.
+gpu-suite:
+	bash bench/gpu_suite.sh --wheels .gpu-wheels
+
+gpu-suite-smoke: setup
+	PYTHON=$(BIN)/python bash bench/gpu_suite.sh --cpu-smoke --out /tmp/ovkit-suite-smoke
 
 clean-run:
 	rm -rf $(RUN)

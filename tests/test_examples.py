@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
 FILE_COMMANDS = {
     "rl-stage1": "rl-train", "rl-stage2": "rl-train", "rl-multiturn": "rl-train", "rl-science": "rl-train", "sft-lora": "sft",
+    "rl-train-fsdp": "rl-train",
 }  # file stem -> command, where they differ
+ACCELERATE_CONFIGS = {"fsdp"}  # file stems of `accelerate launch --config_file` files, validated as accelerate reads them
 
 cli_mod._register()
 CALLBACKS = {c.name: c.callback for c in cli_mod.app.registered_commands}
@@ -77,6 +79,8 @@ def test_there_are_examples():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[str(p.relative_to(ROOT / "examples")) for p in EXAMPLES])
 def test_example_loads_and_validates(path):
+    if path.stem in ACCELERATE_CONFIGS:
+        return check_accelerate_config(path)
     command = command_of(path)
     assert command in CALLBACKS, f"{path.name}: no `ovkit {command}` command; map the file name in FILE_COMMANDS"
     cls = config_class(command)
@@ -84,6 +88,19 @@ def test_example_loads_and_validates(path):
     assert values, f"{path} is empty"
     cfg = build(cls, values, path)
     assert dataclasses.is_dataclass(cfg)
+
+
+def check_accelerate_config(path: Path) -> None:
+    """accelerate's own config class reads it (it refuses unknown keys), and the layer classes it wraps exist."""
+    import importlib
+
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    config = ClusterConfig.from_yaml_file(str(path))
+    wrap = (config.fsdp_config or {}).get("fsdp_transformer_layer_cls_to_wrap", "")
+    for name in filter(None, wrap.split(",")):
+        module = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+        assert hasattr(module, name.strip()), f"{path.name}: fsdp_transformer_layer_cls_to_wrap names {name}, which transformers does not define"
 
 
 def test_stage_examples_keep_the_stage_presets_where_published():
