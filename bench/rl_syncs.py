@@ -1,10 +1,13 @@
 """Device-to-host syncs of the RL learner's step (#25, #26), counted on CPU by ovkit.runtime.syncs.SyncCounter.
 
-What is counted: everything `ovkit.rl.update.train_step` does on the training thread (trajectories -> advantages ->
-proximal log-probs -> corrections -> decoupled-PPO micro-batches, backward, clipping, optimiser step(s) -> metrics),
-one count per rl-train step. Generation is left out: with the HF engine it runs on the same thread between
-optimiser steps (and its reads are the sampler's, not the learner's), so the counter is entered around each
-train_step call only. Synchronous rollouts (--max-staleness 0) make the steps' groups depend on the seed alone.
+What is counted, one count per rl-train step: everything `ovkit.rl.update.train_step` does on the training thread
+(`step`: trajectories -> advantages -> micro-batch plans -> proximal log-probs -> corrections -> decoupled-PPO
+micro-batches, backward, clipping, optimiser step(s) -> metrics), and its device side alone (`learner`:
+`ovkit.rl.update.learn`, from the move of the step's tensors to the device to the metrics read). The host side
+(`prepare_step`) takes the model's config, never the model: its reads are of host tensors, which on a GPU cost no
+stall, but the CPU proxy cannot tell them apart. Generation is left out: with the HF engine it runs on the same
+thread between optimiser steps (and its reads are the sampler's, not the learner's), so the counter is entered
+around each call only. Synchronous rollouts (--max-staleness 0) make the steps' groups depend on the seed alone.
 
     PYTHONPATH=src python bench/rl_syncs.py                 # the tiny default, 4 prompts x group 4 and 8
     PYTHONPATH=src python bench/rl_syncs.py --where         # and where the syncs of the last step come from
@@ -35,26 +38,31 @@ def prepare(work: Path) -> None:
         ovkit("init-model", "--preset", "tiny", "--corpus", work / "D", "--out", work / "M")
 
 
-def learner_syncs(cfg) -> tuple[list[int], list]:
-    """Syncs of each train_step of an rl-train run, and where each step's came from."""
-    from ovkit.rl import loop
+def learner_syncs(cfg, part: str = "step") -> tuple[list[int], list]:
+    """Syncs of each train_step (`part` "step") or of its device side ("learner") in an rl-train run, and where each
+    step's came from."""
+    from ovkit.rl import loop, update
     from ovkit.runtime.syncs import SyncCounter
 
     counts, where = [], []
-    step = loop.train_step
+    owner, name = (loop, "train_step") if part == "step" else (update, "learn")
+    original = getattr(owner, name, None)
+    if original is None:  # a checkout from before the host/device split: the whole step
+        owner, name = loop, "train_step"
+        original = getattr(owner, name)
 
     def counted(*a, **k):
         with SyncCounter() as syncs:
-            out = step(*a, **k)
+            out = original(*a, **k)
         counts.append(syncs.total)
         where.append(syncs.where)
         return out
 
-    loop.train_step = counted
+    setattr(owner, name, counted)
     try:
         loop.train_rl(cfg)
     finally:
-        loop.train_step = step
+        setattr(owner, name, original)
     return counts, where
 
 
@@ -80,10 +88,14 @@ def main() -> None:
         prepare(work)
         result = {}
         for group in (4, 8):
-            counts, where = learner_syncs(rl_config(work, f"rl-g{group}", group))
-            result[f"syncs_per_learner_step_4x{group}"] = counts
-            if args.where:
-                result[f"where_4x{group}"] = dict(where[-1].most_common())
+            for part in ("step", "learner"):
+                counts, where = learner_syncs(rl_config(work, f"rl-g{group}", group), part)
+                result[f"syncs_per_{part}_4x{group}"] = counts
+                if args.where:
+                    result[f"where_{part}_4x{group}"] = dict(where[-1].most_common())
+        # one micro-batch per step whatever the batch: the learner's count no longer depends on the batch
+        for group in (4, 8):
+            result[f"syncs_per_learner_4x{group}_one_micro_batch"] = learner_syncs(rl_config(work, f"rl-g{group}", group, micro_batch_size=4 * group), "learner")[0]
         print(json.dumps(result, indent=2))
 
 
