@@ -90,7 +90,19 @@ class Correction:
 class OffPolicyWeights:
     weights: torch.Tensor  # [N, T] float, 0 where a token trains nothing
     keep: torch.Tensor  # [N, T] bool: response tokens that still train
-    stats: dict[str, float] = field(default_factory=dict)
+    stat_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # 0-dim, on the weights' device
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The statistics as numbers (one device-to-host read; the learner reads `stat_tensors` with its others)."""
+        return read(self.stat_tensors)
+
+
+def read(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """0-dim tensors as floats, in one device-to-host read."""
+    if not tensors:
+        return {}
+    return dict(zip(tensors, torch.stack([t.double() for t in tensors.values()]).tolist()))
 
 
 def _safe_exp(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -105,8 +117,9 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_seq.expand_as(mask).to(torch.float32)
 
 
-def off_policy_weights(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor, corr: Correction) -> OffPolicyWeights:
-    """Weights for the policy-gradient loss, one per token of the [N, T] layout (`mask` = response tokens)."""
+def off_policy_weights(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor, corr: Correction, stats: bool = True) -> OffPolicyWeights:
+    """Weights for the policy-gradient loss, one per token of the [N, T] layout (`mask` = response tokens), and
+    their statistics (`stats=False`: none, for a micro-batch of the gradient pass). No device-to-host read."""
     mask = mask.bool()
     m = mask.to(torch.float32)
     log_ratio = torch.where(mask, (prox_logprobs - behave_logprobs).float(), torch.zeros_like(m))
@@ -132,8 +145,8 @@ def off_policy_weights(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tenso
         vetoed = _broadcast((mask & (token_ratio < corr.veto)).any(-1, keepdim=True), m).bool() & mask
         keep &= ~vetoed
     weight = torch.where(keep, weight, torch.zeros_like(weight))
-    stats = _stats(behave_weight, weight, above_cap, rejected, vetoed, keep, mask, corr)
-    return OffPolicyWeights(weight, keep, stats)
+    parts = _stats(behave_weight, weight, above_cap, rejected, vetoed, keep, mask, corr) if stats else {}
+    return OffPolicyWeights(weight, keep, parts)
 
 
 def _correct(corr: Correction, token_ratio, seq_ratio, geo_ratio, behave_weight, mask):
@@ -153,27 +166,37 @@ def _correct(corr: Correction, token_ratio, seq_ratio, geo_ratio, behave_weight,
     return behave_weight, outside & mask
 
 
-def _stats(behave_weight, weight, above_cap, rejected, vetoed, keep, mask, corr: Correction) -> dict[str, float]:
-    n = max(int(mask.sum()), 1)
-    bw = behave_weight[mask]
-    kept = weight[keep]
+def _stats(behave_weight, weight, above_cap, rejected, vetoed, keep, mask, corr: Correction) -> dict[str, torch.Tensor]:
+    """Masked reductions over the response tokens (`behave_weight[mask]`) and the kept ones (`weight[keep]`), on the
+    device: a boolean-mask index would make the host read its size back. Empty selections give 0."""
+    m, k = mask.double(), keep.double()
+    n, n_kept = m.sum().clamp(min=1), k.sum()
+    any_kept = keep.any()
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    bw, w = behave_weight.double(), weight.double()
+
+    def extreme(x, where, fn, fill):  # max/min over the selection, 0 when it is empty
+        return torch.where(where.any(), fn(torch.where(where, x, torch.full_like(x, fill))), zero)
+
+    kept_mean = (w * k).sum() / n_kept.clamp(min=1)
+    kept_sq = (w * w * k).sum()
     seqs = mask.any(-1)
     seq_dropped = seqs & ~keep.any(-1)
-    stats = {
-        "behave_weight/mean": float(bw.mean()) if bw.numel() else 0.0,
-        "behave_weight/max": float(bw.max()) if bw.numel() else 0.0,
-        "behave_weight/min": float(bw.min()) if bw.numel() else 0.0,
-        "behave_weight/above_cap_frac": float(above_cap.sum()) / n,
-        "masked/behave_frac": float(above_cap.sum()) / n if corr.behave_action == "mask" else 0.0,
-        "masked/correction_frac": float(rejected.sum()) / n,
-        "masked/veto_frac": float(vetoed.sum()) / n,
-        "masked/token_frac": 1.0 - float(keep.sum()) / n,
-        "masked/seq_frac": float(seq_dropped.sum()) / max(int(seqs.sum()), 1),
-        "is_weight/mean": float(kept.mean()) if kept.numel() else 0.0,
-        "is_weight/std": float(kept.std(unbiased=False)) if kept.numel() else 0.0,
-        "is_weight/min": float(kept.min()) if kept.numel() else 0.0,
-        "is_weight/max": float(kept.max()) if kept.numel() else 0.0,
-        "is_weight/ess": float(kept.sum() ** 2 / (kept.numel() * (kept**2).sum())) if kept.numel() and float((kept**2).sum()) > 0 else 0.0,
-        "all_masked": float(not bool(keep.any())),
+    frac = lambda x: x.sum().double() / n  # noqa: E731
+    return {
+        "behave_weight/mean": (bw * m).sum() / n,
+        "behave_weight/max": extreme(bw, mask, torch.amax, -torch.inf),
+        "behave_weight/min": extreme(bw, mask, torch.amin, torch.inf),
+        "behave_weight/above_cap_frac": frac(above_cap),
+        "masked/behave_frac": frac(above_cap) if corr.behave_action == "mask" else zero,
+        "masked/correction_frac": frac(rejected),
+        "masked/veto_frac": frac(vetoed),
+        "masked/token_frac": 1.0 - frac(keep),
+        "masked/seq_frac": seq_dropped.sum().double() / seqs.sum().clamp(min=1),
+        "is_weight/mean": kept_mean,
+        "is_weight/std": torch.where(any_kept, ((((w - kept_mean) * k) ** 2).sum() / n_kept.clamp(min=1)).sqrt(), zero),
+        "is_weight/min": extreme(w, keep, torch.amin, torch.inf),
+        "is_weight/max": extreme(w, keep, torch.amax, -torch.inf),
+        "is_weight/ess": torch.where(kept_sq > 0, (w * k).sum() ** 2 / (n_kept * kept_sq).clamp(min=1e-300), zero),
+        "all_masked": (~any_kept).double(),
     }
-    return stats

@@ -12,6 +12,7 @@ masked by the behaviour cap or a correction, so masking never inflates the other
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -19,7 +20,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def aggregation_weights(mask: torch.Tensor, mode: str = "token-mean", constant: float | None = None, totals: tuple[float, float] | None = None) -> torch.Tensor:
+def aggregation_weights(mask: torch.Tensor, mode: str = "token-mean", constant: float | None = None, totals: Sequence[float] | None = None) -> torch.Tensor:
     """Per-token weights whose masked sum of a per-token loss is the aggregated loss (verl's `loss_agg_mode`).
 
     token-mean: every response token of the batch counts once (AReaL, DAPO).
@@ -27,8 +28,9 @@ def aggregation_weights(mask: torch.Tensor, mode: str = "token-mean", constant: 
     seq-mean-token-sum: mean over sequences of token sums.
     seq-mean-token-sum-norm: token sums over N * constant (constant normaliser, Dr. GRPO; default = longest).
 
-    `totals` = (response tokens, sequences) of the whole batch when `mask` is one process's share of it (several
-    processes): every process then normalises by the same global counts.
+    `totals` = (response tokens, sequences) of the whole batch, host values: the counts of the whole step when
+    `mask` is one process's share of it (several processes normalise by the same global counts), and in any case
+    what spares the learner reading them back from the device (rl-train knows them from the trajectories' lists).
     """
     m = mask.to(torch.float32)
     n_tok, n_seq = totals if totals is not None else (float(m.sum()), float(m.any(-1).sum()))
@@ -81,12 +83,15 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
 
 @dataclass
 class LossParts:
+    """The loss and its parts. The parts are detached 0-dim tensors on the loss's device: the learner sums them over
+    micro-batches there and reads them once, with the step's other metrics (a read per part would stall a GPU)."""
+
     loss: torch.Tensor  # scalar to backpropagate
-    pg_loss: float
-    kl: float
-    clipped_low: float  # token counts (not fractions): summed over micro-batches, divided by tokens at the end
-    clipped_high: float
-    tokens: float
+    pg_loss: torch.Tensor
+    kl: torch.Tensor
+    clipped_low: torch.Tensor  # token counts (not fractions): summed over micro-batches, divided by tokens at the end
+    clipped_high: torch.Tensor
+    tokens: torch.Tensor
 
 
 def decoupled_ppo_loss(
@@ -108,15 +113,15 @@ def decoupled_ppo_loss(
     keep = weights > 0
     pg_loss = (pg * weights * agg_weights).sum()
     loss = pg_loss
-    kl_value = torch.zeros((), dtype=pg_loss.dtype)
+    kl_value = pg_loss.new_zeros(())
     if kl_coef and ref_logprobs is not None:
         kl_value = (kl_estimate(logprobs, ref_logprobs, kl_estimator) * keep * agg_weights).sum()
         loss = loss + kl_coef * kl_value
     return LossParts(
         loss=loss,
-        pg_loss=float(pg_loss.detach()),
-        kl=float(kl_value.detach()),
-        clipped_low=float((low & keep).sum()),
-        clipped_high=float((high & keep).sum()),
-        tokens=float(keep.sum()),
+        pg_loss=pg_loss.detach(),
+        kl=kl_value.detach(),
+        clipped_low=(low & keep).sum(),
+        clipped_high=(high & keep).sum(),
+        tokens=keep.sum(),
     )

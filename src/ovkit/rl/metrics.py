@@ -21,25 +21,36 @@ if TYPE_CHECKING:
 
 
 def mismatch_stats(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    from ovkit.rl.correction import read
+
+    return read(mismatch_tensors(prox_logprobs, behave_logprobs, mask)) if mask.bool().any() else {}
+
+
+def mismatch_tensors(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`mismatch_stats` as 0-dim device tensors, by masked reductions (no device-to-host read); the caller knows
+    that `mask` selects at least one token."""
     mask = mask.bool()
-    if not mask.any():
-        return {}
     m = mask.float()
     n_tok = m.sum(-1).clamp(min=1)
     seqs = mask.any(-1)
-    learner_log_ppl = (-(prox_logprobs * m).sum(-1) / n_tok)[seqs]
-    sampler_log_ppl = (-(behave_logprobs * m).sum(-1) / n_tok)[seqs]
-    d = (prox_logprobs - behave_logprobs)[mask].double()  # exp(d) - d - 1 cancels in fp32
+    n_seq = seqs.sum().clamp(min=1)
+    learner_log_ppl = -(prox_logprobs * m).sum(-1) / n_tok
+    sampler_log_ppl = -(behave_logprobs * m).sum(-1) / n_tok
+    over_seqs = lambda x: torch.where(seqs, x, torch.zeros_like(x)).sum() / n_seq  # noqa: E731
+    # exp(d) - d - 1 cancels in fp32; d is 0 off the mask, where every term below is 0 too
+    d = torch.where(mask, prox_logprobs - behave_logprobs, torch.zeros_like(prox_logprobs)).double()
+    n = m.sum().double()
     k3 = d.clamp(-20, 20)  # the exp overflows beyond; k1 and |d| are reported as they are
+    prob_diff = torch.where(mask, prox_logprobs.exp() - behave_logprobs.exp(), torch.zeros_like(prox_logprobs)).abs()
     return {
-        "mismatch/learner_ppl": float(learner_log_ppl.exp().mean()),
-        "mismatch/sampler_ppl": float(sampler_log_ppl.exp().mean()),
-        "mismatch/log_ppl_abs_diff": float((learner_log_ppl - sampler_log_ppl).abs().mean()),
-        "mismatch/vllm_kl": float((k3.exp() - k3 - 1).mean()),
-        "mismatch/k1": float((-d).mean()),
-        "mismatch/delta_logp_max": float(d.abs().max()),
-        "mismatch/delta_logp_mean": float(d.abs().mean()),
-        "mismatch/prob_diff_max": float((prox_logprobs[mask].exp() - behave_logprobs[mask].exp()).abs().max()),
+        "mismatch/learner_ppl": over_seqs(learner_log_ppl.exp()),
+        "mismatch/sampler_ppl": over_seqs(sampler_log_ppl.exp()),
+        "mismatch/log_ppl_abs_diff": over_seqs((learner_log_ppl - sampler_log_ppl).abs()),
+        "mismatch/vllm_kl": (k3.exp() - k3 - 1).sum() / n,
+        "mismatch/k1": (-d).sum() / n,
+        "mismatch/delta_logp_max": d.abs().max(),
+        "mismatch/delta_logp_mean": d.abs().sum() / n,
+        "mismatch/prob_diff_max": prob_diff.max(),
     }
 
 
@@ -98,12 +109,24 @@ def staleness_metrics(step: int, versions: Sequence[int]) -> dict[str, Any]:
 
 def turn_mismatch_stats(prox: torch.Tensor, batch: Trajectories) -> dict[str, float]:
     """Mismatch of first-turn tokens vs later-turn tokens (004 section 3.4.1: later turns drift more)."""
-    if batch.turn_ids is None or not (batch.mask & (batch.turn_ids > 0)).any():
+    from ovkit.rl.correction import read
+
+    if batch.turn_ids is None:
+        return {}
+    counts = (int((batch.mask & (batch.turn_ids == 0)).sum()), int((batch.mask & (batch.turn_ids > 0)).sum()))
+    return read(turn_mismatch_tensors(prox, batch.behave_logprobs, batch.mask, batch.turn_ids, counts))
+
+
+def turn_mismatch_tensors(prox, behave, mask, turn_ids, turn_tokens: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """`turn_mismatch_stats` as device tensors; `turn_tokens`: how many response tokens the first and the later
+    turns have (host counts: they decide the keys without a read of the device). No later turn: nothing."""
+    if turn_ids is None or not turn_tokens[1]:
         return {}
     out = {}
-    for name, where in (("first_turn", batch.turn_ids == 0), ("later_turns", batch.turn_ids > 0)):
-        stats = mismatch_stats(prox, batch.behave_logprobs, batch.mask & where)
-        out.update({f"mismatch/{name}/{k}": stats[f"mismatch/{k}"] for k in ("vllm_kl", "delta_logp_mean", "log_ppl_abs_diff") if f"mismatch/{k}" in stats})
+    for name, where, n in (("first_turn", turn_ids == 0, turn_tokens[0]), ("later_turns", turn_ids > 0, turn_tokens[1])):
+        if n:
+            stats = mismatch_tensors(prox, behave, mask & where)
+            out.update({f"mismatch/{name}/{k}": stats[f"mismatch/{k}"] for k in ("vllm_kl", "delta_logp_mean", "log_ppl_abs_diff")})
     return out
 
 

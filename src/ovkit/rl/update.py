@@ -5,13 +5,23 @@
                       of the gradient pass itself, since no parameter can move before it)
     weights         = off_policy_weights(prox_logprobs, behave_logprobs)   behaviour cap + --correction
     ppo_update                                         decoupled PPO loss, clip 0.2 / 0.28, --ppo-minibatches
+
+A step has a host side and a device side (#25, #26). `prepare_step` lays the groups out as trajectories and works out
+on the host all that does not need the model's weights: advantages, token counts, each micro-batch's rows, width,
+rope positions, vision layout and response positions (it takes the model's config, never the model, so it cannot
+read a device value). `learn` then moves the step's tensors to the learner's device once and keeps everything
+there: log-probs, entropies, proximal log-probs, weights, the loss and its parts, every statistic. The host reads the
+device once per optimiser step, after the last backward and the gradient clipping: the skip guard (a minibatch in
+which every token was masked takes no optimiser step, which only the device knows) and, on the last one, all of the
+step's metrics with it. Inside transformers' Qwen-VL forward 3 reads per forward remain (image-token count check,
+image split sizes), as for `ovkit sft`.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -19,32 +29,76 @@ import torch
 from ovkit.rl.advantages import group_advantages, transform_rewards, zero_std_fraction
 from ovkit.rl.correction import Correction, off_policy_weights
 from ovkit.rl.loss import aggregation_weights, decoupled_ppo_loss
-from ovkit.rl.metrics import mismatch_stats, staleness_metrics, turn_mismatch_stats
+from ovkit.rl.metrics import mismatch_tensors, staleness_metrics, turn_mismatch_tensors
 from ovkit.rollouts.groups import Group
 from ovkit.runtime.optim import clip_grad_norm
-from ovkit.rollouts.trajectories import Trajectories, build_trajectories, chunks, forward_all, multimodal_token_ids, sequence_logprobs
+from ovkit.rollouts.trajectories import MicroBatch, Trajectories, build_trajectories, chunks, forward_all, multimodal_token_ids, sequence_logprobs
+
+
+_LAYOUTS: dict[int, Any] = {}
+
+
+def layout_of(config) -> Any:
+    """The ovkit.pack.PackLayout (rope index, vision layout) of a model's config, built once per config."""
+    from ovkit.pack.packed import PackLayout
+
+    if id(config) not in _LAYOUTS:
+        _LAYOUTS[id(config)] = (config, PackLayout.for_model(config))
+    return _LAYOUTS[id(config)][1]
 
 
 @dataclass
-class UpdateStats:
-    pg_loss: float = 0.0
-    kl: float = 0.0
-    clipped_low: float = 0.0
-    clipped_high: float = 0.0
-    tokens: float = 0.0
-    grad_norms: list[float] = field(default_factory=list)
-    skipped: int = 0  # minibatches in which every token was masked: no optimizer step
+class StepBatch:
+    """The host side of a step (module docstring)."""
 
-    def add(self, parts) -> None:
-        self.pg_loss += parts.pg_loss
-        self.kl += parts.kl
-        self.clipped_low += parts.clipped_low
-        self.clipped_high += parts.clipped_high
-        self.tokens += parts.tokens
+    traj: Trajectories
+    advantages: torch.Tensor  # [N] host
+    minibatches: list[list[MicroBatch]]  # each optimiser step's micro-batches
+    totals: list[list[float]]  # each minibatch's (response tokens, sequences), this process's
+    whole: list[MicroBatch]  # the no-grad passes over the whole batch (proximal log-probs with several minibatches, reference)
+    n_tokens: int  # response tokens of the step (this process's)
+    metrics: dict[str, Any]  # what the host knows without the model
 
 
-def ppo_update(model, optimizer, params, batch: Trajectories, advantages, ref, corr: Correction, cfg: Any, prox=None, rt: Any = None):
-    """Decoupled-PPO optimizer steps over `ppo_minibatches` slices of the batch -> (prox_logprobs, entropy, stats).
+def prepare_step(groups: Sequence[Group], step: int, pad_id: int, config: Any, cfg: Any) -> StepBatch:
+    """Trajectories, advantages and the micro-batches' host inputs, from the groups and the model's `config` (not the
+    model: nothing here can read a device value; module docstring)."""
+    batch = build_trajectories(groups, pad_id, multimodal_token_ids(config))
+    layout = layout_of(config)
+    rewards = transform_rewards(batch.rewards, cfg.reward_bias, cfg.reward_scale)
+    advantages = group_advantages(rewards, batch.group_ids, eps=cfg.adv_eps, std=cfg.adv_std)
+    minibatches, totals = [], []
+    for mb in chunks(range(batch.size), math.ceil(batch.size / cfg.ppo_minibatches)):
+        minibatches.append([batch.micro_batch(idx, layout) for idx in chunks(batch.by_length(mb), cfg.micro_batch_size)])
+        totals.append([float(sum(len(batch.mask_cols[i]) for i in mb)), float(sum(1 for i in mb if batch.mask_cols[i]))])
+    whole = minibatches[0] if len(minibatches) == 1 else [batch.micro_batch(idx, layout) for idx in chunks(batch.by_length(range(batch.size)), cfg.micro_batch_size)]
+    metrics = {
+        "advantage/abs_mean": float(advantages.abs().mean()),
+        "frac_reward_zero_std": zero_std_fraction(batch.rewards, batch.group_ids),
+        **staleness_metrics(step, batch.versions),
+    }
+    return StepBatch(batch, advantages, minibatches, totals, whole, sum(map(len, batch.mask_cols)), metrics)
+
+
+@dataclass
+class OnDevice:
+    """The step's per-token tensors on the learner's device, moved once."""
+
+    mask: torch.Tensor
+    behave: torch.Tensor
+    adv: torch.Tensor
+    turn_ids: torch.Tensor | None
+
+    @classmethod
+    def of(cls, sb: StepBatch, device: Any) -> "OnDevice":
+        t = sb.traj
+        move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
+        mask = move(t.mask)
+        return cls(mask, move(t.behave_logprobs), move(sb.advantages)[:, None].expand_as(mask), move(t.turn_ids))
+
+
+def ppo_update(model, optimizer, params, sb: StepBatch, dev: OnDevice, ref, corr: Correction, cfg: Any, prox=None, entropy=None, rt: Any = None):
+    """Decoupled-PPO optimizer steps over `ppo_minibatches` slices of the batch -> the step's learner metrics.
     `model` is the prepared TokenScorer (or a bare model); `rt` the runtime whose backward and clipping to use (the
     fp32 master gradients with bf16-mixed; none: plain autograd).
 
@@ -52,87 +106,120 @@ def ppo_update(model, optimizer, params, batch: Trajectories, advantages, ref, c
     them. Without it (one minibatch: the parameters cannot move before the only gradient pass), the gradient pass
     itself provides them: pi_prox is exactly that pass's detached log-probs, so the recompute costs nothing extra.
     """
-    stats = UpdateStats()
     fused = prox is None
-    prox = torch.zeros_like(batch.behave_logprobs) if fused else prox
-    entropy = torch.zeros_like(batch.behave_logprobs)
-    adv = advantages[:, None].expand_as(batch.mask)
+    prox = torch.zeros_like(dev.behave) if fused else prox
+    entropy = torch.zeros_like(dev.behave) if fused else entropy
     world = rt.processes if rt is not None else 1
-    for mb in chunks(range(batch.size), math.ceil(batch.size / cfg.ppo_minibatches)):
-        agg = torch.zeros_like(prox)
-        # Several processes: each holds a share of the batch; normalise by the global counts, and undo DDP's mean
-        # over processes, so one step over N processes is the single-process step over the same groups.
-        totals = _global(rt, [float(batch.mask[mb].sum()), float(batch.mask[mb].any(-1).sum())]) if world > 1 else None
-        agg[mb] = aggregation_weights(batch.mask[mb], cfg.loss_agg, constant=cfg.max_new_tokens, totals=totals) * world
+    # Several processes: each holds a share of the batch; normalise by the global counts (one all-reduce for the
+    # step), and undo DDP's mean over processes, so one step over N processes is the single-process step.
+    totals = sb.totals
+    if world > 1:
+        flat = _global(rt, [x for t in totals for x in t])
+        totals = [flat[2 * k : 2 * k + 2] for k in range(len(totals))]
+    zero = torch.zeros((), dtype=torch.float32, device=dev.behave.device)
+    parts_sum = {k: zero.clone() for k in ("pg_loss", "kl", "clipped_low", "clipped_high", "tokens")}
+    grad_norms: list[float] = []
+    skipped = 0
+    metrics: dict[str, float] = {}
+    for k, micro in enumerate(sb.minibatches):
         optimizer.zero_grad(set_to_none=True)
-        kept = 0.0
-        micro = chunks(batch.by_length(mb), cfg.micro_batch_size)
-        for j, idx in enumerate(micro):
+        kept = zero.clone()
+        for j, plan in enumerate(micro):
+            rows = plan.row_index.to(dev.behave.device, non_blocking=True)
+            cols = slice(0, plan.width - 1)
+            mask = dev.mask[rows]
+            agg = aggregation_weights(mask, cfg.loss_agg, constant=cfg.max_new_tokens, totals=totals[k])[:, cols] * world
             # gradients are all-reduced once per optimiser step, after the last micro-batch (DDP's no_sync)
             with rt.no_sync(model, sync=j == len(micro) - 1) if rt is not None else nullcontext():
                 with rt.autocast() if rt is not None else nullcontext():
-                    logp, ent, width = sequence_logprobs(model, batch, idx, cfg.temperature, entropy=fused)
-                cols = slice(0, width - 1)
+                    logp, ent, width = sequence_logprobs(model, sb.traj, plan.rows, cfg.temperature, entropy=fused, plan=plan)
                 if fused:
-                    prox[idx, cols], entropy[idx, cols] = logp.detach(), ent
-                weights = off_policy_weights(prox[idx, cols], batch.behave_logprobs[idx, cols], batch.mask[idx, cols], corr).weights
+                    prox[rows, cols], entropy[rows, cols] = logp.detach(), ent
+                weights = off_policy_weights(prox[rows, cols], dev.behave[rows, cols], mask[:, cols], corr, stats=False).weights
                 parts = decoupled_ppo_loss(
-                    logp, prox[idx, cols], adv[idx, cols], weights, agg[idx, cols],
+                    logp, prox[rows, cols], dev.adv[rows, cols], weights, agg,
                     eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
-                    ref_logprobs=ref[idx, cols] if ref is not None else None, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+                    ref_logprobs=ref[rows, cols] if ref is not None else None, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                 )  # fmt: skip
                 if rt is not None:
                     rt.backward(parts.loss)
                 else:
                     parts.loss.backward()
-            stats.add(parts)
-            kept += parts.tokens
+            for name in parts_sum:
+                parts_sum[name] += getattr(parts, name).float()
+            kept += parts.tokens.float()
         if world > 1:
-            kept = _global(rt, [kept])[0]  # every process skips the step together or none does
-        if kept == 0:
-            stats.skipped += 1  # everything masked: train nothing (no optimizer step), but log it
-            continue
+            kept = rt.accelerator.reduce(kept, "sum")  # every process skips the step together or none does
         norm = rt.clip(params, optimizer, cfg.max_grad_norm) if rt is not None else clip_grad_norm(optimizer, params, cfg.max_grad_norm)
-        stats.grad_norms.append(float(norm))
+        # the host's one read of this optimiser step: the skip guard needs `kept` before optimizer.step; the last
+        # minibatch's read carries every metric of the step (all final by now)
+        pending = step_tensors(sb, dev, prox, entropy, parts_sum, corr, cfg) if k == len(sb.minibatches) - 1 else {}
+        values = torch.stack([kept.double(), norm.detach().to(kept.device).double(), *(v.double() for v in pending.values())]).tolist()
+        metrics = dict(zip(pending, values[2:]))
+        if values[0] == 0:
+            skipped += 1  # everything masked: train nothing (no optimizer step), but log it
+            continue
+        grad_norms.append(values[1])
         optimizer.step()
         if rt is not None:
             rt.measure(params, optimizer)  # bytes per parameter, once (ovkit.json)
     optimizer.zero_grad(set_to_none=True)
-    return prox, entropy, stats
+    return _finish(metrics, grad_norms, skipped, cfg)
+
+
+def step_tensors(sb: StepBatch, dev: OnDevice, prox, entropy, parts_sum: dict[str, torch.Tensor], corr: Correction, cfg: Any) -> dict[str, torch.Tensor]:
+    """The step's learner metrics as 0-dim device tensors (read once, by ppo_update)."""
+    out = {f"sum/{k}": v for k, v in parts_sum.items()}
+    if sb.n_tokens:
+        m = dev.mask.float()
+        out["entropy"] = (entropy * m).sum() / sb.n_tokens
+        out.update(mismatch_tensors(prox, dev.behave, dev.mask))
+        out.update(turn_mismatch_tensors(prox, dev.behave, dev.mask, dev.turn_ids, sb.traj.turn_tokens))
+    out.update(off_policy_weights(prox, dev.behave, dev.mask, corr).stat_tensors)  # the same weights, for the batch's stats
+    return out
+
+
+def _finish(values: dict[str, float], grad_norms: list[float], skipped: int, cfg: Any) -> dict[str, Any]:
+    kept = max(values.pop("sum/tokens"), 1.0)
+    low, high = values.pop("sum/clipped_low"), values.pop("sum/clipped_high")
+    pg_loss, kl = values.pop("sum/pg_loss"), values.pop("sum/kl")
+    entropy = values.pop("entropy", 0.0)
+    mismatch = {k: values.pop(k) for k in list(values) if k.startswith("mismatch/")}
+    return {
+        "pg_loss": pg_loss,
+        "clip/low_frac": low / kept,
+        "clip/high_frac": high / kept,
+        "clip/frac": (low + high) / kept,
+        "entropy": entropy,
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+        "skipped_updates": skipped,
+        **({"kl": kl} if cfg.kl_coef else {}),
+        **mismatch,
+        **values,  # the off-policy weights' statistics
+    }
 
 
 def _global(rt: Any, values: list[float]) -> list[float]:
     """`values` summed over every process."""
     acc = rt.accelerator
-    return [float(v) for v in acc.reduce(torch.tensor(values, dtype=torch.float64, device=acc.device), "sum")]
+    return [float(v) for v in acc.reduce(torch.tensor(values, dtype=torch.float64, device=acc.device), "sum").tolist()]
 
 
 def train_step(model, optimizer, params, groups: Sequence[Group], step: int, pad_id: int, corr: Correction, ref_model, cfg: Any, rt: Any = None) -> dict[str, float]:
     """One GRPO step on already-scored groups; returns its metrics (rollout-side ones are added by the caller)."""
-    batch = build_trajectories(groups, pad_id, multimodal_token_ids(model))
-    rewards = transform_rewards(batch.rewards, cfg.reward_bias, cfg.reward_scale)
-    advantages = group_advantages(rewards, batch.group_ids, eps=cfg.adv_eps, std=cfg.adv_std)
-    ref = forward_all(ref_model, batch, cfg.micro_batch_size, cfg.temperature)[0] if ref_model is not None else None
+    config = getattr(model, "module", model).config  # a bare model, a TokenScorer, or either under DDP
+    return learn(model, optimizer, params, prepare_step(groups, step, pad_id, config, cfg), corr, ref_model, cfg, rt=rt)
+
+
+def learn(model, optimizer, params, sb: StepBatch, corr: Correction, ref_model, cfg: Any, rt: Any = None) -> dict[str, Any]:
+    """The device side of a step (module docstring)."""
+    device = next(model.parameters()).device
+    dev = OnDevice.of(sb, device)
+    ref = forward_all(ref_model, sb.traj, cfg.micro_batch_size, cfg.temperature, plans=sb.whole, device=device)[0] if ref_model is not None else None
     prox = entropy = None
     if cfg.ppo_minibatches > 1:
-        prox, entropy = forward_all(model, batch, cfg.micro_batch_size, cfg.temperature, entropy=True)
-    prox, fused_entropy, upd = ppo_update(model, optimizer, params, batch, advantages, ref, corr, cfg, prox, rt=rt)
-    entropy = fused_entropy if entropy is None else entropy
-    opw = off_policy_weights(prox, batch.behave_logprobs, batch.mask, corr)  # the same weights, for the batch's stats
-    kept = max(upd.tokens, 1.0)
-    return {
-        "pg_loss": upd.pg_loss,
-        "clip/low_frac": upd.clipped_low / kept,
-        "clip/high_frac": upd.clipped_high / kept,
-        "clip/frac": (upd.clipped_low + upd.clipped_high) / kept,
-        "entropy": float(entropy[batch.mask].mean()) if batch.mask.any() else 0.0,
-        "grad_norm": sum(upd.grad_norms) / len(upd.grad_norms) if upd.grad_norms else 0.0,
-        "skipped_updates": upd.skipped,
-        "advantage/abs_mean": float(advantages.abs().mean()),
-        "frac_reward_zero_std": zero_std_fraction(batch.rewards, batch.group_ids),
-        **({"kl": upd.kl} if cfg.kl_coef else {}),
-        **mismatch_stats(prox, batch.behave_logprobs, batch.mask),
-        **turn_mismatch_stats(prox, batch),
-        **opw.stats,
-        **staleness_metrics(step, batch.versions),
-    }
+        prox, entropy = forward_all(model, sb.traj, cfg.micro_batch_size, cfg.temperature, entropy=True, plans=sb.whole, device=device)
+    learner = ppo_update(model, optimizer, params, sb, dev, ref, corr, cfg, prox, entropy, rt=rt)
+    metrics = {**learner, **sb.metrics}
+    order = ("pg_loss", "clip/low_frac", "clip/high_frac", "clip/frac", "entropy", "grad_norm", "skipped_updates", "advantage/abs_mean", "frac_reward_zero_std", "kl")
+    return {**{k: metrics[k] for k in order if k in metrics}, **metrics}

@@ -5,11 +5,17 @@ mask, the sampler's log-probs, per-token processor values, per-trajectory images
 give the learner's log-probs of the sampled tokens at the sampling temperature, through the chunked head of
 ovkit.runtime.loss (no [tokens x vocab] tensor). rl-train's update and mismatch-report's re-scoring both use them, so
 the gap the report measures is the one the learner sees.
+
+A learner forward's inputs are planned on the host (`Trajectories.micro_batch`): its rows, width, model inputs with
+what the model would otherwise work out from ids and grids on the device (rope positions, the vision tower's layout:
+ovkit.models.precompute) and the flat positions of its response tokens, all from host tensors and the trajectories'
+Python lists. The log-probs then stay on the model's device: no device-to-host read in the gradient pass (#25, #26).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -32,6 +38,20 @@ class Trajectories:
     rewards: torch.Tensor  # [N] the optimised reward (task and format mixed)
     versions: list[int]
     turn_ids: torch.Tensor | None = None  # [N, T-1] the assistant turn of each response token (multi-turn)
+    # host values, from the rollouts' Python lists (derived from the tensors when not given)
+    lengths: list[int] | None = None  # real tokens of each row
+    mask_cols: list[list[int]] | None = None  # each row's response columns (`mask` True)
+    turn_tokens: tuple[int, int] | None = None  # response tokens of the first turn, of the later turns
+
+    def __post_init__(self) -> None:
+        if self.lengths is None:
+            self.lengths = [int(n) for n in self.attention_mask.sum(-1).tolist()]
+        if self.mask_cols is None:
+            self.mask_cols = [[j for j, m in enumerate(row) if m] for row in self.mask.tolist()]
+        if self.turn_tokens is None:
+            turns = self.turn_ids.tolist() if self.turn_ids is not None else [[0] * self.mask.shape[1]] * self.size
+            later = sum(1 for i, cols in enumerate(self.mask_cols) for j in cols if turns[i][j] > 0)
+            self.turn_tokens = (sum(map(len, self.mask_cols)) - later, later)
 
     @property
     def size(self) -> int:
@@ -39,27 +59,62 @@ class Trajectories:
 
     def by_length(self, idx: Sequence[int]) -> list[int]:
         """`idx` sorted by sequence length, so that micro-batches of similar lengths carry little padding."""
-        lengths = self.attention_mask.sum(-1).tolist()
-        return sorted(idx, key=lambda i: lengths[i])
+        return sorted(idx, key=lambda i: self.lengths[i])
 
     def model_inputs(self, idx: Sequence[int], device: Any) -> tuple[dict[str, Any], int]:
         """Inputs for trajectories `idx`, trimmed to their longest length W; returns (inputs, W)."""
-        rows = torch.as_tensor(list(idx))
-        width = int(self.attention_mask[rows].sum(-1).max())
+        from ovkit.models.precompute import to_device
+
+        plan = self.micro_batch(idx)
+        return to_device(plan.inputs, device, skip=()), plan.width
+
+    def micro_batch(self, idx: Sequence[int], layout: Any = None) -> "MicroBatch":
+        """The host side of one learner forward over trajectories `idx` (module docstring). With the model's
+        `layout` (ovkit.pack.PackLayout), the inputs carry its rope positions and vision layout."""
+        from ovkit.models import precompute
+
+        rows = list(idx)
+        width = max(self.lengths[i] for i in rows)
+        r = torch.tensor(rows, dtype=torch.long)
         inputs: dict[str, Any] = {
-            "input_ids": self.input_ids[rows, :width],
-            "attention_mask": self.attention_mask[rows, :width],
-            **{k: v[rows, :width] for k, v in self.per_token.items()},
+            "input_ids": self.input_ids[r, :width],
+            "attention_mask": self.attention_mask[r, :width],
+            **{k: v[r, :width] for k, v in self.per_token.items()},
         }
-        for key in sorted({k for i in idx for k in self.mm[i]}):
-            inputs[key] = torch.cat([self.mm[i][key] for i in idx if key in self.mm[i]], dim=0)
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, width
+        for key in sorted({k for i in rows for k in self.mm[i]}):
+            inputs[key] = torch.cat([self.mm[i][key] for i in rows if key in self.mm[i]], dim=0)
+        if layout is not None:
+            if all(self.lengths[i] == width for i in rows):
+                del inputs["attention_mask"]  # no padding: plain causal attention, no mask for the kernel to inspect
+            if layout.has_rope_index:
+                inputs["position_ids"] = precompute.padded_positions([layout.sample_positions(self._sample(i)) for i in rows], width)
+            inputs.update(precompute.vision_inputs(layout.config, inputs.get("image_grid_thw")))
+        index = [k * (width - 1) + j for k, i in enumerate(rows) for j in self.mask_cols[i] if j < width - 1]
+        return MicroBatch(rows, width, inputs, torch.tensor(index, dtype=torch.long), r)
+
+    def _sample(self, i: int) -> SimpleNamespace:
+        """Row i as an encoded sample (what PackLayout.sample_positions reads)."""
+        n = self.lengths[i]
+        per_token = {k: v[i, :n].tolist() for k, v in self.per_token.items()}
+        return SimpleNamespace(input_ids=self.input_ids[i, :n].tolist(), per_token=per_token, mm=self.mm[i])
+
+
+@dataclass
+class MicroBatch:
+    """One learner forward, planned on the host: trajectories `rows` trimmed to `width` tokens."""
+
+    rows: list[int]
+    width: int
+    inputs: dict[str, Any]  # host model inputs (with what the forward would compute from ids and grids, when planned so)
+    index: torch.Tensor  # flat positions (row-major in [len(rows), width - 1]) of the response tokens
+    row_index: torch.Tensor  # `rows` as a tensor
 
 
 def multimodal_token_ids(model) -> set[int]:
     """Placeholder tokens (image/video pads, vision start/end) a sampler may emit but a learner cannot re-read: the
     forward pass would look for image features behind them."""
-    config = getattr(model, "module", model).config  # a bare model, a TokenScorer, or either under DDP
+    inner = getattr(model, "module", model)  # a bare model, a TokenScorer, either under DDP, or a model's config
+    config = getattr(inner, "config", inner)
     found = set()
     for cfg in (config, getattr(config, "text_config", None)):
         for name, value in vars(cfg or object()).items():
@@ -91,6 +146,8 @@ def build_trajectories(groups: Sequence[Group], pad_id: int, forbidden: set[int]
     keys = sorted({k for g, c, _ in pairs for k in (*g.prompt.encoded.per_token, *c.per_token)})
     per_token = {k: torch.zeros((n, width), dtype=torch.long) for k in keys}
     mask = torch.zeros((n, width - 1), dtype=torch.bool)
+    mask_cols: list[list[int]] = []
+    later = 0
     behave = torch.zeros((n, width - 1), dtype=torch.float32)
     turns = torch.zeros((n, width - 1), dtype=torch.long)
     group_ids = [g.index for g, _, _ in pairs]
@@ -106,8 +163,12 @@ def build_trajectories(groups: Sequence[Group], pad_id: int, forbidden: set[int]
             per_token[k][i, L : L + R] = torch.as_tensor(values[:R], dtype=torch.long)
         if c.termination != "env_error":
             mask[i, L - 1 : L + R - 1] = torch.tensor(c.mask[:R], dtype=torch.bool)
+            mask_cols.append([L - 1 + j for j, m in enumerate(c.mask[:R]) if m])
+            if c.turn_ids is not None:
+                later += sum(1 for m, t in zip(c.mask[:R], c.turn_ids[:R]) if m and t > 0)
         else:
             group_ids[i] = -1 - i
+            mask_cols.append([])
         behave[i, L - 1 : L + R - 1] = torch.tensor(c.logprobs[:R], dtype=torch.float32)
         if c.turn_ids is not None:
             turns[i, L - 1 : L + R - 1] = torch.tensor(c.turn_ids[:R], dtype=torch.long)
@@ -123,24 +184,31 @@ def build_trajectories(groups: Sequence[Group], pad_id: int, forbidden: set[int]
         rewards=torch.tensor([r for _, _, r in pairs], dtype=torch.float32),
         versions=[g.version for g, _, _ in pairs],
         turn_ids=turns,
+        lengths=[g.prompt.encoded.length + n for (g, _, _), n in zip(pairs, cut)],
+        mask_cols=mask_cols,
+        turn_tokens=(sum(map(len, mask_cols)) - later, later),
     )
 
 
-def sequence_logprobs(model, batch: Trajectories, idx: Sequence[int], temperature: float, *, entropy: bool = False):
+def sequence_logprobs(model, batch: Trajectories, idx: Sequence[int], temperature: float, *, entropy: bool = False, plan: MicroBatch | None = None):
     """Log-probs of the sampled tokens under `model` (logits / temperature, as the sampler drew them): [len(idx), W-1],
-    at the trained positions (`batch.mask`; zero elsewhere), and the per-token entropy of that distribution when asked.
-    `model` is a bare transformers model or a prepared ovkit.runtime.loss.TokenScorer (DDP/FSDP-wrapped or not)."""
+    at the trained positions (`batch.mask`; zero elsewhere), and the per-token entropy of that distribution when asked,
+    on the model's device. `model` is a bare transformers model or a prepared ovkit.runtime.loss.TokenScorer
+    (DDP/FSDP-wrapped or not); `plan`: trajectories `idx` planned on the host (`Trajectories.micro_batch`)."""
+    from ovkit.models.precompute import to_device
     from ovkit.runtime.loss import TokenScorer, score
 
     device = next(model.parameters()).device
-    inputs, width = batch.model_inputs(idx, device)
+    plan = plan if plan is not None else batch.micro_batch(idx)
+    inputs = to_device(plan.inputs, device, skip=())
     targets = inputs["input_ids"][:, 1:]
-    where = batch.mask[list(idx), : width - 1].to(device)
+    where = batch.mask[plan.row_index, : plan.width - 1].to(device, non_blocking=True)
+    index = plan.index.to(device, non_blocking=True)
     if isinstance(getattr(model, "module", model), TokenScorer):
-        logp, ent = model(inputs, targets=targets, where=where, temperature=temperature, entropy=entropy)
+        logp, ent = model(inputs, targets=targets, where=where, index=index, temperature=temperature, entropy=entropy)
     else:
-        logp, ent = score(model, inputs, targets, where, temperature=temperature, entropy=entropy)
-    return logp.cpu(), (ent.cpu() if ent is not None else None), width
+        logp, ent = score(model, inputs, targets, where, index=index, temperature=temperature, entropy=entropy)
+    return logp, ent, plan.width
 
 
 def chunks(indices: Sequence[int], size: int) -> list[list[int]]:
@@ -148,13 +216,19 @@ def chunks(indices: Sequence[int], size: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def forward_all(model, batch: Trajectories, micro: int, temperature: float, *, entropy: bool = False):
-    """[N, T-1] log-probs (and entropies) of every trajectory, micro-batch by micro-batch, no gradient."""
-    logp = torch.zeros_like(batch.behave_logprobs)
-    ent = torch.zeros_like(batch.behave_logprobs)
-    for idx in chunks(batch.by_length(range(batch.size)), micro):
-        lp, e, width = sequence_logprobs(model, batch, idx, temperature, entropy=entropy)
-        logp[idx, : width - 1] = lp
+def forward_all(model, batch: Trajectories, micro: int, temperature: float, *, entropy: bool = False, plans: Sequence[MicroBatch] | None = None,
+                device: Any = None):  # fmt: skip
+    """[N, T-1] log-probs (and entropies) of every trajectory, micro-batch by micro-batch, no gradient, on `device`
+    (default: the batch's). `plans`: the micro-batches planned on the host (default: by length, `micro` rows each)."""
+    if plans is None:
+        plans = [batch.micro_batch(idx) for idx in chunks(batch.by_length(range(batch.size)), micro)]
+    device = batch.behave_logprobs.device if device is None else device
+    logp = torch.zeros(batch.behave_logprobs.shape, dtype=torch.float32, device=device)
+    ent = torch.zeros_like(logp)
+    for plan in plans:
+        lp, e, width = sequence_logprobs(model, batch, plan.rows, temperature, entropy=entropy, plan=plan)
+        rows = plan.row_index.to(device, non_blocking=True)
+        logp[rows, : width - 1] = lp.to(device)
         if e is not None:
-            ent[idx, : width - 1] = e
+            ent[rows, : width - 1] = e.to(device)
     return logp, ent

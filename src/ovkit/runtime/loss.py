@@ -120,20 +120,27 @@ def head_logprobs(
 
 def score(
     model: Any, inputs: dict[str, Any], targets: torch.Tensor, where: torch.Tensor, *, temperature: float = 1.0,
-    entropy: bool = False, chunk: int | None = None,
+    entropy: bool = False, chunk: int | None = None, index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position log-probs [B, T-1] of `targets` [B, T-1] (column j: the token after position j) at the positions
-    `where` [B, T-1] (bool), zero elsewhere; entropies likewise when asked."""
+    `where` [B, T-1] (bool), zero elsewhere; entropies likewise when asked. `index`: the flat positions of `where`
+    (row-major) when the caller has them from the host: gathered and scattered by index, the step never reads the
+    selection's size back from the device, which a boolean mask would."""
     if _unsupported(model):
         return _score_full(model, inputs, targets, where, temperature=temperature, entropy=entropy)
     _, head = _head(model)
     hidden = hidden_states(model, inputs)[:, :-1]
-    picked, ent = head_logprobs(hidden[where], head, targets[where], temperature=temperature, entropy=entropy, chunk=chunk)
-    out = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device)
-    out = out.masked_scatter(where, picked)
-    if entropy:
-        ent = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device).masked_scatter(where, ent)
-    return out, ent
+    if index is None:
+        picked, ent = head_logprobs(hidden[where], head, targets[where], temperature=temperature, entropy=entropy, chunk=chunk)
+        out = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device).masked_scatter(where, picked)
+        if entropy:
+            ent = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device).masked_scatter(where, ent)
+        return out, ent
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+    picked, ent = head_logprobs(rows, head, targets.reshape(-1).index_select(0, index), temperature=temperature, entropy=entropy, chunk=chunk)
+    flat = torch.zeros(where.numel(), dtype=torch.float32, device=hidden.device)
+    out = flat.index_copy(0, index, picked).view(where.shape)
+    return out, (flat.index_copy(0, index, ent).view(where.shape) if entropy else None)
 
 
 def _score_full(model, inputs, targets, where, *, temperature, entropy):
