@@ -15,7 +15,10 @@ there with transformers' own helpers (the values are the same by construction) a
   tower, `accepts_precomputed_kwargs`);
 - `cu_seq_lens_q/k` and `max_length_q/k` of a packed row (the flash varlen kwargs: no boundary search per layer);
 - `target_index`: the flat positions that carry a loss, so the loss gathers them with `index_select` instead of a
-  boolean mask (whose output size the host must read back).
+  boolean mask (whose output size the host must read back);
+- `image_token_index`: where the image features go, so the learner builds the input embeddings itself
+  (`ovkit.runtime.loss.hidden_states`) and transformers' forward never counts image tokens on the device (its check
+  reads the count back twice per forward) or splits the features by `grid_thw.tolist()`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import torch
 LOSS_KEYS = ("labels", "num_tokens", "num_targets", "target_index")
 # Sequence boundaries the attention kernels take; `to_device` tells the CPU-path kernel their host values.
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "image_cu_seqlens", "image_cu_window_seqlens")
+# Inputs of the vision tower's own forward, under the names transformers' precomputed-kwargs interface strips.
+VISION_KEYS = ("image_cu_seqlens", "image_max_seqlen", "image_position_ids", "image_window_index", "image_cu_window_seqlens",
+               "image_max_window_seqlen")
 
 
 def to_device(batch: dict[str, Any], device: Any, skip: tuple[str, ...] = LOSS_KEYS) -> dict[str, Any]:
@@ -75,9 +81,12 @@ def varlen_boundaries(text_positions: torch.Tensor) -> dict[str, Any]:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-def vision_inputs(config: Any, grid_thw: torch.Tensor | None) -> dict[str, Any]:
+def vision_inputs(config: Any, grid_thw: torch.Tensor | None, input_ids: torch.Tensor | None = None) -> dict[str, Any]:
     """The Qwen2.5-VL vision tower's layout for `grid_thw` (host tensor), under the names its forward pops; empty
-    for other architectures or a transformers without the precomputed-kwargs interface."""
+    for other architectures or a transformers without the precomputed-kwargs interface. With `input_ids`, also
+    `image_token_index`: the flat positions of the image tokens, where the features go (ovkit.runtime.loss builds the
+    input embeddings from it, so transformers' forward does not count the tokens on the device); a count that does
+    not match the grids is an error here, on the host."""
     if grid_thw is None or getattr(config, "model_type", "") != "qwen2_5_vl":
         return {}
     try:
@@ -89,7 +98,14 @@ def vision_inputs(config: Any, grid_thw: torch.Tensor | None) -> dict[str, Any]:
     cu = get_vision_cu_seqlens(grid)
     window_index, cu_window = get_vision_window_index(grid, spatial_merge_size=vision.spatial_merge_size, window_size=vision.window_size,
                                                       patch_size=vision.patch_size)  # fmt: skip
-    return {
+    out: dict[str, Any] = {}
+    if input_ids is not None:
+        index = (input_ids.reshape(-1) == config.image_token_id).nonzero().reshape(-1)
+        features = int(grid.prod(-1).sum()) // vision.spatial_merge_size**2
+        if index.numel() != features:
+            raise ValueError(f"the batch has {index.numel()} image tokens for {features} image features")
+        out["image_token_index"] = index
+    return out | {
         "image_cu_seqlens": cu,
         "image_max_seqlen": _longest(cu),
         "image_position_ids": get_vision_position_ids(grid, vision.spatial_merge_size),

@@ -88,7 +88,7 @@ class Trajectories:
                 del inputs["attention_mask"]  # no padding: plain causal attention, no mask for the kernel to inspect
             if layout.has_rope_index:
                 inputs["position_ids"] = precompute.padded_positions([layout.sample_positions(self._sample(i)) for i in rows], width)
-            inputs.update(precompute.vision_inputs(layout.config, inputs.get("image_grid_thw")))
+            inputs.update(precompute.vision_inputs(layout.config, inputs.get("image_grid_thw"), inputs["input_ids"]))
         index = [k * (width - 1) + j for k, i in enumerate(rows) for j in self.mask_cols[i] if j < width - 1]
         return MicroBatch(rows, width, inputs, torch.tensor(index, dtype=torch.long), r)
 

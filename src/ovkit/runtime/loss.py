@@ -51,7 +51,26 @@ def _unsupported(model: Any) -> str | None:
 def hidden_states(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
     """The last hidden state [B, T, H] for `inputs` (no logits computed)."""
     base, _ = _head(model)
-    return base(**inputs, use_cache=False).last_hidden_state
+    return base(**_embedded(base, inputs), use_cache=False).last_hidden_state
+
+
+def _embedded(base: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """Qwen-VL inputs with `image_token_index` (ovkit.models.precompute): the input embeddings with the vision
+    tower's features put in place here, by index, so the model's forward skips its own merge, which reads the device
+    back three times (the image-token count check, twice, and `grid_thw.tolist()` to split the features). The same
+    numbers: the tower, the embedding table and the merge are the model's own; only where the features go comes
+    from the host. Other inputs pass through unchanged."""
+    index = inputs.get("image_token_index")
+    if index is None or not hasattr(base, "visual"):
+        return {k: v for k, v in inputs.items() if k != "image_token_index"}
+    from ovkit.models.precompute import VISION_KEYS
+
+    rest = {k: v for k, v in inputs.items() if k not in ("image_token_index", "pixel_values", "image_grid_thw", *VISION_KEYS)}
+    vision = {k.removeprefix("image_"): inputs[k] for k in VISION_KEYS if k in inputs}
+    features = base.visual(inputs["pixel_values"].type(base.visual.dtype), grid_thw=inputs["image_grid_thw"], **vision).pooler_output
+    embeds = base.get_input_embeddings()(rest.pop("input_ids"))
+    flat = embeds.reshape(-1, embeds.shape[-1]).index_copy(0, index, features.to(embeds.dtype))
+    return {**rest, "inputs_embeds": flat.view_as(embeds)}
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
@@ -145,7 +164,7 @@ def score(
 
 def _score_full(model, inputs, targets, where, *, temperature, entropy):
     """The plain path (every position's logits) for heads the chunked path cannot reproduce."""
-    logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+    logits = model(**{k: v for k, v in inputs.items() if k != "image_token_index"}, use_cache=False).logits[:, :-1].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)

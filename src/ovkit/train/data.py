@@ -241,7 +241,7 @@ def _host_inputs(batch: dict[str, Any], layout: Any) -> dict[str, Any]:
     index = precompute.target_index(batch["labels"])
     batch["target_index"], batch["num_targets"] = index, int(index.numel())
     if layout is not None:
-        batch.update(precompute.vision_inputs(layout.config, batch.get("image_grid_thw")))
+        batch.update(precompute.vision_inputs(layout.config, batch.get("image_grid_thw"), batch["input_ids"]))
     return batch
 
 
