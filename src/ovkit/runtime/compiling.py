@@ -14,8 +14,10 @@ is the same code with other weights, so one graph serves them all (Dynamo lifts 
 inputs instead of guarding on the module's identity) and compile time does not grow with depth.
 
 Graphs, breaks and recompiles. `dynamic=True`: sequence length, batch size and image count vary from step to step,
-and a graph specialised to the first step's shapes would recompile on the next; with symbolic shapes every variant
-is compiled in the first step or two and the counts stop growing (tests/test_compile.py checks it). The learner's
+and a graph specialised to the first step's shapes would recompile on the next; with symbolic shapes what compiles
+is one variant per structure (text block, vision block; a padded batch's mask or none; with and without grad, for
+rl-train's no-grad proximal pass), each the first time it is met, and the counts then stop growing
+(tests/test_compile.py checks it across new lengths and batch sizes). The learner's
 attention (`ovkit_varlen_flash`, ovkit.runtime.attention) plans its SDPA calls from the sequence boundaries' values
 on the host; that part runs eagerly (`torch.compiler.disable`), so each attention call is one graph break: the
 projections, norms, rotary embedding and MLP around it are compiled, the grouped SDPA is not. The counts measured
