@@ -228,7 +228,7 @@ def trajectory_options(cls: type, run_control: frozenset[str]) -> tuple[str, ...
     """The options of a learner's config a resumed run must keep: every field except the run-control ones. A name in
     `run_control` that is not a field is a typo that would silently protect nothing, so it fails at import."""
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = set(run_control) - set(names) - {"compile", "kernels"}  # options other learners' configs may add
+    unknown = set(run_control) - set(names)
     if unknown:
         raise TypeError(f"{cls.__name__}: run-control names that are not options: {sorted(unknown)}")
     return tuple(n for n in names if n not in run_control)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from ovkit.commands._common import ACTIVATION_CHECKPOINTING, ATTN_IMPLEMENTATION, CHECKPOINTS, GRADIENT_CHECKPOINTING, IO, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, LOAD_IN_4BIT, OPTIM, PRECISION, RUNTIME, done, resolve, skipped  # noqa: F401 (re-exported)
+from ovkit.commands._common import ACTIVATION_CHECKPOINTING, ATTN_IMPLEMENTATION, CHECKPOINTS, COMPILE, GRADIENT_CHECKPOINTING, KERNELS, USE_LIGER_KERNEL, IO, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, LOAD_IN_4BIT, OPTIM, PRECISION, RUNTIME, done, resolve, skipped  # noqa: F401 (re-exported)
 
 OPTIMISER = "Optimiser & schedule"
 BATCHING = "Batches & length"

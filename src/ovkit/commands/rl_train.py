@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import ACTIVATION_CHECKPOINTING, ATTN_IMPLEMENTATION, GRADIENT_CHECKPOINTING, CHECKPOINTS, CONFIG, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, IO, MAX_RESPONSE_TOKENS, MAX_TURNS, OPTIM, OUT, OVERWRITE, PRECISION, QUIET, RUNTIME, SEED, done, resolve, skipped, stage
+from ovkit.commands._common import ACTIVATION_CHECKPOINTING, ATTN_IMPLEMENTATION, COMPILE, GRADIENT_CHECKPOINTING, KERNELS, USE_LIGER_KERNEL, CHECKPOINTS, CONFIG, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, IO, MAX_RESPONSE_TOKENS, MAX_TURNS, OPTIM, OUT, OVERWRITE, PRECISION, QUIET, RUNTIME, SEED, done, resolve, skipped, stage
 
 _O = typer.Option
 SAMPLING, OPTIMISER, LOSS, CORRECTIONS = "Sampling", "Optimiser", "GRPO loss", "Mismatch corrections"
@@ -77,6 +77,9 @@ def rl_train(
     attn_implementation: str = ATTN_IMPLEMENTATION,
     activation_checkpointing: str = ACTIVATION_CHECKPOINTING,
     gradient_checkpointing: bool = GRADIENT_CHECKPOINTING,
+    compile: bool = COMPILE,
+    kernels: str = KERNELS,
+    use_liger_kernel: bool = USE_LIGER_KERNEL,
     micro_batch_size: int = _O(None, "--micro-batch-size", help="Trajectories per learner forward pass (memory).", rich_help_panel=RUNTIME),
     rollout_batch_size: int = _O(None, "--rollout-batch-size", help="Sequences per generate call of the hf engine.", rich_help_panel=RUNTIME),
     vllm_gpu_memory_utilization: float = _O(None, "--vllm-gpu-memory-utilization", help="--engine vllm: the GPU memory share the colocated vLLM takes.", rich_help_panel=RUNTIME),

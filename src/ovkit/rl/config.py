@@ -13,6 +13,7 @@ from ovkit.rl.correction import Correction, canonical_mode
 from ovkit.rl.loss import AGGREGATIONS, KL_ESTIMATORS
 from ovkit.runtime.attention import ATTENTION
 from ovkit.runtime.checkpointing import check_option as check_checkpointing
+from ovkit.runtime.kernels import check_option as check_kernels
 from ovkit.runtime.log import check_trackers
 from ovkit.runtime.optim import check_optim
 from ovkit.runtime.engines import sampler_dtype
@@ -32,7 +33,7 @@ STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 RUN_CONTROL = frozenset({
     "out", "resume", "overwrite", "quiet", "report_to", "save_every", "keep_checkpoints", "save_rollouts", "reward_workers",
     "trust_remote_code", "vllm_server_url", "vllm_server_timeout", "micro_batch_size", "activation_checkpointing",
-    "gradient_checkpointing", "compile", "kernels",
+    "gradient_checkpointing", "compile", "kernels", "use_liger_kernel",
 })
 
 
@@ -50,6 +51,9 @@ class RLTrainConfig:
     attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager
     activation_checkpointing: str = "auto"  # auto | off | full | mlp | every-K: the learner's blocks recomputed in backward (ovkit.runtime.checkpointing)
     gradient_checkpointing: bool = False  # TRL's spelling of --activation-checkpointing full
+    compile: bool = False  # torch.compile each decoder layer and vision block (ovkit.runtime.compiling); run control, not trajectory
+    kernels: str = "auto"  # auto | liger | torch: Liger-Kernel's fused RMSNorm/SwiGLU/RoPE and linear cross-entropy on CUDA (ovkit.runtime.kernels)
+    use_liger_kernel: bool = False  # TRL/HF's spelling of --kernels liger
     sampler_precision: str | None = None  # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
     sampler_quant: str | None = None  # int8 | fp8: a low-precision sampler (the INT8-rollout ablation of Yao et al.)
     prompts_per_step: int = 32  # GRPO groups per step (batch size 32)
@@ -138,6 +142,7 @@ class RLTrainConfig:
         if self.sampler_precision is not None:
             sampler_dtype(self.sampler_precision)  # a bad name fails here, naming the option
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
+        self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
         self._check()
 
     def _check(self) -> None:

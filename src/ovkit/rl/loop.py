@@ -58,6 +58,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: constant_factor(s, n_steps, cfg.warmup_ratio))
     response = cfg.max_response_tokens or cfg.max_new_tokens
     rt.checkpointing(model, tokens=cfg.micro_batch_size * (max(p.encoded.length for p in prompts) + response))  # before the sampler copies it
+    rt.compile(model)  # after checkpointing; the sampler's generation (KV cache) and its deep copy run eager
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
     state = rt.resume({"step": 0, "elapsed_s": 0.0, "samples": 0})  # a resumed run's weights are back in `model`
     ref_model = _reference(rt, cfg) if cfg.kl_coef else None

@@ -5,9 +5,10 @@
 
     rt = Runtime(cfg, command="sft", trajectory=TRAJECTORY)   # accelerator, device, precision, attention, seed
     rt.check_run_dir()                                          # OUT.partial: fresh, or the checkpoint to resume
-    model, processor = rt.load_model(cfg.model)                 # attention set, on the device, fp32
+    model, processor = rt.load_model(cfg.model)                 # attention and --kernels set, on the device, fp32
     optimizer, scheduler = rt.optimizer(model, lr=..., weight_decay=..., schedule=...)   # --optim; casts to bf16 if asked
     rt.checkpointing(model, tokens=...)                         # --activation-checkpointing (auto resolved here)
+    rt.compile(model)                                           # --compile: each block, around its checkpointing
     scorer, optimizer = rt.prepare(model, optimizer, scheduler) # TokenScorer (loss in forward) under accelerate
     state = rt.resume(state)                                    # trajectory options checked, state loaded
     logger = rt.logger(total, state["step"], console=line_fn)
@@ -52,6 +53,8 @@ from ovkit.config import option_default, to_plain, to_plain_values
 from ovkit.errors import OvkitError
 from ovkit.runtime import attention as attn
 from ovkit.runtime import checkpointing as ac
+from ovkit.runtime import compiling
+from ovkit.runtime import kernels as kern
 from ovkit.runtime import lora
 from ovkit.runtime import precision as prec
 from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
@@ -131,6 +134,9 @@ class Runtime:
         self.scheduler = self._optimizer = None
         self.bytes_per_param: dict[str, Any] | None = None  # measured after the first optimiser step (rt.measure)
         self.activation_checkpointing: dict[str, Any] = {"mode": "off", "why": "not applied"}
+        self.kernel_choice, why = kern.resolve(getattr(cfg, "kernels", "torch"), self.device)
+        self.kernels: dict[str, Any] = {"kernels": self.kernel_choice, "requested": getattr(cfg, "kernels", "torch"), "why": why}
+        self.compiled: dict[str, Any] = {"enabled": False}
 
     # -- facts ------------------------------------------------------------------------------------------------------
 
@@ -157,6 +163,8 @@ class Runtime:
             "optim": self.optim,
             **({"bytes_per_param": self.bytes_per_param} if self.bytes_per_param else {}),
             "activation_checkpointing": self.activation_checkpointing,
+            "kernels": self.kernels,
+            "compile": compiling.report(self.compiled),
         }
 
     # -- run directory and resume ----------------------------------------------------------------------------------
@@ -220,6 +228,7 @@ class Runtime:
         model, processor = load(path, dtype=torch.float32, trust_remote_code=self.cfg.trust_remote_code, quantization_config=quant,
                                 device=self.device if quant is not None else None)
         self.attention = attn.apply(model, self.attention)
+        self.kernels = {**self.kernels, **kern.apply(model, self.kernel_choice)}
         return (model if quant is not None else model.to(self.device)), processor
 
     def optimizer(self, model: Any, *, lr: float, weight_decay: float, schedule: Callable[[int], float], lrs: dict[int, float] | None = None):
@@ -258,6 +267,12 @@ class Runtime:
                                          "estimated_activation_bytes": needed, "free_bytes": free}  # fmt: skip
         return mode
 
+    def compile(self, model: Any) -> None:
+        """--compile: torch.compile each decoder layer and vision block (ovkit.runtime.compiling), after
+        `checkpointing` so the checkpoint sits inside each compiled block; the counts go into ovkit.json."""
+        if getattr(self.cfg, "compile", False):
+            self.compiled = compiling.apply(model)
+
     def _fused_ok(self) -> bool:
         # The fused kernel for plain and DDP runs; FSDP and DeepSpeed bring their own sharded optimiser steps.
         return self.accelerator.distributed_type.value in ("NO", "MULTI_CPU", "MULTI_GPU")
@@ -265,7 +280,7 @@ class Runtime:
     def prepare(self, model: Any, optimizer: Any, scheduler: Any) -> tuple[Any, Any]:
         """(scorer, optimizer) ready for the loop: the model inside a TokenScorer (its forward computes the chunked
         loss or log-probs), both through accelerate; the scheduler is replayed to the step on resume."""
-        scorer, optimizer = self.accelerator.prepare(TokenScorer(model), optimizer)
+        scorer, optimizer = self.accelerator.prepare(TokenScorer(model, fused_ce=self.kernel_choice == "liger"), optimizer)
         # The schedule is not saved with the state: it is a function of the step (resume() replays it), so every
         # state file loads with torch.load(weights_only=True) and no pickled object is ever unpickled.
         self.scheduler, self._optimizer = scheduler, optimizer

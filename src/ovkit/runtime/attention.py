@@ -182,13 +182,20 @@ def varlen_attention(
         return out.unsqueeze(0), None
     if cu_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q, cu_k):
         raise ValueError("varlen attention without a CUDA kernel needs the same boundaries for queries and keys")
+    return _grouped_sdpa(query, key, value, cu_seq_lens_q, causal, dropout if module.training else 0.0, scaling), None
+
+
+# Under --compile (ovkit.runtime.compiling) this runs eagerly, one graph break per attention call: its plan is read
+# from the boundaries' values on the host (data-dependent group count and widths, a cache keyed by the tensor's
+# identity), which Dynamo would otherwise specialise on and recompile for every new set of image sizes.
+@torch.compiler.disable
+def _grouped_sdpa(query, key, value, cu: torch.Tensor, causal: bool, dropout: float, scaling: float | None) -> torch.Tensor:
     out = torch.empty_like(query)
-    dropout = dropout if module.training else 0.0
-    for flat, mask, keep, n, width in _gather_plan(cu_seq_lens_q, causal):
+    for flat, mask, keep, n, width in _gather_plan(cu, causal):
         q, k, v = (t[0][:, flat].reshape(t.shape[1], n, width, -1).transpose(0, 1) for t in (query, key, value))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
         out[0][:, flat.index_select(0, keep)] = o.transpose(0, 1).reshape(o.shape[1], -1, o.shape[-1]).index_select(1, keep)
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2)
 
 
 _PLANS: dict[tuple[int, bool], tuple[Any, list]] = {}
@@ -246,6 +253,11 @@ def _packed_boundaries(position_ids: torch.Tensor | None, attention_mask: torch.
     """cu_seqlens of a packed row (one row whose positions restart at 0), else None."""
     if attention_mask is not None or position_ids is None or query.shape[0] != 1 or position_ids.shape[-1] != query.shape[2]:
         return None
+    return _restarts(position_ids)
+
+
+@torch.compiler.disable  # data-dependent (where positions restart): eager under --compile, like _grouped_sdpa
+def _restarts(position_ids: torch.Tensor) -> torch.Tensor | None:
     pos = position_ids.reshape(-1)
     starts = (pos == 0).nonzero().reshape(-1)
     if starts.numel() <= 1 or int(starts[0]) != 0:

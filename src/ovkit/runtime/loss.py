@@ -8,8 +8,9 @@ into one [vocab x hidden] buffer in place. Peak memory of the loss is then one c
 whatever the sequence length: with Qwen2.5's 151,936-token vocabulary and the default 64 MiB budget, 110 rows at a
 time (Liger-Kernel's fused linear cross-entropy does the same on CUDA, in Triton).
 
-On CUDA with Liger-Kernel installed (`pip install liger-kernel`), the supervised loss uses its fused linear +
-cross-entropy instead (the same numbers; it never materialises the logits either).
+With `--kernels liger` (ovkit.runtime.kernels: CUDA, Liger-Kernel installed) the supervised loss uses Liger's fused
+linear + cross-entropy instead (the same numbers; it never materialises the logits either); the chunked head is the
+path everywhere else, and the fallback.
 
 `TokenScorer` wraps the model so that the whole computation is one module's forward: DDP and FSDP see the loss
 inside their forward (their gradient hooks and parameter gathering apply), and `accelerate.prepare` takes it like any
@@ -173,11 +174,13 @@ def _score_full(model, inputs, targets, where, *, temperature, entropy):
     return out, ent
 
 
-def nll_sum(model: Any, inputs: dict[str, Any], labels: torch.Tensor, ignore_index: int = -100, index: torch.Tensor | None = None) -> torch.Tensor:
+def nll_sum(model: Any, inputs: dict[str, Any], labels: torch.Tensor, ignore_index: int = -100, index: torch.Tensor | None = None,
+            fused: bool = False) -> torch.Tensor:
     """Sum of next-token NLLs over the target tokens (labels != ignore_index), the supervised loss's numerator.
     `index`: the flat positions of those targets in labels[:, 1:] when the caller has them (computed on the host,
     ovkit.models.precompute.target_index): gathered with index_select, the step never reads a count back from the
-    device, which a boolean mask would (its output size)."""
+    device, which a boolean mask would (its output size). `fused`: Liger-Kernel's fused linear cross-entropy
+    (`--kernels liger`) where the head allows it, else the chunked head."""
     targets = labels[:, 1:]
     if _unsupported(model):
         logp, _ = score(model, inputs, targets.clamp(min=0), targets != ignore_index)
@@ -188,7 +191,7 @@ def nll_sum(model: Any, inputs: dict[str, Any], labels: torch.Tensor, ignore_ind
     hidden = hidden_states(model, inputs)[:, :-1]
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
     targets = targets.reshape(-1).index_select(0, index)
-    if _liger_ok(model, labels):
+    if fused and _liger_ok(model, labels):
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         return liger_fused_linear_cross_entropy(hidden, head.weight, targets, getattr(head, "bias", None), reduction="sum")
@@ -204,9 +207,9 @@ class TokenScorer(nn.Module):
     """The model with the loss in its forward (for DDP / FSDP / accelerate.prepare). `forward(inputs, labels=...)`
     returns the NLL sum; `forward(inputs, targets=..., where=..., temperature=..., entropy=...)` the log-probs."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, fused_ce: bool = False):
         super().__init__()
-        self.model = model
+        self.model, self.fused_ce = model, fused_ce  # fused_ce: --kernels liger (nll_sum's `fused`)
         self._no_split_modules = getattr(model, "_no_split_modules", None)  # FSDP's auto-wrap policy reads it
 
     @property
@@ -215,5 +218,5 @@ class TokenScorer(nn.Module):
 
     def forward(self, inputs: dict[str, Any], labels: torch.Tensor | None = None, target_index: torch.Tensor | None = None, **kw: Any):
         if labels is not None:
-            return nll_sum(self.model, inputs, labels, index=target_index)
+            return nll_sum(self.model, inputs, labels, index=target_index, fused=self.fused_ce)
         return score(self.model, inputs, **kw)

@@ -18,6 +18,7 @@ from ovkit.errors import OvkitError
 from ovkit.models.groups import STAGE_TRAINABLE
 from ovkit.runtime.attention import ATTENTION
 from ovkit.runtime.checkpointing import check_option as check_checkpointing
+from ovkit.runtime.kernels import check_option as check_kernels
 from ovkit.runtime.log import check_trackers
 from ovkit.runtime.optim import check_optim
 from ovkit.runtime.precision import canonical as canonical_precision
@@ -35,7 +36,7 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
 # derived below, and an option added later is covered without being listed (Runtime.resume exits 2 naming it).
 RUN_CONTROL = frozenset({
     "out", "resume", "overwrite", "quiet", "report_to", "save_every", "keep_checkpoints", "trust_remote_code",
-    "activation_checkpointing", "gradient_checkpointing", "compile", "kernels",
+    "activation_checkpointing", "gradient_checkpointing", "compile", "kernels", "use_liger_kernel",
 })
 
 
@@ -72,6 +73,9 @@ class TrainConfig:
     load_in_4bit: bool = False  # QLoRA: the language model's Linear weights in 4-bit NF4 (bitsandbytes), adapters on top
     activation_checkpointing: str = "auto"  # auto | off | full | mlp | every-K: blocks recomputed in backward (ovkit.runtime.checkpointing)
     gradient_checkpointing: bool = False  # TRL/HF's spelling of --activation-checkpointing full
+    compile: bool = False  # torch.compile each decoder layer and vision block (ovkit.runtime.compiling); run control, not trajectory
+    kernels: str = "auto"  # auto | liger | torch: Liger-Kernel's fused RMSNorm/SwiGLU/RoPE and linear cross-entropy on CUDA (ovkit.runtime.kernels)
+    use_liger_kernel: bool = False  # TRL/HF's spelling of --kernels liger
     save_every: int = 0  # write a checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2  # how many intermediate checkpoints to keep (oldest deleted first)
     resume: bool = False  # continue the run found in OUT.partial/ from its last checkpoint
@@ -132,6 +136,7 @@ class TrainConfig:
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise OvkitError("--save-every must be >= 0 and --keep-checkpoints >= 1")
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
+        self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
         check_trackers(self.report_to)
 
     @property

@@ -63,6 +63,7 @@ def train(cfg: TrainConfig) -> Result:
     lrs = vision_lrs(model, cfg.vision_lr)
     optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: lr_factor(s, n_steps, cfg), lrs=lrs)
     rt.checkpointing(model, tokens=cfg.batch_size * max(source.lengths))  # the longest micro-batch, padded
+    rt.compile(model)  # after checkpointing: each block compiled with its checkpoint inside
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
     state = rt.resume({"step": 0, "tokens": 0, "elapsed_s": 0.0})
     logger = rt.logger(n_steps, state["step"], console=step_line, desc=cfg.stage)
