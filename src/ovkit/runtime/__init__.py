@@ -27,6 +27,7 @@ Run directory while training, and at the end (both loops):
         ovkit_state.json             step, tokens/samples, elapsed time, world size
         ovkit.json                   provenance; written last, so a checkpoint without it is incomplete
     OUT/                             at the end: OUT.partial + the final model at its root, config.yaml, ovkit.json
+    OUT.lock                         held by the running process (ovkit.faults: one writer per output), then removed
 
 A checkpoint is written as `checkpoints/.step-N.tmp` and renamed, so a killed run leaves either a whole checkpoint
 or a temp dir that is ignored.
@@ -50,6 +51,7 @@ import torch
 from ovkit import __version__
 from ovkit.config import option_default, to_plain, to_plain_values
 from ovkit.errors import OvkitError
+from ovkit.faults import hold
 from ovkit.runtime import attention as attn
 from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import lora
@@ -107,6 +109,9 @@ class Runtime:
         # bring their own mixed-precision policy: those runs use accelerate's bf16 (autocast / the engine's policy).
         # (cpu=True: on a CPU box, the process group torchrun set up is gloo's; without it accelerate sees one process)
         distributed = PartialState(cpu=device.type == "cpu").distributed_type.value not in ("NO",)
+        # One writer per output (ovkit.faults): the main process holds OUT.lock until finish(), before it reads the run
+        # directory; a second run exits 2 naming this one.
+        self.lock = hold(cfg.out, command) if PartialState().is_main_process else None
         # --optim adamw_8bit keeps its 8-bit state over the weights themselves: bf16-mixed is autocast over fp32 weights
         # with it (transformers' Trainer's bf16 + adamw_8bit), not fp32 masters (ovkit.runtime.optim's table).
         self.optim = getattr(cfg, "optim", "adamw_torch_fused")
@@ -385,6 +390,7 @@ class Runtime:
             stage.extra["runtime"] = self.info()
             stage.path.rmdir()
             os.replace(self.run_dir, stage.path)
+        self.lock.release()
         return Result("done", summary)
 
 

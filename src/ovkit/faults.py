@@ -1,0 +1,149 @@
+"""Failures of the machine rather than of the input (issue #28): two writers of one output, ...
+
+One writer per output. Every run holds an advisory lock on its output `OUT` for its whole life: `fcntl.flock` on
+`OUT.lock` beside it (`OUT/part-I-of-N.lock` for a `--shard` part, so the parts of one output still run in parallel).
+The kernel drops the lock when the process dies, however it dies, so a killed run never blocks the next one; the
+holder writes its pid, host, command and start time into the file, and a second run exits 2 naming them. A run removes
+its lock file when it ends; one left by a killed run is taken over by the next. flock is advisory and per machine on
+local disks; on NFS (v4, or v3 with lockd) Linux turns it into a POSIX lock the server arbitrates across hosts.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+import weakref
+from pathlib import Path
+
+from ovkit.errors import OvkitError
+
+# Locks this process holds, by output: a learner's Runtime holds its OUT and its final Stage takes the same lock again.
+_held: "weakref.WeakValueDictionary[str, OutputLock]" = weakref.WeakValueDictionary()
+
+
+def lock_path(out: Path) -> Path:
+    out = Path(out)
+    return out.with_name(f"{out.name}.lock")
+
+
+def hold(out: Path, command: str) -> "OutputLock":
+    """The lock on `out` for this process (taken now, or taken again: release() once per hold())."""
+    key = os.path.abspath(out)
+    lock = _held.get(key)
+    if lock is None:
+        lock = OutputLock(Path(out), command)
+        _held[key] = lock
+    lock.acquire()
+    return lock
+
+
+class OutputLock:
+    """An exclusive flock on `OUT.lock`, counted: the file is unlocked and removed when the last user releases it (or
+    when the object is collected, or the process ends)."""
+
+    def __init__(self, out: Path, command: str):
+        self.out, self.command = Path(out), command
+        self.path = lock_path(self.out)
+        self.users = 0
+        self._fd: int | None = None
+        self._made: list[Path] = []  # directories created to hold the lock file, removed again if still empty
+
+    def acquire(self) -> "OutputLock":
+        if self.users == 0:
+            self._lock()
+        self.users += 1
+        return self
+
+    def release(self) -> None:
+        self.users = max(0, self.users - 1)
+        if self.users == 0:
+            self._unlock()
+
+    def __del__(self) -> None:
+        self._unlock()
+
+    def _lock(self) -> None:
+        parent = self.path.parent
+        missing = [p for p in [parent, *parent.parents] if not p.exists()]
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OvkitError(f"--out {self.out}: cannot create {parent} ({e.strerror}); choose a writable place") from None
+        self._made = missing
+        for _ in range(10):  # the holder may remove the file between our open and our flock: then lock the new one
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                self._remove_made()
+                raise OvkitError(f"--out {self.out}: cannot write in {parent} ({e.strerror}); choose a writable place") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                self._remove_made()
+                raise OvkitError(f"{self.out} is being written by another run ({holder(self.path)}); wait for it to end, "
+                                 f"or stop it and run again (a stopped or killed run releases its lock)") from None
+            except OSError as e:  # a filesystem without flock: go on unguarded, and say so
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                print(f"warning: {self.path}: this filesystem cannot lock ({e.strerror}); nothing stops a second run "
+                      f"writing {self.out} at the same time", file=sys.stderr)
+            if _same_file(fd, self.path):
+                self._fd = fd
+                self._write_holder()
+                return
+            os.close(fd)
+        raise OvkitError(f"{self.path}: could not take the lock (the file keeps being replaced)")
+
+    def _write_holder(self) -> None:
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
+                "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, (json.dumps(info) + "\n").encode(), 0)
+
+    def _unlock(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(self.path)  # while still locked: a run waiting on this file re-checks it (_same_file) and retries
+        except OSError:
+            pass
+        os.close(fd)
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        for d in self._made:  # innermost first
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        self._made = []
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def holder(path: Path) -> str:
+    """`ovkit sft, pid 123 on host gpu7, since ...` from a lock file (the holder writes it just after locking)."""
+    for _ in range(20):
+        try:
+            info = json.loads(Path(path).read_text())
+            break
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    else:
+        return f"lock file {path}"
+    here = " (this machine)" if info.get("host") == socket.gethostname() else ""
+    return f"ovkit {info.get('command')}, pid {info.get('pid')} on host {info.get('host')}{here}, since {info.get('started')}; lock file {path}"
