@@ -3,6 +3,9 @@ happened and what to do, and leaves nothing a later run would trip on.
 
 - one writer per output: a second run of the same OUT exits 2 naming the first one's pid and host; the parts of a
   sharded output still run in parallel; a killed holder never blocks the next run.
+- interrupted on purpose: SIGTERM stops a learner at the step's end with a checkpoint (exit 143) and --resume continues
+  the same trajectory; a second signal stops at once (exit 130 for SIGINT); SIGINT stops a data stage at once and
+  removes its partial output (exit 130); never a traceback.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ovkit.errors import OvkitError
-from test_train import ENV, _one_thread, assets, config  # noqa: F401 (fixtures)
+from test_train import ENV, _one_thread, assets, config, losses, weights  # noqa: F401 (fixtures)
 
 
 def _holder(out: Path, command: str = "sft") -> subprocess.Popen:
@@ -87,3 +90,77 @@ def test_a_second_learner_exits_2_while_the_first_trains_on(assets, tmp_path):
         proc.poll() is None and proc.kill()
         proc.stderr.close()
     assert (out / "ovkit.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+# -- interrupted on purpose ----------------------------------------------------------------------------------------
+
+SFT = dict(batch_size=2, max_steps=12, lr=1e-2, save_every=4)
+
+
+def _sft(assets: Path, out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ovkit", "sft", str(assets / "data"), "--model", str(assets / "model"), "--out", str(out),
+           "--batch-size", "2", "--max-steps", "12", "--lr", "1e-2", "--save-every", "4", "--precision", "fp32", "--quiet"]
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(cond, proc: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while not cond() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+
+
+def _logged(out: Path) -> int:
+    try:
+        return len((out.parent / f"{out.name}.partial" / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def test_sigterm_stops_a_learner_with_a_checkpoint_and_resume_continues_the_same_run(assets, tmp_path):
+    from ovkit.train import train
+
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    train(config("SFTConfig", assets, ref, **SFT))
+    proc = _sft(assets, out)
+    _wait_for(lambda: _logged(out) >= 2, proc)  # mid-way between the checkpoints of steps 4 and 8 (or just after)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "stopped by SIGTERM after step" in err and "--resume" in err, err[-3000:]
+    stopped = int(err.split("after step ")[1].split()[0])
+    assert 2 <= stopped < 12 and (tmp_path / "run.partial" / "checkpoints" / f"step-{stopped:06d}" / "ovkit.json").is_file()
+    assert not out.exists() and not (tmp_path / "run.lock").exists()
+
+    res = train(config("SFTConfig", assets, out, resume=True, **SFT))
+    assert res.metrics["resumed_from"].endswith(f"step-{stopped:06d}")
+    assert losses(out) == losses(ref)  # the same trajectory, every step logged once
+    w_ref, w_out = weights(ref), weights(out)
+    assert all(w_ref[k].equal(w_out[k]) for k in w_ref)
+
+
+def test_a_second_signal_stops_a_learner_at_once(assets, tmp_path):
+    out = tmp_path / "run"
+    proc = _sft(assets, out)
+    _wait_for(lambda: _logged(out) >= 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)  # before the step ends: no checkpoint is waited for
+    err = proc.communicate(timeout=300)[1]
+    # Python runs pending handlers in signal-number order: the one handled second is the one that stopped the run
+    second = signal.Signals[err.split("stopped at once by ")[-1].split()[0].rstrip(";")] if "stopped at once by " in err else None
+    assert second is not None and proc.returncode == 128 + second, err[-3000:]
+    assert "Traceback" not in err and "stopping after this step" in err, err[-3000:]
+    assert not out.exists() and (tmp_path / "run.partial").is_dir() and not (tmp_path / "run.lock").exists()
+
+
+def test_sigint_stops_a_data_stage_and_removes_its_partial_output(tmp_path):
+    out = tmp_path / "data"
+    proc = subprocess.Popen([sys.executable, "-m", "ovkit", "synth", "--out", str(out), "--scale", "0.2", "--quiet"], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: any(p.name.startswith("data.tmp-") for p in tmp_path.iterdir()), proc)
+    time.sleep(0.2)  # into the writing
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "synth: stopped by SIGINT; its partial output was removed" in err, err[-3000:]
+    assert list(tmp_path.iterdir()) == []

@@ -9,7 +9,7 @@ import traceback
 
 import typer
 
-from ovkit import __version__
+from ovkit import __version__, faults
 from ovkit.errors import OvkitError
 
 app = typer.Typer(
@@ -84,7 +84,13 @@ def _register() -> None:
 def main() -> None:
     _register()
     try:
-        app()  # standalone: typer turns usage errors into exit 2 itself
+        with faults.signals():  # SIGINT/SIGTERM: a learner checkpoints at the step's end, a data stage stops now
+            app()  # standalone: typer turns usage errors into exit 2 itself
+    except faults.Interrupted as e:  # stopped on purpose: how to go on, no traceback, the shell's 128 + signal
+        if os.environ.get("OVKIT_DEBUG"):
+            traceback.print_exc()
+        print(f"{e.message}", file=sys.stderr)
+        sys.exit(e.exit_code)
     except OvkitError as e:
         if os.environ.get("OVKIT_DEBUG"):
             traceback.print_exc()
@@ -95,3 +101,5 @@ def main() -> None:
             traceback.print_exc()
         print(f"internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         sys.exit(1)
+    finally:
+        faults.release_all()  # the run is over: its OUT.lock files go (a killed process's lock goes with it anyway)

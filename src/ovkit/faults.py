@@ -1,4 +1,4 @@
-"""Failures of the machine rather than of the input (issue #28): two writers of one output, ...
+"""Failures of the machine rather than of the input (issue #28): two writers of one output, a stop asked by a signal.
 
 One writer per output. Every run holds an advisory lock on its output `OUT` for its whole life: `fcntl.flock` on
 `OUT.lock` beside it (`OUT/part-I-of-N.lock` for a `--shard` part, so the parts of one output still run in parallel).
@@ -6,6 +6,14 @@ The kernel drops the lock when the process dies, however it dies, so a killed ru
 holder writes its pid, host, command and start time into the file, and a second run exits 2 naming them. A run removes
 its lock file when it ends; one left by a killed run is taken over by the next. flock is advisory and per machine on
 local disks; on NFS (v4, or v3 with lockd) Linux turns it into a POSIX lock the server arbitrates across hosts.
+
+Interrupted on purpose. SIGINT (Ctrl-C) and SIGTERM (SLURM or Kubernetes preemption, `kill`) are handled by the CLI
+(`signals()`). A learner's loop runs with the stop deferred (`defer`): the first signal is noted, the step finishes,
+a checkpoint is written and the run exits saying `--resume` continues it (torchtitan and Lightning do the same); a data
+stage stops at once and its temporary output is removed (ovkit.runs.Stage), so a re-run starts clean. A second signal
+stops at once, whatever runs. Either way there is no traceback and the exit code is the shell's for a death by that
+signal, 128 + its number (130 for SIGINT, 143 for SIGTERM): a job script or scheduler sees a run that did not finish
+(a requeue rule can match it), and `set -e` scripts stop as they would after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -15,11 +23,14 @@ import errno
 import fcntl
 import json
 import os
+import signal
 import socket
 import sys
 import time
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from ovkit.errors import OvkitError
 
@@ -127,6 +138,13 @@ class OutputLock:
         self._made = []
 
 
+def release_all() -> None:
+    """Unlock every output this process holds: the CLI's last act, whichever way the command ended."""
+    for lock in list(_held.values()):
+        lock.users = 0
+        lock._unlock()
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         a, b = os.fstat(fd), os.stat(path)
@@ -147,3 +165,70 @@ def holder(path: Path) -> str:
         return f"lock file {path}"
     here = " (this machine)" if info.get("host") == socket.gethostname() else ""
     return f"ovkit {info.get('command')}, pid {info.get('pid')} on host {info.get('host')}{here}, since {info.get('started')}; lock file {path}"
+
+
+# -- signals -------------------------------------------------------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """The run was stopped by `signum` (a BaseException, like KeyboardInterrupt: no `except Exception` swallows it).
+    The CLI prints `message` and exits 128 + signum."""
+
+    def __init__(self, signum: int, message: str | None = None):
+        self.signum = int(signum)
+        self.message = message or f"stopped by {signal.Signals(self.signum).name}"
+        super().__init__(self.message)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+_asked: int | None = None  # the signal a deferred loop has not acted on yet
+_defer = False
+
+
+def _on_signal(signum: int, frame) -> None:
+    global _asked
+    if _defer and _asked is None:
+        _asked = signum
+        name = signal.Signals(signum).name
+        print(f"\n{name}: stopping after this step, with a checkpoint (send it again to stop at once)", file=sys.stderr, flush=True)
+        return
+    if _asked is None:
+        raise Interrupted(signum)
+    raise Interrupted(signum, f"stopped at once by {signal.Signals(signum).name}; the run directory keeps its last complete "
+                              f"checkpoint: run the same command with --resume to continue from it")  # fmt: skip
+
+
+@contextmanager
+def signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Interrupted (or, in a deferred loop, are noted first) while the block runs; the
+    previous handlers come back after it. Only the main thread can install handlers: elsewhere this does nothing."""
+    global _asked, _defer
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS}
+    _asked, _defer = None, False
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        _asked, _defer = None, False
+
+
+def defer(on: bool) -> None:
+    """A learner's loop: the first signal waits for the step boundary (`asked`); off again once the loop is done."""
+    global _defer
+    _defer = on
+
+
+def asked() -> int | None:
+    """The signal that asked a deferred loop to stop, if one did."""
+    return _asked

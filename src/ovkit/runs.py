@@ -29,7 +29,7 @@ from ovkit import __version__
 from ovkit.cards import PART_DIR, write_card, write_parts_card
 from ovkit.config import dump_yaml, to_plain
 from ovkit.data.sources import describe, is_remote, parse_spec
-from ovkit.faults import hold
+from ovkit.faults import Interrupted, hold
 
 PROVENANCE = "ovkit.json"
 
@@ -123,6 +123,8 @@ class Stage:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, Interrupted) and exc.message.startswith("stopped"):  # a data stage, stopped by a signal
+            exc.message = f"{self.command}: {exc.message}; its partial output was removed, run the same command again to redo it"
         try:
             self._exit(exc_type)
         finally:

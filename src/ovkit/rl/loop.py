@@ -99,6 +99,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
             state["last"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < n_steps:
                 rt.save_checkpoint(scorer, processor, state, cfg.keep_checkpoints)
+            rt.stop_if_asked(scorer, processor, state, cfg.keep_checkpoints, n_steps)  # SIGINT/SIGTERM: checkpoint, exit
     finally:
         rollouts.stop()
         logger.close()

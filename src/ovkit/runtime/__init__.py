@@ -39,6 +39,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import time
 import warnings
 from contextlib import nullcontext
@@ -51,6 +52,7 @@ import torch
 from ovkit import __version__
 from ovkit.config import option_default, to_plain, to_plain_values
 from ovkit.errors import OvkitError
+from ovkit import faults
 from ovkit.faults import hold
 from ovkit.runtime import attention as attn
 from ovkit.runtime import checkpointing as ac
@@ -190,7 +192,9 @@ class Runtime:
 
     def resume(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` for a fresh run; for a resumed one the checkpoint's, after checking that the run continues the same
-        trajectory (same options, same process count), with model, optimiser, schedule and RNG restored."""
+        trajectory (same options, same process count), with model, optimiser, schedule and RNG restored. The loop
+        comes next: from here a SIGINT/SIGTERM waits for the step boundary (`stop_if_asked`)."""
+        faults.defer(True)
         ckpt = self.resume_from
         if ckpt is None:
             return {**state, "processes": self.processes}
@@ -361,6 +365,25 @@ class Runtime:
         self.accelerator.wait_for_everyone()
         return final
 
+    def stop_if_asked(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int, n_steps: int) -> None:
+        """At a step boundary: when a SIGINT/SIGTERM came during the step (ovkit.faults), write a checkpoint (unless
+        this step's is written) and raise Interrupted, whose message says how to continue. Every process stops at the
+        same step: a scheduler signals each at its own moment, so the request is summed over processes (one scalar
+        all-reduce per step, only when there are several)."""
+        signum = faults.asked() or 0
+        if self.processes > 1:
+            asked = self.accelerator.reduce(torch.tensor([signum], device=self.device), "sum").item()
+            signum = signum or (int(signal.SIGTERM) if asked else 0)
+        if not signum or state["step"] >= n_steps:  # the last step: finishing is the quickest way to stop
+            return
+        ckpt = step_dir(self.run_dir, state["step"])
+        if not (ckpt / PROVENANCE).is_file():
+            self.save_checkpoint(scorer, processor, state, keep)
+        faults.defer(False)
+        name = signal.Signals(signum).name
+        raise faults.Interrupted(signum, f"{self.command}: stopped by {name} after step {state['step']} of {n_steps}; its checkpoint is "
+                                         f"{ckpt}; run the same command with --resume to continue")  # fmt: skip
+
     def provenance(self, state: dict[str, Any]) -> dict[str, Any]:
         return {
             "command": self.command,
@@ -379,6 +402,7 @@ class Runtime:
         OUT (config.yaml and ovkit.json with `summary` and the runtime)."""
         from ovkit.runs import Stage
 
+        faults.defer(False)  # the loop is over: a signal now stops at once (OUT.partial keeps its checkpoints)
         self.save_model(scorer, processor, self.run_dir)
         self.accelerator.wait_for_everyone()
         if not self.is_main:

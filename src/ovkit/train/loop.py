@@ -101,6 +101,7 @@ def train(cfg: TrainConfig) -> Result:
             state["last"] = {"loss": loss, "lr": lr}
             if cfg.save_every and step % cfg.save_every == 0 and step < n_steps:
                 rt.save_checkpoint(scorer, processor, state, cfg.keep_checkpoints)
+            rt.stop_if_asked(scorer, processor, state, cfg.keep_checkpoints, n_steps)  # SIGINT/SIGTERM: checkpoint, exit
     finally:
         logger.close()
 
