@@ -6,6 +6,8 @@ happened and what to do, and leaves nothing a later run would trip on.
 - interrupted on purpose: SIGTERM stops a learner at the step's end with a checkpoint (exit 143) and --resume continues
   the same trajectory; a second signal stops at once (exit 130 for SIGINT); SIGINT stops a data stage at once and
   removes its partial output (exit 130); never a traceback.
+- broken checkpoints: --resume skips a truncated, foreign or incomplete newest checkpoint with a warning naming it,
+  resumes from the one before and ends where an undisturbed run ends; with none sound it exits 2 naming the run.
 """
 
 from __future__ import annotations
@@ -164,3 +166,73 @@ def test_sigint_stops_a_data_stage_and_removes_its_partial_output(tmp_path):
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "synth: stopped by SIGINT; its partial output was removed" in err, err[-3000:]
     assert list(tmp_path.iterdir()) == []
+
+
+# -- broken checkpoints --------------------------------------------------------------------------------------------
+
+CKPT = dict(batch_size=2, max_steps=6, lr=1e-2, save_every=2, keep_checkpoints=3)
+
+
+@pytest.fixture(scope="module")
+def finished(assets, tmp_path_factory):
+    """A finished 6-step run with checkpoints at steps 2 and 4."""
+    from ovkit.train import train
+
+    out = tmp_path_factory.mktemp("ckpt") / "ref"
+    train(config("SFTConfig", assets, out, **CKPT))
+    return out
+
+
+def _unfinished(finished: Path, tmp_path: Path) -> Path:
+    """A copy of the finished run made to look killed after step 4: OUT.partial with both checkpoints."""
+    import shutil
+
+    shutil.copytree(finished, tmp_path / "run.partial")
+    return tmp_path / "run"
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _foreign(path: Path) -> None:
+    path.write_bytes(os.urandom(path.stat().st_size))  # same size: only the checksum sees it
+
+
+@pytest.mark.parametrize("harm", ["truncated", "foreign", "missing"])
+def test_resume_skips_a_damaged_checkpoint_and_uses_the_one_before(assets, finished, tmp_path, capsys, harm):
+    from ovkit.train import train
+
+    out = _unfinished(finished, tmp_path)
+    step4 = tmp_path / "run.partial" / "checkpoints" / "step-000004"
+    state = sorted((step4 / "state").glob("*.bin"))[0]  # the model or optimiser state accelerate wrote
+    {"truncated": _truncate, "foreign": _foreign, "missing": Path.unlink}[harm](state)
+    res = train(config("SFTConfig", assets, out, resume=True, **CKPT))
+    err = capsys.readouterr().err
+    assert f"checkpoint {step4} is damaged" in err and state.name in err, err
+    assert res.metrics["resumed_from"].endswith("step-000002")
+    assert (out / "checkpoints" / "step-000004.damaged").is_dir()  # kept for a look, never pruned in favour of others
+    assert losses(out) == losses(finished)
+    w_ref, w_out = weights(finished), weights(out)
+    assert all(w_ref[k].equal(w_out[k]) for k in w_ref)
+
+
+def test_resume_with_every_checkpoint_damaged_exits_2_naming_the_run(assets, finished, tmp_path, cli):
+    out = _unfinished(finished, tmp_path)
+    for ckpt in (tmp_path / "run.partial" / "checkpoints").glob("step-*"):
+        _truncate(ckpt / "model.safetensors")
+    code, _, err = cli("sft", assets / "data", "--model", assets / "model", "--out", out, "--resume", "--batch-size", "2",
+                       "--max-steps", "6", "--lr", "1e-2", "--save-every", "2", "--keep-checkpoints", "3", "--precision", "fp32", "--quiet")
+    assert code == 2 and f"every checkpoint of {tmp_path / 'run.partial'} is damaged" in err, err
+
+
+def test_a_checkpoint_without_a_manifest_that_does_not_load_is_named(assets, finished, tmp_path):
+    """A checkpoint from before manifests is loaded unchecked: a foreign state file is still an error naming it."""
+    from ovkit.train import train
+
+    out = _unfinished(finished, tmp_path)
+    step4 = tmp_path / "run.partial" / "checkpoints" / "step-000004"
+    (step4 / "manifest.json").unlink()
+    _foreign(sorted((step4 / "state").glob("*.bin"))[0])
+    with pytest.raises(OvkitError, match="step-000004/state could not be loaded .* move step-000004 aside"):
+        train(config("SFTConfig", assets, out, resume=True, **CKPT))

@@ -25,12 +25,14 @@ Run directory while training, and at the end (both loops):
         state/                       accelerate save_state: model, optimiser (with fp32 master weights), lr
                                      schedule, RNG of every process; sharded under FSDP
         ovkit_state.json             step, tokens/samples, elapsed time, world size
+        manifest.json                size and CRC32 of every file above (ovkit.runtime.integrity)
         ovkit.json                   provenance; written last, so a checkpoint without it is incomplete
     OUT/                             at the end: OUT.partial + the final model at its root, config.yaml, ovkit.json
     OUT.lock                         held by the running process (ovkit.faults: one writer per output), then removed
 
-A checkpoint is written as `checkpoints/.step-N.tmp` and renamed, so a killed run leaves either a whole checkpoint
-or a temp dir that is ignored.
+A checkpoint is written as `checkpoints/.step-N.tmp`, given a `manifest.json` (sizes and checksums), fsynced and
+renamed, so a killed run or a crashed machine leaves either a whole checkpoint or a temp dir that is ignored; --resume
+checks the newest against its manifest and falls back to the one before when it is damaged (ovkit.runtime.integrity).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -56,6 +59,7 @@ from ovkit import faults
 from ovkit.faults import hold
 from ovkit.runtime import attention as attn
 from ovkit.runtime import checkpointing as ac
+from ovkit.runtime import integrity
 from ovkit.runtime import lora
 from ovkit.runtime import precision as prec
 from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
@@ -178,8 +182,33 @@ class Runtime:
         if not self.cfg.resume:
             at = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
             raise OvkitError(f"{run_dir} holds an unfinished run ({at}); pass --resume to continue it or --overwrite to start over")
-        self.resume_from = ckpt
+        self.resume_from = ckpt = self._sound_checkpoint(run_dir)
         return ckpt
+
+    def _sound_checkpoint(self, run_dir: Path) -> Path | None:
+        """The newest checkpoint that matches its manifest (ovkit.runtime.integrity). A damaged one is moved aside to
+        `step-N.damaged` (so --keep-checkpoints never prunes the sound ones in its favour) with a warning naming it;
+        with checkpoints but none sound, exit 2. The main process decides, the others follow."""
+        found, why = list_checkpoints(run_dir), None
+        choice: Path | None = None
+        if self.is_main:
+            for ckpt in reversed(found):
+                why = integrity.damage(ckpt, last=PROVENANCE)
+                if why is None:
+                    choice = ckpt
+                    break
+                aside = ckpt.with_name(f"{ckpt.name}.damaged")
+                shutil.rmtree(aside, ignore_errors=True)
+                ckpt.rename(aside)
+                print(f"warning: --resume: checkpoint {ckpt} is damaged ({why}); moved it to {aside.name}, resuming from the one before", file=sys.stderr)
+        if self.processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            choice, why = broadcast_object_list([choice, why], from_process=0)
+        if found and choice is None:
+            raise OvkitError(f"--resume: every checkpoint of {run_dir} is damaged (the last one checked: {why}); "
+                             f"--overwrite starts over")  # fmt: skip
+        return choice
 
     def make_run_dir(self) -> None:
         """OUT.partial, emptied unless the run resumes from it."""
@@ -210,7 +239,13 @@ class Runtime:
         loaded = json.loads((ckpt / RUN_STATE).read_text())
         if loaded.get("processes", 1) != self.processes:
             raise OvkitError(f"--resume: {ckpt} ran on {loaded['processes']} processes, this run has {self.processes}; the global batch would change")
-        self.accelerator.load_state(str(ckpt / STATE))
+        try:
+            self.accelerator.load_state(str(ckpt / STATE))
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # a damage the manifest could not see (a checkpoint from before manifests)
+            raise OvkitError(f"--resume: {ckpt / STATE} could not be loaded ({type(e).__name__}: {str(e)[:300]}); move "
+                             f"{ckpt.name} aside to resume from the checkpoint before it, or --overwrite to start over") from e  # fmt: skip
         if self.scheduler is not None:
             with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": a replay, on purpose
                 warnings.simplefilter("ignore", UserWarning)
@@ -357,9 +392,12 @@ class Runtime:
         self.accelerator.wait_for_everyone()  # every process's RNG file is written before the directory is renamed
         if self.is_main:
             _write_json(tmp / RUN_STATE, state)
+            integrity.write_manifest(tmp, last=PROVENANCE)  # sizes and checksums, checked by --resume
             _write_json(tmp / PROVENANCE, self.provenance(state))
+            integrity.fsync_tree(tmp)  # on disk before the name says complete: a crash never leaves a damaged step-N
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+            integrity.fsync(final.parent)
             for old in list_checkpoints(self.run_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         self.accelerator.wait_for_everyone()
