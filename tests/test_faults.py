@@ -8,6 +8,8 @@ happened and what to do, and leaves nothing a later run would trip on.
   removes its partial output (exit 130); never a traceback.
 - broken checkpoints: --resume skips a truncated, foreign or incomplete newest checkpoint with a warning naming it,
   resumes from the one before and ends where an undisturbed run ends; with none sound it exits 2 naming the run.
+- out of GPU memory (torch.cuda.OutOfMemoryError raised inside a step, on CPU): one message naming the stage, the step,
+  the tokens per micro-batch and the options that lower memory, exit 3, the last checkpoint kept and resumable.
 """
 
 from __future__ import annotations
@@ -236,3 +238,51 @@ def test_a_checkpoint_without_a_manifest_that_does_not_load_is_named(assets, fin
     _foreign(sorted((step4 / "state").glob("*.bin"))[0])
     with pytest.raises(OvkitError, match="step-000004/state could not be loaded .* move step-000004 aside"):
         train(config("SFTConfig", assets, out, resume=True, **CKPT))
+
+
+# -- out of GPU memory ---------------------------------------------------------------------------------------------
+
+
+def test_out_of_memory_in_a_learner_step_exits_3_with_what_to_lower_and_resumes(assets, finished, tmp_path, cli, monkeypatch):
+    import torch
+
+    from ovkit.train import loop
+
+    real, calls = loop._step, []
+
+    def step(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(loop, "_step", step)
+    out = tmp_path / "run"
+    args = ["sft", assets / "data", "--model", assets / "model", "--out", out, "--batch-size", "2", "--max-steps", "6", "--lr", "1e-2",
+            "--save-every", "2", "--keep-checkpoints", "3", "--precision", "fp32", "--quiet"]
+    code, _, err = cli(*args)
+    assert code == 3, err
+    line = err.strip()
+    assert "\n" not in line and line.startswith("error: sft: out of GPU memory at step 3 ("), err
+    for option in ("tokens per micro-batch", "--batch-size", "--activation-checkpointing", "--precision", "--max-len", "--resume continues from"):
+        assert option in line, (option, line)
+    assert (tmp_path / "run.partial" / "checkpoints" / "step-000002" / "ovkit.json").is_file() and not out.exists()
+
+    monkeypatch.setattr(loop, "_step", real)
+    code, _, err = cli(*args, "--resume")
+    assert code == 0, err
+    assert losses(out) == losses(finished)
+
+
+def test_out_of_memory_in_a_data_stage_exits_3_naming_it(tmp_path, cli, monkeypatch):
+    import torch
+
+    from ovkit.data import synth
+
+    def build(cfg, path):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(synth, "build_corpus", build)
+    code, _, err = cli("synth", "--out", tmp_path / "data", "--quiet")
+    assert code == 3 and "synth: out of GPU memory; lower --batch-size" in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing partial, no lock

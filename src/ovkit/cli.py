@@ -81,6 +81,10 @@ def _register() -> None:
     command("mismatch-report")(mismatch_report.mismatch_report)
 
 
+def _command() -> str:
+    return next((a for a in sys.argv[1:] if not a.startswith("-")), "ovkit")
+
+
 def main() -> None:
     _register()
     try:
@@ -95,10 +99,13 @@ def main() -> None:
         if os.environ.get("OVKIT_DEBUG"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(e.exit_code)  # 2; 3 for out of memory
     except Exception as e:  # noqa: BLE001 -- anything else is a bug: say so, exit 1
         if os.environ.get("OVKIT_DEBUG"):
             traceback.print_exc()
+        if faults.is_out_of_memory(e):  # a data stage that runs a model (caption, eval, rl-curate): exit 3
+            print(f"error: {faults.out_of_memory_message(_command(), e)}", file=sys.stderr)
+            sys.exit(3)
         print(f"internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         sys.exit(1)
     finally:

@@ -1,4 +1,5 @@
-"""Failures of the machine rather than of the input (issue #28): two writers of one output, a stop asked by a signal.
+"""Failures of the machine rather than of the input (issue #28): two writers of one output, a stop asked by a signal,
+the device out of memory.
 
 One writer per output. Every run holds an advisory lock on its output `OUT` for its whole life: `fcntl.flock` on
 `OUT.lock` beside it (`OUT/part-I-of-N.lock` for a `--shard` part, so the parts of one output still run in parallel).
@@ -14,6 +15,10 @@ stage stops at once and its temporary output is removed (ovkit.runs.Stage), so a
 stops at once, whatever runs. Either way there is no traceback and the exit code is the shell's for a death by that
 signal, 128 + its number (130 for SIGINT, 143 for SIGTERM): a job script or scheduler sees a run that did not finish
 (a requeue rule can match it), and `set -e` scripts stop as they would after Ctrl-C.
+
+Out of GPU memory. torch.cuda.OutOfMemoryError anywhere ends in one message (the stage, the step, tokens per
+micro-batch, peak and total device memory where known, the options that need less) and exit 3, apart from bad input's
+2: a learner keeps its last checkpoint (ovkit.runtime.Runtime.out_of_memory), a data stage its finished chunks.
 """
 
 from __future__ import annotations
@@ -232,3 +237,33 @@ def defer(on: bool) -> None:
 def asked() -> int | None:
     """The signal that asked a deferred loop to stop, if one did."""
     return _asked
+
+
+# -- out of memory -------------------------------------------------------------------------------------------------
+
+# The options that lower a data stage's memory (a learner's come from its config: Runtime.out_of_memory).
+DATA_STAGE_OPTIONS = "--batch-size (sequences per generate call), --max-new-tokens, --precision bf16, --max-pixels where the command has it"
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.cuda.OutOfMemoryError)
+
+
+def memory_note() -> str:
+    """`peak 71.2 GiB of 79.1 GiB` on CUDA; empty elsewhere."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ""
+    try:
+        peak, total = torch.cuda.max_memory_allocated(), torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    except Exception:  # noqa: BLE001 -- the note is a courtesy: a broken device must not hide the message
+        return ""
+    return f"; peak {peak / 2**30:.1f} GiB allocated of {total / 2**30:.1f} GiB"
+
+
+def out_of_memory_message(command: str, e: BaseException) -> str:
+    return (f"{command}: out of GPU memory{memory_note()}; lower {DATA_STAGE_OPTIONS}; run the same command again "
+            f"to continue (finished chunks are kept) [{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}]")  # fmt: skip

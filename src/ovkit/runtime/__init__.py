@@ -54,7 +54,7 @@ import torch
 
 from ovkit import __version__
 from ovkit.config import option_default, to_plain, to_plain_values
-from ovkit.errors import OvkitError
+from ovkit.errors import OutOfMemory, OvkitError
 from ovkit import faults
 from ovkit.faults import hold
 from ovkit.runtime import attention as attn
@@ -421,6 +421,21 @@ class Runtime:
         name = signal.Signals(signum).name
         raise faults.Interrupted(signum, f"{self.command}: stopped by {name} after step {state['step']} of {n_steps}; its checkpoint is "
                                          f"{ckpt}; run the same command with --resume to continue")  # fmt: skip
+
+    def out_of_memory(self, e: BaseException, state: dict[str, Any]) -> OutOfMemory:
+        """The one message for a CUDA OOM during the loop (raise it from the loop's except): the stage, the step, the
+        tokens per micro-batch, peak and total memory, what needs less, and the checkpoint --resume continues from."""
+        cfg = self.cfg
+        options = ["--micro-batch-size" if hasattr(cfg, "micro_batch_size") else "--batch-size (with --grad-accum for the same global batch)",
+                   "--activation-checkpointing full", "--precision bf16-true or --optim adamw_8bit"]  # fmt: skip
+        options += ["--max-len"] if hasattr(cfg, "max_len") else ["--max-new-tokens"] if hasattr(cfg, "max_new_tokens") else []
+        tokens = self.activation_checkpointing.get("tokens_per_micro_batch")
+        ckpt = latest_checkpoint(self.run_dir)
+        after = f"--resume continues from {ckpt}" if ckpt else "no checkpoint was written yet: the run starts over with --overwrite"
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        return OutOfMemory(f"{self.command}: out of GPU memory at step {state['step'] + 1}"
+                           f"{f' ({tokens} tokens per micro-batch, padded)' if tokens else ''}{faults.memory_note()}; lower it with "
+                           f"{', '.join(options)}; {after} (options that change the trajectory need --overwrite) [{reason}]")  # fmt: skip
 
     def provenance(self, state: dict[str, Any]) -> dict[str, Any]:
         return {
