@@ -265,5 +265,5 @@ def memory_note() -> str:
 
 
 def out_of_memory_message(command: str, e: BaseException) -> str:
-    return (f"{command}: out of GPU memory{memory_note()}; lower {DATA_STAGE_OPTIONS}; run the same command again "
-            f"to continue (finished chunks are kept) [{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}]")  # fmt: skip
+    return (f"{command}: out of GPU memory{memory_note()}; lower {DATA_STAGE_OPTIONS}; then run the same command again "
+            f"(a stage that saves finished chunks resumes from them) [{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}]")  # fmt: skip
