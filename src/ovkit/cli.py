@@ -9,7 +9,7 @@ import traceback
 
 import typer
 
-from ovkit import __version__
+from ovkit import __version__, faults
 from ovkit.errors import OvkitError
 
 app = typer.Typer(
@@ -81,17 +81,32 @@ def _register() -> None:
     command("mismatch-report")(mismatch_report.mismatch_report)
 
 
+def _command() -> str:
+    return next((a for a in sys.argv[1:] if not a.startswith("-")), "ovkit")
+
+
 def main() -> None:
     _register()
     try:
-        app()  # standalone: typer turns usage errors into exit 2 itself
+        with faults.signals():  # SIGINT/SIGTERM: a learner checkpoints at the step's end, a data stage stops now
+            app()  # standalone: typer turns usage errors into exit 2 itself
+    except faults.Interrupted as e:  # stopped on purpose: how to go on, no traceback, the shell's 128 + signal
+        if os.environ.get("OVKIT_DEBUG"):
+            traceback.print_exc()
+        print(f"{e.message}", file=sys.stderr)
+        sys.exit(e.exit_code)
     except OvkitError as e:
         if os.environ.get("OVKIT_DEBUG"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(e.exit_code)  # 2; 3 for out of memory
     except Exception as e:  # noqa: BLE001 -- anything else is a bug: say so, exit 1
         if os.environ.get("OVKIT_DEBUG"):
             traceback.print_exc()
+        if faults.is_out_of_memory(e):  # a data stage that runs a model (caption, eval, rl-curate): exit 3
+            print(f"error: {faults.out_of_memory_message(_command(), e)}", file=sys.stderr)
+            sys.exit(3)
         print(f"internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         sys.exit(1)
+    finally:
+        faults.release_all()  # the run is over: its OUT.lock files go (a killed process's lock goes with it anyway)

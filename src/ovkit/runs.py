@@ -9,7 +9,8 @@ of a sharded output (`OUT/part-I-of-N`) also writes `OUT/README.md`, covering ev
 A run killed without a chance to clean up (kill -9, a lost node) leaves its `OUT.tmp-<pid>` (or, mid-swap, the
 replaced `OUT.old-<pid>`). The next run of the same `OUT` removes those whose pid is no live process on this machine;
 a live one belongs to a concurrent run and is left alone (the --shard parts of one output have different names).
-Pids are per machine: two machines must not write the same `OUT` (or `OUT/part-I-of-N`) at once.
+A second run of the same `OUT` (or `OUT/part-I-of-N`) does not get that far: every run holds `OUT.lock` for its life
+(ovkit.faults) and a second one exits 2 naming the first one's pid and host.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ovkit import __version__
 from ovkit.cards import PART_DIR, write_card, write_parts_card
 from ovkit.config import dump_yaml, to_plain
 from ovkit.data.sources import describe, is_remote, parse_spec
+from ovkit.faults import Interrupted, hold
 
 PROVENANCE = "ovkit.json"
 
@@ -102,7 +104,10 @@ class Stage:
         self.parent = parent
         self.metrics: dict[str, Any] = {}
         self.extra: dict[str, Any] = {}  # more top-level provenance keys (e.g. `runtime`: device, precision, attention)
+        self.lock = hold(self.out, command)  # one writer per output (ovkit.faults): exit 2 naming the holder
         self.skipped = is_complete(self.out) and not overwrite
+        if self.skipped:
+            self.lock.release()
         self.path = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}"
         self.started = _now()
         for stale in remove_stale(self.out):
@@ -118,6 +123,14 @@ class Stage:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, Interrupted) and exc.message.startswith("stopped"):  # a data stage, stopped by a signal
+            exc.message = f"{self.command}: {exc.message}; its partial output was removed, run the same command again to redo it"
+        try:
+            self._exit(exc_type)
+        finally:
+            self.lock.release()
+
+    def _exit(self, exc_type) -> None:
         if exc_type is not None:
             shutil.rmtree(self.path, ignore_errors=True)
             return

@@ -100,6 +100,9 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
             state["last"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < n_steps:
                 rt.save_checkpoint(scorer, processor, state, cfg.keep_checkpoints)
+            rt.stop_if_asked(scorer, processor, state, cfg.keep_checkpoints, n_steps)  # SIGINT/SIGTERM: checkpoint, exit
+    except torch.cuda.OutOfMemoryError as e:  # one message, exit 3; the last checkpoint stays
+        raise rt.out_of_memory(e, state) from e
     finally:
         rollouts.stop()
         logger.close()

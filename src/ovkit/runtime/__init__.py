@@ -26,11 +26,14 @@ Run directory while training, and at the end (both loops):
         state/                       accelerate save_state: model, optimiser (with fp32 master weights), lr
                                      schedule, RNG of every process; sharded under FSDP
         ovkit_state.json             step, tokens/samples, elapsed time, world size
+        manifest.json                size and CRC32 of every file above (ovkit.runtime.integrity)
         ovkit.json                   provenance; written last, so a checkpoint without it is incomplete
     OUT/                             at the end: OUT.partial + the final model at its root, config.yaml, ovkit.json
+    OUT.lock                         held by the running process (ovkit.faults: one writer per output), then removed
 
-A checkpoint is written as `checkpoints/.step-N.tmp` and renamed, so a killed run leaves either a whole checkpoint
-or a temp dir that is ignored.
+A checkpoint is written as `checkpoints/.step-N.tmp`, given a `manifest.json` (sizes and checksums), fsynced and
+renamed, so a killed run or a crashed machine leaves either a whole checkpoint or a temp dir that is ignored; --resume
+checks the newest against its manifest and falls back to the one before when it is damaged (ovkit.runtime.integrity).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -50,10 +55,13 @@ import torch
 
 from ovkit import __version__
 from ovkit.config import option_default, to_plain, to_plain_values
-from ovkit.errors import OvkitError
+from ovkit.errors import OutOfMemory, OvkitError
+from ovkit import faults
+from ovkit.faults import hold
 from ovkit.runtime import attention as attn
 from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import compiling
+from ovkit.runtime import integrity
 from ovkit.runtime import kernels as kern
 from ovkit.runtime import lora
 from ovkit.runtime import precision as prec
@@ -110,6 +118,9 @@ class Runtime:
         # bring their own mixed-precision policy: those runs use accelerate's bf16 (autocast / the engine's policy).
         # (cpu=True: on a CPU box, the process group torchrun set up is gloo's; without it accelerate sees one process)
         distributed = PartialState(cpu=device.type == "cpu").distributed_type.value not in ("NO",)
+        # One writer per output (ovkit.faults): the main process holds OUT.lock until finish(), before it reads the run
+        # directory; a second run exits 2 naming this one.
+        self.lock = hold(cfg.out, command) if PartialState().is_main_process else None
         # --optim adamw_8bit keeps its 8-bit state over the weights themselves: bf16-mixed is autocast over fp32 weights
         # with it (transformers' Trainer's bf16 + adamw_8bit), not fp32 masters (ovkit.runtime.optim's table).
         self.optim = getattr(cfg, "optim", "adamw_torch_fused")
@@ -179,8 +190,33 @@ class Runtime:
         if not self.cfg.resume:
             at = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
             raise OvkitError(f"{run_dir} holds an unfinished run ({at}); pass --resume to continue it or --overwrite to start over")
-        self.resume_from = ckpt
+        self.resume_from = ckpt = self._sound_checkpoint(run_dir)
         return ckpt
+
+    def _sound_checkpoint(self, run_dir: Path) -> Path | None:
+        """The newest checkpoint that matches its manifest (ovkit.runtime.integrity). A damaged one is moved aside to
+        `step-N.damaged` (so --keep-checkpoints never prunes the sound ones in its favour) with a warning naming it;
+        with checkpoints but none sound, exit 2. The main process decides, the others follow."""
+        found, why = list_checkpoints(run_dir), None
+        choice: Path | None = None
+        if self.is_main:
+            for ckpt in reversed(found):
+                why = integrity.damage(ckpt, last=PROVENANCE)
+                if why is None:
+                    choice = ckpt
+                    break
+                aside = ckpt.with_name(f"{ckpt.name}.damaged")
+                shutil.rmtree(aside, ignore_errors=True)
+                ckpt.rename(aside)
+                print(f"warning: --resume: checkpoint {ckpt} is damaged ({why}); moved it to {aside.name}, resuming from the one before", file=sys.stderr)
+        if self.processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            choice, why = broadcast_object_list([choice, why], from_process=0)
+        if found and choice is None:
+            raise OvkitError(f"--resume: every checkpoint of {run_dir} is damaged (the last one checked: {why}); "
+                             f"--overwrite starts over")  # fmt: skip
+        return choice
 
     def make_run_dir(self) -> None:
         """OUT.partial, emptied unless the run resumes from it."""
@@ -193,7 +229,9 @@ class Runtime:
 
     def resume(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` for a fresh run; for a resumed one the checkpoint's, after checking that the run continues the same
-        trajectory (same options, same process count), with model, optimiser, schedule and RNG restored."""
+        trajectory (same options, same process count), with model, optimiser, schedule and RNG restored. The loop
+        comes next: from here a SIGINT/SIGTERM waits for the step boundary (`stop_if_asked`)."""
+        faults.defer(True)
         ckpt = self.resume_from
         if ckpt is None:
             return {**state, "processes": self.processes}
@@ -209,7 +247,13 @@ class Runtime:
         loaded = json.loads((ckpt / RUN_STATE).read_text())
         if loaded.get("processes", 1) != self.processes:
             raise OvkitError(f"--resume: {ckpt} ran on {loaded['processes']} processes, this run has {self.processes}; the global batch would change")
-        self.accelerator.load_state(str(ckpt / STATE))
+        try:
+            self.accelerator.load_state(str(ckpt / STATE))
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # a damage the manifest could not see (a checkpoint from before manifests)
+            raise OvkitError(f"--resume: {ckpt / STATE} could not be loaded ({type(e).__name__}: {str(e)[:300]}); move "
+                             f"{ckpt.name} aside to resume from the checkpoint before it, or --overwrite to start over") from e  # fmt: skip
         if self.scheduler is not None:
             with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": a replay, on purpose
                 warnings.simplefilter("ignore", UserWarning)
@@ -363,13 +407,50 @@ class Runtime:
         self.accelerator.wait_for_everyone()  # every process's RNG file is written before the directory is renamed
         if self.is_main:
             _write_json(tmp / RUN_STATE, state)
+            integrity.write_manifest(tmp, last=PROVENANCE)  # sizes and checksums, checked by --resume
             _write_json(tmp / PROVENANCE, self.provenance(state))
+            integrity.fsync_tree(tmp)  # on disk before the name says complete: a crash never leaves a damaged step-N
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+            integrity.fsync(final.parent)
             for old in list_checkpoints(self.run_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         return final
+
+    def stop_if_asked(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int, n_steps: int) -> None:
+        """At a step boundary: when a SIGINT/SIGTERM came during the step (ovkit.faults), write a checkpoint (unless
+        this step's is written) and raise Interrupted, whose message says how to continue. Every process stops at the
+        same step: a scheduler signals each at its own moment, so the request is summed over processes (one scalar
+        all-reduce per step, only when there are several)."""
+        signum = faults.asked() or 0
+        if self.processes > 1:
+            asked = self.accelerator.reduce(torch.tensor([signum], device=self.device), "sum").item()
+            signum = signum or (int(signal.SIGTERM) if asked else 0)
+        if not signum or state["step"] >= n_steps:  # the last step: finishing is the quickest way to stop
+            return
+        ckpt = step_dir(self.run_dir, state["step"])
+        if not (ckpt / PROVENANCE).is_file():
+            self.save_checkpoint(scorer, processor, state, keep)
+        faults.defer(False)
+        name = signal.Signals(signum).name
+        raise faults.Interrupted(signum, f"{self.command}: stopped by {name} after step {state['step']} of {n_steps}; its checkpoint is "
+                                         f"{ckpt}; run the same command with --resume to continue")  # fmt: skip
+
+    def out_of_memory(self, e: BaseException, state: dict[str, Any]) -> OutOfMemory:
+        """The one message for a CUDA OOM during the loop (raise it from the loop's except): the stage, the step, the
+        tokens per micro-batch, peak and total memory, what needs less, and the checkpoint --resume continues from."""
+        cfg = self.cfg
+        options = ["--micro-batch-size" if hasattr(cfg, "micro_batch_size") else "--batch-size (with --grad-accum for the same global batch)",
+                   "--activation-checkpointing full", "--precision bf16-true or --optim adamw_8bit"]  # fmt: skip
+        options += ["--max-len"] if hasattr(cfg, "max_len") else ["--max-new-tokens"] if hasattr(cfg, "max_new_tokens") else []
+        tokens = self.activation_checkpointing.get("tokens_per_micro_batch")
+        ckpt = latest_checkpoint(self.run_dir)
+        after = f"--resume continues from {ckpt}" if ckpt else "no checkpoint was written yet: the run starts over with --overwrite"
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        return OutOfMemory(f"{self.command}: out of GPU memory at step {state['step'] + 1}"
+                           f"{f' ({tokens} tokens per micro-batch, padded)' if tokens else ''}{faults.memory_note()}; lower it with "
+                           f"{', '.join(options)}; {after} (options that change the trajectory need --overwrite) [{reason}]")  # fmt: skip
 
     def provenance(self, state: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -389,6 +470,7 @@ class Runtime:
         OUT (config.yaml and ovkit.json with `summary` and the runtime)."""
         from ovkit.runs import Stage
 
+        faults.defer(False)  # the loop is over: a signal now stops at once (OUT.partial keeps its checkpoints)
         self.save_model(scorer, processor, self.run_dir)
         self.accelerator.wait_for_everyone()
         if not self.is_main:
@@ -400,6 +482,7 @@ class Runtime:
             stage.extra["runtime"] = self.info()
             stage.path.rmdir()
             os.replace(self.run_dir, stage.path)
+        self.lock.release()
         return Result("done", summary)
 
 

@@ -102,6 +102,9 @@ def train(cfg: TrainConfig) -> Result:
             state["last"] = {"loss": loss, "lr": lr}
             if cfg.save_every and step % cfg.save_every == 0 and step < n_steps:
                 rt.save_checkpoint(scorer, processor, state, cfg.keep_checkpoints)
+            rt.stop_if_asked(scorer, processor, state, cfg.keep_checkpoints, n_steps)  # SIGINT/SIGTERM: checkpoint, exit
+    except torch.cuda.OutOfMemoryError as e:  # one message, exit 3; the last checkpoint stays
+        raise rt.out_of_memory(e, state) from e
     finally:
         logger.close()
 

@@ -1,0 +1,269 @@
+"""Failures of the machine rather than of the input (issue #28): two writers of one output, a stop asked by a signal,
+the device out of memory.
+
+One writer per output. Every run holds an advisory lock on its output `OUT` for its whole life: `fcntl.flock` on
+`OUT.lock` beside it (`OUT/part-I-of-N.lock` for a `--shard` part, so the parts of one output still run in parallel).
+The kernel drops the lock when the process dies, however it dies, so a killed run never blocks the next one; the
+holder writes its pid, host, command and start time into the file, and a second run exits 2 naming them. A run removes
+its lock file when it ends; one left by a killed run is taken over by the next. flock is advisory and per machine on
+local disks; on NFS (v4, or v3 with lockd) Linux turns it into a POSIX lock the server arbitrates across hosts.
+
+Interrupted on purpose. SIGINT (Ctrl-C) and SIGTERM (SLURM or Kubernetes preemption, `kill`) are handled by the CLI
+(`signals()`). A learner's loop runs with the stop deferred (`defer`): the first signal is noted, the step finishes,
+a checkpoint is written and the run exits saying `--resume` continues it (torchtitan and Lightning do the same); a data
+stage stops at once and its temporary output is removed (ovkit.runs.Stage), so a re-run starts clean. A second signal
+stops at once, whatever runs. Either way there is no traceback and the exit code is the shell's for a death by that
+signal, 128 + its number (130 for SIGINT, 143 for SIGTERM): a job script or scheduler sees a run that did not finish
+(a requeue rule can match it), and `set -e` scripts stop as they would after Ctrl-C.
+
+Out of GPU memory. torch.cuda.OutOfMemoryError anywhere ends in one message (the stage, the step, tokens per
+micro-batch, peak and total device memory where known, the options that need less) and exit 3, apart from bad input's
+2: a learner keeps its last checkpoint (ovkit.runtime.Runtime.out_of_memory), a data stage its finished chunks.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import weakref
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from ovkit.errors import OvkitError
+
+# Locks this process holds, by output: a learner's Runtime holds its OUT and its final Stage takes the same lock again.
+_held: "weakref.WeakValueDictionary[str, OutputLock]" = weakref.WeakValueDictionary()
+
+
+def lock_path(out: Path) -> Path:
+    out = Path(out)
+    return out.with_name(f"{out.name}.lock")
+
+
+def hold(out: Path, command: str) -> "OutputLock":
+    """The lock on `out` for this process (taken now, or taken again: release() once per hold())."""
+    key = os.path.abspath(out)
+    lock = _held.get(key)
+    if lock is None:
+        lock = OutputLock(Path(out), command)
+        _held[key] = lock
+    lock.acquire()
+    return lock
+
+
+class OutputLock:
+    """An exclusive flock on `OUT.lock`, counted: the file is unlocked and removed when the last user releases it (or
+    when the object is collected, or the process ends)."""
+
+    def __init__(self, out: Path, command: str):
+        self.out, self.command = Path(out), command
+        self.path = lock_path(self.out)
+        self.users = 0
+        self._fd: int | None = None
+        self._made: list[Path] = []  # directories created to hold the lock file, removed again if still empty
+
+    def acquire(self) -> "OutputLock":
+        if self.users == 0:
+            self._lock()
+        self.users += 1
+        return self
+
+    def release(self) -> None:
+        self.users = max(0, self.users - 1)
+        if self.users == 0:
+            self._unlock()
+
+    def __del__(self) -> None:
+        self._unlock()
+
+    def _lock(self) -> None:
+        parent = self.path.parent
+        missing = [p for p in [parent, *parent.parents] if not p.exists()]
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OvkitError(f"--out {self.out}: cannot create {parent} ({e.strerror}); choose a writable place") from None
+        self._made = missing
+        for _ in range(10):  # the holder may remove the file between our open and our flock: then lock the new one
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                self._remove_made()
+                raise OvkitError(f"--out {self.out}: cannot write in {parent} ({e.strerror}); choose a writable place") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                self._remove_made()
+                raise OvkitError(f"{self.out} is being written by another run ({holder(self.path)}); wait for it to end, "
+                                 f"or stop it and run again (a stopped or killed run releases its lock)") from None
+            except OSError as e:  # a filesystem without flock: go on unguarded, and say so
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                print(f"warning: {self.path}: this filesystem cannot lock ({e.strerror}); nothing stops a second run "
+                      f"writing {self.out} at the same time", file=sys.stderr)
+            if _same_file(fd, self.path):
+                self._fd = fd
+                self._write_holder()
+                return
+            os.close(fd)
+        raise OvkitError(f"{self.path}: could not take the lock (the file keeps being replaced)")
+
+    def _write_holder(self) -> None:
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
+                "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, (json.dumps(info) + "\n").encode(), 0)
+
+    def _unlock(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.unlink(self.path)  # while still locked: a run waiting on this file re-checks it (_same_file) and retries
+        except OSError:
+            pass
+        os.close(fd)
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        for d in self._made:  # innermost first
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        self._made = []
+
+
+def release_all() -> None:
+    """Unlock every output this process holds: the CLI's last act, whichever way the command ended."""
+    for lock in list(_held.values()):
+        lock.users = 0
+        lock._unlock()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def holder(path: Path) -> str:
+    """`ovkit sft, pid 123 on host gpu7, since ...` from a lock file (the holder writes it just after locking)."""
+    for _ in range(20):
+        try:
+            info = json.loads(Path(path).read_text())
+            break
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    else:
+        return f"lock file {path}"
+    here = " (this machine)" if info.get("host") == socket.gethostname() else ""
+    return f"ovkit {info.get('command')}, pid {info.get('pid')} on host {info.get('host')}{here}, since {info.get('started')}; lock file {path}"
+
+
+# -- signals -------------------------------------------------------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """The run was stopped by `signum` (a BaseException, like KeyboardInterrupt: no `except Exception` swallows it).
+    The CLI prints `message` and exits 128 + signum."""
+
+    def __init__(self, signum: int, message: str | None = None):
+        self.signum = int(signum)
+        self.message = message or f"stopped by {signal.Signals(self.signum).name}"
+        super().__init__(self.message)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+_asked: int | None = None  # the signal a deferred loop has not acted on yet
+_defer = False
+
+
+def _on_signal(signum: int, frame) -> None:
+    global _asked
+    if _defer and _asked is None:
+        _asked = signum
+        name = signal.Signals(signum).name
+        print(f"\n{name}: stopping after this step, with a checkpoint (send it again to stop at once)", file=sys.stderr, flush=True)
+        return
+    if _asked is None:
+        raise Interrupted(signum)
+    raise Interrupted(signum, f"stopped at once by {signal.Signals(signum).name}; the run directory keeps its last complete "
+                              f"checkpoint: run the same command with --resume to continue from it")  # fmt: skip
+
+
+@contextmanager
+def signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Interrupted (or, in a deferred loop, are noted first) while the block runs; the
+    previous handlers come back after it. Only the main thread can install handlers: elsewhere this does nothing."""
+    global _asked, _defer
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS}
+    _asked, _defer = None, False
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        _asked, _defer = None, False
+
+
+def defer(on: bool) -> None:
+    """A learner's loop: the first signal waits for the step boundary (`asked`); off again once the loop is done."""
+    global _defer
+    _defer = on
+
+
+def asked() -> int | None:
+    """The signal that asked a deferred loop to stop, if one did."""
+    return _asked
+
+
+# -- out of memory -------------------------------------------------------------------------------------------------
+
+# The options that lower a data stage's memory (a learner's come from its config: Runtime.out_of_memory).
+DATA_STAGE_OPTIONS = "--batch-size (sequences per generate call), --max-new-tokens, --precision bf16, --max-pixels where the command has it"
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.cuda.OutOfMemoryError)
+
+
+def memory_note() -> str:
+    """`peak 71.2 GiB of 79.1 GiB` on CUDA; empty elsewhere."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ""
+    try:
+        peak, total = torch.cuda.max_memory_allocated(), torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    except Exception:  # noqa: BLE001 -- the note is a courtesy: a broken device must not hide the message
+        return ""
+    return f"; peak {peak / 2**30:.1f} GiB allocated of {total / 2**30:.1f} GiB"
+
+
+def out_of_memory_message(command: str, e: BaseException) -> str:
+    return (f"{command}: out of GPU memory{memory_note()}; lower {DATA_STAGE_OPTIONS}; then run the same command again "
+            f"(a stage that saves finished chunks resumes from them) [{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}]")  # fmt: skip

@@ -1,0 +1,288 @@
+"""Failures of the machine, not of the input (#28): each one ends in one message and an exit code that say what
+happened and what to do, and leaves nothing a later run would trip on.
+
+- one writer per output: a second run of the same OUT exits 2 naming the first one's pid and host; the parts of a
+  sharded output still run in parallel; a killed holder never blocks the next run.
+- interrupted on purpose: SIGTERM stops a learner at the step's end with a checkpoint (exit 143) and --resume continues
+  the same trajectory; a second signal stops at once (exit 130 for SIGINT); SIGINT stops a data stage at once and
+  removes its partial output (exit 130); never a traceback.
+- broken checkpoints: --resume skips a truncated, foreign or incomplete newest checkpoint with a warning naming it,
+  resumes from the one before and ends where an undisturbed run ends; with none sound it exits 2 naming the run.
+- out of GPU memory (torch.cuda.OutOfMemoryError raised inside a step, on CPU): one message naming the stage, the step,
+  the tokens per micro-batch and the options that lower memory, exit 3, the last checkpoint kept and resumable.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ovkit.errors import OvkitError
+from test_train import ENV, _one_thread, assets, config, losses, weights  # noqa: F401 (fixtures)
+
+
+def _holder(out: Path, command: str = "sft") -> subprocess.Popen:
+    """Another process that holds the lock on `out` until it is killed."""
+    code = f"from ovkit.faults import hold; l = hold({str(out)!r}, {command!r}); print('held', flush=True); import time; time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+    proc.stdout and proc.stdout.close()
+
+
+# -- one writer per output -----------------------------------------------------------------------------------------
+
+
+def test_a_second_data_stage_exits_2_naming_the_holder_and_a_killed_holder_blocks_nothing(tmp_path, cli):
+    out = tmp_path / "data"
+    proc = _holder(out, "synth")
+    try:
+        code, _, err = cli("synth", "--out", out, "--scale", "0.005", "--quiet")
+        assert code == 2, err
+        assert f"pid {proc.pid} on host {socket.gethostname()}" in err and "ovkit synth" in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["data.lock"]  # the holder's; nothing of the refused run
+    finally:
+        _stop(proc)  # SIGKILL: the kernel drops the lock, the file stays
+    code, _, err = cli("synth", "--out", out, "--scale", "0.005", "--quiet")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # the lock file went with the run
+
+
+def test_the_parts_of_a_sharded_output_lock_separately(tmp_path):
+    from ovkit.faults import hold
+
+    out = tmp_path / "captioned"
+    proc = _holder(out / "part-0-of-2", "caption")
+    try:
+        mine = hold(out / "part-1-of-2", "caption")  # the other part: runs in parallel
+        with pytest.raises(OvkitError, match=f"pid {proc.pid}"):
+            hold(out / "part-0-of-2", "caption")
+        mine.release()
+        assert not (out / "part-1-of-2.lock").exists()
+    finally:
+        _stop(proc)
+
+
+def test_a_second_learner_exits_2_while_the_first_trains_on(assets, tmp_path):
+    from ovkit.train import train
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ovkit", "sft", str(assets / "data"), "--model", str(assets / "model"), "--out", str(out),
+           "--batch-size", "2", "--max-steps", "6", "--precision", "fp32", "--quiet"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "run.partial").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, "the first run must still be going"
+        with pytest.raises(OvkitError, match=f"being written by another run \\(ovkit sft, pid {proc.pid} "):
+            train(config("SFTConfig", assets, out, max_steps=6, batch_size=2, resume=True))
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    finally:
+        proc.poll() is None and proc.kill()
+        proc.stderr.close()
+    assert (out / "ovkit.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+# -- interrupted on purpose ----------------------------------------------------------------------------------------
+
+SFT = dict(batch_size=2, max_steps=12, lr=1e-2, save_every=4)
+
+
+def _sft(assets: Path, out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ovkit", "sft", str(assets / "data"), "--model", str(assets / "model"), "--out", str(out),
+           "--batch-size", "2", "--max-steps", "12", "--lr", "1e-2", "--save-every", "4", "--precision", "fp32", "--quiet"]
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(cond, proc: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while not cond() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+
+
+def _logged(out: Path) -> int:
+    try:
+        return len((out.parent / f"{out.name}.partial" / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def test_sigterm_stops_a_learner_with_a_checkpoint_and_resume_continues_the_same_run(assets, tmp_path):
+    from ovkit.train import train
+
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    train(config("SFTConfig", assets, ref, **SFT))
+    proc = _sft(assets, out)
+    _wait_for(lambda: _logged(out) >= 2, proc)  # mid-way between the checkpoints of steps 4 and 8 (or just after)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "stopped by SIGTERM after step" in err and "--resume" in err, err[-3000:]
+    stopped = int(err.split("after step ")[1].split()[0])
+    assert 2 <= stopped < 12 and (tmp_path / "run.partial" / "checkpoints" / f"step-{stopped:06d}" / "ovkit.json").is_file()
+    assert not out.exists() and not (tmp_path / "run.lock").exists()
+
+    res = train(config("SFTConfig", assets, out, resume=True, **SFT))
+    assert res.metrics["resumed_from"].endswith(f"step-{stopped:06d}")
+    assert losses(out) == losses(ref)  # the same trajectory, every step logged once
+    w_ref, w_out = weights(ref), weights(out)
+    assert all(w_ref[k].equal(w_out[k]) for k in w_ref)
+
+
+def test_a_second_signal_stops_a_learner_at_once(assets, tmp_path):
+    out = tmp_path / "run"
+    proc = _sft(assets, out)
+    _wait_for(lambda: _logged(out) >= 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)  # before the step ends: no checkpoint is waited for
+    err = proc.communicate(timeout=300)[1]
+    # Python runs pending handlers in signal-number order: the one handled second is the one that stopped the run
+    second = signal.Signals[err.split("stopped at once by ")[-1].split()[0].rstrip(";")] if "stopped at once by " in err else None
+    assert second is not None and proc.returncode == 128 + second, err[-3000:]
+    assert "Traceback" not in err and "stopping after this step" in err, err[-3000:]
+    assert not out.exists() and (tmp_path / "run.partial").is_dir() and not (tmp_path / "run.lock").exists()
+
+
+def test_sigint_stops_a_data_stage_and_removes_its_partial_output(tmp_path):
+    out = tmp_path / "data"
+    proc = subprocess.Popen([sys.executable, "-m", "ovkit", "synth", "--out", str(out), "--scale", "0.2", "--quiet"], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: any(p.name.startswith("data.tmp-") for p in tmp_path.iterdir()), proc)
+    time.sleep(0.2)  # into the writing
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "synth: stopped by SIGINT; its partial output was removed" in err, err[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- broken checkpoints --------------------------------------------------------------------------------------------
+
+CKPT = dict(batch_size=2, max_steps=6, lr=1e-2, save_every=2, keep_checkpoints=3)
+
+
+@pytest.fixture(scope="module")
+def finished(assets, tmp_path_factory):
+    """A finished 6-step run with checkpoints at steps 2 and 4."""
+    from ovkit.train import train
+
+    out = tmp_path_factory.mktemp("ckpt") / "ref"
+    train(config("SFTConfig", assets, out, **CKPT))
+    return out
+
+
+def _unfinished(finished: Path, tmp_path: Path) -> Path:
+    """A copy of the finished run made to look killed after step 4: OUT.partial with both checkpoints."""
+    import shutil
+
+    shutil.copytree(finished, tmp_path / "run.partial")
+    return tmp_path / "run"
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _foreign(path: Path) -> None:
+    path.write_bytes(os.urandom(path.stat().st_size))  # same size: only the checksum sees it
+
+
+@pytest.mark.parametrize("harm", ["truncated", "foreign", "missing"])
+def test_resume_skips_a_damaged_checkpoint_and_uses_the_one_before(assets, finished, tmp_path, capsys, harm):
+    from ovkit.train import train
+
+    out = _unfinished(finished, tmp_path)
+    step4 = tmp_path / "run.partial" / "checkpoints" / "step-000004"
+    state = sorted((step4 / "state").glob("*.bin"))[0]  # the model or optimiser state accelerate wrote
+    {"truncated": _truncate, "foreign": _foreign, "missing": Path.unlink}[harm](state)
+    res = train(config("SFTConfig", assets, out, resume=True, **CKPT))
+    err = capsys.readouterr().err
+    assert f"checkpoint {step4} is damaged" in err and state.name in err, err
+    assert res.metrics["resumed_from"].endswith("step-000002")
+    assert (out / "checkpoints" / "step-000004.damaged").is_dir()  # kept for a look, never pruned in favour of others
+    assert losses(out) == losses(finished)
+    w_ref, w_out = weights(finished), weights(out)
+    assert all(w_ref[k].equal(w_out[k]) for k in w_ref)
+
+
+def test_resume_with_every_checkpoint_damaged_exits_2_naming_the_run(assets, finished, tmp_path, cli):
+    out = _unfinished(finished, tmp_path)
+    for ckpt in (tmp_path / "run.partial" / "checkpoints").glob("step-*"):
+        _truncate(ckpt / "model.safetensors")
+    code, _, err = cli("sft", assets / "data", "--model", assets / "model", "--out", out, "--resume", "--batch-size", "2",
+                       "--max-steps", "6", "--lr", "1e-2", "--save-every", "2", "--keep-checkpoints", "3", "--precision", "fp32", "--quiet")
+    assert code == 2 and f"every checkpoint of {tmp_path / 'run.partial'} is damaged" in err, err
+
+
+def test_a_checkpoint_without_a_manifest_that_does_not_load_is_named(assets, finished, tmp_path):
+    """A checkpoint from before manifests is loaded unchecked: a foreign state file is still an error naming it."""
+    from ovkit.train import train
+
+    out = _unfinished(finished, tmp_path)
+    step4 = tmp_path / "run.partial" / "checkpoints" / "step-000004"
+    (step4 / "manifest.json").unlink()
+    _foreign(sorted((step4 / "state").glob("*.bin"))[0])
+    with pytest.raises(OvkitError, match="step-000004/state could not be loaded .* move step-000004 aside"):
+        train(config("SFTConfig", assets, out, resume=True, **CKPT))
+
+
+# -- out of GPU memory ---------------------------------------------------------------------------------------------
+
+
+def test_out_of_memory_in_a_learner_step_exits_3_with_what_to_lower_and_resumes(assets, finished, tmp_path, cli, monkeypatch):
+    import torch
+
+    from ovkit.train import loop
+
+    real, calls = loop._step, []
+
+    def step(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(loop, "_step", step)
+    out = tmp_path / "run"
+    args = ["sft", assets / "data", "--model", assets / "model", "--out", out, "--batch-size", "2", "--max-steps", "6", "--lr", "1e-2",
+            "--save-every", "2", "--keep-checkpoints", "3", "--precision", "fp32", "--quiet"]
+    code, _, err = cli(*args)
+    assert code == 3, err
+    line = err.strip()
+    assert "\n" not in line and line.startswith("error: sft: out of GPU memory at step 3 ("), err
+    for option in ("tokens per micro-batch", "--batch-size", "--activation-checkpointing", "--precision", "--max-len", "--resume continues from"):
+        assert option in line, (option, line)
+    assert (tmp_path / "run.partial" / "checkpoints" / "step-000002" / "ovkit.json").is_file() and not out.exists()
+
+    monkeypatch.setattr(loop, "_step", real)
+    code, _, err = cli(*args, "--resume")
+    assert code == 0, err
+    assert losses(out) == losses(finished)
+
+
+def test_out_of_memory_in_a_data_stage_exits_3_naming_it(tmp_path, cli, monkeypatch):
+    import torch
+
+    from ovkit.data import synth
+
+    def build(cfg, path):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(synth, "build_corpus", build)
+    code, _, err = cli("synth", "--out", tmp_path / "data", "--quiet")
+    assert code == 3 and "synth: out of GPU memory; lower --batch-size" in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing partial, no lock
