@@ -7,7 +7,9 @@ answer-only instruction, as rl-train encodes them. Each prompt is sampled `--n` 
   generate   what a user writes: the prompts left-padded into one batch (the processor's tensors), then
              `model.generate(**inputs, do_sample=True, num_return_sequences=n, max_new_tokens=..., top_k=0)`
   ovkit      `HFEngine(model, processor, batch_size=N*n).generate(prompts, n=n, ...)`: the same batch, plus the
-             sampled log-probs, stop handling and detokenised Completions that rl-train needs
+             sampled log-probs, stop handling and detokenised Completions that rl-train needs; once with
+             `prefill="per-sequence"` (the engine before #26: every sample prefilled and its images encoded on its
+             own; the default) and once with the shared prefill (each prompt once, its KV cache copied to its n samples)
 
 tokens/s counts generated tokens up to and including the stop token, per sequence, over wall time (best of
 `--repeats`, both ways alternated in one process). Two models: the tiny default (`ovkit init-model --preset tiny`, 2.5M
@@ -203,7 +205,8 @@ def main() -> None:
             table = read_table(data)
             prompts = encode_prompts(table.slice(0, a.prompts), processor, mode="answer", system=False)
             prompts = [p.encoded for p in prompts]
-            engine = HFEngine(model, processor, batch_size=a.prompts * a.n, **engine_options(a.engine_options))
+            engine = HFEngine(model, processor, batch_size=a.prompts * a.n, **{"prefill": "shared", **engine_options(a.engine_options)})
+            before = HFEngine(model, processor, batch_size=a.prompts * a.n, prefill="per-sequence")
             stops = set(engine.stop_ids)
             lengths = sorted(p.length for p in prompts)
             params = sum(p.numel() for p in model.parameters()) / 1e6
@@ -211,9 +214,11 @@ def main() -> None:
                   f"{sum(len(p.mm.get('image_grid_thw', [])) for p in prompts)} images")
             engine_generate(engine, prompts, a)  # warm-up
             plain_rate, plain_tokens = best_rate(lambda: plain_generate(model, prompts, engine.pad_id, stops, a), a.repeats)
+            before_rate, before_tokens = best_rate(lambda: engine_generate(before, prompts, a), a.repeats)
             ovkit_rate, ovkit_tokens = best_rate(lambda: engine_generate(engine, prompts, a), a.repeats)
-            print(f"  model.generate  {plain_rate:8.1f} tokens/s ({plain_tokens} tokens)")
-            print(f"  ovkit hf engine {ovkit_rate:8.1f} tokens/s ({ovkit_tokens} tokens)  ratio {ovkit_rate / plain_rate:.2f}x")
+            print(f"  model.generate                        {plain_rate:8.1f} tokens/s ({plain_tokens} tokens)", flush=True)
+            print(f"  ovkit hf engine, per-sequence prefill {before_rate:8.1f} tokens/s ({before_tokens} tokens)  ratio {before_rate / plain_rate:.2f}x", flush=True)
+            print(f"  ovkit hf engine, shared prefill       {ovkit_rate:8.1f} tokens/s ({ovkit_tokens} tokens)  ratio {ovkit_rate / plain_rate:.2f}x", flush=True)
             if not a.no_profile:
                 profile(engine, prompts, a)
 

@@ -86,7 +86,7 @@ def test_shared_prefill_equals_prefilling_every_sequence(tiny, prompts):
 
     kw = dict(n=3, temperature=1.0, max_new_tokens=8, seed=5)
     with SyncCounter() as shared_syncs:
-        shared = _engine(tiny, batch_size=12).generate(prompts, **kw)
+        shared = _engine(tiny, batch_size=12, prefill="shared").generate(prompts, **kw)
     with SyncCounter() as own_syncs:
         own = _engine(tiny, batch_size=12, prefill="per-sequence").generate(prompts, **kw)
     assert len({tuple(c.token_ids) for cs in shared for c in cs}) > 4  # really different samples
@@ -100,7 +100,7 @@ def test_shared_prefill_equals_prefilling_every_sequence(tiny, prompts):
 def test_shared_prefill_greedy_equals_one_prompt_at_a_time(tiny, prompts):
     """The same prompt twice in one greedy batch (shared prefill) and each prompt alone give the same tokens."""
     repeated = [prompts[2], prompts[0], prompts[2], prompts[1]]
-    shared = _engine(tiny, batch_size=8).generate(repeated, temperature=0, max_new_tokens=10)
+    shared = _engine(tiny, batch_size=8, prefill="shared").generate(repeated, temperature=0, max_new_tokens=10)
     single = _engine(tiny, batch_size=1).generate(repeated, temperature=0, max_new_tokens=10)
     for a, b in zip(shared, single):
         assert a[0].token_ids == b[0].token_ids

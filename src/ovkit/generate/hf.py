@@ -7,8 +7,10 @@ which computes the Qwen-VL 3D RoPE positions and rope deltas from the attention 
 the same greedy tokens as one prompt at a time, and that generation with and without the KV cache agrees.
 
 A prompt sampled n times (a GRPO group) is prefilled once: its images go through the vision encoder once and its KV
-cache is copied to the n sequences before `generate` decodes them (`prefill="shared"`, the default; `HFEngine.
-_shared_prefill`). `static_cache=True` asks `generate` for transformers' static KV cache (`cache_implementation=
+cache is copied to the n sequences before `generate` decodes them (`prefill="shared"`, `HFEngine._shared_prefill`).
+Not the default yet: on the tiny model (CPU) it cut prefill and vision time and host syncs by n, but its decode
+steps, continuing from the copied cache, measured ~9x slower than per-sequence prefill's (BENCHMARKS.md; cause not
+found yet), so `prefill="per-sequence"` stays the default until that is understood. `static_cache=True` asks `generate` for transformers' static KV cache (`cache_implementation=
 "static"`), with which transformers also compiles the decode step on CUDA; it applies to batches without repeated
 prompts (greedy, n=1), since a shared prefill's cache is a dynamic one. Off by default: on CPU it is no faster
 (BENCHMARKS.md), and on GPU it was not measured.
@@ -170,7 +172,7 @@ class HFEngine:
         separate: bool = False,
         batch_size: int = 32,
         use_cache: bool = True,
-        prefill: str = "shared",
+        prefill: str = "per-sequence",
         static_cache: bool = False,
         progress: bool = False,
     ):
