@@ -79,6 +79,42 @@ def test_greedy_with_and_without_kv_cache_agree(tiny, prompts):
         assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
 
 
+def test_shared_prefill_equals_prefilling_every_sequence(tiny, prompts):
+    """A prompt sampled n times is prefilled once (images encoded once) and its KV cache copied: the same seeded
+    samples and log-probs as prefilling each of the n sequences on its own, in a batch of mixed lengths."""
+    from ovkit.runtime.syncs import SyncCounter
+
+    kw = dict(n=3, temperature=1.0, max_new_tokens=8, seed=5)
+    with SyncCounter() as shared_syncs:
+        shared = _engine(tiny, batch_size=12, prefill="shared").generate(prompts, **kw)
+    with SyncCounter() as own_syncs:
+        own = _engine(tiny, batch_size=12, prefill="per-sequence").generate(prompts, **kw)
+    assert len({tuple(c.token_ids) for cs in shared for c in cs}) > 4  # really different samples
+    for a, b in zip(shared, own):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+    assert shared_syncs.total < own_syncs.total  # 3D RoPE positions are computed once per prompt, not per sequence
+
+
+def test_shared_prefill_greedy_equals_one_prompt_at_a_time(tiny, prompts):
+    """The same prompt twice in one greedy batch (shared prefill) and each prompt alone give the same tokens."""
+    repeated = [prompts[2], prompts[0], prompts[2], prompts[1]]
+    shared = _engine(tiny, batch_size=8, prefill="shared").generate(repeated, temperature=0, max_new_tokens=10)
+    single = _engine(tiny, batch_size=1).generate(repeated, temperature=0, max_new_tokens=10)
+    for a, b in zip(shared, single):
+        assert a[0].token_ids == b[0].token_ids
+        assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
+
+
+def test_static_cache_gives_the_greedy_tokens_of_the_dynamic_cache(tiny, prompts):
+    static = _engine(tiny, static_cache=True).generate(prompts, temperature=0, max_new_tokens=8)
+    dynamic = _engine(tiny).generate(prompts, temperature=0, max_new_tokens=8)
+    for a, b in zip(static, dynamic):
+        assert a[0].token_ids == b[0].token_ids
+        assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
+
+
 def _teacher_forced_logits(model, prompt, response):
     """Logits that predicted each response token, from one forward pass over prompt + response."""
     import torch
@@ -277,6 +313,8 @@ def test_bad_options_are_user_errors(tiny, prompts):
         _engine(tiny, dtype="int4")
     with pytest.raises(OvkitError, match="--quant"):
         _engine(tiny, quant="int2")
+    with pytest.raises(OvkitError, match="prefill must be one of"):
+        _engine(tiny, prefill="twice")
     with pytest.raises(OvkitError, match="--top-p"):
         _engine(tiny).generate(prompts[:1], top_p=0)
     with pytest.raises(OvkitError, match="--temperature"):

@@ -6,6 +6,15 @@ tensors such as `pixel_values` / `image_grid_thw` are concatenated in batch orde
 which computes the Qwen-VL 3D RoPE positions and rope deltas from the attention mask. Tests check that a batch gives
 the same greedy tokens as one prompt at a time, and that generation with and without the KV cache agrees.
 
+A prompt sampled n times (a GRPO group) is prefilled once: its images go through the vision encoder once and its KV
+cache is copied to the n sequences before `generate` decodes them (`prefill="shared"`, `HFEngine._shared_prefill`).
+Not the default yet: on the tiny model (CPU) it cut prefill and vision time and host syncs by n, but its decode
+steps, continuing from the copied cache, measured ~9x slower than per-sequence prefill's (BENCHMARKS.md; cause not
+found yet), so `prefill="per-sequence"` stays the default until that is understood. `static_cache=True` asks `generate` for transformers' static KV cache (`cache_implementation=
+"static"`), with which transformers also compiles the decode step on CUDA; it applies to batches without repeated
+prompts (greedy, n=1), since a shared prefill's cache is a dynamic one. Off by default: on CPU it is no faster
+(BENCHMARKS.md), and on GPU it was not measured.
+
 Where the log-probs come from: sampling is done by `generate` (`do_sample=True`, its own temperature/top-k/top-p
 switched off) with one logits processor of ours, `_SampledDistribution`, that turns the fp32 logits into the
 log-probabilities of the distribution we want (`sampling_logprobs`: temperature, then top-p renormalised) and
@@ -35,6 +44,9 @@ from ovkit.generate import Completion
 PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTS = ("int8", "fp8", "int4")
+# "shared": a prompt sampled n times (a GRPO group) is prefilled once, its images encoded once, and its KV cache copied
+# to the n sequences; "per-sequence": every sequence is prefilled on its own, as `generate(num_return_sequences=n)` does.
+PREFILLS = ("shared", "per-sequence")
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
@@ -160,12 +172,16 @@ class HFEngine:
         separate: bool = False,
         batch_size: int = 32,
         use_cache: bool = True,
+        prefill: str = "per-sequence",
+        static_cache: bool = False,
         progress: bool = False,
     ):
         if quant is not None and quant not in QUANTS:
             raise OvkitError(f"--quant must be one of {', '.join(QUANTS)} (or none), got {quant!r}")
         if batch_size < 1:
             raise OvkitError(f"--batch-size must be >= 1, got {batch_size}")
+        if prefill not in PREFILLS:
+            raise OvkitError(f"prefill must be one of {', '.join(PREFILLS)}, got {prefill!r}")
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.dtype = _dtype(dtype)
@@ -173,6 +189,8 @@ class HFEngine:
         self.separate = separate  # sample from an own copy even in the learner's dtype (asynchronous RL)
         self.batch_size = batch_size
         self.use_cache = use_cache
+        self.prefill = prefill
+        self.static_cache = static_cache
         self.progress = progress
         self.stop_ids = stop_token_ids(self.tokenizer, model)
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -253,18 +271,20 @@ class HFEngine:
     def _generate_batch(self, prompts: Sequence[Any], max_new_tokens: int, temperature: float, top_p: float, suppress_ids: Sequence[int] = ()) -> list[Completion]:
         model = self.model
         device = next(model.parameters()).device
-        inputs = collate_prompts(prompts, self.pad_id)
-        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        if self.dtype is not None and "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
-            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        if self._shares_prefill(prompts):
+            inputs = self._shared_prefill(prompts, device)
+        else:
+            inputs = self._inputs(prompts, device)
         recorder = _SampledDistribution(temperature, top_p, suppress_ids)
         sampling = dict(temperature=1.0, top_p=1.0, top_k=0) if temperature > 0 else {}  # ours do the work
+        static = dict(cache_implementation="static") if self.static_cache and "cache" not in inputs else {}
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             do_sample=temperature > 0,
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
             use_cache=self.use_cache,
+            **static,
             **sampling,
         )
         with _plain_generation_config(model), _eval_mode(model):
@@ -272,6 +292,49 @@ class HFEngine:
         new = out[:, inputs["input_ids"].shape[1] :]
         logprobs = recorder.logprobs(new).tolist()
         return [self._completion(row, lp) for row, lp in zip(new.tolist(), logprobs)]
+
+    def _inputs(self, prompts: Sequence[Any], device: torch.device) -> dict[str, Any]:
+        inputs = collate_prompts(prompts, self.pad_id)
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        if self.dtype is not None and "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        return inputs
+
+    def _shares_prefill(self, prompts: Sequence[Any]) -> bool:
+        """Shared prefill pays when a prompt repeats in the batch (n > 1) and needs a KV cache to copy; a prompt of
+        one token has nothing to prefill before the step that `generate` runs."""
+        distinct = {id(p) for p in prompts}
+        return (self.prefill == "shared" and self.use_cache and len(distinct) < len(prompts)
+                and min(p.length for p in prompts) > 1)
+
+    def _shared_prefill(self, prompts: Sequence[Any], device: torch.device) -> dict[str, Any]:
+        """Run the vision encoder and the prompt through the model once per distinct prompt, copy the KV cache to each
+        sequence that samples from it, and return `generate`'s inputs for continuing from that cache.
+
+        All of each prompt but its last token is prefilled here; `generate` sees a cache one token shorter than its
+        `input_ids`, so it runs only that last token and then decodes as usual (its log-probs processor and sampling
+        unchanged). Models with 3D RoPE (the Qwen-VL family) keep the prompt's position offsets (`rope_deltas`) on
+        the model after a prefill; they are copied to the sequences like the cache. A test checks that this gives the
+        tokens and log-probs of prefilling every sequence on its own."""
+        slot: dict[int, int] = {}  # id of a prompt -> its row among the distinct prompts
+        distinct = []
+        for p in prompts:
+            if id(p) not in slot:
+                slot[id(p)] = len(distinct)
+                distinct.append(p)
+        index = torch.tensor([slot[id(p)] for p in prompts], device=device)
+        inputs = self._inputs(distinct, device)
+        per_token = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == inputs["input_ids"].shape]
+        head = {k: (v[:, :-1] if k in per_token else v) for k, v in inputs.items()}
+        with _eval_mode(self.model):
+            out = self.model(**head, use_cache=True, logits_to_keep=1)
+        cache = out.cache
+        cache.reorder_cache(index)
+        inner = getattr(self.model, "model", None)
+        deltas = getattr(inner, "rope_deltas", None)
+        if isinstance(deltas, torch.Tensor) and deltas.shape[0] == len(distinct):
+            inner.rope_deltas = deltas.index_select(0, index.to(deltas.device))
+        return {**{k: inputs[k].index_select(0, index) for k in per_token}, "cache": cache}
 
     def _completion(self, tokens: list[int], logprobs: list[float]) -> Completion:
         stops = set(self.stop_ids)
