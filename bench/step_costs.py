@@ -131,6 +131,27 @@ def op_counts(cfg) -> dict:
     }
 
 
+def profiled_ops(cfg) -> dict:
+    """aten ops of the fifth optimiser step by torch.profiler alone (a dispatch mode would keep torch.compile from
+    running): every op, and the top-level ones (not nested in another aten op). Compiled code runs inductor's fused
+    kernels, which the profiler shows as compiled regions, not aten ops."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from ovkit.train import train
+
+    prof = profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=4, warmup=0, active=1, repeat=1))
+    hooks = StepHooks(prof.step)
+    prof.start()
+    try:
+        train(cfg)
+    finally:
+        prof.stop()
+        hooks.remove()
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    return {"profiler_aten_ops": len(aten), "profiler_top_level_aten_ops": len(top)}
+
+
 def sync_counts(cfg) -> list[int]:
     from ovkit.runtime.syncs import SyncCounter
     from ovkit.train import train
@@ -199,6 +220,10 @@ def main() -> None:
         instruct = work / "data" / "instruct"
         result = {"ovkit": str(Path(ovkit.__file__).parent), "torch": torch.__version__, "threads": torch.get_num_threads()}
         result["sft_b8_bf16_mixed"] = op_counts(sft_config(work, instruct, "ops", 8, 4, "bf16-mixed"))
+        for compiled in (False, True):
+            cfg = sft_config(work, instruct, "ops-profiled", 8, 6, "bf16-mixed")
+            cfg.compile = compiled
+            result[f"sft_b8_bf16_mixed_profiled{'_compile' if compiled else ''}"] = profiled_ops(cfg)
         for batch in (2, 8):
             result[f"syncs_per_step_b{batch}_bf16_mixed"] = sync_counts(sft_config(work, instruct, "syncs", batch, 5, "bf16-mixed"))
         for precision in ("fp32", "bf16-mixed"):
