@@ -14,6 +14,8 @@ happened and what to do, and leaves nothing a later run would trip on.
   shrunk for the estimate, EROFS at the lock): one line naming the path and the free space, exit 2, no temp output
   left; a learner keeps its last complete checkpoint and --resume ends where an undisturbed run ends. A failure at the
   end of a learner (its ovkit.json) moves the run back to OUT.partial instead of deleting it.
+- reward workers killed from outside (SIGKILL, as the OOM killer sends): the item is scored again on a fresh worker,
+  the death is counted (rewards/worker_crashes), and the next batch is scored by live workers.
 """
 
 from __future__ import annotations
@@ -460,3 +462,59 @@ def test_a_failure_while_finishing_a_learner_gives_the_run_back_to_resume(assets
     assert code == 0, err
     assert losses(out) == losses(finished)
 
+
+# -- reward workers killed from outside ----------------------------------------------------------------------------
+
+
+def test_a_reward_worker_killed_from_outside_is_replaced_and_its_item_scored_again(tmp_path):
+    import threading
+
+    import pool_tasks
+
+    from ovkit.rewards.pool import WorkerPool
+
+    pool = WorkerPool()
+    marks, killed = tmp_path / "marks", []
+    marks.mkdir()
+
+    def kill_the_first_worker():  # as the OOM killer would: SIGKILL, while it scores
+        deadline = time.time() + 60
+        while not any(marks.iterdir()) and time.time() < deadline:
+            time.sleep(0.01)
+        pid = int(sorted(marks.iterdir(), key=lambda p: p.stat().st_mtime_ns)[0].name)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+
+    try:
+        killer = threading.Thread(target=kill_the_first_worker)
+        killer.start()
+        # the first two items are slow: whichever started first is still scoring when it is killed
+        results = pool.run([(pool_tasks.slow, str(marks), "1.5", {})] * 2 + [(pool_tasks.slow, str(marks), "0.2", {})] * 2, workers=2, timeout=30)
+        killer.join()
+        assert len(killed) == 1
+        assert all(r.reward == 1.0 for r in results), results  # every item came back, scored
+        crashed = [r for r in results if r.parts.get("worker_crashes")]
+        assert len(crashed) == 1 and crashed[0].parts["worker_crashes"] == 1 and crashed[0].parts["pid"] != killed[0]
+
+        again = pool.run([(pool_tasks.slow, str(marks), "0.1", {})] * 2, workers=2, timeout=30)  # the next batch
+        assert all(r.reward == 1.0 and not r.parts.get("worker_crashes") for r in again)
+        assert killed[0] not in {r.parts["pid"] for r in again}
+
+        dead = pool.run([(pool_tasks.die, "", "", {})], workers=1, timeout=30)[0]  # killed every time: a failure, counted
+        assert dead.reward == 0.0 and dead.parts == {"crashed": True, "worker_crashes": 2}
+    finally:
+        pool.shutdown()
+
+
+def test_worker_crashes_are_step_metrics():
+    from types import SimpleNamespace
+
+    from ovkit.rl.metrics import rollout_metrics
+    from ovkit.rollouts.groups import Group
+
+    completion = SimpleNamespace(mask=[1, 1], finish_reason="stop", termination=None)
+    group = Group(prompt=SimpleNamespace(category="math"), index=0, version=0, completions=[completion] * 3, task_rewards=[1.0, 0.0, 0.0],
+                  format_rewards=[0.0] * 3, rewards=[1.0, 0.0, 0.0],
+                  parts=[{"accuracy": 1.0, "worker_crashes": 1}, {"accuracy": 0.0, "crashed": True, "worker_crashes": 2}, {"accuracy": 0.0}])  # fmt: skip
+    metrics = rollout_metrics([group])
+    assert metrics["rewards/worker_crashes"] == 3 and metrics["rewards/crashed"] == 1

@@ -239,7 +239,7 @@ def _save_rollouts(rt: Runtime, step: int, groups: Sequence[Group], tokenizer: A
 
 def combine(rt: Runtime, metrics: dict[str, Any]) -> dict[str, Any]:
     """One process's step metrics combined with every other's: maxima and minima of keys named so, histograms
-    summed, the rest averaged (every process holds the same number of groups). One process: unchanged."""
+    and crash counts summed, the rest averaged (every process holds the same number of groups). One process: unchanged."""
     if rt.processes == 1:
         return metrics
     from accelerate.utils import gather_object
@@ -256,6 +256,8 @@ def combine(rt: Runtime, metrics: dict[str, Any]) -> dict[str, Any]:
             out[key] = dict(sorted(hist.items(), key=lambda kv: int(kv[0]) if str(kv[0]).lstrip("-").isdigit() else 0))
         elif key in ("samples", "elapsed_s", "lr", "version"):
             out[key] = values[0]
+        elif key in ("rewards/worker_crashes", "rewards/crashed"):  # counts: every process's add up
+            out[key] = sum(values)
         elif "max" in key.split("/")[-1]:
             out[key] = max(values)
         elif "min" in key.split("/")[-1]:
