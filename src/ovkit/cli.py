@@ -106,6 +106,10 @@ def main() -> None:
         if faults.is_out_of_memory(e):  # a data stage that runs a model (caption, eval, rl-curate): exit 3
             print(f"error: {faults.out_of_memory_message(_command(), e)}", file=sys.stderr)
             sys.exit(3)
+        failure = faults.write_failure(e, "the output")  # disk full or read-only where no stage caught it: exit 2
+        if failure is not None:
+            print(f"error: {_command()}: {failure}", file=sys.stderr)
+            sys.exit(failure.exit_code)
         print(f"internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         sys.exit(1)
     finally:

@@ -16,6 +16,14 @@ stops at once, whatever runs. Either way there is no traceback and the exit code
 signal, 128 + its number (130 for SIGINT, 143 for SIGTERM): a job script or scheduler sees a run that did not finish
 (a requeue rule can match it), and `set -e` scripts stop as they would after Ctrl-C.
 
+Out of space or not writable. Where it can be, before the work starts: taking `OUT.lock` beside the output proves
+its directory writable (a read-only or forbidden place exits 2 there), and a learner compares a rough size of what it
+will write (checkpoints, the final model, rollout tables) with the free space (`check_space`). Where it happens: an
+OSError with ENOSPC, EDQUOT, EROFS or EACCES during a write (safetensors' and torch.save's own errors included, which
+carry no errno: `write_failure`) ends in one line naming the path, the free and the needed space where known and what
+to do, exit 2; the Stage removes its temporary output, a learner removes the checkpoint it was writing and keeps the
+last complete one for `--resume`.
+
 Out of GPU memory. torch.cuda.OutOfMemoryError anywhere ends in one message (the stage, the step, tokens per
 micro-batch, peak and total device memory where known, the options that need less) and exit 3, apart from bad input's
 2: a learner keeps its last checkpoint (ovkit.runtime.Runtime.out_of_memory), a data stage its finished chunks.
@@ -28,6 +36,8 @@ import errno
 import fcntl
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import sys
@@ -267,3 +277,95 @@ def memory_note() -> str:
 def out_of_memory_message(command: str, e: BaseException) -> str:
     return (f"{command}: out of GPU memory{memory_note()}; lower {DATA_STAGE_OPTIONS}; then run the same command again "
             f"(a stage that saves finished chunks resumes from them) [{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}]")  # fmt: skip
+
+
+# -- out of space or not writable ----------------------------------------------------------------------------------
+
+# errno -> (what happened, what to do)
+_WRITE_ERRNOS = {
+    errno.ENOSPC: ("no space left on device", "free space there or choose another --out"),
+    errno.EDQUOT: ("disk quota exceeded", "free space within the quota or choose another --out"),
+    errno.EROFS: ("read-only file system", "choose a writable --out"),
+    errno.EACCES: ("permission denied", "choose a writable --out or fix its permissions"),
+}
+# Libraries that report a failed write without an OSError: safetensors (Rust's `... (os error 28)`) and torch.save
+# (its C++ zip writer: `PytorchStreamWriter failed writing file`, `unexpected pos N vs M`, an iostream error).
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+_STRERROR = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT, "Read-only file system": errno.EROFS}
+_TORCH_WRITER = re.compile(r"PytorchStreamWriter failed writing|file write failed|unexpected pos \d+ vs \d+|iostream error")
+
+
+def write_errno(e: BaseException, *, saving: bool = False, within: Path | None = None) -> int | None:
+    """ENOSPC, EDQUOT, EROFS or EACCES when `e` (or what caused it) is a write that the machine refused; None
+    otherwise. `saving`: `e` came from a save (torch.save's writer errors, which name no cause, count as ENOSPC).
+    EACCES is also what reading a forbidden input raises: it counts only from a save or for a file under `within`."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen and not isinstance(e, OvkitError):  # an OvkitError is told already
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+            if e.errno != errno.EACCES or saving or _under(e.filename, within):
+                return e.errno
+        text = str(e)
+        m = _RUST_OS_ERROR.search(text)
+        if m and int(m[1]) in _WRITE_ERRNOS:
+            return int(m[1])
+        for words, code in _STRERROR.items():
+            if words in text:
+                return code
+        if saving and _TORCH_WRITER.search(text):
+            return errno.ENOSPC
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _under(filename: object, root: Path | None) -> bool:
+    if not filename or root is None:
+        return False
+    name, root_ = os.path.abspath(os.fsdecode(filename)), os.path.abspath(root)
+    return name == root_ or name.startswith(root_.rstrip(os.sep) + os.sep)
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free space for this user on the filesystem that holds `path` (or the nearest directory above it that exists)."""
+    p = Path(os.path.abspath(path))
+    for q in [p, *p.parents]:
+        if q.exists():
+            try:
+                return shutil.disk_usage(q).free
+            except OSError:
+                return None
+    return None
+
+
+def size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def write_failure(e: BaseException, path: Path, *, needed: int | None = None, then: str = "then run the same command again",
+                  saving: bool = False, within: Path | None = None) -> OvkitError | None:  # fmt: skip
+    """The one-line error for a write the machine refused (None when `e` is something else): the path (the file the
+    OSError names, else `path`), why, the free and the needed space where known, what to do, and `then`."""
+    code = write_errno(e, saving=saving, within=within)
+    if code is None:
+        return None
+    what, fix = _WRITE_ERRNOS[code]
+    named = getattr(e, "filename", None) or path
+    space = ""
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        free = free_bytes(Path(named))
+        known = [f"{size(free)} free"] if free is not None else []
+        known += [f"about {size(needed)} needed"] if needed else []
+        space = f" ({', '.join(known)})" if known else ""
+    return OvkitError(f"{named}: could not write: {what}{space}; {fix}, {then}")
+
+
+def check_space(out: Path, needed: int, what: str) -> None:
+    """Exit 2 before the work starts when `what` (about `needed` bytes, a rough estimate) cannot fit where `out` goes."""
+    free = free_bytes(out)
+    if free is not None and needed > free:
+        raise OvkitError(f"--out {out}: {what} need about {size(needed)}, and its filesystem has {size(free)} free; "
+                         f"free space there or choose another --out")  # fmt: skip

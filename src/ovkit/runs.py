@@ -9,6 +9,9 @@ of a sharded output (`OUT/part-I-of-N`) also writes `OUT/README.md`, covering ev
 A run killed without a chance to clean up (kill -9, a lost node) leaves its `OUT.tmp-<pid>` (or, mid-swap, the
 replaced `OUT.old-<pid>`). The next run of the same `OUT` removes those whose pid is no live process on this machine;
 a live one belongs to a concurrent run and is left alone (the --shard parts of one output have different names).
+A full disk or an unwritable place (ovkit.faults.write_failure) ends in one line naming the path and the free space,
+exit 2, with the temp dir removed. A failure at the end (config.yaml, ovkit.json, the rename) removes it too, or, for a
+learner, moves it back to `OUT.partial` (`restore_to`) so that --resume still finds its checkpoints.
 A second run of the same `OUT` (or `OUT/part-I-of-N`) does not get that far: every run holds `OUT.lock` for its life
 (ovkit.faults) and a second one exits 2 naming the first one's pid and host.
 """
@@ -29,7 +32,8 @@ from ovkit import __version__
 from ovkit.cards import PART_DIR, write_card, write_parts_card
 from ovkit.config import dump_yaml, to_plain
 from ovkit.data.sources import describe, is_remote, parse_spec
-from ovkit.faults import Interrupted, hold
+from ovkit.errors import OvkitError
+from ovkit.faults import Interrupted, hold, write_failure
 
 PROVENANCE = "ovkit.json"
 
@@ -104,6 +108,8 @@ class Stage:
         self.parent = parent
         self.metrics: dict[str, Any] = {}
         self.extra: dict[str, Any] = {}  # more top-level provenance keys (e.g. `runtime`: device, precision, attention)
+        # Where the temp dir goes back on failure instead of being removed (a learner's OUT.partial: Runtime.finish).
+        self.restore_to: Path | None = None
         self.lock = hold(self.out, command)  # one writer per output (ovkit.faults): exit 2 naming the holder
         self.skipped = is_complete(self.out) and not overwrite
         if self.skipped:
@@ -126,14 +132,36 @@ class Stage:
         if isinstance(exc, Interrupted) and exc.message.startswith("stopped"):  # a data stage, stopped by a signal
             exc.message = f"{self.command}: {exc.message}; its partial output was removed, run the same command again to redo it"
         try:
-            self._exit(exc_type)
+            if exc_type is not None:
+                self._discard()
+            else:
+                try:
+                    self._commit()
+                except BaseException as e:
+                    self._discard()
+                    raise self._write_failure(e) or e
         finally:
             self.lock.release()
+        failure = self._write_failure(exc) if exc is not None else None
+        if failure is not None:  # disk full or not writable: one line naming the path, exit 2
+            raise failure from exc
 
-    def _exit(self, exc_type) -> None:
-        if exc_type is not None:
+    def _write_failure(self, e: BaseException) -> OvkitError | None:
+        then = ("then run the same command again" if self.restore_to is None else
+                f"then run the same command with --resume: it continues from {self.restore_to}")  # fmt: skip
+        return write_failure(e, self.path, then=then, within=self.out.parent)
+
+    def _discard(self) -> None:
+        """Leave nothing a later run would trip on: the temp dir goes, or goes back where it came from (restore_to:
+        a learner's OUT.partial, which --resume continues), without the end's config.yaml and ovkit.json."""
+        if self.restore_to is not None and self.path.is_dir() and not self.restore_to.exists():
+            for name in ("config.yaml", PROVENANCE):
+                (self.path / name).unlink(missing_ok=True)
+            os.replace(self.path, self.restore_to)
+        else:
             shutil.rmtree(self.path, ignore_errors=True)
-            return
+
+    def _commit(self) -> None:
         (self.path / "config.yaml").write_text(dump_yaml(self.cfg))
         prov = self.provenance()
         write_json(self.path / PROVENANCE, prov)
@@ -141,7 +169,11 @@ class Stage:
         if self.out.exists():
             old = self.out.parent / f"{self.out.name}.old-{os.getpid()}"
             self.out.rename(old)
-            self.path.rename(self.out)
+            try:
+                self.path.rename(self.out)
+            except BaseException:
+                old.rename(self.out)  # the previous output stays whole
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             self.path.rename(self.out)

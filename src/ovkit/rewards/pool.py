@@ -10,7 +10,10 @@ Properties:
 - hard per-item wall-clock limit: a task past its deadline scores 0 with `timeout=True` and its worker is SIGKILLed
   (by the zygote, which only signals its own un-reaped children, so a recycled pid is never hit);
 - memory limit: each worker caps its address space (RLIMIT_AS) at its size after start-up plus `memory_mb`; a
-  MemoryError or a crash scores 0 with `memory=True` / `crashed=True` and the worker is replaced;
+  MemoryError scores 0 with `memory=True` and the worker is replaced;
+- killed from outside (SIGKILL from the OOM killer, a crash): the worker is replaced and its item scored again on the
+  fresh one (RETRIES_AFTER_CRASH), then it scores 0 with `crashed=True`; `worker_crashes` in its parts counts the
+  deaths, and a dead idle worker is replaced when next checked out;
 - no hang, no leaked process: the zygote exits (killing its workers) when its control socket closes, i.e. when the
   caller exits or dies; workers die with the zygote and sandboxed children with their worker (PR_SET_PDEATHSIG);
 - thread-safe: each call checks workers out of a shared idle list under a lock, so concurrent calls (a training loop
@@ -36,6 +39,10 @@ from ovkit.errors import OvkitError
 from ovkit.rewards.base import Reward
 
 DEFAULT_MEMORY_MB = 1024
+# A worker killed from outside (the kernel's OOM killer picks the largest process, not the guilty one) has its item
+# scored again on a fresh worker, this many times; then the item scores 0 with `crashed=True`. Either way the item's
+# parts say `worker_crashes`, which rl-train sums into its step metrics.
+RETRIES_AFTER_CRASH = 1
 # Imported once by the zygote, so every worker forked from it starts with them (a missing one is skipped).
 PRELOAD = ("numpy", "sympy", "math_verify", "cairosvg", "PIL.Image", "skimage.metrics", "ovkit.rewards")
 
@@ -294,6 +301,7 @@ class WorkerPool:
         if not tasks:
             return []
         pending = deque(range(len(tasks)))
+        crashes = [0] * len(tasks)  # how often a worker died under each task
         idle = self._checkout(min(workers, len(tasks)))
         busy: dict[Connection, tuple[_Worker, int, float]] = {}  # conn -> (worker, task index, deadline)
         try:
@@ -312,6 +320,11 @@ class WorkerPool:
                     w, i, _ = busy.pop(conn)  # type: ignore[index]
                     results[i], healthy = _receive(w)
                     idle.append(w if healthy else self._replace(w))
+                    if _crashed(results[i]):
+                        crashes[i] += 1
+                        if crashes[i] <= RETRIES_AFTER_CRASH:  # the OOM killer's choice, not the item's fault: again
+                            results[i] = None
+                            pending.appendleft(i)
                 now = time.monotonic()
                 for conn, (w, i, deadline) in list(busy.items()):
                     if now >= deadline:
@@ -322,7 +335,14 @@ class WorkerPool:
             for w, _, _ in busy.values():  # interrupted (e.g. KeyboardInterrupt): never leave a worker mid-task
                 w.kill()
             self._checkin(idle)
+        for i, n in enumerate(crashes):
+            if n and isinstance(results[i], Reward):  # counted in the step's metrics (rewards/worker_crashes)
+                results[i].parts["worker_crashes"] = n  # type: ignore[union-attr]
         return results  # type: ignore[return-value]
+
+
+def _crashed(result: Reward | BaseException | None) -> bool:
+    return isinstance(result, Reward) and bool(result.parts.get("crashed"))
 
 
 def _receive(worker: _Worker) -> tuple[Reward | BaseException, bool]:

@@ -41,6 +41,10 @@ from ovkit.runtime import Runtime
 from ovkit.runtime.optim import constant_factor
 
 
+# A rollout table's row per token at most: token id, sampler log-prob, loss mask (before parquet's compression).
+ROLLOUT_BYTES_PER_TOKEN = 9
+
+
 def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     """Run GRPO and write cfg.out; None when cfg.out is already complete (skipped)."""
     if is_complete(cfg.out) and not cfg.overwrite:
@@ -53,11 +57,15 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     prompts = _prompts(cfg, tables, processor)
     if cfg.prompts_per_step % rt.processes:
         raise OvkitError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of the {rt.processes} processes (each samples an equal share)")
-    rt.make_run_dir()  # only now: bad inputs leave nothing behind
     n_steps = total_steps(cfg, len(prompts))
-    optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: constant_factor(s, n_steps, cfg.warmup_ratio))
     response = cfg.max_response_tokens or cfg.max_new_tokens
-    rt.checkpointing(model, tokens=cfg.micro_batch_size * (max(p.encoded.length for p in prompts) + response))  # before the sampler copies it
+    longest = max(p.encoded.length for p in prompts) + response
+    rollout_bytes = n_steps * cfg.prompts_per_step * cfg.group_size * longest * ROLLOUT_BYTES_PER_TOKEN if cfg.save_rollouts else 0
+    rt.check_space(model, n_steps=n_steps, save_every=cfg.save_every, keep=cfg.keep_checkpoints, extra=rollout_bytes,
+                   what=", --save-rollouts tables" if cfg.save_rollouts else "")  # fmt: skip
+    rt.make_run_dir()  # only now: bad inputs leave nothing behind
+    optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: constant_factor(s, n_steps, cfg.warmup_ratio))
+    rt.checkpointing(model, tokens=cfg.micro_batch_size * longest)  # before the sampler copies it
     rt.compile(model)  # after checkpointing; the sampler's generation (KV cache) and its deep copy run eager
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
     state = rt.resume({"step": 0, "elapsed_s": 0.0, "samples": 0})  # a resumed run's weights are back in `model`
@@ -103,6 +111,11 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
             rt.stop_if_asked(scorer, processor, state, cfg.keep_checkpoints, n_steps)  # SIGINT/SIGTERM: checkpoint, exit
     except torch.cuda.OutOfMemoryError as e:  # one message, exit 3; the last checkpoint stays
         raise rt.out_of_memory(e, state) from e
+    except OSError as e:  # disk full while logging or writing rollouts: one line, exit 2; the last checkpoint stays
+        failure = rt.write_failure(e, rt.run_dir, saving=False)
+        if failure is None:
+            raise
+        raise failure from e
     finally:
         rollouts.stop()
         logger.close()
@@ -226,7 +239,7 @@ def _save_rollouts(rt: Runtime, step: int, groups: Sequence[Group], tokenizer: A
 
 def combine(rt: Runtime, metrics: dict[str, Any]) -> dict[str, Any]:
     """One process's step metrics combined with every other's: maxima and minima of keys named so, histograms
-    summed, the rest averaged (every process holds the same number of groups). One process: unchanged."""
+    and crash counts summed, the rest averaged (every process holds the same number of groups). One process: unchanged."""
     if rt.processes == 1:
         return metrics
     from accelerate.utils import gather_object
@@ -243,6 +256,8 @@ def combine(rt: Runtime, metrics: dict[str, Any]) -> dict[str, Any]:
             out[key] = dict(sorted(hist.items(), key=lambda kv: int(kv[0]) if str(kv[0]).lstrip("-").isdigit() else 0))
         elif key in ("samples", "elapsed_s", "lr", "version"):
             out[key] = values[0]
+        elif key in ("rewards/worker_crashes", "rewards/crashed"):  # counts: every process's add up
+            out[key] = sum(values)
         elif "max" in key.split("/")[-1]:
             out[key] = max(values)
         elif "min" in key.split("/")[-1]:

@@ -136,6 +136,9 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
     out: dict[str, Any] = reward_stats(task, [g.prompt.category for g, _ in trajectories], [g.parts[i].get("accuracy", 0.0) >= 1.0 for g, i in trajectories])
     out["reward/format"] = sum(g.format_rewards[i] for g, i in trajectories) / len(trajectories)
     out["reward/optimised"] = sum(g.rewards[i] for g, i in trajectories) / len(trajectories)
+    # Reward workers killed from outside during the step (ovkit.rewards.pool), and the items that scored 0 for it.
+    out["rewards/worker_crashes"] = sum(g.parts[i].get("worker_crashes", 0) for g, i in trajectories)
+    out["rewards/crashed"] = sum(bool(g.parts[i].get("crashed")) for g, i in trajectories)
     completions = [g.completions[i] for g, i in trajectories]
     out.update(length_stats([sum(c.mask) for c in completions], [c.finish_reason == "length" for c in completions]))
     if any(c.termination is not None for c in completions):

@@ -148,6 +148,7 @@ class Runtime:
         self.kernel_choice, why = kern.resolve(getattr(cfg, "kernels", "torch"), self.device)
         self.kernels: dict[str, Any] = {"kernels": self.kernel_choice, "requested": getattr(cfg, "kernels", "torch"), "why": why}
         self.compiled: dict[str, Any] = {"enabled": False}
+        self.checkpoint_bytes: int | None = None  # the estimate check_space makes, named when a save fails
 
     # -- facts ------------------------------------------------------------------------------------------------------
 
@@ -217,6 +218,30 @@ class Runtime:
             raise OvkitError(f"--resume: every checkpoint of {run_dir} is damaged (the last one checked: {why}); "
                              f"--overwrite starts over")  # fmt: skip
         return choice
+
+    def check_space(self, model: Any, *, n_steps: int, save_every: int, keep: int, extra: int = 0, what: str = "") -> None:
+        """Before the run directory is made: exit 2 when a rough size of what the run will write does not fit in the
+        free space of OUT's filesystem. A checkpoint holds the model in fp32 (model.safetensors) and in its training
+        dtype (the state), the AdamW moments of the trainable parameters (2 x element; 8-bit: 2 bytes) and their fp32
+        masters when kept; up to keep + 1 of them exist at once (the newest is written before the oldest is pruned);
+        the final model is fp32 again. `extra`: more bytes the loop writes (rollout tables), described by `what`."""
+        if not self.is_main:
+            return
+        params = list(model.parameters())
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        element = 2 if self.precision.name == "bf16-true" else 4
+        moments = 2 if self.optim == "adamw_8bit" else 2 * element
+        self.checkpoint_bytes = total * (4 + element) + trainable * (moments + (4 if self.master_weights else 0))
+        done = int(self.resume_from.name.split("-")[1]) if self.resume_from else 0
+        saves = len(range(done + save_every, n_steps, save_every)) if save_every else 0
+        have = len(list_checkpoints(self.run_dir)) if self.resume_from else 0
+        new = min(saves, max(1, keep + 1 - have))
+        needed = self.checkpoint_bytes * new + total * 4 + extra
+        if self.resume_from is None and self.run_dir.exists():  # make_run_dir empties it first
+            needed -= sum(f.stat().st_size for f in self.run_dir.rglob("*") if f.is_file())
+        described = f"{new} checkpoint{'s' if new != 1 else ''} of about {faults.size(self.checkpoint_bytes)} and the final model{what}"
+        faults.check_space(self.cfg.out, needed, described)
 
     def make_run_dir(self) -> None:
         """OUT.partial, emptied unless the run resumes from it."""
@@ -397,6 +422,24 @@ class Runtime:
     def save_checkpoint(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int) -> Path:
         final = step_dir(self.run_dir, state["step"])
         tmp = final.parent / f".{final.name}.tmp"
+        try:
+            self._write_checkpoint(scorer, processor, state, tmp)
+        except Exception as e:  # disk full or not writable: this one goes, the last complete one stays for --resume
+            failure = self.write_failure(e, tmp)
+            if failure is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise failure from e
+        if self.is_main:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            integrity.fsync(final.parent)
+            for old in list_checkpoints(self.run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def _write_checkpoint(self, scorer: Any, processor: Any, state: dict[str, Any], tmp: Path) -> None:
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -410,13 +453,14 @@ class Runtime:
             integrity.write_manifest(tmp, last=PROVENANCE)  # sizes and checksums, checked by --resume
             _write_json(tmp / PROVENANCE, self.provenance(state))
             integrity.fsync_tree(tmp)  # on disk before the name says complete: a crash never leaves a damaged step-N
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            integrity.fsync(final.parent)
-            for old in list_checkpoints(self.run_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        return final
+
+    def write_failure(self, e: BaseException, path: Path, *, saving: bool = True) -> OvkitError | None:
+        """The one line for a write the machine refused (ovkit.faults.write_failure), naming the checkpoint --resume
+        continues from; None when `e` is something else. `saving`: `e` came from a save, not from the loop at large."""
+        ckpt = latest_checkpoint(self.run_dir)
+        then = (f"then run the same command with --resume: it continues from {ckpt}" if ckpt else
+                "no checkpoint was written yet: then run the same command with --overwrite")  # fmt: skip
+        return faults.write_failure(e, path, needed=self.checkpoint_bytes, then=then, saving=saving, within=self.run_dir)
 
     def stop_if_asked(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int, n_steps: int) -> None:
         """At a step boundary: when a SIGINT/SIGTERM came during the step (ovkit.faults), write a checkpoint (unless
@@ -471,7 +515,13 @@ class Runtime:
         from ovkit.runs import Stage
 
         faults.defer(False)  # the loop is over: a signal now stops at once (OUT.partial keeps its checkpoints)
-        self.save_model(scorer, processor, self.run_dir)
+        try:
+            self.save_model(scorer, processor, self.run_dir)
+        except Exception as e:  # disk full: the checkpoints stay; --resume saves the final model again
+            failure = self.write_failure(e, self.run_dir)
+            if failure is None:
+                raise
+            raise failure from e
         self.accelerator.wait_for_everyone()
         if not self.is_main:
             return Result("worker", summary)
@@ -480,6 +530,7 @@ class Runtime:
         with stage:  # OUT.partial becomes the stage's temp dir; the Stage writes config.yaml + ovkit.json and renames
             stage.metrics.update(summary)
             stage.extra["runtime"] = self.info()
+            stage.restore_to = self.run_dir  # a failure from here on moves the run back: --resume finds its checkpoints
             stage.path.rmdir()
             os.replace(self.run_dir, stage.path)
         self.lock.release()

@@ -57,6 +57,7 @@ def train(cfg: TrainConfig) -> Result:
             f"({schedule.global_batch} = --batch-size x --grad-accum x processes); lower them"
         )
     n_steps = total_steps(cfg.max_steps, cfg.epochs, schedule.steps_per_epoch)
+    rt.check_space(model, n_steps=n_steps, save_every=cfg.save_every, keep=cfg.keep_checkpoints)  # the disk, before any write
     rt.make_run_dir()  # only now: bad inputs leave nothing behind
 
     pad_id = pad_token_id(processor, model)
@@ -105,6 +106,11 @@ def train(cfg: TrainConfig) -> Result:
             rt.stop_if_asked(scorer, processor, state, cfg.keep_checkpoints, n_steps)  # SIGINT/SIGTERM: checkpoint, exit
     except torch.cuda.OutOfMemoryError as e:  # one message, exit 3; the last checkpoint stays
         raise rt.out_of_memory(e, state) from e
+    except OSError as e:  # disk full while logging: one line, exit 2; the last checkpoint stays
+        failure = rt.write_failure(e, rt.run_dir, saving=False)
+        if failure is None:
+            raise
+        raise failure from e
     finally:
         logger.close()
 
