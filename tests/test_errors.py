@@ -1,0 +1,82 @@
+"""Errors a user can cause point to the fix (#29): a file in a format ovkit converts names `ovkit convert --from ...`,
+messages name the user's input and never ovkit's cache, no command suggests an option it lacks, HF/TRL spellings of
+options are accepted and a misspelt option or YAML key gets the nearest match, and an input error comes before torch
+is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from PIL import Image
+
+from ovkit.data import read_samples, write_samples
+from ovkit.data import sources
+from ovkit.data.schema import image_cell, samples_table
+from ovkit.errors import OvkitError
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OVKIT_CACHE", str(tmp_path / "ovkit-cache"))
+    monkeypatch.setattr(sources, "_loaded", {})
+    monkeypatch.setattr(sources, "_described", {})
+
+
+def _row(i: int, markers: int = 1, **extra) -> dict:
+    return {"id": f"r{i}", "images": [image_cell(Image.new("RGB", (28, 28), "red"))],
+            "messages": [{"role": "user", "content": "<image>" * markers + "\nq"}, {"role": "assistant", "content": "a"}], "source": "t", **extra}
+
+
+# ------------------------------------------------------------------------------------------------ data inputs
+
+
+def test_raw_llava_json_names_convert_with_its_format(tmp_path):
+    f = tmp_path / "llava.json"
+    f.write_text(json.dumps([{"id": "a", "image": "a.png", "conversations": [{"from": "human", "value": "<image>\nq"}, {"from": "gpt", "value": "x"}]}]))
+    with pytest.raises(OvkitError) as e:
+        read_samples(f)
+    assert f"`ovkit convert {f} --from llava --out DIR`" in str(e.value)
+    assert "Parquet magic" not in str(e.value)
+
+
+def test_csv_says_what_to_do_instead_of_parquet_magic_bytes(tmp_path):
+    f = tmp_path / "data.csv"
+    f.write_text("image,question,answer\na.png,how many?,3\n")
+    with pytest.raises(OvkitError) as e:
+        read_samples(f)
+    message = str(e.value)
+    assert "not a sample table" in message and "ovkit convert" in message and "--from" in message
+    assert "Parquet magic" not in message
+
+
+def test_trl_grpo_set_without_answer_names_the_input_and_its_solution_column(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    prompt = [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "how many?"}]}]
+    ds = datasets.Dataset.from_dict({"prompt": [prompt, prompt], "image": [Image.new("RGB", (28, 28), "red")] * 2, "solution": ["1", "2"]})
+    ds.save_to_disk(str(tmp_path / "grpo"))
+    with pytest.raises(OvkitError) as e:
+        read_samples(tmp_path / "grpo", answers=True)
+    message = str(e.value)
+    assert str(tmp_path / "grpo") in message and "'solution'" in message and "rename" in message
+    assert "ovkit-cache" not in message and "training split" not in message
+
+
+def test_a_bad_row_suggests_on_error_only_to_a_command_that_has_it(tmp_path):
+    write_samples(samples_table([_row(0), _row(1, markers=2)]), tmp_path / "bad")
+    with pytest.raises(OvkitError) as e:  # sft, eval, rl-train: no --on-error
+        read_samples(tmp_path / "bad")
+    assert "--on-error skip to move" not in str(e.value)
+    assert f"`ovkit convert {tmp_path / 'bad'} --on-error skip --out DIR`" in str(e.value)
+    with pytest.raises(OvkitError, match="use --on-error skip"):  # balance, caption, pack: their own option
+        read_samples(tmp_path / "bad", on_error="fail")
+    assert read_samples(tmp_path / "bad", on_error="skip").n_rejects == 1
