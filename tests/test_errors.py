@@ -131,3 +131,24 @@ def test_yaml_keys_take_the_hf_names_and_a_typo_gets_the_nearest(cli, monkeypatc
 def test_a_misspelt_option_gets_the_nearest_one(cli):
     code, _, err = cli("sft", "--learnig-rate", "1")
     assert code == 2 and "Did you mean --learning-rate?" in err
+
+
+# ------------------------------------------------------------------------------------------------ names
+
+
+def test_each_precision_spelling_has_one_meaning():
+    from ovkit.runtime.precision import canonical
+
+    assert canonical("bf16") == canonical("bf16-mixed") == "bf16-mixed"
+    assert canonical("32") == canonical("float32") == "fp32"
+    with pytest.raises(OvkitError, match="ambiguous: say bf16-mixed .* or bf16-true"):
+        canonical("bfloat16")
+
+
+def test_shipped_configs_use_no_ambiguous_precision():
+    from ovkit.runtime.precision import AMBIGUOUS
+    import yaml
+
+    for f in (Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"):
+        values = yaml.safe_load(f.read_text()) or {}
+        assert str(values.get("precision")) not in AMBIGUOUS, f
