@@ -87,8 +87,8 @@ def test_no_optional_flag_means_the_dataclass_defaults(cli, monkeypatch, name):
 
     seen = {}
 
-    def spy(cls, cli_values, from_cli, file_values, config_path=None):
-        seen.update(cls=cls, typed=dict(cli_values), cfg=merge(cls, cli_values, from_cli, file_values, config_path))
+    def spy(cls, cli_values, from_cli, file_values, config_path=None, aliases=None):
+        seen.update(cls=cls, typed=dict(cli_values), cfg=merge(cls, cli_values, from_cli, file_values, config_path, aliases))
         raise OvkitError("stop here")
 
     merge = common.merge
@@ -142,7 +142,7 @@ def test_help_shows_the_dataclass_defaults(monkeypatch, name):
 def test_help_text_shows_defaults(cli, name, option, default):
     code, out, _ = cli(name, "--help")
     flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out).split())
-    row = flat[flat.index(option + " "):][:400]  # the option's row: names, type, help, [default: ...]
+    row = flat[re.search(re.escape(option) + "[ ,]", flat).start():][:400]  # the option's row: names (and aliases), type, help, [default: ...]
     assert f"[default: {default}" in row, row
 
 

@@ -14,11 +14,12 @@ from ovkit.errors import OvkitError
 
 app = typer.Typer(
     name="ovkit",
-    help="Run and study the LLaVA-OneVision-1.5 recipe end to end. Each command reads and writes plain files.",
+    help="Run and study the LLaVA-OneVision-1.5 recipe end to end. Each command reads and writes plain files. Options take dashes or underscores (--output-dir, --output_dir).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+    # `--output_dir` is `--output-dir` (HF's argument parser takes both spellings), also for command names (rl_train)
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110, "token_normalize_func": lambda t: t.replace("_", "-")},
 )
 
 

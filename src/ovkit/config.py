@@ -10,6 +10,7 @@ values and flags), and a value that does not convert is an error naming the key,
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import types
 import typing
@@ -48,15 +49,14 @@ def merge(
     from_cli: set[str],
     file_values: Mapping[str, Any],
     config_path: Path | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> Any:
     """Build `cls` from values given on the command line (`from_cli` names those the user typed), then the file,
     then the dataclass defaults: the dataclass is the only place a default is declared. Every value goes through
-    `convert` by the field's declared type. Unknown file keys are an error naming the key."""
+    `convert` by the field's declared type. A file key may be an option's other name (`aliases`: `learning_rate` ->
+    `lr`, from the command's option declarations); an unknown key is an error naming it and the nearest option."""
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(file_values) - set(names))
-    if unknown:
-        known = ", ".join("--" + n.replace("_", "-") for n in sorted(names))
-        raise OvkitError(f"config file {config_path}: unknown key '{unknown[0]}' (this command's options: {known})")
+    file_values = _canonical_keys(file_values, names, aliases or {}, config_path)
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for name in names:
@@ -68,6 +68,29 @@ def merge(
         return cls(**values)
     except TypeError as e:
         raise OvkitError(str(e)) from None
+
+
+def _canonical_keys(values: Mapping[str, Any], names: list[str], aliases: Mapping[str, str], config_path: Path | None) -> dict[str, Any]:
+    """The file's keys as field names: an alias becomes its option's name; an unknown key, or an option given under two
+    of its names, is an error (the unknown one names the nearest key: difflib, as click does for options)."""
+    out: dict[str, Any] = {}
+    spelt: dict[str, str] = {}
+    for key, value in values.items():
+        name = key if key in names else aliases.get(key)
+        if name is None:
+            raise OvkitError(f"config file {config_path}: unknown key '{key}'{nearest(key, [*names, *aliases])}")
+        if name in out:
+            raise OvkitError(f"config file {config_path}: '{spelt[name]}' and '{key}' are the same option; keep one")
+        out[name], spelt[name] = value, key
+    return out
+
+
+def nearest(key: str, candidates: list[str]) -> str:
+    """' (did you mean 'x'?)' for the closest candidate, or a hint to list the options when none is close."""
+    match = difflib.get_close_matches(key, candidates, n=1)
+    if match:
+        return f"; did you mean '{match[0]}'?"
+    return "; keys are the command's option names (see its --help)"
 
 
 # -- the one typed rule ------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ them when help is asked for: several config modules import torch, which `ovkit -
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
@@ -32,7 +33,7 @@ RUN = "Run control"
 # by the stage config, so that they can come from --config as well as from the command line; `stage(required=...)`
 # marks them in --help. No default is repeated here: the stage's dataclass holds them all.
 CONFIG = typer.Option(None, "--config", help="YAML file of option values (keys = option names); flags override it.", rich_help_panel=IO)
-OUT = typer.Option(None, "--out", help="Output directory (written atomically: complete or absent).", rich_help_panel=IO)
+OUT = typer.Option(None, "--out", "--output-dir", help="Output directory (written atomically: complete or absent). Also --output-dir (HF/TRL).", rich_help_panel=IO)
 SEED = typer.Option(None, "--seed", help="Random seed; the same inputs and seed give byte-identical data outputs.", rich_help_panel=RUN)
 OVERWRITE = typer.Option(None, "--overwrite", help="Replace a complete output instead of skipping.", rich_help_panel=RUN)
 QUIET = typer.Option(None, "--quiet", help="No progress bars (ovkit's, nor those of transformers, huggingface_hub and datasets).", rich_help_panel=RUN)
@@ -110,6 +111,15 @@ class StageCommand(TyperCommand):
         self.help = f"{(self.help or '').rstrip()}\n\nExample:\n\n{info.example}"
         self.epilog = "\\[required] inputs may also come from --config FILE; flags given on the command line override the file."
 
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except Exception as e:  # NoSuchOption, of click or of typer's own copy: the nearest option as a question
+            if type(e).__name__ == "NoSuchOption" and getattr(e, "possibilities", None):
+                best = (difflib.get_close_matches(e.option_name, list(e.possibilities), n=1) or list(e.possibilities))[0]
+                e.message, e.possibilities = f"No such option: {e.option_name}. Did you mean {best}?", None
+            raise
+
     def get_help_option(self, ctx: Any) -> Any:
         option = super().get_help_option(ctx)
         if option is not None:
@@ -144,7 +154,7 @@ def resolve(ctx: typer.Context, cls: type | None = None) -> Any:
         for name, value in ctx.params.items()
         if name not in CLI_ONLY and getattr(ctx.get_parameter_source(name), "name", "") in ("COMMANDLINE", "ENVIRONMENT")
     }
-    cfg = merge(cls, typed, set(typed), file_values, Path(config_path) if config_path else None)
+    cfg = merge(cls, typed, set(typed), file_values, Path(config_path) if config_path else None, aliases=option_aliases(ctx.command))
     from ovkit.launch import check
 
     check(ctx.info_name, cfg)  # under torchrun / accelerate launch: refuse, or take this process's shard
@@ -153,6 +163,17 @@ def resolve(ctx: typer.Context, cls: type | None = None) -> Any:
 
         ctx.call_on_close(silence_library_bars())
     return cfg
+
+
+def option_aliases(command: Any) -> dict[str, str]:
+    """{other name: field} of a command's options as config-file keys: `--learning-rate` of `lr` is `learning_rate`."""
+    aliases = {}
+    for param in getattr(command, "params", []):
+        for opt in getattr(param, "opts", []):
+            key = opt.lstrip("-").replace("-", "_")
+            if opt.startswith("--") and key != param.name:
+                aliases[key] = param.name
+    return aliases
 
 
 def done(msg: str) -> None:

@@ -23,7 +23,7 @@ def evaluate(
     ctx: typer.Context,
     data: list[Path] = typer.Argument(None, help="Eval datasets (parquet file or directory); with --compare: eval outputs (DIR or LABEL=DIR)."),
     model: Path = _O(None, "--model", help="Model directory (save_pretrained) or hub id.", rich_help_panel=IO),
-    out: Path = _O(None, "--out", help="Output directory (written atomically); with --compare: a markdown file for the table.", rich_help_panel=IO),
+    out: Path = _O(None, "--out", "--output-dir", help="Output directory (written atomically); with --compare: a markdown file for the table.", rich_help_panel=IO),
     compare: bool = _O(None, "--compare", help="Tabulate finished evals (the DATA arguments) instead of running one.", rich_help_panel=COMPARE),
     metric: str = _O(None, "--metric", help="--compare: reward, accuracy, pass@K or truncated.", rich_help_panel=COMPARE),
     prompt: str = _O(None, "--prompt", help="Instruction added to each prompt: answer, think, none, or auto (each row in the mode of its RL stage: think for rl-curate's stage-2 categories).", rich_help_panel=GENERATION),

@@ -125,7 +125,7 @@ def read_samples(
     path: Path | str,
     *,
     shard: tuple[int, int] | None = None,
-    on_error: str = "fail",
+    on_error: str | None = None,
     images: str = "decode",
     answers: bool = False,
 ) -> Samples:
@@ -135,8 +135,9 @@ def read_samples(
 
     `images`: "decode" decodes every picture (the default: complete); "header" checks sizes and structure only, for
     a caller that decodes every image itself before its first step and reports failures the same way. `answers`:
-    RL and eval tables, whose rows need a gold answer their scorer can read."""
-    if on_error not in ("fail", "skip"):
+    RL and eval tables, whose rows need a gold answer their scorer can read. `on_error=None`: fail, for a command
+    that has no --on-error (its message then says how to drop bad rows with `ovkit convert` instead)."""
+    if on_error not in (None, "fail", "skip"):
         raise OvkitError(f"--on-error must be 'fail' or 'skip', got {on_error!r}")
     files = parquet_files(path)
     counts = [_num_rows(f) for f in files]
@@ -144,7 +145,7 @@ def read_samples(
         schema = read_schema(f)
         check_columns(schema, f)
         if answers and "answer" not in schema.names:
-            raise OvkitError(f"{where(f, column='answer')}: RL and eval rows need a gold answer (this looks like a training split)")
+            raise OvkitError(f"{shown(f, path, column='answer')}: {no_answer(schema.names)}")
     total = sum(counts)
     lo, hi = shard_bounds(total, shard) if shard else (0, total)
     seen = _ids_before(files, counts, lo, hi)  # a repeat of an earlier --shard part's id is a duplicate here too
@@ -157,10 +158,11 @@ def read_samples(
             continue
         t = conform(_read_file(f).slice(a, b - a))
         problems = row_problems(t, images=images, seen_ids=seen, answers=answers, origin=f.name, start=a)
-        if problems and on_error == "fail":
+        if problems and on_error != "skip":
             p = problems[0]
             rid = t.column("id")[p.index].as_py()
-            raise OvkitError(f"{where(f, f'{rid!r} (index {a + p.index})', p.column)}: {p.reason} (use --on-error skip to move bad rows to {REJECTS})")
+            index = f"{rid!r} (index {a + p.index})" if shown(f, path) == where(f) else repr(rid)  # a converted copy's index is not the input's
+            raise OvkitError(f"{shown(f, path, index, p.column)}: {p.reason} ({skip_hint(path, on_error)})")
         bad_idx = {p.index: p for p in problems}
         keep = [i for i in range(t.num_rows) if i not in bad_idx]
         good.append(t.take(pa.array(keep, pa.int64())))
@@ -174,6 +176,34 @@ def read_samples(
     table = pa.concat_tables(good, promote_options="default")
     rejects = pa.concat_tables(bad, promote_options="default") if bad else None
     return Samples(table, rejects, files, rows, counts)
+
+
+def shown(f: Path, path: Path | str, row: object = None, column: str | None = None) -> str:
+    """`where` for a row of file `f` of the input `path`, naming the user's input when `f` is ovkit's converted copy
+    of it in the cache (a TRL / JSON / Hub source), never the internal cache path."""
+    from ovkit.data.sources import cache_dir
+
+    if Path(f).resolve().is_relative_to(cache_dir().resolve()):
+        return where(f"{path} (read through its converted copy)", row, column)
+    return where(f, row, column)
+
+
+def skip_hint(path: Path | str, on_error: str | None) -> str:
+    """How to get past bad rows: the command's own --on-error skip, or `ovkit convert`'s for a command without it."""
+    if on_error is not None:
+        return f"use --on-error skip to move bad rows to {REJECTS}"
+    return f"fix the row, or move bad rows to DIR/{REJECTS} first with `ovkit convert {path} --on-error skip --out DIR`"
+
+
+def no_answer(columns: list[str]) -> str:
+    """Why a table without an `answer` column is no RL / eval set, and what to do about it."""
+    shown_columns = ", ".join(columns[:20])
+    for name in ("solution", "ground_truth", "gold", "label", "answers"):
+        if name in columns:  # TRL's GRPO datasets call it `solution`
+            return (f"RL and eval rows need a gold answer in column 'answer' (columns: {shown_columns}); this input keeps it in "
+                    f"'{name}': rename that column to 'answer' (e.g. `Dataset.rename_column(\"{name}\", \"answer\")`) and give "
+                    f"'answer_type' (the scorer) where the default does not fit")
+    return f"RL and eval rows need a gold answer in column 'answer' (columns: {shown_columns}); this looks like a training split"
 
 
 def _num_rows(f: Path) -> int:

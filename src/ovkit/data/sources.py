@@ -128,6 +128,8 @@ def locate(text: str | Path) -> Located:
 def sample_files(text: str | Path) -> list[Path]:
     """The parquet files of the sample table named by `text`, in row order (converted into the cache if needed)."""
     loc = locate(text)
+    if loc.dataset is None and len(loc.files) == 1 and not is_parquet(loc.files[0]):
+        return materialize(loc)  # a JSON file: TRL's / ShareGPT's layout is read, any other is named with its --from
     if loc.dataset is None:
         fmt = _parquet_layout(loc.files)
         if fmt is None or fmt == "ovkit":
@@ -360,12 +362,39 @@ def _parquet_layout(files: list[Path]) -> str | None:
     return fmt
 
 
+def is_parquet(path: Path) -> bool:
+    """Whether a file starts with parquet's magic bytes (whatever its name)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"PAR1"
+    except OSError:
+        return path.suffix == ".parquet"  # unreadable: the parquet reader names the problem
+
+
 def not_a_sample_table(where: str, names: list[str], fmt: str | None = None) -> OvkitError:
+    from ovkit.data.convert import FORMATS
+
     missing = next((c for c in ("messages", "images") if c not in names), "messages")
-    hint = f"it looks like --from {fmt}: " if fmt else ""
+    if fmt:
+        how = f"it looks like --from {fmt}: convert it first with `ovkit convert {where} --from {fmt} --out DIR`"
+    else:
+        how = f"convert it first with `ovkit convert {where} --from {{{','.join(FORMATS)}}} --out DIR`"
     return OvkitError(
         f"{where}, column '{missing}': not a sample table (columns: {', '.join(names[:20])}); stages read ovkit's layout and "
-        f"TRL's (images + messages); {hint}convert it first with `ovkit convert {where} --out DIR`"
+        f"TRL's (images + messages); {how}"
+    )
+
+
+def not_convertible(where: str) -> OvkitError:
+    """A file that is neither parquet nor JSON (a CSV, a TSV, an archive) given where a sample table is expected."""
+    from ovkit.data.convert import FORMATS
+
+    kind = Path(where).suffix.lstrip(".").upper() or "this"
+    return OvkitError(
+        f"file {where}: not a sample table: stages read parquet (a file, or a directory of shards), and `ovkit convert` turns "
+        f"parquet, JSON and JSON lines in the layouts {', '.join(FORMATS)} into one; a {kind} file: write it as JSON lines or "
+        f"parquet first (e.g. `datasets.load_dataset(\"csv\", data_files=...)[\"train\"].to_json(\"data.jsonl\")`), then "
+        f"`ovkit convert data.jsonl --from FORMAT --out DIR`"
     )
 
 
@@ -377,11 +406,17 @@ def materialize(loc: Located) -> list[Path]:
     """Convert a source in ovkit's or TRL's layout into the cache (once per content) and return its part files."""
     from ovkit import __version__
     from ovkit.data.convert import ConvertConfig, convert, detect_format, input_of
+    from ovkit.data.io import REJECTS
     from ovkit.data.io import local_parquet_files
     from ovkit.runs import fingerprint, is_complete, write_json
 
     spec = loc.spec
-    inp = input_of(loc)
+    try:
+        inp = input_of(loc)
+    except OvkitError:
+        if loc.dataset is None and loc.files and not is_parquet(loc.files[0]):
+            raise not_convertible(spec.text) from None
+        raise
     keys, _ = inp.keys()
     try:
         fmt, _ = detect_format(keys, parts=inp.parts())
@@ -400,7 +435,9 @@ def materialize(loc: Located) -> list[Path]:
             metrics = convert(ConvertConfig(input=spec.text, from_format=fmt, out=tmp, quiet=True), tmp, inp=inp)
         except OvkitError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise OvkitError(f"{e}; to read the rows that are good, convert it first: `ovkit convert {spec.text} --on-error skip --out DIR`") from None
+            # the reading command may have no --on-error of its own: the way past bad rows is convert's
+            reason = str(e).replace(f" (use --on-error skip to move bad records to {REJECTS})", "")
+            raise OvkitError(f"{reason}; to read the rows that are good, convert it first: `ovkit convert {spec.text} --on-error skip --out DIR`") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
