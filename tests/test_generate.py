@@ -86,7 +86,7 @@ def test_shared_prefill_equals_prefilling_every_sequence(tiny, prompts):
 
     kw = dict(n=3, temperature=1.0, max_new_tokens=8, seed=5)
     with SyncCounter() as shared_syncs:
-        shared = _engine(tiny, batch_size=12, prefill="shared").generate(prompts, **kw)
+        shared = _engine(tiny, batch_size=12).generate(prompts, **kw)  # shared prefill is the default
     with SyncCounter() as own_syncs:
         own = _engine(tiny, batch_size=12, prefill="per-sequence").generate(prompts, **kw)
     assert len({tuple(c.token_ids) for cs in shared for c in cs}) > 4  # really different samples

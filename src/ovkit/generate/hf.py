@@ -6,14 +6,16 @@ tensors such as `pixel_values` / `image_grid_thw` are concatenated in batch orde
 which computes the Qwen-VL 3D RoPE positions and rope deltas from the attention mask. Tests check that a batch gives
 the same greedy tokens as one prompt at a time, and that generation with and without the KV cache agrees.
 
-A prompt sampled n times (a GRPO group) is prefilled once: its images go through the vision encoder once and its KV
-cache is copied to the n sequences before `generate` decodes them (`prefill="shared"`, `HFEngine._shared_prefill`).
-Not the default yet: on the tiny model (CPU) it cut prefill and vision time and host syncs by n, but its decode
-steps, continuing from the copied cache, measured ~9x slower than per-sequence prefill's (BENCHMARKS.md; cause not
-found yet), so `prefill="per-sequence"` stays the default until that is understood. `static_cache=True` asks `generate` for transformers' static KV cache (`cache_implementation=
-"static"`), with which transformers also compiles the decode step on CUDA; it applies to batches without repeated
-prompts (greedy, n=1), since a shared prefill's cache is a dynamic one. Off by default: on CPU it is no faster
-(BENCHMARKS.md), and on GPU it was not measured.
+A prompt sampled n times (a GRPO group, rl-curate's n samples) is prefilled once: its images go through the vision
+encoder once and its KV cache is copied to the n sequences before `generate` decodes them (`prefill="shared"`, the
+default; `HFEngine._shared_prefill`). Batches without a repeated prompt (eval, caption, greedy, multi-turn turns) take
+the plain path whatever the option says. On the tiny model (CPU, one thread) it halves the engine's CPU time at n=4
+and cuts it ~2.4x at n=8/16, with the same decode step (same ops, mask and cache shapes) as per-sequence prefill;
+an earlier "decode ~9x slower" reading was two OpenMP threads on an oversubscribed box (BENCHMARKS.md).
+`prefill="per-sequence"` prefills every sequence on its own, as `generate(num_return_sequences=n)` does.
+`static_cache=True` asks `generate` for transformers' static KV cache (`cache_implementation="static"`), with which
+transformers also compiles the decode step on CUDA; it applies to batches without repeated prompts (greedy, n=1),
+since a shared prefill's cache is a dynamic one. Off by default: not measured yet, on CPU or GPU.
 
 Where the log-probs come from: sampling is done by `generate` (`do_sample=True`, its own temperature/top-k/top-p
 switched off) with one logits processor of ours, `_SampledDistribution`, that turns the fp32 logits into the
@@ -172,7 +174,7 @@ class HFEngine:
         separate: bool = False,
         batch_size: int = 32,
         use_cache: bool = True,
-        prefill: str = "per-sequence",
+        prefill: str = "shared",
         static_cache: bool = False,
         progress: bool = False,
     ):
