@@ -18,7 +18,7 @@ every small op wait for a descheduled thread, and decode-step timings swung ~10x
 decodes 9x slower" reading of the first measurement); one thread gives rates that repeat within ~10-20%. Two models: the tiny default (`ovkit init-model --preset tiny`, 2.5M
 parameters, text hidden 192) and a wider random-init model built from the same preset with bigger widths
 (`--wide`: text hidden 768, 4 layers, 12 heads, MLP 2048; vision hidden 256; ~40M parameters) so that the numbers are
-not all Python overhead. Then a profile of the engine: where its time goes (vision encoder, prefill, decode
+not all Python overhead. Then a profile of the engine, both ways: where its time goes (vision encoder, prefill, decode
 forwards, the sampling processor, detokenisation, the rest of the loop) and host syncs per generated token
 (ovkit.runtime.syncs.SyncCounter).
 
@@ -227,7 +227,9 @@ def main() -> None:
             for k, (rate, tokens, cpu) in best.items():
                 print(f"  {k:<38}{rate:8.1f} tokens/s ({tokens} tokens, {cpu:.2f} CPU s)  ratio {rate / plain_rate:.2f}x", flush=True)
             if not a.no_profile:
-                profile(engine, prompts, a)
+                for label, e in (("per-sequence prefill", before), ("shared prefill", engine)):
+                    print(f"  {label}:")
+                    profile(e, prompts, a)
 
 
 if __name__ == "__main__":

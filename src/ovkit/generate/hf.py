@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
@@ -307,7 +308,7 @@ class HFEngine:
         one token has nothing to prefill before the step that `generate` runs."""
         distinct = {id(p) for p in prompts}
         return (self.prefill == "shared" and self.use_cache and len(distinct) < len(prompts)
-                and min(p.length for p in prompts) > 1)
+                and min(p.length for p in prompts) > 1 and _continues_from_a_cache(self.model))
 
     def _shared_prefill(self, prompts: Sequence[Any], device: torch.device) -> dict[str, Any]:
         """Run the vision encoder and the prompt through the model once per distinct prompt, copy the KV cache to each
@@ -328,6 +329,11 @@ class HFEngine:
         inputs = self._inputs(distinct, device)
         per_token = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == inputs["input_ids"].shape]
         head = {k: (v[:, :-1] if k in per_token else v) for k, v in inputs.items()}
+        if "position_ids" in _forward_parameters(self.model):
+            # The positions `generate` would give this prefill (counted from each prompt's first real token, Qwen-VL's
+            # 3D ones and rope deltas included); a forward without them counts from the left padding, which shifts
+            # a padded prompt's positions against the decode steps' (LLaVA: log-probs off by ~1e-3).
+            head["position_ids"] = self.model._prepare_position_ids_for_generation(head["input_ids"], dict(head))
         with _eval_mode(self.model):
             out = self.model(**head, use_cache=True, logits_to_keep=1)
         cache = out.cache
@@ -347,6 +353,17 @@ class HFEngine:
             ids, reason, text_ids = tokens[: end + 1], "stop", tokens[:end]
         text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
         return Completion(token_ids=ids, text=text, logprobs=[float(x) for x in logprobs[: len(ids)]], finish_reason=reason)
+
+
+def _forward_parameters(model: Any) -> Any:
+    return inspect.signature(model.forward).parameters
+
+
+def _continues_from_a_cache(model: Any) -> bool:
+    """Whether this transformers can continue `generate` from a cache we prefilled: its models take `cache` (5.x
+    since the rename from `past_key_values`) and `generate` can tell the positions of a prefill
+    (`_prepare_position_ids_for_generation`). Older versions (pyproject allows >= 4.57) prefill every sequence."""
+    return "cache" in _forward_parameters(model) and hasattr(model, "_prepare_position_ids_for_generation")
 
 
 def cast_copy(model: Any, dtype: torch.dtype) -> Any:
