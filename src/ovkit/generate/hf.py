@@ -8,8 +8,8 @@ the same greedy tokens as one prompt at a time, and that generation with and wit
 
 A prompt sampled n times (a GRPO group, rl-curate's n samples) is prefilled once: its images go through the vision
 encoder once and its KV cache is copied to the n sequences before `generate` decodes them (`prefill="shared"`, the
-default; `HFEngine._shared_prefill`). Batches without a repeated prompt (eval, caption, greedy, multi-turn turns) take
-the plain path whatever the option says. On the tiny model (CPU, one thread) it halves the engine's CPU time at n=4
+default; `HFEngine._shared_prefill`). Batches without a repeated prompt (n=1 as eval and caption run by default,
+greedy, multi-turn turns) take the plain path whatever the option says; eval --n > 1 shares too (same samples). On the tiny model (CPU, one thread) it halves the engine's CPU time at n=4
 and cuts it ~2.4x at n=8/16, with the same decode step (same ops, mask and cache shapes) as per-sequence prefill;
 an earlier "decode ~9x slower" reading was two OpenMP threads on an oversubscribed box (BENCHMARKS.md).
 `prefill="per-sequence"` prefills every sequence on its own, as `generate(num_return_sequences=n)` does.
