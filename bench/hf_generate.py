@@ -9,13 +9,16 @@ answer-only instruction, as rl-train encodes them. Each prompt is sampled `--n` 
   ovkit      `HFEngine(model, processor, batch_size=N*n).generate(prompts, n=n, ...)`: the same batch, plus the
              sampled log-probs, stop handling and detokenised Completions that rl-train needs; once with
              `prefill="per-sequence"` (the engine before #26: every sample prefilled and its images encoded on its
-             own; the default) and once with the shared prefill (each prompt once, its KV cache copied to its n samples)
+             own) and once with the shared prefill (each prompt once, its KV cache copied to its n samples; the default)
 
 tokens/s counts generated tokens up to and including the stop token, per sequence, over wall time (best of
-`--repeats`, both ways alternated in one process). Two models: the tiny default (`ovkit init-model --preset tiny`, 2.5M
+`--repeats`, the ways one after the other in one process); the CPU seconds of that run are printed beside it. Torch runs
+`--threads` intra-op threads, 1 by default: on a shared box two OpenMP threads under a load above the core count make
+every small op wait for a descheduled thread, and decode-step timings swung ~10x from run to run (the "shared prefill
+decodes 9x slower" reading of the first measurement); one thread gives rates that repeat within ~10-20%. Two models: the tiny default (`ovkit init-model --preset tiny`, 2.5M
 parameters, text hidden 192) and a wider random-init model built from the same preset with bigger widths
 (`--wide`: text hidden 768, 4 layers, 12 heads, MLP 2048; vision hidden 256; ~40M parameters) so that the numbers are
-not all Python overhead. Then a profile of the engine: where its time goes (vision encoder, prefill, decode
+not all Python overhead. Then a profile of the engine, both ways: where its time goes (vision encoder, prefill, decode
 forwards, the sampling processor, detokenisation, the rest of the loop) and host syncs per generated token
 (ovkit.runtime.syncs.SyncCounter).
 
@@ -51,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable timings on a shared box)")
     p.add_argument("--models", default="tiny,wide", help="comma list of tiny, wide")
     p.add_argument("--engine-options", default="", help="extra HFEngine keyword options, k=v comma list (e.g. prefill=per-sequence)")
     p.add_argument("--no-profile", action="store_true")
@@ -106,14 +110,15 @@ def engine_generate(engine, prompts, a) -> int:
     return sum(len(c.token_ids) for cs in outs for c in cs)
 
 
-def best_rate(fn, repeats: int) -> tuple[float, int]:
+def best_rate(fn, repeats: int) -> tuple[float, int, float]:
+    """(tokens/s, tokens, CPU seconds) of the fastest of `repeats` runs."""
     best = None
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         tokens = fn()
-        rate = tokens / (time.perf_counter() - t)
-        best = rate if best is None else max(best, rate)
-    return best, tokens
+        rate, cpu = tokens / (time.perf_counter() - t), time.process_time() - cpu
+        best = (rate, tokens, cpu) if best is None or rate > best[0] else best
+    return best
 
 
 @contextmanager
@@ -184,6 +189,7 @@ def engine_options(text: str) -> dict:
 
 def main() -> None:
     a = parse_args()
+    torch.set_num_threads(a.threads)
     from ovkit.data import read_table
     from ovkit.generate import HFEngine
     from ovkit.models import load
@@ -197,7 +203,7 @@ def main() -> None:
         if model_dir is None:
             ovkit_cli("init-model", "--preset", "tiny", "--corpus", data.parent, "--out", Path(tmp) / "tiny")
             model_dir = Path(tmp) / "tiny"
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}; "
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}; "
               f"{a.prompts} prompts x n={a.n}, max_new_tokens={a.max_new_tokens}, temperature 1, best of {a.repeats}")
         for name in a.models.split(","):
             model, processor = load(model_dir) if name == "tiny" else wide_model(model_dir)
@@ -213,14 +219,17 @@ def main() -> None:
             print(f"\n{name}: {params:.1f}M parameters, prompt lengths {lengths[0]}-{lengths[-1]} tokens, "
                   f"{sum(len(p.mm.get('image_grid_thw', [])) for p in prompts)} images")
             engine_generate(engine, prompts, a)  # warm-up
-            plain_rate, plain_tokens = best_rate(lambda: plain_generate(model, prompts, engine.pad_id, stops, a), a.repeats)
-            before_rate, before_tokens = best_rate(lambda: engine_generate(before, prompts, a), a.repeats)
-            ovkit_rate, ovkit_tokens = best_rate(lambda: engine_generate(engine, prompts, a), a.repeats)
-            print(f"  model.generate                        {plain_rate:8.1f} tokens/s ({plain_tokens} tokens)", flush=True)
-            print(f"  ovkit hf engine, per-sequence prefill {before_rate:8.1f} tokens/s ({before_tokens} tokens)  ratio {before_rate / plain_rate:.2f}x", flush=True)
-            print(f"  ovkit hf engine, shared prefill       {ovkit_rate:8.1f} tokens/s ({ovkit_tokens} tokens)  ratio {ovkit_rate / plain_rate:.2f}x", flush=True)
+            runs = {"model.generate": lambda: plain_generate(model, prompts, engine.pad_id, stops, a),
+                    "ovkit hf engine, per-sequence prefill": lambda: engine_generate(before, prompts, a),
+                    "ovkit hf engine, shared prefill": lambda: engine_generate(engine, prompts, a)}
+            best = {k: best_rate(fn, a.repeats) for k, fn in runs.items()}
+            plain_rate = best["model.generate"][0]
+            for k, (rate, tokens, cpu) in best.items():
+                print(f"  {k:<38}{rate:8.1f} tokens/s ({tokens} tokens, {cpu:.2f} CPU s)  ratio {rate / plain_rate:.2f}x", flush=True)
             if not a.no_profile:
-                profile(engine, prompts, a)
+                for label, e in (("per-sequence prefill", before), ("shared prefill", engine)):
+                    print(f"  {label}:")
+                    profile(e, prompts, a)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def test_shared_prefill_equals_prefilling_every_sequence(tiny, prompts):
 
     kw = dict(n=3, temperature=1.0, max_new_tokens=8, seed=5)
     with SyncCounter() as shared_syncs:
-        shared = _engine(tiny, batch_size=12, prefill="shared").generate(prompts, **kw)
+        shared = _engine(tiny, batch_size=12).generate(prompts, **kw)  # shared prefill is the default
     with SyncCounter() as own_syncs:
         own = _engine(tiny, batch_size=12, prefill="per-sequence").generate(prompts, **kw)
     assert len({tuple(c.token_ids) for cs in shared for c in cs}) > 4  # really different samples
@@ -440,6 +440,29 @@ def test_a_sampler_copy_is_built_in_its_own_dtype_and_follows_the_learner(tiny, 
     finally:
         with torch.no_grad():
             model.lm_head.weight.copy_(before)
+
+
+@pytest.mark.parametrize("precision, learner_dtype, staleness, want", [
+    ("bf16-mixed", "bfloat16", 2, 2.0),  # master weights: the learner computes in bf16 weights, the copy is bf16
+    ("bf16-mixed", "float32", 2, 2.0),  # autocast over fp32 weights (DDP, adamw_8bit): the copy is still bf16
+    ("fp32", "float32", 2, 4.0),
+    ("bf16-mixed", "float32", 0, 0.0),  # synchronous: the learner itself, no copy
+])
+def test_the_async_sampler_copy_holds_the_learner_compute_dtype(tiny, tmp_path, precision, learner_dtype, staleness, want):
+    """rl-train's asynchronous sampler holds its own weights in the learner's compute dtype: bytes per learner
+    parameter of the copy (tied weights counted once)."""
+    import torch
+
+    from ovkit.generate.hf import cast_copy
+    from ovkit.rl.config import RLTrainConfig
+    from ovkit.rl.loop import make_sampler
+
+    model, processor = tiny
+    learner = cast_copy(model, getattr(torch, learner_dtype))
+    cfg = RLTrainConfig(data=[tmp_path], model=tmp_path, out=tmp_path / "out", precision=precision, max_staleness=staleness)
+    sampler = make_sampler(cfg, learner, processor).model
+    copy = 0 if sampler is learner else sum(p.numel() * p.element_size() for p in sampler.parameters())
+    assert copy / sum(p.numel() for p in learner.parameters()) == want
 
 
 # -- the vLLM engine, against a stand-in with vLLM's shapes (tests/fake_vllm.py) -------------------------------------

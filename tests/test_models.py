@@ -186,6 +186,28 @@ def test_compose_copies_weights_trains_generates_and_reloads(tmp_path, vision_ki
     _train_step_and_generate(model, processor, unused=(f"vision_tower.encoder.layers.{last}.", "post_layernorm", "vision_tower.head."))
 
 
+def test_composed_llava_samples_the_same_with_a_shared_prefill(tmp_path):
+    """The hf engine's shared prefill (its default: a prompt sampled n times is prefilled once, its KV cache copied)
+    works on a composed LLaVA model too, not only on the Qwen-VL family: the same seeded samples and log-probs as
+    prefilling every sequence on its own."""
+    from ovkit.generate import HFEngine
+    from ovkit.models import load
+    from ovkit.models.compose import compose
+    from ovkit.models.encode import encode_prompt
+
+    compose(_vision_dir(tmp_path / "vision", "clip"), _llm_dir(tmp_path / "llm", "qwen2"), tmp_path / "out", seed=0)
+    model, processor = load(tmp_path / "out")
+    prompts = [encode_prompt(processor, [{"role": "user", "content": "<image>\nHow many shapes are there?"}], [_img()]),
+               encode_prompt(processor, [{"role": "user", "content": "Describe it."}], [])]
+    kw = dict(n=3, temperature=1.0, max_new_tokens=6, seed=3)
+    shared = HFEngine(model, processor, batch_size=6).generate(prompts, **kw)
+    own = HFEngine(model, processor, batch_size=6, prefill="per-sequence").generate(prompts, **kw)
+    for a, b in zip(shared, own):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+
+
 def test_compose_projector_is_seeded(tmp_path):
     from safetensors.torch import load_file
 

@@ -6,14 +6,16 @@ tensors such as `pixel_values` / `image_grid_thw` are concatenated in batch orde
 which computes the Qwen-VL 3D RoPE positions and rope deltas from the attention mask. Tests check that a batch gives
 the same greedy tokens as one prompt at a time, and that generation with and without the KV cache agrees.
 
-A prompt sampled n times (a GRPO group) is prefilled once: its images go through the vision encoder once and its KV
-cache is copied to the n sequences before `generate` decodes them (`prefill="shared"`, `HFEngine._shared_prefill`).
-Not the default yet: on the tiny model (CPU) it cut prefill and vision time and host syncs by n, but its decode
-steps, continuing from the copied cache, measured ~9x slower than per-sequence prefill's (BENCHMARKS.md; cause not
-found yet), so `prefill="per-sequence"` stays the default until that is understood. `static_cache=True` asks `generate` for transformers' static KV cache (`cache_implementation=
-"static"`), with which transformers also compiles the decode step on CUDA; it applies to batches without repeated
-prompts (greedy, n=1), since a shared prefill's cache is a dynamic one. Off by default: on CPU it is no faster
-(BENCHMARKS.md), and on GPU it was not measured.
+A prompt sampled n times (a GRPO group, rl-curate's n samples) is prefilled once: its images go through the vision
+encoder once and its KV cache is copied to the n sequences before `generate` decodes them (`prefill="shared"`, the
+default; `HFEngine._shared_prefill`). Batches without a repeated prompt (n=1 as eval and caption run by default,
+greedy, multi-turn turns) take the plain path whatever the option says; eval --n > 1 shares too (same samples). On the tiny model (CPU, one thread) it halves the engine's CPU time at n=4
+and cuts it ~2.4x at n=8/16, with the same decode step (same ops, mask and cache shapes) as per-sequence prefill;
+an earlier "decode ~9x slower" reading was two OpenMP threads on an oversubscribed box (BENCHMARKS.md).
+`prefill="per-sequence"` prefills every sequence on its own, as `generate(num_return_sequences=n)` does.
+`static_cache=True` asks `generate` for transformers' static KV cache (`cache_implementation="static"`), with which
+transformers also compiles the decode step on CUDA; it applies to batches without repeated prompts (greedy, n=1),
+since a shared prefill's cache is a dynamic one. Off by default: not measured yet, on CPU or GPU.
 
 Where the log-probs come from: sampling is done by `generate` (`do_sample=True`, its own temperature/top-k/top-p
 switched off) with one logits processor of ours, `_SampledDistribution`, that turns the fp32 logits into the
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
@@ -172,7 +175,7 @@ class HFEngine:
         separate: bool = False,
         batch_size: int = 32,
         use_cache: bool = True,
-        prefill: str = "per-sequence",
+        prefill: str = "shared",
         static_cache: bool = False,
         progress: bool = False,
     ):
@@ -305,7 +308,7 @@ class HFEngine:
         one token has nothing to prefill before the step that `generate` runs."""
         distinct = {id(p) for p in prompts}
         return (self.prefill == "shared" and self.use_cache and len(distinct) < len(prompts)
-                and min(p.length for p in prompts) > 1)
+                and min(p.length for p in prompts) > 1 and _continues_from_a_cache(self.model))
 
     def _shared_prefill(self, prompts: Sequence[Any], device: torch.device) -> dict[str, Any]:
         """Run the vision encoder and the prompt through the model once per distinct prompt, copy the KV cache to each
@@ -326,6 +329,11 @@ class HFEngine:
         inputs = self._inputs(distinct, device)
         per_token = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == inputs["input_ids"].shape]
         head = {k: (v[:, :-1] if k in per_token else v) for k, v in inputs.items()}
+        if "position_ids" in _forward_parameters(self.model):
+            # The positions `generate` would give this prefill (counted from each prompt's first real token, Qwen-VL's
+            # 3D ones and rope deltas included); a forward without them counts from the left padding, which shifts
+            # a padded prompt's positions against the decode steps' (LLaVA: log-probs off by ~1e-3).
+            head["position_ids"] = self.model._prepare_position_ids_for_generation(head["input_ids"], dict(head))
         with _eval_mode(self.model):
             out = self.model(**head, use_cache=True, logits_to_keep=1)
         cache = out.cache
@@ -345,6 +353,17 @@ class HFEngine:
             ids, reason, text_ids = tokens[: end + 1], "stop", tokens[:end]
         text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
         return Completion(token_ids=ids, text=text, logprobs=[float(x) for x in logprobs[: len(ids)]], finish_reason=reason)
+
+
+def _forward_parameters(model: Any) -> Any:
+    return inspect.signature(model.forward).parameters
+
+
+def _continues_from_a_cache(model: Any) -> bool:
+    """Whether this transformers can continue `generate` from a cache we prefilled: its models take `cache` (5.x
+    since the rename from `past_key_values`) and `generate` can tell the positions of a prefill
+    (`_prepare_position_ids_for_generation`). Older versions (pyproject allows >= 4.57) prefill every sequence."""
+    return "cache" in _forward_parameters(model) and hasattr(model, "_prepare_position_ids_for_generation")
 
 
 def cast_copy(model: Any, dtype: torch.dtype) -> Any:

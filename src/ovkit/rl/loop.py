@@ -189,7 +189,8 @@ def _prompts(cfg: RLTrainConfig, tables: list, processor) -> list:
 def make_sampler(cfg: RLTrainConfig, model, processor):
     """The rollout engine. Asynchronous runs sample from their own copy of the weights (synced every step);
     synchronous ones share the learner's unless --sampler-precision / --sampler-quant asks for a separate copy."""
-    from ovkit.runtime.engines import build_engine
+    from ovkit.runtime import precision as prec
+    from ovkit.runtime.engines import build_engine, device
 
     if cfg.engine == "vllm-server":  # its own process: weights pushed over NCCL every step
         if cfg.sampler_precision is not None:
@@ -202,8 +203,11 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
         # colocated: vLLM sleeps while the learner updates (synchronous runs), weights written in place every step
         return build_engine("vllm", model_dir=cfg.model, processor=processor, precision=cfg.sampler_precision or "auto", seed=cfg.seed, quant=cfg.sampler_quant,
                             sleep=cfg.max_staleness == 0, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
-    return build_engine("hf", model=model, processor=processor, precision=cfg.sampler_precision, quant=cfg.sampler_quant,
-                        separate=cfg.max_staleness > 0, batch_size=cfg.rollout_batch_size)
+    # An own copy (asynchronous runs) is held in the learner's compute dtype: bf16 under bf16-mixed also where the
+    # learner keeps fp32 weights under autocast (DDP, adamw_8bit), 2 bytes per parameter, not 4 (#26)
+    own = cfg.sampler_precision or ("bf16" if prec.resolve(cfg.precision, device()).dtype == torch.bfloat16 else None)
+    return build_engine("hf", model=model, processor=processor, precision=own if cfg.max_staleness > 0 else cfg.sampler_precision,
+                        quant=cfg.sampler_quant, separate=cfg.max_staleness > 0, batch_size=cfg.rollout_batch_size)
 
 
 def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, world: int = 1):
