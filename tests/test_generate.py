@@ -475,6 +475,11 @@ def fake_vllm(monkeypatch, tiny, tmp_path):
     import fake_vllm as fake
 
     fake.install(monkeypatch)
+    # the colocated engine makes the process a distributed group of one (RANK, WORLD_SIZE, ... in os.environ, as it
+    # must outside torchrun); left behind, every later test's accelerate would start a gloo group and wrap in DDP
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "unset")
+        monkeypatch.delenv(key)
     model, processor = tiny
     model.save_pretrained(tmp_path / "model")
     processor.save_pretrained(tmp_path / "model")
