@@ -4,7 +4,8 @@
 |---|---|
 | align, midtrain, sft, rl-train | one run over N processes (data-parallel; ovkit.runtime), written once by the main process after every process has finished |
 | convert, balance, pack, caption, rl-curate | process r runs `--shard r/N`: it writes OUT/part-r-of-N/ (complete or absent on its own), the output N machines with `--shard I/N` would write; the next stage reads OUT as one dataset only when every part is complete (ovkit.data.io) |
-| synth, init-model, eval, mismatch-report | refused at start (exit 2): they run in one process |
+| eval | the processes share the rows (process r scores rows r, r + N, ...; each row sampled from its own seed) and the main process writes the one output, the one a single process writes apart from its timings |
+| synth, init-model, mismatch-report, eval --compare | refused at start (exit 2): they run in one process |
 
 A launcher that asked for N processes and started one (`accelerate launch --num_processes 2` on a CPU machine without
 a MULTI_CPU config starts one process and says nothing) is an error naming it, not a silent single-process run.
@@ -21,6 +22,7 @@ from ovkit.errors import OvkitError
 
 DATA_PARALLEL = frozenset({"align", "midtrain", "sft", "rl-train"})
 RANK_SHARDED = frozenset({"convert", "balance", "pack", "caption", "rl-curate"})
+ROW_SHARED = frozenset({"eval"})
 
 
 def processes() -> tuple[int, int]:
@@ -40,7 +42,7 @@ def check(command: str, cfg: Any) -> None:
             )
         return
     launcher = f"a launcher started {world} processes (WORLD_SIZE={world})"
-    if command in DATA_PARALLEL:
+    if command in DATA_PARALLEL or (command in ROW_SHARED and not getattr(cfg, "compare", False)):
         return
     if command in RANK_SHARDED and hasattr(cfg, "shard"):
         if cfg.shard not in (None, ""):
@@ -48,6 +50,25 @@ def check(command: str, cfg: Any) -> None:
         cfg.shard = f"{rank}/{world}"
         return
     raise OvkitError(f"ovkit {command} runs in one process, but {launcher}: run it without torchrun / accelerate launch")
+
+
+def share(n: int) -> list[int]:
+    """This process's rows of `n` (r, r + N, r + 2N, ...: deterministic, and balanced within one row)."""
+    rank, world = processes()
+    return list(range(rank, n, world))
+
+
+def gather(items: list) -> list:
+    """Every process's `items` (picklable), concatenated in rank order, on every process; `items` with one process.
+    Sets up the launcher's process group (gloo on CPU, NCCL on CUDA) on first use."""
+    if processes()[1] == 1:
+        return items
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    PartialState(cpu=not torch.cuda.is_available())
+    return gather_object(items)
 
 
 def _accelerate_asked() -> int:
