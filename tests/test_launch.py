@@ -55,6 +55,33 @@ def test_accelerate_asking_for_two_processes_and_starting_one_is_an_error(tmp_pa
                           str(root), "--out", str(tmp_path / "out"), "--quiet"], env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode != 0 and "asked for 2 processes and started one" in run.stderr
     assert not (tmp_path / "out").exists()
+    # A MULTI_CPU config starts one process too (accelerate needs MPI for several CPU processes): the message says what
+    # works here (torchrun, or MPI), not "use a MULTI_CPU config".
+    (tmp_path / "multi_cpu.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
+    run = subprocess.run([accelerate, "launch", "--config_file", str(tmp_path / "multi_cpu.yaml"), "-m", "ovkit", "convert", str(src), "--image-root",
+                          str(root), "--out", str(tmp_path / "out"), "--quiet"], env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode != 0 and "asked for 2 processes and started one" in run.stderr, run.stderr[-2000:]
+    assert "torchrun --nproc_per_node 2 -m ovkit convert" in run.stderr and "mpirun_hostfile" in run.stderr
+    assert "config with distributed_type: MULTI_CPU" not in run.stderr
+
+
+def test_an_engine_the_machine_cannot_run_is_named_in_a_warning(monkeypatch, tmp_path):
+    """FSDP / DeepSpeed asked of accelerate on a machine that runs plain data-parallel processes: the warning names
+    what was asked, what ran, and what works; Runtime records both in ovkit.json's runtime."""
+    from ovkit import launch
+
+    for var in launch.ENGINE_FLAGS:
+        monkeypatch.delenv(var, raising=False)
+    assert launch.engine_warning("MULTI_CPU") is None  # nothing asked
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert launch.requested_engine() == "FSDP"
+    note = launch.engine_warning("MULTI_CPU")
+    assert note and "asked for FSDP" in note and "this run is MULTI_CPU" in note and "torchrun --nproc_per_node N" in note
+    assert launch.engine_warning("FSDP") is None
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # under accelerate launch, its config file says DEEPSPEED
+    monkeypatch.setattr(launch, "_launch_config", lambda args=None: {"distributed_type": "DEEPSPEED", "num_processes": 2})
+    assert launch.requested_engine() == "DEEPSPEED" and "asked for DEEPSPEED" in launch.engine_warning("NO")
 
 
 def test_a_sharded_output_with_a_missing_or_unfinished_part_is_not_a_dataset(tmp_path, images, cli):  # noqa: F811
