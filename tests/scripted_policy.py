@@ -30,7 +30,7 @@ class ScriptedEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Any], *, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int = 0, images: Any = None, suppress_ids: Sequence[int] = ()) -> list[list[Completion]]:
+                 top_p: float = 1.0, seed: int = 0, images: Any = None, suppress_ids: Sequence[int] = (), seeds: Any = None) -> list[list[Completion]]:
         out = []
         for j, prompt in enumerate(prompts):
             grid = prompt.mm.get("image_grid_thw")

@@ -70,7 +70,7 @@ class ForcedEngine:
         self.answers = answers
         self.calls = []
 
-    def generate(self, prompts, *, n=1, max_new_tokens=64, temperature=1.0, top_p=1.0, seed=0, images=None):
+    def generate(self, prompts, *, n=1, max_new_tokens=64, temperature=1.0, top_p=1.0, seed=0, images=None, seeds=None):
         from ovkit.generate import Completion
 
         self.calls.append({"prompts": len(prompts), "max_new_tokens": max_new_tokens, "n": n})

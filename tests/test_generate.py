@@ -182,6 +182,27 @@ def test_seed_makes_sampling_reproducible_and_n_gives_n_completions(tiny, prompt
     assert greedy[0].token_ids == greedy[1].token_ids and greedy[0] is not greedy[1]
 
 
+def test_per_prompt_seeds_sample_the_same_whatever_the_batch_or_the_split(tiny, prompts):
+    """With `seeds`, completion k of prompt i draws from its own stream: the prompts split in two calls (two
+    processes' shares) and cut into other batches sample the tokens and log-probs of one call over all of them, and
+    top-p's dropped tokens are never drawn (the Gumbel-max draw is from the recorded distribution)."""
+    seeds = [11 * i + 3 for i in range(len(prompts))]
+    kw = dict(n=2, temperature=1.0, top_p=0.9, max_new_tokens=6)
+    whole = _engine(tiny, batch_size=8).generate(prompts, seeds=seeds, **kw)
+    parts = [_engine(tiny, batch_size=3).generate(prompts[r::2], seeds=seeds[r::2], seed=r, **kw) for r in (0, 1)]
+    split = [None] * len(prompts)
+    split[0::2], split[1::2] = parts
+    ids = lambda out: [[c.token_ids for c in x] for x in out]  # noqa: E731
+    assert ids(split) == ids(whole)
+    for a, b in zip(split, whole):
+        for x, y in zip(a, b):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)  # another padding: float noise
+            assert all(math.isfinite(v) for v in x.logprobs)
+    other = _engine(tiny).generate(prompts, seeds=[s + 1 for s in seeds], **kw)
+    assert ids(other) != ids(whole)
+    assert ids(whole)[0][0] != ids(whole)[0][1]  # the samples of a prompt are not one stream twice
+
+
 def test_generation_stops_at_a_stop_token(tiny, prompts):
     engine = _engine(tiny)
     free = engine.generate(prompts[:1], temperature=0, max_new_tokens=10)[0][0]

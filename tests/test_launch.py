@@ -16,6 +16,7 @@ import pytest
 from ovkit.data import read_samples
 from ovkit.errors import OvkitError
 from test_convert import images, many_llava  # noqa: F401 (a fixture)
+from test_eval import TEXTS, eval_set  # noqa: F401 (a fixture)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -38,7 +39,7 @@ def test_a_data_stage_under_torchrun_writes_one_part_per_process(tmp_path, image
 
 @pytest.mark.parametrize("command", ["eval", "synth"])
 def test_a_one_process_command_refuses_a_launcher(tmp_path, command):
-    args = ["--out", tmp_path / "out"] if command == "synth" else [tmp_path, "--model", tmp_path, "--out", tmp_path / "out"]
+    args = ["--out", tmp_path / "out"] if command == "synth" else [tmp_path, "--compare", "--out", tmp_path / "out"]
     run = _torchrun(2, command, *args, "--quiet")
     assert run.returncode != 0 and f"ovkit {command} runs in one process" in run.stderr and "WORLD_SIZE=2" in run.stderr
     assert not (tmp_path / "out").exists()
@@ -54,6 +55,33 @@ def test_accelerate_asking_for_two_processes_and_starting_one_is_an_error(tmp_pa
                           str(root), "--out", str(tmp_path / "out"), "--quiet"], env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode != 0 and "asked for 2 processes and started one" in run.stderr
     assert not (tmp_path / "out").exists()
+    # A MULTI_CPU config starts one process too (accelerate needs MPI for several CPU processes): the message says what
+    # works here (torchrun, or MPI), not "use a MULTI_CPU config".
+    (tmp_path / "multi_cpu.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
+    run = subprocess.run([accelerate, "launch", "--config_file", str(tmp_path / "multi_cpu.yaml"), "-m", "ovkit", "convert", str(src), "--image-root",
+                          str(root), "--out", str(tmp_path / "out"), "--quiet"], env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode != 0 and "asked for 2 processes and started one" in run.stderr, run.stderr[-2000:]
+    assert "torchrun --nproc_per_node 2 -m ovkit convert" in run.stderr and "mpirun_hostfile" in run.stderr
+    assert "config with distributed_type: MULTI_CPU" not in run.stderr
+
+
+def test_an_engine_the_machine_cannot_run_is_named_in_a_warning(monkeypatch, tmp_path):
+    """FSDP / DeepSpeed asked of accelerate on a machine that runs plain data-parallel processes: the warning names
+    what was asked, what ran, and what works; Runtime records both in ovkit.json's runtime."""
+    from ovkit import launch
+
+    for var in launch.ENGINE_FLAGS:
+        monkeypatch.delenv(var, raising=False)
+    assert launch.engine_warning("MULTI_CPU") is None  # nothing asked
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert launch.requested_engine() == "FSDP"
+    note = launch.engine_warning("MULTI_CPU")
+    assert note and "asked for FSDP" in note and "this run is MULTI_CPU" in note and "torchrun --nproc_per_node N" in note
+    assert launch.engine_warning("FSDP") is None
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # under accelerate launch, its config file says DEEPSPEED
+    monkeypatch.setattr(launch, "_launch_config", lambda args=None: {"distributed_type": "DEEPSPEED", "num_processes": 2})
+    assert launch.requested_engine() == "DEEPSPEED" and "asked for DEEPSPEED" in launch.engine_warning("NO")
 
 
 def test_a_sharded_output_with_a_missing_or_unfinished_part_is_not_a_dataset(tmp_path, images, cli):  # noqa: F811
@@ -69,3 +97,38 @@ def test_a_sharded_output_with_a_missing_or_unfinished_part_is_not_a_dataset(tmp
     (out / "part-00001-of-00003" / "ovkit.json").unlink()  # as if that shard had died before finishing
     code, _, err = cli("convert", out, "--out", tmp_path / "next", "--quiet")  # the next stage refuses it
     assert code == 2 and "--shard 1/3" in err and not (tmp_path / "next").exists()
+
+
+def test_eval_under_torchrun_shares_the_rows_and_writes_what_one_process_writes(tmp_path, eval_set):  # noqa: F811
+    """Each process samples and scores its share of the rows (every row from its own seed) and the main process
+    writes one output: the same scores, samples and results as one process, apart from the timings."""
+    import json
+
+    from ovkit.models.tiny import build_tiny
+
+    model = build_tiny(tmp_path / "tiny", TEXTS, seed=0)
+    (tmp_path / "eval.yaml").write_text("n: 2\ntemperature: 1.0\n")  # torchrun's own parser takes `--n` for an abbreviation of its options
+    args = ["eval", eval_set, "--model", model, "--max-new-tokens", "5", "--config", tmp_path / "eval.yaml", "--save-logprobs", "--quiet"]
+    for n in (1, 2):
+        run = _torchrun(n, *args, "--out", tmp_path / f"p{n}")
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.count("eval: reward") == 1  # one summary line: the main process's
+    one, two = tmp_path / "p1", tmp_path / "p2"
+    assert json.loads((two / "ovkit.json").read_text())["runtime"]["processes"] == 2
+    plain = lambda doc: {k: v for k, v in doc.items() if k not in ("date", "total_evaluation_time_seconds")}  # noqa: E731
+    summary = lambda d: {k: v for k, v in json.loads((d / "summary.json").read_text()).items() if k != "results"}  # noqa: E731 (a timestamped name)
+    assert summary(one) == summary(two)
+    files = lambda d: sorted(d.rglob("*_*.json*"))  # noqa: E731 (lmms-eval's <timestamp>_results.json, _samples_<task>.jsonl)
+    assert [f.name.split("_", 2)[-1] for f in files(one)] == [f.name.split("_", 2)[-1] for f in files(two)] and files(one)
+    for a, b in zip(files(one), files(two)):
+        if a.suffix == ".jsonl":
+            assert a.read_text() == b.read_text(), a.name
+        else:
+            assert plain(json.loads(a.read_text())) == plain(json.loads(b.read_text())), a.name
+    assert pq_rows(one / "rollouts.parquet") == pq_rows(two / "rollouts.parquet")
+
+
+def pq_rows(path: Path) -> list:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()

@@ -66,7 +66,7 @@ class Scripted:
         self.stop_ids = stop_token_ids(self.tok)
         self.calls = []
 
-    def generate(self, prompts, *, n, max_new_tokens, temperature, top_p, seed, images=None, suppress_ids=()):
+    def generate(self, prompts, *, n, max_new_tokens, temperature, top_p, seed, images=None, suppress_ids=(), seeds=None):
         self.calls.append([p.length for p in prompts])
         turn = len(self.calls) - 1
         text = self.script[min(turn, len(self.script) - 1)]

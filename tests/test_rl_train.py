@@ -339,6 +339,40 @@ def test_two_processes_take_the_single_process_step_over_the_same_groups(rl_asse
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=2e-5, msg=k)
 
 
+def test_two_processes_sample_and_learn_what_one_process_does(rl_assets, tmp_path):
+    """End to end with the real sampler (`ovkit rl-train` under torchrun, 2 processes against 1, same seed and global
+    batch): every group is seeded by its stream position and every completion draws from its own stream, so the two
+    processes' rollouts together are the one process's (tokens and rewards), the step metrics agree and the weights
+    agree within the learner's float tolerance; one summary line."""
+    from safetensors.torch import load_file
+
+    from ovkit.rollouts.table import read_rollouts
+
+    model_dir, data = rl_assets
+    args = ["rl-train", data, "--model", model_dir, "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "8",
+            "--temperature", "1.0", "--lr", "1e-2", "--warmup-ratio", "0", "--max-steps", "2", "--micro-batch-size", "3",
+            "--reward-workers", "1", "--precision", "fp32", "--save-rollouts", "--quiet"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for n in (1, 2):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), "-m", "ovkit", *map(str, args),
+                              "--out", str(tmp_path / f"p{n}")], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.count("rl-train stage") == 1, run.stdout
+    one, two = tmp_path / "p1", tmp_path / "p2"
+    for step in (1, 2):
+        r1, r2 = (read_rollouts(d / "rollouts" / f"step-{step:06d}.parquet").to_pylist() for d in (one, two))
+        key = lambda rows: sorted((r["group"], r["response_ids"], r["reward"]) for r in rows)  # noqa: E731
+        assert key(r1) == key(r2) and len(r1) == 16
+    m1, m2 = _metrics(one), _metrics(two)
+    assert len({r["reward"] for r in m1}) + len({tuple(x["response_ids"]) for x in r1}) > 2  # real sampling, not one answer
+    for a, b in zip(m1, m2):
+        assert b["reward"] == pytest.approx(a["reward"]) and b["ovkit/samples"] == a["ovkit/samples"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    w1, w2 = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=2e-5, msg=k)
+
+
 def test_rl_train_with_the_vllm_engine_colocated(rl_assets, tmp_path, monkeypatch, one_thread):
     """--engine vllm through a stand-in with vLLM's shapes (tests/fake_vllm.py): rollouts come back on-policy (the
     behaviour log-probs are the sampled distribution's, the learner agrees), vLLM sleeps during every update and its

@@ -4,10 +4,14 @@
 |---|---|
 | align, midtrain, sft, rl-train | one run over N processes (data-parallel; ovkit.runtime), written once by the main process after every process has finished |
 | convert, balance, pack, caption, rl-curate | process r runs `--shard r/N`: it writes OUT/part-r-of-N/ (complete or absent on its own), the output N machines with `--shard I/N` would write; the next stage reads OUT as one dataset only when every part is complete (ovkit.data.io) |
-| synth, init-model, eval, mismatch-report | refused at start (exit 2): they run in one process |
+| eval | the processes share the rows (process r scores rows r, r + N, ...; each row sampled from its own seed) and the main process writes the one output, the one a single process writes apart from its timings |
+| synth, init-model, mismatch-report, eval --compare | refused at start (exit 2): they run in one process |
 
-A launcher that asked for N processes and started one (`accelerate launch --num_processes 2` on a CPU machine without
-a MULTI_CPU config starts one process and says nothing) is an error naming it, not a silent single-process run.
+A launcher that asked for N processes and started one (`accelerate launch --num_processes 2` on a machine without
+GPUs starts several processes only through MPI, else one, and says nothing) is an error naming it and what works, not
+a silent single-process run. An engine the launcher's config asked for that this machine does not run (FSDP or
+DeepSpeed without CUDA: accelerate runs plain data-parallel processes) is named in a warning, and ovkit.json's
+`runtime` records what ran (`distributed`) beside what was asked (`requested_distributed`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ovkit.errors import OvkitError
 
 DATA_PARALLEL = frozenset({"align", "midtrain", "sft", "rl-train"})
 RANK_SHARDED = frozenset({"convert", "balance", "pack", "caption", "rl-curate"})
+ROW_SHARED = frozenset({"eval"})
 
 
 def processes() -> tuple[int, int]:
@@ -35,12 +40,14 @@ def check(command: str, cfg: Any) -> None:
         asked = _accelerate_asked()
         if asked > 1:
             raise OvkitError(
-                f"accelerate launch asked for {asked} processes and started one (on a CPU machine accelerate needs a "
-                "config with distributed_type: MULTI_CPU); use `torchrun --nproc_per_node N -m ovkit ...` or fix the config"
+                f"accelerate launch asked for {asked} processes and started one: without GPUs, accelerate launch starts "
+                "several processes only through MPI (its config's mpirun_config: mpirun_hostfile, with Intel MPI / oneCCL "
+                f"installed), whatever its distributed_type; run `torchrun --nproc_per_node {asked} -m ovkit {command} ...` "
+                "(gloo over the CPU cores) instead"
             )
         return
     launcher = f"a launcher started {world} processes (WORLD_SIZE={world})"
-    if command in DATA_PARALLEL:
+    if command in DATA_PARALLEL or (command in ROW_SHARED and not getattr(cfg, "compare", False)):
         return
     if command in RANK_SHARDED and hasattr(cfg, "shard"):
         if cfg.shard not in (None, ""):
@@ -48,6 +55,53 @@ def check(command: str, cfg: Any) -> None:
         cfg.shard = f"{rank}/{world}"
         return
     raise OvkitError(f"ovkit {command} runs in one process, but {launcher}: run it without torchrun / accelerate launch")
+
+
+ENGINE_FLAGS = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM": "MEGATRON_LM"}
+
+
+def requested_engine() -> str | None:
+    """The distributed engine `accelerate launch` was asked for (FSDP, DEEPSPEED, MEGATRON_LM: its environment, else
+    its config file's distributed_type); None outside accelerate launch or without one."""
+    for var, name in ENGINE_FLAGS.items():
+        if os.environ.get(var, "").lower() in ("1", "true"):
+            return name
+    if not any(k.startswith("ACCELERATE_") for k in os.environ):
+        return None
+    value = str(_launch_config().get("distributed_type") or "").upper()
+    return value if value in ENGINE_FLAGS.values() else None
+
+
+def engine_warning(ran: str) -> str | None:
+    """The warning for an engine that was asked for and not run (`ran`: accelerate's distributed_type), or None."""
+    asked = requested_engine()
+    if asked is None or asked == ran:
+        return None
+    return (
+        f"warning: accelerate launch asked for {asked}, but this run is {ran} (accelerate runs {asked} only on CUDA GPUs; "
+        "without them its processes are plain data-parallel, each holding the whole model and optimiser state): the "
+        f"same updates, not {asked}'s memory savings. ovkit.json records distributed: {ran}. On this machine use "
+        "`torchrun --nproc_per_node N -m ovkit ...`; on GPUs the same config runs FSDP / DeepSpeed."
+    )
+
+
+def share(n: int) -> list[int]:
+    """This process's rows of `n` (r, r + N, r + 2N, ...: deterministic, and balanced within one row)."""
+    rank, world = processes()
+    return list(range(rank, n, world))
+
+
+def gather(items: list) -> list:
+    """Every process's `items` (picklable), concatenated in rank order, on every process; `items` with one process.
+    Sets up the launcher's process group (gloo on CPU, NCCL on CUDA) on first use."""
+    if processes()[1] == 1:
+        return items
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    PartialState(cpu=not torch.cuda.is_available())
+    return gather_object(items)
 
 
 def _accelerate_asked() -> int:
@@ -66,20 +120,32 @@ def _accelerate_asked() -> int:
         for a in args:
             if a.startswith(flag + "="):
                 return _int(a.split("=", 1)[1])
+    return _int(_launch_config(args).get("num_processes", 0))
+
+
+def _launch_config(args: list[str] | None = None) -> dict[str, Any]:
+    """The config file `accelerate launch` read (its --config_file, else accelerate's default one), as a dict."""
+    if args is None:
+        try:
+            args = shlex.split(Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            return {}
+        if "launch" not in args:
+            return {}
+    path = None
     for flag in ("--config_file", "--config-file"):
         if flag in args and args.index(flag) + 1 < len(args):
-            return _from_config(Path(args[args.index(flag) + 1]))
-    return 0
-
-
-def _from_config(path: Path) -> int:
+            path = Path(args[args.index(flag) + 1])
+    if path is None:
+        home = Path(os.environ.get("HF_HOME", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"))
+        path = home / "accelerate" / "default_config.yaml"
     try:
         import yaml
 
         data = yaml.safe_load(path.read_text()) or {}
     except (OSError, ValueError):
-        return 0
-    return _int(data.get("num_processes", 0))
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _int(value: Any) -> int:

@@ -53,7 +53,8 @@ def evaluate(
     """Evaluate a model on held-out rows: mean reward and accuracy per category, per source and overall."""
     from ovkit.evaluate import compare_table, load_run, run_eval
     from ovkit.evaluate.results import unmapped
-    from ovkit.runs import Stage
+    from ovkit.launch import processes
+    from ovkit.runs import Stage, is_complete
 
     cfg = resolve(ctx)
     if cfg.compare:
@@ -66,10 +67,16 @@ def evaluate(
             _write_text(cfg.out, table)
             done(f"eval --compare: {len(cfg.data)} runs -> {cfg.out}")
         return
+    rank, world = processes()
+    if rank > 0:  # under a launcher: score this process's share of the rows; the main process writes OUT
+        if not is_complete(cfg.out) or cfg.overwrite:
+            run_eval(cfg, None)
+        return
     stage = Stage("eval", cfg, cfg.out, inputs=[*cfg.data, cfg.model], overwrite=cfg.overwrite, seed=cfg.seed, parent=cfg.model)
     if stage.skipped:
         return skipped(cfg.out)
     with stage:
+        stage.extra["runtime"] = {"processes": world}
         stage.metrics.update(run_eval(cfg, stage.path))
     m = stage.metrics
     done(

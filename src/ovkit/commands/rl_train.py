@@ -98,12 +98,15 @@ def rl_train(
 ) -> None:
     """GRPO on verifiable rewards (LLaVA-OneVision-1.5-RL): decoupled PPO, async rollouts with bounded staleness,
     sampler/learner mismatch corrections. Stage 1 answer-only, stage 2 chain-of-thought."""
+    from ovkit.launch import processes
     from ovkit.rl.loop import train_rl
 
     cfg = resolve(ctx)
     m = train_rl(cfg)
     if m is None:
         return skipped(cfg.out)
+    if processes()[0] != 0:  # under a launcher: the main process, which wrote OUT, prints the one summary line
+        return
     reward = " -> ".join("-" if r is None else f"{r:.3f}" for r in (m["first_reward"], m["final_reward"]))
     done(
         f"rl-train stage {cfg.stage}: {m['steps']} steps, reward {reward}, "

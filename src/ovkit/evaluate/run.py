@@ -138,15 +138,14 @@ def shuffle_images(rows: list[dict[str, Any]], seed: int) -> list[dict[str, Any]
 # -- the run --------------------------------------------------------------------------------------------------------
 
 
-def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: Any = None) -> dict[str, Any]:
+def run_eval(cfg: EvalConfig, out_dir: Path | None, *, engine: Any = None, processor: Any = None) -> dict[str, Any] | None:
     """Evaluate `cfg.model` on `cfg.data`, writing the results into `out_dir`. Returns headline metrics.
 
     `engine`/`processor` may be given (tests, or a caller that already holds the model); otherwise they are built
-    from `cfg.model` with `cfg.engine`."""
-    from ovkit import __version__
-    from ovkit.evaluate.metrics import summarize
-    from ovkit.evaluate.results import write_results
-    from ovkit.runs import write_json
+    from `cfg.model` with `cfg.engine`. Under a launcher each process generates and scores its share of the rows
+    (ovkit.launch.share; every row sampled from its own seed, so the share changes no draw) and the main process,
+    given `out_dir`, writes what one process would; the others pass None and get None."""
+    from ovkit.launch import gather, share
 
     clock = {"start": time.perf_counter()}
     timestamp = _dt.datetime.now().strftime("%Y%m%d_%H%M%S")
@@ -156,15 +155,40 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: A
     if engine is None:
         engine, processor = build_engine(cfg)
     clock["load"] = time.perf_counter()
+    mine = share(len(rows))
+    budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)  # from every row: the same on each process
+    done = score_rows(cfg, engine, processor, [rows[i] for i in mine], budgets, [cfg.seed * 1_000_003 + i for i in mine], clock)
+    every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
+    if out_dir is None:
+        return None
+    tokenizer = getattr(processor, "tokenizer", processor)
+    return _write(cfg, out_dir, rows, n_original, [every[i] for i in range(len(rows))], budgets, tokenizer, clock, timestamp)
+
+
+def score_rows(cfg: EvalConfig, engine: Any, processor: Any, rows: Sequence[dict[str, Any]], budgets: dict[str, int], seeds: Sequence[int], clock: dict[str, float] | None = None) -> list[tuple]:
+    """(prompt text, prompt token ids, completions, rewards) per row: encoded, generated (row i sampled from
+    `seeds[i]`) and scored. The part of an eval that the processes share; `clock` gets each phase's end."""
     from ovkit.rollouts.episodes import env_instruction, env_tools
 
+    clock = {} if clock is None else clock
     prompts, images, inputs = encode_rows(rows, processor, cfg.prompt, progress=not cfg.quiet, extra=env_instruction(cfg), tools=env_tools(cfg))
-    budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)
     clock["encode"] = time.perf_counter()
-    completions = generate_rows(engine, cfg, rows, prompts, images, budgets, processor)
+    completions = generate_rows(engine, cfg, rows, prompts, images, budgets, processor, seeds)
     clock["generate"] = time.perf_counter()
     rewards = score(rows, completions, cfg.prompt)
     clock["score"] = time.perf_counter()
+    return [(text, [int(t) for t in p.input_ids], c, r) for text, p, c, r in zip(inputs, prompts, completions, rewards)]
+
+
+def _write(cfg: EvalConfig, out_dir: Path, rows, n_original, scored: Sequence[tuple], budgets, tokenizer, clock, timestamp) -> dict[str, Any]:
+    """The results files, summary.json and (--save-logprobs) the rollouts of every row (`scored`: score_rows' tuple
+    per row); the headline metrics."""
+    from ovkit import __version__
+    from ovkit.evaluate.metrics import summarize
+    from ovkit.evaluate.results import write_results
+    from ovkit.runs import write_json
+
+    inputs, prompt_ids, completions, rewards = ([x[k] for x in scored] for k in range(4))
     records = make_records(rows, inputs, completions, rewards)
     summary = summarize(records)
     seconds = time.perf_counter() - clock["start"]
@@ -188,7 +212,7 @@ def run_eval(cfg: EvalConfig, out_dir: Path, *, engine: Any = None, processor: A
         doc["multiturn"] = turn_stats([c for c, _ in flat], [r for _, r in flat])
     write_json(out_dir / "summary.json", doc)
     if cfg.save_logprobs:
-        write_eval_rollouts(out_dir / "rollouts.parquet", rows, prompts, completions, rewards, getattr(processor, "tokenizer", processor))
+        write_eval_rollouts(out_dir / "rollouts.parquet", rows, prompt_ids, completions, rewards, tokenizer)
     return {
         "overall": doc["overall"],
         "accuracy": doc["accuracy"]["overall"],
@@ -255,9 +279,11 @@ def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, f
     return {c: max(MIN_NEW_TOKENS, math.ceil(1.25 * longest[c])) + (THINK_EXTRA_TOKENS if c in think else 0) for c in categories}
 
 
-def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: dict[str, int], processor: Any = None) -> list[list[Any]]:
+def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: dict[str, int], processor: Any = None, seeds: Sequence[int] | None = None) -> list[list[Any]]:
     """Completions per row; rows that share a token budget are generated together (one engine call each, or one
-    multi-turn rollout with --env)."""
+    multi-turn rollout with --env). Row i samples from `seeds[i]` (default: its position), whatever rows share its
+    call; multi-turn rollouts seed per call."""
+    seeds = list(range(len(rows))) if seeds is None else list(seeds)
     from ovkit.rollouts.episodes import make_runner
 
     groups: dict[int, list[int]] = {}
@@ -280,6 +306,7 @@ def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: 
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             seed=cfg.seed + g,
+            seeds=[seeds[i] for i in idx],
             images=[images[i] for i in idx] if cfg.engine == "vllm" else None,
         )
         for i, completions in zip(idx, done):
@@ -366,14 +393,15 @@ def _turns(c: Any) -> dict[str, Any]:
 
 
 def write_eval_rollouts(path: Path, rows, prompts, completions, rewards, tokenizer: Any = None) -> None:
-    """The eval's trajectories in the rollout schema (`ovkit.rollouts.table`), for mismatch-report. The prompt
+    """The eval's trajectories in the rollout schema (`ovkit.rollouts.table`), for mismatch-report (`prompts`: each
+    row's prompt token ids, or its encoded prompt). The prompt
     rows' image cells are copied as they are (then any observation images), so the file is self-contained."""
     from ovkit.data import image_cell
     from ovkit.rollouts.table import write_rollouts
     from ovkit.rollouts.episodes import transcript
 
     out = []
-    for group, (row, prompt, outs, rs) in enumerate(zip(rows, prompts, completions, rewards)):
+    for group, (row, prompt_ids, outs, rs) in enumerate(zip(rows, prompts, completions, rewards)):
         cells = [{"bytes": c.get("bytes"), "path": c.get("path")} for c in row["images"] or []]
         for c, r in zip(outs, rs):
             out.append(
@@ -381,7 +409,7 @@ def write_eval_rollouts(path: Path, rows, prompts, completions, rewards, tokeniz
                     "prompt_id": row["id"],
                     "group": group,
                     "version": 0,
-                    "prompt_ids": list(prompt.input_ids),
+                    "prompt_ids": list(getattr(prompt_ids, "input_ids", prompt_ids)),
                     "response_ids": list(c.token_ids),
                     "loss_mask": c.mask,
                     "behave_logprobs": list(c.logprobs),

@@ -25,7 +25,9 @@ each step the processor gathers the log-prob of the token sampled at the step be
 `input_ids`), which keeps memory at one batch x vocab row instead of `output_scores`' steps x batch x vocab. The
 model's own `generation_config` (repetition penalty, top-k, ... of a hub checkpoint) is set aside while we generate
 so that nothing else reshapes the distribution. A test checks that, at temperature 1 and top-p 1, the logprobs equal
-log_softmax of a teacher-forced forward pass of the same model.
+log_softmax of a teacher-forced forward pass of the same model. With per-prompt `seeds` the processor draws instead
+(Gumbel-max: each sequence adds noise from its own stream, `generate` takes the argmax), so a sequence's draws do not
+depend on its batch: what eval and rl-train need for N processes to sample what one samples.
 """
 
 from __future__ import annotations
@@ -74,10 +76,11 @@ class _SampledDistribution(LogitsProcessor):
     """The only logits processor in play: returns `sampling_logprobs` as the scores `generate` samples from, and
     records the log-prob of each sampled token (gathered one step later, when the token is in `input_ids`)."""
 
-    def __init__(self, temperature: float, top_p: float, suppress_ids: Sequence[int] = ()):
+    def __init__(self, temperature: float, top_p: float, suppress_ids: Sequence[int] = (), streams: Sequence[torch.Generator] | None = None):
         self.temperature = temperature
         self.top_p = top_p
         self.suppress = list(suppress_ids)
+        self.streams = streams  # one generator per sequence: sampled here (Gumbel-max), `generate` takes the argmax
         self.previous: torch.Tensor | None = None
         self.taken: list[torch.Tensor] = []
 
@@ -87,7 +90,12 @@ class _SampledDistribution(LogitsProcessor):
         if self.suppress:
             scores = scores.float().index_fill(-1, torch.as_tensor(self.suppress, device=scores.device), float("-inf"))
         self.previous = sampling_logprobs(scores, self.temperature, self.top_p)
-        return self.previous
+        if self.streams is None:
+            return self.previous
+        # argmax(log p + Gumbel noise) is a draw from p (the Gumbel-max trick); each row's noise comes from its own
+        # stream, so a sequence's tokens do not depend on which other sequences share its batch (or its process).
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=g.device) for g in self.streams]).to(scores.device)
+        return self.previous - torch.log(-torch.log(u.clamp_min(1e-20)))
 
     def logprobs(self, new_tokens: torch.Tensor) -> torch.Tensor:
         """(batch, steps) log-probs of `new_tokens` (the generated part of `generate`'s output)."""
@@ -248,10 +256,18 @@ class HFEngine:
         seed: int = 0,
         images: Any = None,  # accepted for parity with VLLMEngine; the encoded prompts already hold the pixels
         suppress_ids: Sequence[int] = (),
+        seeds: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         """Per prompt, `n` completions (temperature 0: greedy, computed once and repeated). `suppress_ids` are never
-        sampled (multi-turn rollouts: image placeholders, which the next turn's forward would read as images)."""
+        sampled (multi-turn rollouts: image placeholders, which the next turn's forward would read as images).
+
+        `seeds` (one per prompt) make the sampling per sequence: completion k of prompt i draws from its own stream
+        seeded by (seeds[i], k), whatever else is in its batch, so prompts split over processes (or batches) sample
+        what one call over all of them samples, up to the float noise of another padding. Without it, one `seed`
+        seeds each batch's shared stream (a batch's draws depend on its make-up)."""
         _check_sampling(n, max_new_tokens, temperature, top_p)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
         copies = n if temperature > 0 else 1
         order = sorted(range(len(prompts)), key=lambda i: -prompts[i].length)
         seqs = [(i, k) for i in order for k in range(copies)]  # (prompt, sample) in the order they are generated
@@ -260,8 +276,9 @@ class HFEngine:
         bar = _progress(len(seqs), self.progress)
         for c, chunk in enumerate(chunks):
             batch = [prompts[i] for i, _ in chunk]
+            streams = None if seeds is None or temperature == 0 else [_stream(seeds[i], k, self.model) for i, k in chunk]
             with _seeded(seed * 1_000_003 + c, self.model):
-                done = self._generate_batch(batch, max_new_tokens, temperature, top_p, suppress_ids)
+                done = self._generate_batch(batch, max_new_tokens, temperature, top_p, suppress_ids, streams)
             for (i, k), completion in zip(chunk, done):
                 results[i][k] = completion
             bar.update(len(chunk))
@@ -271,19 +288,20 @@ class HFEngine:
         return [[dataclasses.replace(r[0], token_ids=list(r[0].token_ids), logprobs=list(r[0].logprobs)) for _ in range(n)] for r in results]
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Any], max_new_tokens: int, temperature: float, top_p: float, suppress_ids: Sequence[int] = ()) -> list[Completion]:
+    def _generate_batch(self, prompts: Sequence[Any], max_new_tokens: int, temperature: float, top_p: float, suppress_ids: Sequence[int] = (), streams: Any = None) -> list[Completion]:
         model = self.model
         device = next(model.parameters()).device
         if self._shares_prefill(prompts):
             inputs = self._shared_prefill(prompts, device)
         else:
             inputs = self._inputs(prompts, device)
-        recorder = _SampledDistribution(temperature, top_p, suppress_ids)
-        sampling = dict(temperature=1.0, top_p=1.0, top_k=0) if temperature > 0 else {}  # ours do the work
+        recorder = _SampledDistribution(temperature, top_p, suppress_ids, streams)
+        sample = temperature > 0 and streams is None  # with streams the processor samples; `generate` takes the argmax
+        sampling = dict(temperature=1.0, top_p=1.0, top_k=0) if sample else {}  # ours do the work
         static = dict(cache_implementation="static") if self.static_cache and "cache" not in inputs else {}
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
-            do_sample=temperature > 0,
+            do_sample=sample,
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
             use_cache=self.use_cache,
@@ -383,6 +401,13 @@ def _check_sampling(n: int, max_new_tokens: int, temperature: float, top_p: floa
         raise OvkitError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0 < top_p <= 1:
         raise OvkitError(f"--top-p must be in (0, 1], got {top_p}")
+
+
+def _stream(seed: int, k: int, model: Any) -> torch.Generator:
+    """The random stream of sample k of the prompt seeded `seed`, on the model's device."""
+    g = torch.Generator(device=next(model.parameters()).device)
+    g.manual_seed((int(seed) * 1_000_003 + k) % (2**63))
+    return g
 
 
 @contextmanager

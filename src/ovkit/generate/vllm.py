@@ -94,9 +94,11 @@ class VLLMEngine:
         seed: int = 0,
         images: Sequence[Sequence[Any]] | None = None,
         suppress_ids: Sequence[int] = (),
+        seeds: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         """Per prompt, `n` completions. `images`: the PIL images of each prompt (needed when prompts have any);
-        `suppress_ids`: tokens never sampled (a -100 logit bias, applied before vLLM's processed log-probs)."""
+        `suppress_ids`: tokens never sampled (a -100 logit bias, applied before vLLM's processed log-probs);
+        `seeds`: one per prompt (its request's seed), so a prompt samples the same wherever it is in the call."""
         from ovkit.generate.hf import _check_sampling
 
         _check_sampling(n, max_new_tokens, temperature, top_p)
@@ -107,7 +109,7 @@ class VLLMEngine:
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_new_tokens,
-                seed=seed * 1_000_003 + i * n,  # one seed per prompt: reproducible, not shared across prompts
+                seed=seed * 1_000_003 + i * n if seeds is None else int(seeds[i]),  # one seed per prompt: reproducible, not shared across prompts
                 logprobs=0,  # the sampled token's log-prob only
                 stop_token_ids=self.stop_ids,
                 skip_special_tokens=True,

@@ -83,8 +83,10 @@ class VLLMServerEngine:
         seed: int = 0,
         images: Sequence[Sequence[Any]] | None = None,
         suppress_ids: Sequence[int] = (),
+        seeds: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
-        """Per prompt, `n` completions (the contract of HFEngine.generate)."""
+        """Per prompt, `n` completions (the contract of HFEngine.generate, except `seeds`: the server's API seeds a
+        request, not each prompt in it, so `seed` seeds the call and N processes draw otherwise than one)."""
         from ovkit.generate.hf import _check_sampling
 
         _check_sampling(n, max_new_tokens, temperature, top_p)

@@ -13,7 +13,8 @@ logging, the end) is the shared runtime's, exactly as for `ovkit sft` (ovkit.run
 directory). With --save-rollouts, OUT/rollouts/step-N.parquet holds every step's trajectories.
 
 Several processes (`torchrun --nproc_per_node N -m ovkit rl-train ...` or `accelerate launch`): each samples and
-scores its share of the step's groups (ovkit.rl.rollout), the learner is data-parallel (DDP through accelerate,
+scores its share of the step's groups (ovkit.rl.rollout; each group seeded by its stream position, so the shares
+together are the groups one process samples), the learner is data-parallel (DDP through accelerate,
 or FSDP with an accelerate config) and normalises the loss by the global token counts, so a step over N processes
 is the single-process step over the same groups; metrics are combined across processes (means of means, maxima
 of maxima, histograms summed) and written, with the rollouts and the final model, by the main process once every

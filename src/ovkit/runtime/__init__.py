@@ -138,6 +138,12 @@ class Runtime:
         self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed, kwargs_handlers=[ddp],
                                        log_with=report_to or None, project_config=project)  # fmt: skip
         self.device = self.accelerator.device
+        from ovkit.launch import engine_warning, requested_engine
+
+        self.requested_distributed = requested_engine()  # an FSDP / DeepSpeed config accelerate could not honour here
+        warning = engine_warning(self.accelerator.distributed_type.value)
+        if warning and self.accelerator.is_main_process:
+            print(warning, file=sys.stderr)
         self.attention = attn.resolve(getattr(cfg, "attn_implementation", "auto"), self.device, train=True)
         set_seed(cfg.seed, device_specific=True)
         hf_logging.disable_progress_bar()  # weight loading/saving bars would break up the step lines
@@ -169,7 +175,8 @@ class Runtime:
         return {
             "device": str(self.device),
             "processes": self.processes,
-            "distributed": self.accelerator.distributed_type.value,
+            "distributed": self.accelerator.distributed_type.value,  # what ran
+            **({"requested_distributed": self.requested_distributed} if self.requested_distributed else {}),
             "precision": {**self.precision.as_dict(), "master_weights": self.master_weights},
             "attention": self.attention.as_dict(),
             "optim": self.optim,
