@@ -28,3 +28,17 @@ def run_workers(script: str, names: list[str], spec: dict[str, Any], work: Path)
 def report_result(result: dict[str, Any]) -> None:
     """What a child prints for its parent."""
     print("RESULT " + json.dumps(result))
+
+
+def find_key(tree, key: str):
+    """The first value of `key` anywhere in a JSON tree (ovkit.json keeps the runtime facts under its stage record)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        tree = list(tree.values())
+    if isinstance(tree, list):
+        for v in tree:
+            found = find_key(v, key)
+            if found is not None:
+                return found
+    return None

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _workers import report_result, run_workers  # noqa: E402
+from _workers import find_key as _find, report_result, run_workers  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -169,20 +169,6 @@ class MemoryPhases:
 
 
 # ---- the runs (each in its own process) ---------------------------------------------------------------------------
-
-
-def _find(tree, key: str):
-    """The first value of `key` anywhere in a JSON tree (ovkit.json keeps the runtime facts under its stage record)."""
-    if isinstance(tree, dict):
-        if key in tree:
-            return tree[key]
-        tree = list(tree.values())
-    if isinstance(tree, list):
-        for v in tree:
-            found = _find(v, key)
-            if found is not None:
-                return found
-    return None
 
 
 def run_ovkit(spec: dict, policy: str, staleness: int, engine: str, mem: MemoryPhases) -> dict:

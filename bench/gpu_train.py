@@ -75,7 +75,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _workers import report_result, run_workers  # noqa: E402
+from _workers import find_key as _find, report_result, run_workers  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -172,20 +172,6 @@ def _padded_steps(spec: dict, processor) -> list[list[dict]]:
     schedule = Schedule(tuple(source.lengths), spec["batch_size"], spec["grad_accum"], 1, 0)
     pad = processor.tokenizer.pad_token_id
     return [[source.collate([source[i] for i in m], pad) for m in micro] for _, _, micro in schedule.steps(0, spec["steps"], 0)]
-
-
-def _find(tree, key: str):
-    """The first value of `key` anywhere in a JSON tree (ovkit.json keeps the runtime facts under its stage record)."""
-    if isinstance(tree, dict):
-        if key in tree:
-            return tree[key]
-        tree = list(tree.values())
-    if isinstance(tree, list):
-        for v in tree:
-            found = _find(v, key)
-            if found is not None:
-                return found
-    return None
 
 
 def run_ovkit(spec: dict, packed: bool) -> dict:
