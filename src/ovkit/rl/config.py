@@ -8,6 +8,7 @@ from typing import Any
 
 from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
+from ovkit.evaluate.during import check_options as check_eval_options
 from ovkit.generate import RL_ENGINES
 from ovkit.rl.correction import Correction, canonical_mode
 from ovkit.rl.loss import AGGREGATIONS, KL_ESTIMATORS
@@ -34,6 +35,7 @@ RUN_CONTROL = frozenset({
     "out", "resume", "overwrite", "quiet", "report_to", "save_every", "keep_checkpoints", "save_rollouts", "reward_workers",
     "trust_remote_code", "vllm_server_url", "vllm_server_timeout", "micro_batch_size", "activation_checkpointing",
     "gradient_checkpointing", "compile", "kernels", "use_liger_kernel",
+    "eval_data", "eval_every", "eval_limit", "eval_max_new_tokens",  # evaluation restores the RNG: same trajectory
 })
 
 
@@ -105,6 +107,10 @@ class RLTrainConfig:
     save_rollouts: bool = False  # write every step's trajectories to OUT/rollouts/
     resume: bool = False  # continue the run in OUT.partial/ from its last checkpoint
     report_to: list[str] = field(default_factory=list)  # experiment trackers: tensorboard, wandb, mlflow, trackio
+    eval_data: list[Path] | None = None  # held-out tables scored while training (ovkit.evaluate.during): eval/reward, eval/accuracy, ...
+    eval_every: int = 0  # evaluate on --eval-data every N steps, and after the last (0: only after the last)
+    eval_limit: int | None = None  # at most this many eval rows per category (the first ones, as `ovkit eval --limit`)
+    eval_max_new_tokens: int | None = None  # the eval's generation budget; default: per category (`ovkit eval`'s token_budgets)
     reward_workers: int = 2
     env: str | None = None  # multi-turn: an environment (ovkit.envs: zoom, verifier, or package.module:factory)
     env_arg: Any = None  # its arguments: key=value strings (--env-arg, repeatable) or a mapping (YAML)
@@ -143,6 +149,7 @@ class RLTrainConfig:
             sampler_dtype(self.sampler_precision)  # a bad name fails here, naming the option
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
+        check_eval_options(self)
         self._check()
 
     def _check(self) -> None:

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from ovkit.errors import OvkitError
+from ovkit.evaluate.during import evaluator
 from ovkit.models import pad_token_id
 from ovkit.rl.config import TRAJECTORY, RLTrainConfig
 from ovkit.rl.metrics import console_line, rollout_metrics
@@ -64,6 +65,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     rollout_bytes = n_steps * cfg.prompts_per_step * cfg.group_size * longest * ROLLOUT_BYTES_PER_TOKEN if cfg.save_rollouts else 0
     rt.check_space(model, n_steps=n_steps, save_every=cfg.save_every, keep=cfg.keep_checkpoints, extra=rollout_bytes,
                    what=", --save-rollouts tables" if cfg.save_rollouts else "")  # fmt: skip
+    evaluate = evaluator(cfg, rt, processor, n_steps, prompt=cfg.mode, loss=False, batch_size=cfg.rollout_batch_size)  # --eval-data
     rt.make_run_dir()  # only now: bad inputs leave nothing behind
     optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: constant_factor(s, n_steps, cfg.warmup_ratio))
     rt.checkpointing(model, tokens=cfg.micro_batch_size * longest)  # before the sampler copies it
@@ -105,6 +107,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
                 "samples": state["samples"],
                 "elapsed_s": state["elapsed_s"],
             })  # fmt: skip
+            metrics.update(evaluate(step + 1, scorer))  # every --eval-every steps and at the end; the trajectory is untouched
             logger.log(step + 1, metrics)
             state["last"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < n_steps:

@@ -38,11 +38,13 @@ TRL_NAMES = {
     "is_weight/max": "sampling/importance_sampling_ratio/max",
 }
 SAME_IN_TRL = frozenset({"loss", "grad_norm", "epoch", "entropy", "kl", "frac_reward_zero_std"})
+# Held-out metrics (ovkit.evaluate.during) keep their name: TRL's eval_loss, eval_reward show as eval/loss, eval/reward.
+EVAL_PREFIX = "eval/"
 
 
 def public_name(key: str) -> str:
     """The name a metric is written under (metrics.jsonl, trackers)."""
-    return TRL_NAMES.get(key) or (key if key in SAME_IN_TRL else f"ovkit/{key}")
+    return TRL_NAMES.get(key) or (key if key in SAME_IN_TRL or key.startswith(EVAL_PREFIX) else f"ovkit/{key}")
 
 
 def public(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
+from ovkit.evaluate.during import check_options as check_eval_options
 from ovkit.models.groups import STAGE_TRAINABLE
 from ovkit.runtime.attention import ATTENTION
 from ovkit.runtime.checkpointing import check_option as check_checkpointing
@@ -37,6 +38,7 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
 RUN_CONTROL = frozenset({
     "out", "resume", "overwrite", "quiet", "report_to", "save_every", "keep_checkpoints", "trust_remote_code",
     "activation_checkpointing", "gradient_checkpointing", "compile", "kernels", "use_liger_kernel",
+    "eval_data", "eval_every", "eval_limit", "eval_max_new_tokens",  # evaluation restores the RNG: same trajectory
 })
 
 
@@ -80,6 +82,10 @@ class TrainConfig:
     keep_checkpoints: int = 2  # how many intermediate checkpoints to keep (oldest deleted first)
     resume: bool = False  # continue the run found in OUT.partial/ from its last checkpoint
     report_to: list[str] = field(default_factory=list)  # experiment trackers: tensorboard, wandb, mlflow, trackio
+    eval_data: list[Path] | None = None  # held-out tables scored while training (ovkit.evaluate.during): eval/loss, eval/reward, ...
+    eval_every: int = 0  # evaluate on --eval-data every N steps, and after the last (0: only after the last)
+    eval_limit: int | None = None  # at most this many eval rows per category (the first ones, as `ovkit eval --limit`)
+    eval_max_new_tokens: int | None = None  # the eval's generation budget; default: per category (`ovkit eval`'s token_budgets)
     trust_remote_code: bool = False
     seed: int = 0
     overwrite: bool = False
@@ -138,6 +144,7 @@ class TrainConfig:
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
         check_trackers(self.report_to)
+        check_eval_options(self)
 
     @property
     def partial(self) -> Path:

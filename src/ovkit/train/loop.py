@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from ovkit.errors import OvkitError
+from ovkit.evaluate.during import evaluator
 from ovkit.models import pad_token_id
 from ovkit.models.precompute import LOSS_KEYS, to_device
 from ovkit.models.groups import set_trainable, trainable_names
@@ -58,6 +59,7 @@ def train(cfg: TrainConfig) -> Result:
         )
     n_steps = total_steps(cfg.max_steps, cfg.epochs, schedule.steps_per_epoch)
     rt.check_space(model, n_steps=n_steps, save_every=cfg.save_every, keep=cfg.keep_checkpoints)  # the disk, before any write
+    evaluate = evaluator(cfg, rt, processor, n_steps, prompt="answer", loss=True, batch_size=cfg.batch_size)  # --eval-data
     rt.make_run_dir()  # only now: bad inputs leave nothing behind
 
     pad_id = pad_token_id(processor, model)
@@ -98,6 +100,7 @@ def train(cfg: TrainConfig) -> Result:
                 "epoch": epoch,
                 "elapsed_s": state["elapsed_s"],
             }
+            metrics.update(evaluate(step, scorer))  # every --eval-every steps and at the end; the trajectory is untouched
             logger.log(step, metrics)
             state.setdefault("first_loss", loss)
             state["last"] = {"loss": loss, "lr": lr}

@@ -1,0 +1,140 @@
+"""Evaluation while training (--eval-data / --eval-every, ovkit.evaluate.during): the held-out metrics land in
+metrics.jsonl at the right steps, equal an independent computation on the saved model (and `ovkit eval`'s numbers),
+and leave the training trajectory bit-identical."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_rl_train import _cfg, one_thread, rl_assets  # noqa: F401 (fixtures)
+from test_train import ENV, _one_thread, assets, config, losses, make_rows, weights  # noqa: F401 (fixtures)
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def eval_data(assets):  # noqa: F811
+    """8 held-out rows of the train table's kind (other seed), with the gold answer and category `ovkit eval` reads."""
+    from ovkit.data.io import write_samples
+    from ovkit.data.schema import samples_table
+
+    rows = make_rows(8, seed=1)
+    for r in rows:
+        answer = r["messages"][-1]["content"].split("<answer>")[1].split("</answer>")[0]
+        colour = not answer.isdigit()
+        r.update(answer=answer, answer_type="string" if colour else "number", category="colour" if colour else "counting")
+    path = assets / "eval"
+    if not path.exists():
+        write_samples(samples_table(rows), path, None)
+    return path
+
+
+def _held_out_nll(model_dir: Path, data: Path) -> float:
+    """The token-mean NLL of every row's last assistant turn under the saved model, one row at a time."""
+    from ovkit.data.io import read_samples
+    from ovkit.models import load
+    from ovkit.models.encode import decode_images, encode_sample
+    from ovkit.pack.packed import PackLayout
+    from ovkit.train.data import collate_padded, target_tokens
+    from ovkit.train.loop import token_nll_sum
+
+    model, processor = load(model_dir, dtype=torch.float32)
+    model.eval()
+    layout = PackLayout.for_model(model)
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for row in read_samples(data).table.to_pylist():
+            batch = collate_padded([encode_sample(processor, row["messages"], decode_images(row["images"]))], 0, layout)
+            nll += float(token_nll_sum(model, batch, torch.device("cpu")))
+            n += target_tokens(batch)
+    return nll / n
+
+
+def test_supervised_eval_is_logged_at_its_steps_and_leaves_the_trajectory_alone(assets, eval_data, tmp_path):  # noqa: F811
+    from ovkit.train import train
+
+    plain, with_eval = tmp_path / "plain", tmp_path / "eval"
+    train(config("SFTConfig", assets, plain, max_steps=3, lr=1e-2))
+    train(config("SFTConfig", assets, with_eval, max_steps=3, lr=1e-2, eval_data=[eval_data], eval_every=2, eval_max_new_tokens=4))
+
+    rows = _metrics(with_eval)
+    assert [r["step"] for r in rows if "eval/loss" in r] == [2, 3]  # every 2 steps and after the last
+    for r in rows[1:]:
+        assert {"eval/reward", "eval/accuracy", "eval/reward/colour", "eval/reward/counting", "eval/accuracy/counting"} <= set(r)
+        assert 0 <= r["eval/reward"] <= 1 and r["eval/loss"] > 0
+    assert not any(k.startswith("eval/") for k in rows[0])
+    assert losses(with_eval) == losses(plain)  # bit-identical: the eval restores every RNG and mode
+    w0, w1 = weights(plain), weights(with_eval)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert rows[-1]["eval/loss"] == pytest.approx(_held_out_nll(with_eval, eval_data), rel=1e-5)
+    assert rows[1]["eval/loss"] != rows[-1]["eval/loss"]  # the model of step 2, not the final one
+
+
+def test_eval_options_are_checked(assets, tmp_path):  # noqa: F811
+    from ovkit.errors import OvkitError
+
+    with pytest.raises(OvkitError, match="--eval-every needs --eval-data"):
+        config("SFTConfig", assets, tmp_path / "x", eval_every=2)
+    with pytest.raises(OvkitError, match="--eval-every must be >= 0"):
+        config("SFTConfig", assets, tmp_path / "x", eval_data=[assets / "data"], eval_every=-1)
+    with pytest.raises(OvkitError, match="--eval-limit"):
+        config("SFTConfig", assets, tmp_path / "x", eval_data=[assets / "data"], eval_limit=0)
+
+
+def test_rl_eval_equals_ovkit_eval_on_the_saved_model(rl_assets, tmp_path, one_thread, monkeypatch):  # noqa: F811
+    """Rollouts from a scripted policy (right and wrong answers in every group: real updates), the eval greedy from
+    the learner's weights: after 4 steps at lr 1e-2 the tiny model answers some held-out counts right."""
+    from rl_ddp_runner import answer
+    from scripted_policy import ScriptedEngine
+
+    from ovkit.evaluate.run import EvalConfig, run_eval
+    from ovkit.rl import loop
+
+    monkeypatch.setattr(loop, "make_sampler", lambda cfg, m, processor: ScriptedEngine(m, processor, answer))
+    model_dir, data = rl_assets
+    plain, with_eval = tmp_path / "plain", tmp_path / "eval"
+    opts = dict(max_steps=4, lr=1e-2, precision="fp32", quiet=True)
+    loop.train_rl(_cfg(model_dir, data, plain, **opts))
+    loop.train_rl(_cfg(model_dir, data, with_eval, **opts, eval_data=[data], eval_every=2, eval_max_new_tokens=8))
+
+    rows = _metrics(with_eval)
+    assert [r["step"] for r in rows if "eval/reward" in r] == [2, 4]
+    drop = ("eval/", "ovkit/time/", "ovkit/samples_per_s", "ovkit/elapsed_s")
+    assert [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows] == [
+        {k: v for k, v in r.items() if not k.startswith(drop)} for r in _metrics(plain)
+    ]  # every training metric bit-identical
+    w0, w1 = weights(plain), weights(with_eval)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+    summary = run_eval(EvalConfig(data=[data], model=with_eval, out=tmp_path / "ev", prompt="answer", max_new_tokens=8, seed=0, quiet=True), tmp_path / "ev")
+    last = rows[-1]
+    assert summary["overall"] > 0  # not an all-zero comparison
+    assert last["eval/reward"] == pytest.approx(summary["overall"], abs=1e-9)
+    assert last["eval/accuracy"] == pytest.approx(summary["accuracy"], abs=1e-9)
+    for category, reward in summary["categories"].items():
+        assert last[f"eval/reward/{category}"] == pytest.approx(reward, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_two_processes_log_the_eval_of_one(assets, eval_data, tmp_path):  # noqa: F811
+    """torchrun, 2 CPU processes (gloo): each evaluates its share of the held-out rows; gathered, the same numbers."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    base = ["sft", str(assets / "data"), "--model", str(assets / "model"), "--max-steps", "2", "--lr", "1e-2", "--precision", "fp32",
+            "--quiet", "--eval-data", str(eval_data), "--eval-every", "1", "--eval-max-new-tokens", "4"]  # fmt: skip
+    subprocess.run([sys.executable, "-m", "ovkit", *base, "--out", str(one), "--batch-size", "4"], check=True, env=ENV, capture_output=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ovkit", *base, "--out", str(two), "--batch-size", "2"],
+        env=ENV, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    for a, b in zip(_metrics(one), _metrics(two)):
+        assert b["eval/loss"] == pytest.approx(a["eval/loss"], rel=1e-5)
+        assert b["eval/reward"] == pytest.approx(a["eval/reward"], abs=1e-6)
