@@ -54,6 +54,12 @@ LORA_ALPHA = typer.Option(None, "--lora-alpha", help="LoRA scale alpha (the upda
 LORA_DROPOUT = typer.Option(None, "--lora-dropout", help="Dropout on the LoRA branch.", rich_help_panel=LORA)
 LOAD_IN_4BIT = typer.Option(None, "--load-in-4bit", help="QLoRA: load the language model's Linear weights in 4-bit NF4 (bitsandbytes) and train LoRA adapters on them; needs --lora-r > 0.", rich_help_panel=LORA)
 LORA_TARGETS = typer.Option(None, "--lora-targets", help="Regex over module names to adapt instead of the per-architecture default; repeatable.", rich_help_panel=LORA)
+# Evaluation while training (ovkit.evaluate.during) on align, midtrain, sft and rl-train.
+EVALUATION = "Evaluation while training"
+EVAL_DATA = typer.Option(None, "--eval-data", help="Held-out table(s) scored while training, as `ovkit eval` scores them (rows with a gold answer: eval/reward, eval/accuracy per category; supervised stages also eval/loss on the target turn). Repeatable.", rich_help_panel=EVALUATION)
+EVAL_EVERY = typer.Option(None, "--eval-every", "--eval-steps", help="Evaluate on --eval-data every N steps and after the last (0: after the last only). Also --eval-steps (HF/TRL). Run control: the training trajectory is unchanged.", rich_help_panel=EVALUATION)
+EVAL_LIMIT = typer.Option(None, "--eval-limit", help="At most this many --eval-data rows per category (the first ones, as `ovkit eval --limit`).", rich_help_panel=EVALUATION)
+EVAL_MAX_NEW_TOKENS = typer.Option(None, "--eval-max-new-tokens", help="Generation budget of the eval. Default: per category, from its longest gold answer (as `ovkit eval`).", rich_help_panel=EVALUATION)
 ON_ERROR = typer.Option(None, "--on-error", help="fail: stop at the first bad row; skip: move bad rows to OUT/rejects.parquet.", rich_help_panel=RUN)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import ACTIVATION_CHECKPOINTING, ATTN_IMPLEMENTATION, COMPILE, GRADIENT_CHECKPOINTING, KERNELS, USE_LIGER_KERNEL, CHECKPOINTS, CONFIG, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, IO, MAX_RESPONSE_TOKENS, MAX_TURNS, OPTIM, OUT, OVERWRITE, PRECISION, QUIET, RUNTIME, SEED, done, resolve, skipped, stage
+from ovkit.commands._common import ACTIVATION_CHECKPOINTING, EVAL_DATA, EVAL_EVERY, EVAL_LIMIT, EVAL_MAX_NEW_TOKENS, ATTN_IMPLEMENTATION, COMPILE, GRADIENT_CHECKPOINTING, KERNELS, USE_LIGER_KERNEL, CHECKPOINTS, CONFIG, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, IO, MAX_RESPONSE_TOKENS, MAX_TURNS, OPTIM, OUT, OVERWRITE, PRECISION, QUIET, RUNTIME, SEED, done, resolve, skipped, stage
 
 _O = typer.Option
 SAMPLING, OPTIMISER, LOSS, CORRECTIONS = "Sampling", "Optimiser", "GRPO loss", "Mismatch corrections"
@@ -92,6 +92,10 @@ def rl_train(
     save_rollouts: bool = _O(None, "--save-rollouts", help="Write every step's trajectories to OUT/rollouts/step-N.parquet.", rich_help_panel=CHECKPOINTS),
     resume: bool = _O(None, "--resume", help="Continue the unfinished run in OUT.partial/ from its last checkpoint.", rich_help_panel=CHECKPOINTS),
     report_to: list[str] = _O(None, "--report-to", help="Experiment tracker through accelerate: tensorboard, wandb, mlflow or trackio; repeatable (metrics.jsonl is always written).", rich_help_panel=CHECKPOINTS),
+    eval_data: list[Path] = EVAL_DATA,
+    eval_every: int = EVAL_EVERY,
+    eval_limit: int = EVAL_LIMIT,
+    eval_max_new_tokens: int = EVAL_MAX_NEW_TOKENS,
     seed: int = SEED,
     overwrite: bool = OVERWRITE,
     quiet: bool = QUIET,
