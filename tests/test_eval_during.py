@@ -138,3 +138,13 @@ def test_two_processes_log_the_eval_of_one(assets, eval_data, tmp_path):  # noqa
     for a, b in zip(_metrics(one), _metrics(two)):
         assert b["eval/loss"] == pytest.approx(a["eval/loss"], rel=1e-5)
         assert b["eval/reward"] == pytest.approx(a["eval/reward"], abs=1e-6)
+
+
+def test_prompt_only_eval_rows_give_a_loss_on_their_gold_answer(assets, rl_assets, tmp_path):  # noqa: F811
+    """synth's val/ and eval/ rows hold the prompt only: the target is the answer in the form sft trains on."""
+    from ovkit.train import train
+
+    out = tmp_path / "sft"
+    train(config("SFTConfig", assets, out, max_steps=1, eval_data=[rl_assets[1]], eval_limit=2, eval_max_new_tokens=4))
+    last = _metrics(out)[-1]
+    assert last["eval/loss"] > 0 and set(last) >= {"eval/reward/counting", "eval/reward/math"}
