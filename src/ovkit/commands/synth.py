@@ -19,7 +19,8 @@ def synth(
     quiet: bool = QUIET,
     config: Path = CONFIG,
 ) -> None:
-    """Render the embedded synthetic corpus: pretrain, instruct, rl and eval splits, and concepts.txt."""
+    """Render the embedded synthetic corpus: pretrain, instruct, rl, val (for tuning) and eval (held out) splits, and
+    concepts.txt."""
     from ovkit.data.synth import build_corpus
     from ovkit.runs import Stage
 
