@@ -79,6 +79,29 @@ def test_synth_card_loads_every_split_with_its_rows_and_pil_images(corpus):
     assert [c["config_name"] for c in meta["configs"]] == ["default", "eval", "instruct", "pretrain", "rl", "val"]
 
 
+def test_same_named_outputs_load_their_own_rows_from_one_cache(corpus, tmp_path, monkeypatch):
+    """`datasets` keys the cache of `load_dataset(DIR)` by DIR's name and a hash of the card's configs (relative
+    globs): a/data and b/data once shared an entry, and b/data returned a/data's rows. The card's content key (#29)."""
+    from ovkit.cards import write_card
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    a, b = tmp_path / "a" / "data", tmp_path / "b" / "data"
+    shutil.copytree(corpus, a)
+    shutil.copytree(corpus, b)
+    for sub in ("eval", "instruct", "pretrain", "rl", "val"):  # b: the first half of each split, its own card
+        for f in (b / sub).glob("part-*.parquet"):
+            t = pq.read_table(f)
+            pq.write_table(t.slice(0, t.num_rows // 2), f)
+    (b / CARD).unlink()
+    write_card(b, json.loads((b / "ovkit.json").read_text()), b)
+    rows = split_rows(corpus)
+    assert load(a, "eval", split="eval").num_rows == rows["eval"]
+    assert load(b, "eval", split="eval").num_rows == rows["eval"] // 2
+    assert {k: v.num_rows for k, v in load(b).items()} == {k: n // 2 for k, n in rows.items() if n}
+    assert {k: v.num_rows for k, v in load(a).items()} == {k: n for k, n in rows.items() if n}
+
+
 def test_card_prose_comes_from_provenance(corpus):
     text = (corpus / CARD).read_text()
     prov = json.loads((corpus / "ovkit.json").read_text())

@@ -85,10 +85,14 @@ def test_a_bad_row_suggests_on_error_only_to_a_command_that_has_it(tmp_path):
 # ------------------------------------------------------------------------------------------------ option names
 
 
-def _sft_config(cli, monkeypatch, *args):
-    """The SFTConfig `ovkit sft` resolves from `args` (training itself stubbed out)."""
+def _sft_config(cli, monkeypatch, tmp_path, *args):
+    """The SFTConfig `ovkit sft` resolves from `args` (training itself stubbed out), run in `tmp_path`, where DATA
+    `d` and --model `m` exist (they are checked with the options)."""
     import ovkit.train
 
+    monkeypatch.chdir(tmp_path)
+    for name in ("d", "m"):
+        (tmp_path / name).mkdir(exist_ok=True)
     seen = {}
     monkeypatch.setattr(ovkit.train, "train", lambda cfg: seen.setdefault("cfg", cfg) and type("R", (), {"status": "skipped"})())
     code, out, err = cli("sft", *args)
@@ -99,8 +103,8 @@ def _sft_config(cli, monkeypatch, *args):
     ["--learning-rate", "3e-4", "--num-train-epochs", "2", "--gradient-accumulation-steps", "4", "--per-device-train-batch-size", "2", "--output-dir", "o"],
     ["--learning_rate", "3e-4", "--num_train_epochs", "2", "--gradient_accumulation_steps", "4", "--per_device_train_batch_size", "2", "--output_dir", "o"],
 ])
-def test_hf_and_trl_spellings_of_options_are_aliases(cli, monkeypatch, flags):
-    code, cfg, err = _sft_config(cli, monkeypatch, "d", "--model", "m", *flags)
+def test_hf_and_trl_spellings_of_options_are_aliases(cli, monkeypatch, tmp_path, flags):
+    code, cfg, err = _sft_config(cli, monkeypatch, tmp_path, "d", "--model", "m", *flags)
     assert code == 0, err
     assert (cfg.lr, cfg.epochs, cfg.grad_accum, cfg.batch_size, cfg.out) == (3e-4, 2.0, 4, 2, Path("o"))
 
@@ -115,16 +119,16 @@ def test_hf_spellings_show_in_help(cli, monkeypatch):
 def test_yaml_keys_take_the_hf_names_and_a_typo_gets_the_nearest(cli, monkeypatch, tmp_path):
     good = tmp_path / "hf.yaml"
     good.write_text("learning_rate: 3.0e-4\noutput_dir: o\nper_device_train_batch_size: 2\n")
-    code, cfg, err = _sft_config(cli, monkeypatch, "d", "--model", "m", "--config", good)
+    code, cfg, err = _sft_config(cli, monkeypatch, tmp_path, "d", "--model", "m", "--config", good)
     assert code == 0, err
     assert (cfg.lr, cfg.out, cfg.batch_size) == (3e-4, Path("o"), 2)
     typo = tmp_path / "typo.yaml"
     typo.write_text("learnig_rate: 3.0e-4\n")
-    code, _, err = _sft_config(cli, monkeypatch, "d", "--model", "m", "--out", "o", "--config", typo)
+    code, _, err = _sft_config(cli, monkeypatch, tmp_path, "d", "--model", "m", "--out", "o", "--config", typo)
     assert code == 2 and "unknown key 'learnig_rate'; did you mean 'learning_rate'?" in err
     both = tmp_path / "both.yaml"
     both.write_text("learning_rate: 3.0e-4\nlr: 1.0e-4\n")
-    code, _, err = _sft_config(cli, monkeypatch, "d", "--model", "m", "--out", "o", "--config", both)
+    code, _, err = _sft_config(cli, monkeypatch, tmp_path, "d", "--model", "m", "--out", "o", "--config", both)
     assert code == 2 and "same option" in err
 
 

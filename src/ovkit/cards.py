@@ -89,7 +89,7 @@ def write_parts_card(out: Path, part: Path, prov: dict[str, Any]) -> Path | None
     ]
     if not tables:
         return None
-    return _write_atomic(Path(out) / CARD, dataset_card(tables, prov, str(out), parts=n))
+    return _write_atomic(Path(out) / CARD, dataset_card(tables, prov, str(out), parts=n, key=shared_key(prov)))
 
 
 # ------------------------------------------------------------------------------------------------ data outputs
@@ -156,12 +156,49 @@ def card_configs(tables: list[Table]) -> list[dict[str, Any]]:
     return configs
 
 
-def dataset_card(tables: list[Table], prov: dict[str, Any], shown: str, *, parts: int | None = None, empty: list[str] = ()) -> str:
+def content_key(tables: list[Table]) -> str:
+    """A hash of the tables' files (name, size, parquet footer: row counts, offsets, column statistics) for the card.
+
+    `datasets` names the cache of `load_dataset(DIR)` after DIR's last path component, the config and a hash of the
+    card's configs, whose `data_files` are relative globs: two outputs `a/data` and `b/data` with the same layout
+    got one cache entry, so the second load returned the first one's rows. The configs' `description` enters that
+    hash, so the card carries this key there: same content, same key (outputs stay byte-identical per seed); other
+    content, another cache entry."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tables:
+        for i, f in enumerate(t.files):  # by position: the output's own directory name is a temporary one here
+            size = f.stat().st_size
+            h.update(f"{t.split}/{i}:{size}".encode())
+            if size >= 8:
+                with open(f, "rb") as fh:
+                    fh.seek(-8, os.SEEK_END)
+                    footer = int.from_bytes(fh.read(4), "little")
+                    fh.seek(max(0, size - 8 - footer))
+                    h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def shared_key(prov: dict[str, Any]) -> str:
+    """`content_key` of a sharded output, whose parts each write the top-level card (identical bytes whichever part
+    finishes last): what determines the rows (command, settings, inputs' fingerprints, seed, version), not a part's
+    own `--out` and `--shard`."""
+    import hashlib
+
+    config = {k: v for k, v in (prov.get("config") or {}).items() if k not in ("out", "shard", "quiet", "overwrite", "resume")}
+    what = {k: prov.get(k) for k in ("command", "inputs", "seed", "ovkit_version")}
+    return hashlib.sha256(json.dumps({**what, "config": config}, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def dataset_card(tables: list[Table], prov: dict[str, Any], shown: str, *, parts: int | None = None, empty: list[str] = (), key: str | None = None) -> str:
     import yaml
 
     if not tables:
         return _empty_card(prov, shown, empty)
     configs = card_configs(tables)
+    for cfg in configs:  # in each config, so `load_dataset(DIR)` caches this content apart from any other (#29)
+        cfg["description"] = f"ovkit data {key or content_key(tables)}"
     meta = {"configs": configs, "tags": ["ovkit"], "task_categories": ["image-text-to-text"]}
     if prov.get("command") == "pack":
         meta.pop("task_categories")

@@ -266,3 +266,14 @@ def option_default(cls: type, name: str) -> Any:
             if f.default_factory is not dataclasses.MISSING:
                 return f.default_factory()
     return None
+
+
+def check_inputs(cfg: Any) -> None:
+    """A learner's DATA and --model exist (or name a Hub dataset / model): checked with the options, so a typo is
+    reported in a fraction of a second instead of after torch and transformers import (#29). The Hub is asked only
+    when the stage loads them."""
+    from ovkit.data.sources import check_exists
+    from ovkit.models import check_exists as check_model
+
+    check_exists(cfg.data, "DATA")
+    check_model(cfg.model, "--model")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import typer
 
+from ovkit.config import check_inputs
+
 from ovkit.commands._common import ACTIVATION_CHECKPOINTING, ATTN_IMPLEMENTATION, CHECKPOINTS, COMPILE, EVAL_DATA, EVAL_EVERY, EVAL_LIMIT, EVAL_MAX_NEW_TOKENS, GRADIENT_CHECKPOINTING, KERNELS, USE_LIGER_KERNEL, IO, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, LOAD_IN_4BIT, OPTIM, PRECISION, RUNTIME, done, resolve, skipped  # noqa: F401 (re-exported)
 
 OPTIMISER = "Optimiser & schedule"
@@ -37,9 +39,10 @@ REQUIRED = ("data", "model", "out")
 
 def run(ctx: typer.Context) -> None:
     """Resolve the stage's config, train, and print the one-line summary."""
+    cfg = resolve(ctx)  # before the loop's import (torch): an input error appears at once (#29)
+    check_inputs(cfg)
     from ovkit.train import train
 
-    cfg = resolve(ctx)
     result = train(cfg)
     if result.status == "skipped":
         return skipped(cfg.out)

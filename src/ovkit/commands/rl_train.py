@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from ovkit.config import check_inputs
+
 from ovkit.commands._common import ACTIVATION_CHECKPOINTING, EVAL_DATA, EVAL_EVERY, EVAL_LIMIT, EVAL_MAX_NEW_TOKENS, ATTN_IMPLEMENTATION, COMPILE, GRADIENT_CHECKPOINTING, KERNELS, USE_LIGER_KERNEL, CHECKPOINTS, CONFIG, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, ENV, ENV_ARG, ENV_RETRIES, ENV_TIMEOUT, IO, MAX_RESPONSE_TOKENS, MAX_TURNS, OPTIM, OUT, OVERWRITE, PRECISION, QUIET, RUNTIME, SEED, done, resolve, skipped, stage
 
 _O = typer.Option
@@ -103,9 +105,11 @@ def rl_train(
     """GRPO on verifiable rewards (LLaVA-OneVision-1.5-RL): decoupled PPO, async rollouts with bounded staleness,
     sampler/learner mismatch corrections. Stage 1 answer-only, stage 2 chain-of-thought."""
     from ovkit.launch import processes
+
+    cfg = resolve(ctx)  # before the loop's import (torch): an input error appears at once (#29)
+    check_inputs(cfg)
     from ovkit.rl.loop import train_rl
 
-    cfg = resolve(ctx)
     m = train_rl(cfg)
     if m is None:
         return skipped(cfg.out)

@@ -81,6 +81,15 @@ def is_hub_id(base: str) -> bool:
     )
 
 
+def check_exists(texts: list[str | Path], name: str = "DATA") -> None:
+    """Each input exists here (a `:CONFIG` / `@SPLIT` suffix aside) or names a Hub dataset: a mistyped path fails in
+    the config check, naming the argument, before torch and the model load (#29)."""
+    for text in texts:
+        spec = parse_spec(text)
+        if not Path(spec.base).expanduser().exists() and not is_hub_id(spec.base):
+            raise OvkitError(f"{name} {text}: no such file or directory")
+
+
 def is_remote(text: str | Path) -> bool:
     """A spec that names a Hub dataset (so it has no local fingerprint)."""
     spec = parse_spec(text)

@@ -50,9 +50,22 @@ ENGINES = ("hf", "vllm")  # built by ovkit.runtime.engines.build_engine
 RL_ENGINES = (*ENGINES, "vllm-server")
 
 
-# Imported after Completion is defined: the engines return Completions.
-from ovkit.generate.hf import HFEngine, sampling_logprobs  # noqa: E402
-from ovkit.generate.vllm import VLLMEngine  # noqa: E402  (imports vllm itself only when constructed)
-from ovkit.generate.vllm_server import VLLMServerEngine  # noqa: E402  (imports TRL's client only when constructed)
+# The engines load torch and transformers, so they are imported on first use (PEP 562): a config that checks
+# `--engine` against RL_ENGINES stays torch-free (#29).
+_ENGINES = {
+    "HFEngine": "ovkit.generate.hf",
+    "sampling_logprobs": "ovkit.generate.hf",
+    "VLLMEngine": "ovkit.generate.vllm",  # imports vllm itself only when constructed
+    "VLLMServerEngine": "ovkit.generate.vllm_server",  # imports TRL's client only when constructed
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ENGINES:
+        import importlib
+
+        return getattr(importlib.import_module(_ENGINES[name]), name)
+    raise AttributeError(f"module 'ovkit.generate' has no attribute {name!r}")
+
 
 __all__ = ["Completion", "ENGINES", "RL_ENGINES", "HFEngine", "VLLMEngine", "VLLMServerEngine", "sampling_logprobs"]

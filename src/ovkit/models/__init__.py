@@ -75,10 +75,7 @@ def locate(path: Path | str, flag: str = "--model", *, weights: bool = True) -> 
     if local.exists():
         check_model_dir(local, flag, weights=weights)
         return str(local)
-    from ovkit.data.sources import HUB_ID
-
-    if text.startswith((".", "/", "~")) or text.count("/") != 1 or not HUB_ID.fullmatch(text):
-        raise OvkitError(f"{flag} {text}: no such directory (expected a model saved with save_pretrained, e.g. by `ovkit init-model`)")
+    check_exists(text, flag)
     if _offline():
         from huggingface_hub import try_to_load_from_cache
 
@@ -89,6 +86,18 @@ def locate(path: Path | str, flag: str = "--model", *, weights: bool = True) -> 
 
     probe_hub(f"{flag} {text}", "a model downloaded earlier loads with HF_HUB_OFFLINE=1, or give a local directory")
     return text
+
+
+def check_exists(path: Path | str, flag: str = "--model") -> None:
+    """A local directory that exists, or a name shaped like a Hub id (ORG/NAME): a mistyped local path fails here,
+    in a config check before torch imports, and is never sent to the Hub (`locate` looks the Hub id up later)."""
+    from ovkit.data.sources import HUB_ID
+
+    text = str(path)
+    if Path(text).expanduser().exists():
+        return
+    if text.startswith((".", "/", "~")) or text.count("/") != 1 or not HUB_ID.fullmatch(text):
+        raise OvkitError(f"{flag} {text}: no such directory (expected a model saved with save_pretrained, e.g. by `ovkit init-model`)")
 
 
 def _offline() -> bool:

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import check_options as check_eval_options
 from ovkit.generate import RL_ENGINES
-from ovkit.rl.correction import Correction, canonical_mode
-from ovkit.rl.loss import AGGREGATIONS, KL_ESTIMATORS
-from ovkit.runtime.attention import ATTENTION
-from ovkit.runtime.checkpointing import check_option as check_checkpointing
-from ovkit.runtime.kernels import check_option as check_kernels
 from ovkit.runtime.log import check_trackers
-from ovkit.runtime.optim import check_optim
-from ovkit.runtime.engines import sampler_dtype
-from ovkit.runtime.precision import canonical as canonical_precision
+from ovkit.runtime.options import (  # torch-free: a bad option fails before torch imports (#29)
+    AGGREGATIONS, ATTENTION, KL_ESTIMATORS, canonical_correction as canonical_mode, canonical_precision, check_checkpointing,
+    check_kernels, check_optim, sampler_dtype,
+)
+
+if TYPE_CHECKING:
+    from ovkit.rl.correction import Correction
 
 
 STAGE_MODES = {1: "answer", 2: "think"}  # stage 1: answer-only prompts; stage 2: think prompts (ovkit.prompts)
@@ -196,6 +195,8 @@ class RLTrainConfig:
         return STAGE_MODES[self.stage]
 
     def correction_config(self) -> Correction:
+        from ovkit.rl.correction import Correction
+
         return Correction(
             mode=self.correction,
             upper=self.correction_threshold,

@@ -28,36 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-MODES = ("none", "token-tis", "seq-tis", "token-mis", "seq-mis", "geo-rs")
-
-# verl's option values (`rollout_is`, `rollout_rs`) and preset names, accepted for --correction.
-VERL_ALIASES = {
-    "token": "token-tis",
-    "sequence": "seq-tis",
-    "token_tis": "token-tis",
-    "tis": "token-tis",
-    "seq_tis": "seq-tis",
-    "sequence_tis": "seq-tis",
-    "token_k1": "token-mis",
-    "token_mis": "token-mis",
-    "seq_sum_k1": "seq-mis",
-    "seq_mis": "seq-mis",
-    "sequence_mis": "seq-mis",
-    "seq_mean_k1": "geo-rs",
-    "geo_rs": "geo-rs",
-    "geometric": "geo-rs",
-}
+from ovkit.runtime.options import CORRECTIONS as MODES, VERL_ALIASES  # noqa: F401 (re-exported: one definition, torch-free)
+from ovkit.runtime.options import canonical_correction as canonical_mode  # noqa: F401
 
 SAFETY_BOUND = 20.0
-
-
-def canonical_mode(name: str) -> str:
-    """Our name for a correction mode, given ours or verl's."""
-    name = str(name).strip().lower()
-    mode = VERL_ALIASES.get(name, name.replace("_", "-"))
-    if mode not in MODES:
-        raise ValueError(f"unknown correction {name!r}; choose one of {', '.join(MODES)} (verl names: {', '.join(VERL_ALIASES)})")
-    return mode
 
 
 @dataclass

@@ -16,8 +16,7 @@ from typing import Sequence
 
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from ovkit.runtime.options import AGGREGATIONS, KL_ESTIMATORS  # noqa: F401 (re-exported: one definition, torch-free)
 
 
 def aggregation_weights(mask: torch.Tensor, mode: str = "token-mean", constant: float | None = None, totals: Sequence[float] | None = None) -> torch.Tensor:

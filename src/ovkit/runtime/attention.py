@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from ovkit.errors import OvkitError
 
-ATTENTION = ("auto", "sdpa", "flash_attention_2", "flex_attention", "eager")
+from ovkit.runtime.options import ATTENTION  # noqa: F401 (re-exported: one definition, torch-free)
+
 VARLEN = "ovkit_varlen_flash"
 
 

@@ -29,7 +29,6 @@ the plain forward, so a KV cache is never updated twice.
 
 from __future__ import annotations
 
-import re
 import types
 from typing import Any, Callable
 
@@ -37,8 +36,10 @@ import torch
 from torch import nn
 
 from ovkit.models.groups import group_of
+from ovkit.runtime.options import CHECKPOINTING_MODES as MODES  # noqa: F401 (re-exported: one definition, torch-free)
+from ovkit.runtime.options import canonical_checkpointing as canonical  # noqa: F401
+from ovkit.runtime.options import check_checkpointing as check_option  # noqa: F401
 
-MODES = ("auto", "off", "full", "mlp", "every-K")
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 STACKS = ("llm", "vision")
 
@@ -50,32 +51,6 @@ BYTES_PER_HIDDEN = 19.66
 BYTES_PER_INTERMEDIATE = 8.18
 # Memory that `auto` leaves alone when it compares: allocator fragmentation, the loss head's chunk, temporaries.
 HEADROOM = 0.10
-
-
-def canonical(mode: str) -> str:
-    """The mode's canonical spelling; ValueError for anything else."""
-    text = str(mode).strip().lower()
-    if text in ("auto", "off", "full", "mlp"):
-        return text
-    m = re.fullmatch(r"every-(\d+)", text)
-    if m and int(m.group(1)) >= 1:
-        return "full" if int(m.group(1)) == 1 else f"every-{int(m.group(1))}"
-    raise ValueError(f"must be one of auto, off, full, mlp, every-K (K >= 1), got {mode!r}")
-
-
-def check_option(mode: str, gradient_checkpointing: bool = False) -> str:
-    """The config-time check of --activation-checkpointing (and --gradient-checkpointing, which means full)."""
-    from ovkit.errors import OvkitError
-
-    try:
-        mode = canonical(mode)
-    except ValueError as e:
-        raise OvkitError(f"--activation-checkpointing {e}") from None
-    if gradient_checkpointing:
-        if mode not in ("auto", "full"):
-            raise OvkitError(f"--gradient-checkpointing means --activation-checkpointing full; drop one of them (got {mode})")
-        mode = "full"
-    return mode
 
 
 def block_stacks(model: nn.Module) -> dict[str, list[tuple[str, nn.ModuleList]]]:

@@ -16,9 +16,9 @@ import torch
 from ovkit.errors import OvkitError
 
 # A sampler's own precision (rl-train --sampler-precision, mismatch-report's samplers): the dtype of its weights.
-SAMPLER_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+from ovkit.runtime.options import SAMPLER_ALIASES, SAMPLER_PRECISIONS, sampler_dtype  # noqa: F401 (re-exported: torch-free)
+
 DEFAULT_SERVER_URL = "http://localhost:8000"  # `vllm serve`'s default address
-SAMPLER_ALIASES = {"float32": "fp32", "32": "fp32", "bfloat16": "bf16", "bf16-true": "bf16", "bf16-mixed": "bf16", "float16": "fp16", "16": "fp16"}
 
 
 def device() -> torch.device:
@@ -26,16 +26,6 @@ def device() -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}")
-
-
-def sampler_dtype(name: str | None) -> str | None:
-    """The torch dtype name for a sampler precision (None: the model's own)."""
-    if name is None:
-        return None
-    key = SAMPLER_ALIASES.get(str(name), str(name))
-    if key not in SAMPLER_PRECISIONS:
-        raise OvkitError(f"--sampler-precision must be one of {', '.join(SAMPLER_PRECISIONS)}, got {name!r}")
-    return SAMPLER_PRECISIONS[key]
 
 
 def load_for_inference(path: Path | str, *, precision: str = "auto", attn_implementation: str = "auto", trust_remote_code: bool = False) -> tuple[Any, Any]:

@@ -19,38 +19,13 @@ they also affect models built later in the same process; a learner process build
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
 
-from ovkit.errors import OvkitError
-
-KERNELS = ("auto", "liger", "torch")
-INSTALL = "pip install 'ovkit[liger]' (liger-kernel)"
-
-
-def liger_installed() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
-def check_option(kernels: str, use_liger_kernel: bool = False, cuda: bool | None = None) -> str:
-    """The config-time check of --kernels (and --use-liger-kernel, which means liger): the name, and for liger a
-    CUDA device and the package."""
-    kernels = str(kernels).strip().lower()
-    if kernels not in KERNELS:
-        raise OvkitError(f"--kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
-    if use_liger_kernel:
-        if kernels not in ("auto", "liger"):
-            raise OvkitError(f"--use-liger-kernel means --kernels liger; drop one of them (got --kernels {kernels})")
-        kernels = "liger"
-    if kernels == "liger":
-        cuda = torch.cuda.is_available() if cuda is None else cuda
-        if not cuda:
-            raise OvkitError("--kernels liger needs a CUDA device (Liger-Kernel's kernels are Triton); use --kernels torch or auto on CPU")
-        if not liger_installed():
-            raise OvkitError(f"--kernels liger: liger-kernel is not installed ({INSTALL}); or use --kernels torch")
-    return kernels
+from ovkit.runtime.options import KERNELS, liger_installed  # noqa: F401 (re-exported: one definition, torch-free)
+from ovkit.runtime.options import LIGER_INSTALL as INSTALL  # noqa: F401
+from ovkit.runtime.options import check_kernels as check_option  # noqa: F401
 
 
 def resolve(kernels: str, device: torch.device) -> tuple[str, str]:

@@ -25,23 +25,7 @@ from ovkit.errors import OvkitError
 
 ADAM_EPS = 1e-5  # LLaVA-OneVision-1.5 (and its RL stage)
 BETAS = (0.9, 0.999)
-OPTIMS = ("adamw_torch_fused", "adamw_torch", "adamw_8bit", "adamw_bf16")
-
-
-def check_optim(optim: str, precision: str) -> str:
-    """Validate `--optim` against the (canonical) `--precision` and return the precision to use: `adamw_bf16` keeps
-    bf16 weights, so `auto` means bf16-true with it and fp32 / bf16-mixed are refused (the table above)."""
-    if optim not in OPTIMS:
-        raise OvkitError(f"--optim must be one of {', '.join(OPTIMS)}; got {optim!r}")
-    if optim == "adamw_bf16":
-        if precision == "auto":
-            return "bf16-true"
-        if precision != "bf16-true":
-            raise OvkitError(
-                f"--optim adamw_bf16 trains bf16 weights with Kahan-compensated updates: use it with --precision bf16-true (or auto), "
-                f"not --precision {precision} (for fp32 weights or fp32 master weights use --optim adamw_torch_fused)"
-            )
-    return precision
+from ovkit.runtime.options import OPTIMS, check_optim  # noqa: F401 (re-exported: one definition, torch-free)
 
 
 def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float, lrs: dict[int, float] | None = None) -> list[dict[str, Any]]:

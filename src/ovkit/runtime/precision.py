@@ -22,14 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ovkit.errors import OvkitError
-
-PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16-true")
-# One meaning per spelling: `bf16` is HF Trainer's --bf16 (bf16 compute, fp32 master weights). `bfloat16` once meant
-# bf16-true here (torch_dtype=bfloat16) beside `bf16` meaning bf16-mixed, so it is refused with both choices named
-# rather than silently changing meaning (#29); no shipped config used it.
-ALIASES = {"32": "fp32", "32-true": "fp32", "float32": "fp32", "bf16": "bf16-mixed"}
-AMBIGUOUS = {"bfloat16": ("bf16-mixed", "bf16-true")}
+from ovkit.runtime.options import AMBIGUOUS, PRECISIONS  # noqa: F401 (re-exported: one definition, torch-free)
+from ovkit.runtime.options import PRECISION_ALIASES as ALIASES  # noqa: F401
+from ovkit.runtime.options import canonical_precision as canonical  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -48,20 +43,6 @@ class Precision:
 
     def as_dict(self) -> dict[str, str]:
         return {"requested": self.requested, "used": self.name}
-
-
-def canonical(name: str) -> str:
-    if str(name) in AMBIGUOUS:
-        mixed, true = AMBIGUOUS[str(name)]
-        raise OvkitError(
-            f"--precision {name} is ambiguous: say {mixed} (bf16 compute, fp32 master weights; what bf16 and HF Trainer's "
-            f"--bf16 mean) or {true} (bf16 weights, gradients and optimiser state; torch_dtype=bfloat16)"
-        )
-    name = ALIASES.get(str(name), str(name))
-    if name not in PRECISIONS:
-        choices = ", ".join([*PRECISIONS, *(f"{a} (= {b})" for a, b in ALIASES.items())])
-        raise OvkitError(f"--precision must be one of {choices}; got {name!r}")
-    return name
 
 
 def resolve(requested: str, device: torch.device | str) -> Precision:

@@ -17,12 +17,8 @@ from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import check_options as check_eval_options
 from ovkit.models.groups import STAGE_TRAINABLE
-from ovkit.runtime.attention import ATTENTION
-from ovkit.runtime.checkpointing import check_option as check_checkpointing
-from ovkit.runtime.kernels import check_option as check_kernels
 from ovkit.runtime.log import check_trackers
-from ovkit.runtime.optim import check_optim
-from ovkit.runtime.precision import canonical as canonical_precision
+from ovkit.runtime.options import ATTENTION, canonical_precision, check_checkpointing, check_kernels, check_optim  # torch-free (#29)
 
 
 # Stage presets: the recipe's published values (lr, weight decay). Cosine to a minimum lr of 1e-6, warmup 0.2% of

@@ -1,0 +1,561 @@
+"""The training runtime: one object owns what every learner needs around its loop.
+
+`ovkit align | midtrain | sft` (ovkit.train.loop) and `ovkit rl-train` (ovkit.rl.loop) are two loops
+(nanochat-style); everything around them is here, once:
+
+    rt = Runtime(cfg, command="sft", trajectory=TRAJECTORY)   # accelerator, device, precision, attention, seed
+    rt.check_run_dir()                                          # OUT.partial: fresh, or the checkpoint to resume
+    model, processor = rt.load_model(cfg.model)                 # attention and --kernels set, on the device, fp32
+    optimizer, scheduler = rt.optimizer(model, lr=..., weight_decay=..., schedule=...)   # --optim; casts to bf16 if asked
+    rt.checkpointing(model, tokens=...)                         # --activation-checkpointing (auto resolved here)
+    rt.compile(model)                                           # --compile: each block, around its checkpointing
+    scorer, optimizer = rt.prepare(model, optimizer, scheduler) # TokenScorer (loss in forward) under accelerate
+    state = rt.resume(state)                                    # trajectory options checked, state loaded
+    logger = rt.logger(total, state["step"], console=line_fn)
+    ... the loop: rt.autocast(), rt.backward(loss), rt.clip(params, optimizer, max_norm), optimizer.step(),
+        rt.measure(params, optimizer) (bytes per parameter, once), rt.save_checkpoint(...)
+    return rt.finish(model, processor, state, summary)          # final model, ovkit.json, OUT.partial -> OUT
+
+Run directory while training, and at the end (both loops):
+
+    OUT.partial/                     the run while it is going (a stable name, so --resume finds it)
+      metrics.jsonl                  one JSON object per step
+      trackers/, mlruns/, wandb/     with --report-to tensorboard | mlflow | wandb (accelerate's trackers)
+      checkpoints/step-000200/       every --save-every steps; the newest --keep-checkpoints are kept
+        model.safetensors, config.json, processor files   save_pretrained: loadable as a model
+        state/                       accelerate save_state: model, optimiser (with fp32 master weights), lr
+                                     schedule, RNG of every process; sharded under FSDP
+        ovkit_state.json             step, tokens/samples, elapsed time, world size
+        manifest.json                size and CRC32 of every file above (ovkit.runtime.integrity)
+        ovkit.json                   provenance; written last, so a checkpoint without it is incomplete
+    OUT/                             at the end: OUT.partial + the final model at its root, config.yaml, ovkit.json
+    OUT.lock                         held by the running process (ovkit.faults: one writer per output), then removed
+
+A checkpoint is written as `checkpoints/.step-N.tmp`, given a `manifest.json` (sizes and checksums), fsynced and
+renamed, so a killed run or a crashed machine leaves either a whole checkpoint or a temp dir that is ignored; --resume
+checks the newest against its manifest and falls back to the one before when it is damaged (ovkit.runtime.integrity).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ovkit import __version__
+from ovkit.config import option_default, to_plain, to_plain_values
+from ovkit.errors import OutOfMemory, OvkitError
+from ovkit import faults
+from ovkit.faults import hold
+from ovkit.runtime import attention as attn
+from ovkit.runtime import checkpointing as ac
+from ovkit.runtime import compiling
+from ovkit.runtime import integrity
+from ovkit.runtime import kernels as kern
+from ovkit.runtime import lora
+from ovkit.runtime import precision as prec
+from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
+from ovkit.runtime.loss import TokenScorer
+from ovkit.runtime.optim import adamw, bytes_per_param, clip_grad_norm
+
+CHECKPOINTS = "checkpoints"
+STATE = "state"
+RUN_STATE = "ovkit_state.json"
+PROVENANCE = "ovkit.json"
+
+
+@dataclass
+class Result:
+    status: str  # "done" (this process wrote OUT), "skipped" (OUT was complete), "worker" (not the main process)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step-{step:06d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if re.fullmatch(r"step-\d+", p.name) and (p / PROVENANCE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+class Runtime:
+    """One learner run: see the module docstring. `cfg` needs `out`, `seed`, `resume`, `overwrite`, `quiet`,
+    `report_to`, `precision`, `attn_implementation`, `trust_remote_code`; `trajectory` names the options a resumed run
+    must keep."""
+
+    def __init__(self, cfg: Any, *, command: str, trajectory: Sequence[str], parent: Path | None = None):
+        from accelerate import Accelerator, PartialState
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import DistributedDataParallelKwargs, set_seed
+        from transformers.utils import logging as hf_logging
+
+        self.cfg, self.command, self.trajectory = cfg, command, tuple(trajectory)
+        self.parent = Path(parent if parent is not None else cfg.model)
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.precision = prec.resolve(cfg.precision, device)
+        # Master weights need the gradients to themselves; DDP all-reduces the parameters' .grad and FSDP/DeepSpeed
+        # bring their own mixed-precision policy: those runs use accelerate's bf16 (autocast / the engine's policy).
+        # (cpu=True: on a CPU box, the process group torchrun set up is gloo's; without it accelerate sees one process)
+        distributed = PartialState(cpu=device.type == "cpu").distributed_type.value not in ("NO",)
+        # One writer per output (ovkit.faults): the main process holds OUT.lock until finish(), before it reads the run
+        # directory; a second run exits 2 naming this one.
+        self.lock = hold(cfg.out, command) if PartialState().is_main_process else None
+        # --optim adamw_8bit keeps its 8-bit state over the weights themselves: bf16-mixed is autocast over fp32 weights
+        # with it (transformers' Trainer's bf16 + adamw_8bit), not fp32 masters (ovkit.runtime.optim's table).
+        self.optim = getattr(cfg, "optim", "adamw_torch_fused")
+        autocast = distributed or self.optim == "adamw_8bit"
+        self.master_weights = self.precision.master_weights and not autocast
+        mixed = "bf16" if self.precision.name == "bf16-mixed" and autocast else "no"
+        # find_unused_parameters: a text-only micro-batch leaves the vision tower without gradients on that process.
+        ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
+        AcceleratorState._reset_state()  # a second run in one process (tests, benchmarks) sets its own precision
+        from accelerate.utils import ProjectConfiguration
+
+        report_to = list(getattr(cfg, "report_to", None) or [])
+        check_trackers(report_to)
+        project = ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "trackers"))
+        self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed, kwargs_handlers=[ddp],
+                                       log_with=report_to or None, project_config=project)  # fmt: skip
+        self.device = self.accelerator.device
+        from ovkit.launch import engine_warning, requested_engine
+
+        self.requested_distributed = requested_engine()  # an FSDP / DeepSpeed config accelerate could not honour here
+        warning = engine_warning(self.accelerator.distributed_type.value)
+        if warning and self.accelerator.is_main_process:
+            print(warning, file=sys.stderr)
+        self.attention = attn.resolve(getattr(cfg, "attn_implementation", "auto"), self.device, train=True)
+        set_seed(cfg.seed, device_specific=True)
+        hf_logging.disable_progress_bar()  # weight loading/saving bars would break up the step lines
+        self.resume_from: Path | None = None
+        self.scheduler = self._optimizer = None
+        self.bytes_per_param: dict[str, Any] | None = None  # measured after the first optimiser step (rt.measure)
+        self.activation_checkpointing: dict[str, Any] = {"mode": "off", "why": "not applied"}
+        self.kernel_choice, why = kern.resolve(getattr(cfg, "kernels", "torch"), self.device)
+        self.kernels: dict[str, Any] = {"kernels": self.kernel_choice, "requested": getattr(cfg, "kernels", "torch"), "why": why}
+        self.compiled: dict[str, Any] = {"enabled": False}
+        self.checkpoint_bytes: int | None = None  # the estimate check_space makes, named when a save fails
+
+    # -- facts ------------------------------------------------------------------------------------------------------
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.out.parent / f"{self.cfg.out.name}.partial"
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def processes(self) -> int:
+        return self.accelerator.num_processes
+
+    def info(self) -> dict[str, Any]:
+        """What ran: recorded in ovkit.json (`runtime`)."""
+        return {
+            "device": str(self.device),
+            "processes": self.processes,
+            "distributed": self.accelerator.distributed_type.value,  # what ran
+            **({"requested_distributed": self.requested_distributed} if self.requested_distributed else {}),
+            "precision": {**self.precision.as_dict(), "master_weights": self.master_weights},
+            "attention": self.attention.as_dict(),
+            "optim": self.optim,
+            **({"bytes_per_param": self.bytes_per_param} if self.bytes_per_param else {}),
+            "activation_checkpointing": self.activation_checkpointing,
+            "kernels": self.kernels,
+            "compile": compiling.report(self.compiled),
+        }
+
+    # -- run directory and resume ----------------------------------------------------------------------------------
+
+    def check_run_dir(self) -> Path | None:
+        """The checkpoint to resume from (None: start fresh); an unfinished OUT.partial needs --resume or
+        --overwrite. Nothing is written: `make_run_dir` does that, once the inputs have been checked."""
+        run_dir = self.run_dir
+        if not run_dir.exists() or self.cfg.overwrite:
+            return None
+        ckpt = latest_checkpoint(run_dir)
+        if not self.cfg.resume:
+            at = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
+            raise OvkitError(f"{run_dir} holds an unfinished run ({at}); pass --resume to continue it or --overwrite to start over")
+        self.resume_from = ckpt = self._sound_checkpoint(run_dir)
+        return ckpt
+
+    def _sound_checkpoint(self, run_dir: Path) -> Path | None:
+        """The newest checkpoint that matches its manifest (ovkit.runtime.integrity). A damaged one is moved aside to
+        `step-N.damaged` (so --keep-checkpoints never prunes the sound ones in its favour) with a warning naming it;
+        with checkpoints but none sound, exit 2. The main process decides, the others follow."""
+        found, why = list_checkpoints(run_dir), None
+        choice: Path | None = None
+        if self.is_main:
+            for ckpt in reversed(found):
+                why = integrity.damage(ckpt, last=PROVENANCE)
+                if why is None:
+                    choice = ckpt
+                    break
+                aside = ckpt.with_name(f"{ckpt.name}.damaged")
+                shutil.rmtree(aside, ignore_errors=True)
+                ckpt.rename(aside)
+                print(f"warning: --resume: checkpoint {ckpt} is damaged ({why}); moved it to {aside.name}, resuming from the one before", file=sys.stderr)
+        if self.processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            choice, why = broadcast_object_list([choice, why], from_process=0)
+        if found and choice is None:
+            raise OvkitError(f"--resume: every checkpoint of {run_dir} is damaged (the last one checked: {why}); "
+                             f"--overwrite starts over")  # fmt: skip
+        return choice
+
+    def check_space(self, model: Any, *, n_steps: int, save_every: int, keep: int, extra: int = 0, what: str = "") -> None:
+        """Before the run directory is made: exit 2 when a rough size of what the run will write does not fit in the
+        free space of OUT's filesystem. A checkpoint holds the model in fp32 (model.safetensors) and in its training
+        dtype (the state), the AdamW moments of the trainable parameters (2 x element; 8-bit: 2 bytes) and their fp32
+        masters when kept; up to keep + 1 of them exist at once (the newest is written before the oldest is pruned);
+        the final model is fp32 again. `extra`: more bytes the loop writes (rollout tables), described by `what`."""
+        if not self.is_main:
+            return
+        params = list(model.parameters())
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        element = 2 if self.precision.name == "bf16-true" else 4
+        moments = 2 if self.optim == "adamw_8bit" else 2 * element
+        self.checkpoint_bytes = total * (4 + element) + trainable * (moments + (4 if self.master_weights else 0))
+        done = int(self.resume_from.name.split("-")[1]) if self.resume_from else 0
+        saves = len(range(done + save_every, n_steps, save_every)) if save_every else 0
+        have = len(list_checkpoints(self.run_dir)) if self.resume_from else 0
+        new = min(saves, max(1, keep + 1 - have))
+        needed = self.checkpoint_bytes * new + total * 4 + extra
+        if self.resume_from is None and self.run_dir.exists():  # make_run_dir empties it first
+            needed -= sum(f.stat().st_size for f in self.run_dir.rglob("*") if f.is_file())
+        described = f"{new} checkpoint{'s' if new != 1 else ''} of about {faults.size(self.checkpoint_bytes)} and the final model{what}"
+        faults.check_space(self.cfg.out, needed, described)
+
+    def make_run_dir(self) -> None:
+        """OUT.partial, emptied unless the run resumes from it."""
+        self.accelerator.wait_for_everyone()
+        if self.is_main:
+            if self.run_dir.exists() and self.resume_from is None:
+                shutil.rmtree(self.run_dir)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.accelerator.wait_for_everyone()
+
+    def resume(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` for a fresh run; for a resumed one the checkpoint's, after checking that the run continues the same
+        trajectory (same options, same process count), with model, optimiser, schedule and RNG restored. The loop
+        comes next: from here a SIGINT/SIGTERM waits for the step boundary (`stop_if_asked`)."""
+        faults.defer(True)
+        ckpt = self.resume_from
+        if ckpt is None:
+            return {**state, "processes": self.processes}
+        saved = json.loads((ckpt / PROVENANCE).read_text())["config"]
+        now = to_plain(self.cfg)
+        # an option the checkpoint's config does not name did not exist when it was written: it ran as the default
+        defaults = to_plain_values({k: option_default(type(self.cfg), k) for k in self.trajectory})
+        keys = [k.replace("_", "-") for k in self.trajectory]
+        changed = [k for k in keys if saved.get(k, defaults[k]) != now.get(k)]
+        if changed:
+            diffs = ", ".join(f"--{k} {saved.get(k, defaults[k])!r} -> {now.get(k)!r}" for k in changed)
+            raise OvkitError(f"--resume: {ckpt} was trained with different options ({diffs}); use the same ones, or --overwrite to start over")
+        loaded = json.loads((ckpt / RUN_STATE).read_text())
+        if loaded.get("processes", 1) != self.processes:
+            raise OvkitError(f"--resume: {ckpt} ran on {loaded['processes']} processes, this run has {self.processes}; the global batch would change")
+        try:
+            self.accelerator.load_state(str(ckpt / STATE))
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # a damage the manifest could not see (a checkpoint from before manifests)
+            raise OvkitError(f"--resume: {ckpt / STATE} could not be loaded ({type(e).__name__}: {str(e)[:300]}); move "
+                             f"{ckpt.name} aside to resume from the checkpoint before it, or --overwrite to start over") from e  # fmt: skip
+        if self.scheduler is not None:
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": a replay, on purpose
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(loaded["step"]):
+                    self.scheduler.step()
+        return loaded
+
+    # -- model and optimiser ---------------------------------------------------------------------------------------
+
+    def load_model(self, path: Path) -> tuple[Any, Any]:
+        """(model, processor) from `path`, in fp32 (the optimiser decides the compute dtype), with the attention
+        implementation applied, on this process's device."""
+        from ovkit.models import load
+
+        quant = lora.four_bit_config(self.precision.dtype) if getattr(self.cfg, "load_in_4bit", False) else None
+        model, processor = load(path, dtype=torch.float32, trust_remote_code=self.cfg.trust_remote_code, quantization_config=quant,
+                                device=self.device if quant is not None else None)
+        self.attention = attn.apply(model, self.attention)
+        self.kernels = {**self.kernels, **kern.apply(model, self.kernel_choice)}
+        return (model if quant is not None else model.to(self.device)), processor
+
+    def optimizer(self, model: Any, *, lr: float, weight_decay: float, schedule: Callable[[int], float], lrs: dict[int, float] | None = None):
+        """The --optim AdamW over the trainable parameters and a LambdaLR `schedule` (multiplier of lr per 0-based
+        step). With bf16-mixed (single process, not adamw_8bit) the model's floating parameters become bf16 and the
+        optimiser keeps fp32 masters; with bf16-true they become bf16 and so does the optimiser state (8-bit with
+        adamw_8bit, Kahan-compensated with adamw_bf16)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        kw = dict(lr=lr, weight_decay=weight_decay, lrs=lrs, optim=self.optim)
+        if self.master_weights or self.precision.name == "bf16-true":
+            masters = adamw(params, master_weights=True, **kw) if self.master_weights else None  # fp32 copies, made before the cast
+            for p in model.parameters():  # parameters only: buffers (rotary inv_freq) stay fp32
+                if p.is_floating_point():
+                    p.data = p.data.to(torch.bfloat16)
+            optimizer = masters or adamw(params, fused=self._fused_ok(), **kw)
+        else:
+            optimizer = adamw(params, fused=self._fused_ok(), **kw)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return optimizer, scheduler
+
+    def checkpointing(self, model: Any, tokens: int) -> str:
+        """Apply --activation-checkpointing to the bare model and turn its KV cache off for training. `auto` is
+        decided here, once weights and the optimiser are in place: on CUDA, the estimated activations of a micro-batch
+        of `tokens` tokens against the free memory less the gradients and AdamW moments still to come
+        (ovkit.runtime.checkpointing.choose). The mode and why go into ovkit.json (`runtime.activation_checkpointing`)."""
+        asked = getattr(self.cfg, "activation_checkpointing", "off")
+        needed = free = None
+        if asked == "auto" and self.device.type == "cuda":
+            element = 2 if self.precision.dtype == torch.bfloat16 else 4
+            needed = ac.activation_bytes(model, tokens, element_bytes=element)
+            free = ac.free_cuda_bytes(self.device) - ac.optimiser_bytes(model, state_element_bytes=2 if self.precision.name == "bf16-true" else 4)
+        mode, why = ac.choose(asked, self.device, needed, free)
+        blocks = ac.apply(model, mode)
+        model.config.use_cache = False
+        self.activation_checkpointing = {"mode": mode, "requested": asked, "why": why, "blocks": len(blocks), "tokens_per_micro_batch": tokens,
+                                         "estimated_activation_bytes": needed, "free_bytes": free}  # fmt: skip
+        return mode
+
+    def compile(self, model: Any) -> None:
+        """--compile: torch.compile each decoder layer and vision block (ovkit.runtime.compiling), after
+        `checkpointing` so the checkpoint sits inside each compiled block; the counts go into ovkit.json."""
+        if getattr(self.cfg, "compile", False):
+            self.compiled = compiling.apply(model)
+
+    def _fused_ok(self) -> bool:
+        # The fused kernel for plain and DDP runs; FSDP and DeepSpeed bring their own sharded optimiser steps.
+        return self.accelerator.distributed_type.value in ("NO", "MULTI_CPU", "MULTI_GPU")
+
+    def prepare(self, model: Any, optimizer: Any, scheduler: Any) -> tuple[Any, Any]:
+        """(scorer, optimizer) ready for the loop: the model inside a TokenScorer (its forward computes the chunked
+        loss or log-probs), both through accelerate; the scheduler is replayed to the step on resume."""
+        scorer, optimizer = self.accelerator.prepare(TokenScorer(model, fused_ce=self.kernel_choice == "liger"), optimizer)
+        # The schedule is not saved with the state: it is a function of the step (resume() replays it), so every
+        # state file loads with torch.load(weights_only=True) and no pickled object is ever unpickled.
+        self.scheduler, self._optimizer = scheduler, optimizer
+        return scorer, optimizer
+
+    def unwrap(self, scorer: Any) -> Any:
+        """The bare transformers model inside a prepared scorer."""
+        return self.accelerator.unwrap_model(scorer).model
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+
+    def autocast(self):
+        return self.accelerator.autocast() if self.accelerator.mixed_precision != "no" else nullcontext()
+
+    def no_sync(self, scorer: Any, sync: bool):
+        """Gradients are all-reduced once per optimiser step: skip it on all but the last micro-batch."""
+        return nullcontext() if sync else self.accelerator.no_sync(scorer)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def clip(self, params: list[torch.nn.Parameter], optimizer: Any, max_norm: float) -> float:
+        return clip_grad_norm(optimizer, params, max_norm, self.accelerator)
+
+    def measure(self, params: list[torch.nn.Parameter], optimizer: Any) -> None:
+        """Bytes per trainable parameter (weights, gradients, masters, optimiser state: ovkit.runtime.optim), measured
+        once, between the first optimiser step and zero_grad; recorded in ovkit.json's `runtime`."""
+        if self.bytes_per_param is None:
+            self.bytes_per_param = bytes_per_param(params, optimizer)
+
+    def logger(self, total: int, start: int, *, console: Callable[[int, dict], str], desc: str) -> Logger:
+        trackers = None
+        if self.cfg.report_to:
+            trackers = TrackerSink(self.accelerator, self.run_dir, project=f"ovkit-{self.command}", config=to_plain(self.cfg))
+        return make_logger(self.run_dir, main=self.is_main, quiet=self.cfg.quiet, total=total, start=start, desc=desc, line=console, trackers=trackers)
+
+    # -- checkpoints and the end -----------------------------------------------------------------------------------
+
+    def save_model(self, scorer: Any, processor: Any, out: Path) -> None:
+        """save_pretrained of the model (gathered from every process under FSDP/DeepSpeed) and the processor, in the
+        precision it was loaded in (fp32: the learner's truth is the fp32 master copy when there is one)."""
+        state_dict = self.accelerator.get_state_dict(scorer)  # collective: every process must call it
+        if not self.is_main:
+            return
+        model = self.unwrap(scorer)
+        if lora.has_lora(model):  # the merged model at OUT's root, the adapter beside it
+            state_dict = lora.merged_state_dict(model)
+            lora.save_adapter(model, Path(out) / "adapter")
+        else:
+            state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
+            masters = _master_values(self._optimizer, model)
+            state_dict = {k: masters.get(k, v) for k, v in state_dict.items()}
+        state_dict = {k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}
+        lora.plain(model).save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        processor.save_pretrained(out)
+
+    def lora(self, model: Any, trainable: list[str]) -> tuple[int, int] | None:
+        """Adapters instead of full fine-tuning when --lora-r > 0 (ovkit.runtime.lora); (trainable, total) counts."""
+        r = getattr(self.cfg, "lora_r", 0)
+        if not r:
+            return None
+        if self.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+            raise OvkitError("--lora-r with FSDP or DeepSpeed is not supported here; use DDP (plain accelerate launch / torchrun)")
+        spec = lora.LoraSpec(r=r, alpha=self.cfg.lora_alpha, dropout=self.cfg.lora_dropout, targets=tuple(self.cfg.lora_targets or ()))
+        if getattr(self.cfg, "load_in_4bit", False):
+            # --activation-checkpointing does the recomputing (non-reentrant: no input gradients needed), not peft
+            lora.prepare_four_bit(model, gradient_checkpointing=False)
+        return lora.apply(model, trainable, spec)
+
+    def save_checkpoint(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int) -> Path:
+        final = step_dir(self.run_dir, state["step"])
+        tmp = final.parent / f".{final.name}.tmp"
+        try:
+            self._write_checkpoint(scorer, processor, state, tmp)
+        except Exception as e:  # disk full or not writable: this one goes, the last complete one stays for --resume
+            failure = self.write_failure(e, tmp)
+            if failure is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise failure from e
+        if self.is_main:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            integrity.fsync(final.parent)
+            for old in list_checkpoints(self.run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def _write_checkpoint(self, scorer: Any, processor: Any, state: dict[str, Any], tmp: Path) -> None:
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        # Pickle, not safetensors: the state is ovkit's own, and safetensors refuses tied weights (embeddings = lm_head).
+        self.accelerator.save_state(str(tmp / STATE), safe_serialization=False)
+        self.save_model(scorer, processor, tmp)
+        self.accelerator.wait_for_everyone()  # every process's RNG file is written before the directory is renamed
+        if self.is_main:
+            _write_json(tmp / RUN_STATE, state)
+            integrity.write_manifest(tmp, last=PROVENANCE)  # sizes and checksums, checked by --resume
+            _write_json(tmp / PROVENANCE, self.provenance(state))
+            integrity.fsync_tree(tmp)  # on disk before the name says complete: a crash never leaves a damaged step-N
+
+    def write_failure(self, e: BaseException, path: Path, *, saving: bool = True) -> OvkitError | None:
+        """The one line for a write the machine refused (ovkit.faults.write_failure), naming the checkpoint --resume
+        continues from; None when `e` is something else. `saving`: `e` came from a save, not from the loop at large."""
+        ckpt = latest_checkpoint(self.run_dir)
+        then = (f"then run the same command with --resume: it continues from {ckpt}" if ckpt else
+                "no checkpoint was written yet: then run the same command with --overwrite")  # fmt: skip
+        return faults.write_failure(e, path, needed=self.checkpoint_bytes, then=then, saving=saving, within=self.run_dir)
+
+    def stop_if_asked(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int, n_steps: int) -> None:
+        """At a step boundary: when a SIGINT/SIGTERM came during the step (ovkit.faults), write a checkpoint (unless
+        this step's is written) and raise Interrupted, whose message says how to continue. Every process stops at the
+        same step: a scheduler signals each at its own moment, so the request is summed over processes (one scalar
+        all-reduce per step, only when there are several)."""
+        signum = faults.asked() or 0
+        if self.processes > 1:
+            asked = self.accelerator.reduce(torch.tensor([signum], device=self.device), "sum").item()
+            signum = signum or (int(signal.SIGTERM) if asked else 0)
+        if not signum or state["step"] >= n_steps:  # the last step: finishing is the quickest way to stop
+            return
+        ckpt = step_dir(self.run_dir, state["step"])
+        if not (ckpt / PROVENANCE).is_file():
+            self.save_checkpoint(scorer, processor, state, keep)
+        faults.defer(False)
+        name = signal.Signals(signum).name
+        raise faults.Interrupted(signum, f"{self.command}: stopped by {name} after step {state['step']} of {n_steps}; its checkpoint is "
+                                         f"{ckpt}; run the same command with --resume to continue")  # fmt: skip
+
+    def out_of_memory(self, e: BaseException, state: dict[str, Any]) -> OutOfMemory:
+        """The one message for a CUDA OOM during the loop (raise it from the loop's except): the stage, the step, the
+        tokens per micro-batch, peak and total memory, what needs less, and the checkpoint --resume continues from."""
+        cfg = self.cfg
+        options = ["--micro-batch-size" if hasattr(cfg, "micro_batch_size") else "--batch-size (with --grad-accum for the same global batch)",
+                   "--activation-checkpointing full", "--precision bf16-true or --optim adamw_8bit"]  # fmt: skip
+        options += ["--max-len"] if hasattr(cfg, "max_len") else ["--max-new-tokens"] if hasattr(cfg, "max_new_tokens") else []
+        tokens = self.activation_checkpointing.get("tokens_per_micro_batch")
+        ckpt = latest_checkpoint(self.run_dir)
+        after = f"--resume continues from {ckpt}" if ckpt else "no checkpoint was written yet: the run starts over with --overwrite"
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        return OutOfMemory(f"{self.command}: out of GPU memory at step {state['step'] + 1}"
+                           f"{f' ({tokens} tokens per micro-batch, padded)' if tokens else ''}{faults.memory_note()}; lower it with "
+                           f"{', '.join(options)}; {after} (options that change the trajectory need --overwrite) [{reason}]")  # fmt: skip
+
+    def provenance(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "command": self.command,
+            "ovkit_version": __version__,
+            "config": to_plain(self.cfg),
+            "parent": {"path": str(self.parent)},
+            "step": state["step"],
+            "seed": self.cfg.seed,
+            "runtime": self.info(),
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "metrics": state.get("last", {}),
+        }
+
+    def finish(self, scorer: Any, processor: Any, state: dict[str, Any], summary: dict[str, Any], *, inputs: Sequence[Path]) -> Result:
+        """Save the final model into OUT.partial and, on the main process once every process is done, turn it into
+        OUT (config.yaml and ovkit.json with `summary` and the runtime)."""
+        from ovkit.runs import Stage
+
+        faults.defer(False)  # the loop is over: a signal now stops at once (OUT.partial keeps its checkpoints)
+        try:
+            self.save_model(scorer, processor, self.run_dir)
+        except Exception as e:  # disk full: the checkpoints stay; --resume saves the final model again
+            failure = self.write_failure(e, self.run_dir)
+            if failure is None:
+                raise
+            raise failure from e
+        self.accelerator.wait_for_everyone()
+        if not self.is_main:
+            return Result("worker", summary)
+        _write_json(self.run_dir / RUN_STATE, state)
+        stage = Stage(self.command, self.cfg, self.cfg.out, inputs=inputs, overwrite=self.cfg.overwrite, seed=self.cfg.seed, parent=self.parent)
+        with stage:  # OUT.partial becomes the stage's temp dir; the Stage writes config.yaml + ovkit.json and renames
+            stage.metrics.update(summary)
+            stage.extra["runtime"] = self.info()
+            stage.restore_to = self.run_dir  # a failure from here on moves the run back: --resume finds its checkpoints
+            stage.path.rmdir()
+            os.replace(self.run_dir, stage.path)
+        self.lock.release()
+        return Result("done", summary)
+
+
+def _master_values(optimizer: Any, model: Any) -> dict[str, torch.Tensor]:
+    """The fp32 master copy of each parameter, by name, when the optimiser keeps one (else empty)."""
+    from ovkit.runtime.optim import MixedPrecisionAdamW
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    if not isinstance(inner, MixedPrecisionAdamW):
+        return {}
+    by_id = {id(p): m for p, m in inner.pairs}
+    return {n: by_id[id(p)] for n, p in model.named_parameters() if id(p) in by_id}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    from ovkit.runs import write_json
+
+    write_json(path, obj)
