@@ -30,6 +30,32 @@ def test_unknown_option_is_a_usage_error(cli):
     assert code == 2
 
 
+def test_show_completion_prints_a_bash_script(cli, monkeypatch):
+    # typer takes the shell as an argument only with detection off (its own tests do the same); detected, it is a flag
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")
+    code, out, _ = cli("--show-completion", "bash")
+    assert code == 0
+    assert "complete -o default -F _ovkit_completion ovkit" in out  # the script's command is `ovkit`, not `python -m ovkit`
+    assert "_OVKIT_COMPLETE=complete_bash" in out
+
+
+def test_completion_offers_commands_and_options(cli, monkeypatch):
+    monkeypatch.setenv("_OVKIT_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", "ovkit rl")
+    monkeypatch.setenv("COMP_CWORD", "1")
+    _, out, _ = cli()
+    assert out.split() == ["rl-curate", "rl-train"]
+    monkeypatch.setenv("COMP_WORDS", "ovkit sft --max-s")
+    monkeypatch.setenv("COMP_CWORD", "2")
+    _, out, _ = cli()
+    assert out.split() == ["--max-steps"]
+
+
+def test_top_level_help_offers_completion(cli):
+    code, out, _ = cli("--help")
+    assert code == 0 and "--install-completion" in out and "--show-completion" in out
+
+
 def options_in_help(text: str) -> set[str]:
     return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text)) - {"--help"}
 

@@ -16,7 +16,7 @@ app = typer.Typer(
     name="ovkit",
     help="Run and study the LLaVA-OneVision-1.5 recipe end to end. Each command reads and writes plain files. Options take dashes or underscores (--output-dir, --output_dir).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # typer's --install-completion / --show-completion (SHELL with _TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION)
     pretty_exceptions_enable=False,
     # `--output_dir` is `--output-dir` (HF's argument parser takes both spellings), also for command names (rl_train)
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110, "token_normalize_func": lambda t: t.replace("_", "-")},
@@ -90,7 +90,8 @@ def main() -> None:
     _register()
     try:
         with faults.signals():  # SIGINT/SIGTERM: a learner checkpoints at the step's end, a data stage stops now
-            app()  # standalone: typer turns usage errors into exit 2 itself
+            # prog_name: `python -m ovkit` would otherwise name the completion script's command "python -m ovkit"
+            app(prog_name="ovkit")  # standalone: typer turns usage errors into exit 2 itself
     except faults.Interrupted as e:  # stopped on purpose: how to go on, no traceback, the shell's 128 + signal
         if os.environ.get("OVKIT_DEBUG"):
             traceback.print_exc()
