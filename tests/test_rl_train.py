@@ -173,6 +173,20 @@ def test_stage1_then_stage2_end_to_end(rl_assets, tmp_path, cli, one_thread):
     assert code == 0 and "skipped" in stdout
 
 
+def test_fewer_prompts_than_a_step_needs_warns(rl_assets, tmp_path, capfd, one_thread):
+    from ovkit.rl.loop import train_rl, warn_few_prompts
+
+    model_dir, _ = rl_assets
+    one = tmp_path / "one"
+    write_samples(samples_table(_rows()[:1]), one)
+    train_rl(_cfg(model_dir, one, tmp_path / "out", max_steps=1, group_size=2))  # --prompts-per-step 2, one prompt
+    err = capfd.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("warning: DATA has"))
+    assert "1 prompt(s), fewer than --prompts-per-step 2" in line and "prompts repeat within a step" in line
+    warn_few_prompts(_cfg(model_dir, one, tmp_path / "o2"), 6)  # enough prompts: silent
+    assert "warning" not in capfd.readouterr().err
+
+
 def test_async_eta2_never_consumes_a_sample_staler_than_2(rl_assets, tmp_path, one_thread):
     from ovkit.rollouts.table import read_rollouts
     from ovkit.rl.loop import train_rl

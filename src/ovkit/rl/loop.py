@@ -24,6 +24,7 @@ process has finished.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from functools import partial
 from typing import Any, Sequence
@@ -59,6 +60,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     prompts = _prompts(cfg, tables, processor)
     if cfg.prompts_per_step % rt.processes:
         raise OvkitError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of the {rt.processes} processes (each samples an equal share)")
+    warn_few_prompts(cfg, len(prompts), rt.is_main)
     n_steps = total_steps(cfg, len(prompts))
     response = cfg.max_response_tokens or cfg.max_new_tokens
     longest = max(p.encoded.length for p in prompts) + response
@@ -145,6 +147,15 @@ def _summary(cfg: RLTrainConfig, rt: Runtime, state: dict[str, Any], n_steps: in
         "max_staleness_seen": max((r.get("ovkit/staleness/max", 0) for r in rows), default=0),
         "resumed_from": str(rt.resume_from) if rt.resume_from else None,
     }
+
+
+def warn_few_prompts(cfg: RLTrainConfig, n_prompts: int, main: bool = True) -> None:
+    """One stderr line when a step needs more groups than DATA has prompts: the stream then runs through the set
+    more than once per step (ovkit.rollouts.groups.prompt_order), so the same prompt is several groups of one step."""
+    if n_prompts < cfg.prompts_per_step and main:
+        print(f"warning: DATA has {n_prompts} prompt(s), fewer than --prompts-per-step {cfg.prompts_per_step}: prompts repeat "
+              f"within a step (each about {cfg.prompts_per_step / n_prompts:.3g} times, as separate groups); "
+              f"give more prompts or a --prompts-per-step of at most {n_prompts}", file=sys.stderr, flush=True)
 
 
 def total_steps(cfg: RLTrainConfig, n_prompts: int) -> int:
