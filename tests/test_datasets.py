@@ -395,6 +395,23 @@ def test_init_model_card(micro_model):
     assert "built from scratch" in text and "| `preset` | micro |" in text
 
 
+def test_card_base_model_is_a_hub_id_or_an_absolute_path(micro_model, tmp_path, monkeypatch):
+    import os
+
+    from ovkit.cards import model_card
+
+    def base_model(path: str):
+        meta = front_matter(model_card(micro_model, {"command": "sft", "parent": {"path": path, "command": None}}, "m"))
+        return meta.get("base_model")
+
+    monkeypatch.chdir(tmp_path)
+    typed = os.path.relpath(micro_model, tmp_path)  # `--model ../micro` as a user types it
+    assert not Path(typed).is_absolute()
+    assert base_model(typed) == str(micro_model.resolve())
+    assert base_model("Qwen/Qwen2.5-VL-3B-Instruct") == "Qwen/Qwen2.5-VL-3B-Instruct"  # a Hub id stays one
+    assert base_model("./gone/model") is None  # a relative path no longer here: unknown, not written
+
+
 def test_a_failing_card_never_costs_the_output(tmp_path, monkeypatch, capsys):
     from dataclasses import dataclass
 

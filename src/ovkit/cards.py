@@ -387,10 +387,24 @@ def model_card(directory: Path, prov: dict[str, Any], shown: str) -> str:
 def base_models(prov: dict[str, Any]) -> list[str]:
     """What the model started from: the parent checkpoint, else the encoder and LLM a composed model was built from."""
     parent = prov.get("parent")
-    if parent and parent.get("path"):
-        return [str(parent["path"])]
     cfg = prov.get("config") or {}
-    return [str(cfg[k]) for k in ("vision", "llm") if cfg.get(k)]
+    typed = [parent["path"]] if parent and parent.get("path") else [cfg[k] for k in ("vision", "llm") if cfg.get(k)]
+    return [b for b in map(_base_model_id, typed) if b]
+
+
+def _base_model_id(text: Any) -> str | None:
+    """HF's `base_model` names a Hub id; a local model is named by its absolute path, never the relative one typed on
+    the command line (which means nothing to whoever reads the card elsewhere). A relative path that is no longer
+    here and is no Hub id: unknown, left out."""
+    from ovkit.data.sources import is_hub_id
+
+    text = str(text)
+    local = Path(text).expanduser()
+    if local.exists():
+        return str(local.resolve())
+    if local.is_absolute() or is_hub_id(text):
+        return text
+    return None
 
 
 def _model_summary(arch: str, config: dict[str, Any], prov: dict[str, Any], base: list[str]) -> str:
