@@ -140,7 +140,8 @@ REQUIRED = [  # metrics.jsonl's names: TRL's where TRL logs the same quantity, o
     "loss", "learning_rate", "ovkit/mismatch/learner_ppl", "ovkit/mismatch/sampler_ppl", "ovkit/mismatch/vllm_kl",
     "sampling/sampling_logp_difference/max", "sampling/sampling_logp_difference/mean", "ovkit/behave_weight/mean",
     "sampling/importance_sampling_ratio/mean", "ovkit/masked/token_frac", "ovkit/staleness/hist", "ovkit/time/rollout",
-    "ovkit/time/train", "ovkit/time/sync", "ovkit/samples_per_s",
+    "ovkit/time/train", "ovkit/time/sync", "ovkit/samples_per_s", "num_tokens", "epoch", "completions/min_length",
+    "completions/mean_terminated_length", "rewards/task/mean", "rewards/task/std",
 ]  # fmt: skip
 
 
@@ -153,6 +154,12 @@ def test_stage1_then_stage2_end_to_end(rl_assets, tmp_path, cli, one_thread):
     rows = _metrics(out1)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(k in r for r in rows for k in REQUIRED)
+    first, second = rows
+    # TRL's meanings: tokens cumulative (prompt + completion), epoch = prompts seen / prompts in DATA (2 per step of 6)
+    assert 0 < first["num_tokens"] < second["num_tokens"] and second["num_tokens"] - first["num_tokens"] >= 2 * 4
+    assert first["epoch"] == pytest.approx(2 / 6) and second["epoch"] == pytest.approx(4 / 6)
+    assert first["rewards/task/mean"] == first["reward"]  # stage 1: the task reward is all that is optimised
+    assert first["completions/min_length"] <= first["completions/mean_length"] <= first["completions/max_length"]
     assert (out1 / "model.safetensors").is_file() and (out1 / "ovkit.json").is_file() and (out1 / "config.yaml").is_file()
     assert not (tmp_path / "rl1.partial").exists()
     from ovkit.rollouts.table import read_rollouts

@@ -73,7 +73,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     rt.checkpointing(model, tokens=cfg.micro_batch_size * longest)  # before the sampler copies it
     rt.compile(model)  # after checkpointing; the sampler's generation (KV cache) and its deep copy run eager
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
-    state = rt.resume({"step": 0, "elapsed_s": 0.0, "samples": 0})  # a resumed run's weights are back in `model`
+    state = rt.resume({"step": 0, "elapsed_s": 0.0, "samples": 0, "tokens": 0})  # a resumed run's weights are back in `model`
     ref_model = _reference(rt, cfg) if cfg.kl_coef else None
     pad_id = pad_token_id(processor, model)
     rollouts = _rollouts(cfg, model, processor, prompts, rt.accelerator.process_index, rt.processes)
@@ -100,6 +100,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
             metrics = combine(rt, {
                 **rollout_metrics(groups),
                 **metrics,
+                "step_tokens": step_tokens(groups),
                 "lr": lr,
                 "version": step + 1,
                 "time/rollout": t1 - t0,
@@ -109,6 +110,9 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
                 "samples": state["samples"],
                 "elapsed_s": state["elapsed_s"],
             })  # fmt: skip
+            state["tokens"] = state.get("tokens", 0) + metrics.pop("step_tokens")  # a checkpoint from before #29 has none
+            # TRL's names: num_tokens (prompt + completion, cumulative), epoch (passes over DATA, fractional)
+            metrics.update(tokens=state["tokens"], epoch=(step + 1) * cfg.prompts_per_step / len(prompts))
             metrics.update(evaluate(step + 1, scorer))  # every --eval-every steps and at the end; the trajectory is untouched
             logger.log(step + 1, metrics)
             state["last"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -126,6 +130,11 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
         rollouts.stop()
         logger.close()
     return rt.finish(scorer, processor, state, _summary(cfg, rt, state, n_steps), inputs=cfg.data).metrics
+
+
+def step_tokens(groups: Sequence[Group]) -> int:
+    """Prompt and completion tokens of every trajectory, as TRL's num_tokens counts them (its attention mask)."""
+    return sum(g.prompt.encoded.length + len(c.token_ids) for g in groups for c in g.completions)
 
 
 def _summary(cfg: RLTrainConfig, rt: Runtime, state: dict[str, Any], n_steps: int) -> dict[str, Any]:
@@ -275,7 +284,7 @@ def combine(rt: Runtime, metrics: dict[str, Any]) -> dict[str, Any]:
             out[key] = dict(sorted(hist.items(), key=lambda kv: int(kv[0]) if str(kv[0]).lstrip("-").isdigit() else 0))
         elif key in ("samples", "elapsed_s", "lr", "version"):
             out[key] = values[0]
-        elif key in ("rewards/worker_crashes", "rewards/crashed"):  # counts: every process's add up
+        elif key in ("rewards/worker_crashes", "rewards/crashed", "step_tokens"):  # counts: every process's add up
             out[key] = sum(values)
         elif "max" in key.split("/")[-1]:
             out[key] = max(values)

@@ -71,10 +71,17 @@ def reward_stats(rewards: Sequence[float], categories: Sequence[str], correct: S
 
 
 def length_stats(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str, float]:
+    """Completion lengths, all and those that ended before max_new_tokens ("terminated": TRL's
+    completions/*_terminated_length, 0 when every completion was cut, as TRL logs it)."""
     n = max(len(lengths), 1)
+    ended = [x for x, cut in zip(lengths, truncated) if not cut]
     return {
         "length/mean": sum(lengths) / n,
+        "length/min": float(min(lengths, default=0)),
         "length/max": float(max(lengths, default=0)),
+        "length/terminated_mean": sum(ended) / len(ended) if ended else 0.0,
+        "length/terminated_min": float(min(ended, default=0)),
+        "length/terminated_max": float(max(ended, default=0)),
         "length/truncated_frac": sum(map(bool, truncated)) / n,
     }
 
@@ -134,6 +141,9 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
     trajectories = [(g, i) for g in groups for i in range(len(g.completions))]
     task = [g.task_rewards[i] for g, i in trajectories]
     out: dict[str, Any] = reward_stats(task, [g.prompt.category for g, _ in trajectories], [g.parts[i].get("accuracy", 0.0) >= 1.0 for g, i in trajectories])
+    # The task reward alone (the answer's score before --format-weight mixes in the format reward): TRL logs each
+    # reward function as rewards/<name>/mean and /std, so this is rewards/task/*, beside rewards/format/mean.
+    out["task_reward/mean"], out["task_reward/std"] = out["reward/mean"], out["reward/std"]
     out["reward/format"] = sum(g.format_rewards[i] for g, i in trajectories) / len(trajectories)
     out["reward/optimised"] = sum(g.rewards[i] for g, i in trajectories) / len(trajectories)
     # Reward workers killed from outside during the step (ovkit.rewards.pool), and the items that scored 0 for it.
