@@ -148,3 +148,24 @@ def test_scientific_lr_in_a_real_config_reaches_the_stage(tmp_path):
     io = {"data": [Path("d")], "model": Path("m"), "out": Path("o")}
     for cls in (SFTConfig, RLTrainConfig):
         assert merge(cls, io, set(io), load_yaml(tmp_path / "run.yaml"), tmp_path / "run.yaml").lr == 0.001
+
+
+@pytest.mark.parametrize("flag, key", [("max_steps", "epochs"), ("epochs", "max_steps")])
+def test_a_flag_replaces_the_files_other_half_of_an_exclusive_pair(tmp_path, flag, key):
+    from ovkit.rl.config import RLTrainConfig
+    from ovkit.train import SFTConfig
+
+    (tmp_path / "run.yaml").write_text(f"{key}: 3\nlr: 1e-3\n")
+    typed = {"data": [Path("d")], "model": Path("m"), "out": Path("o"), flag: 5}
+    for cls in (SFTConfig, RLTrainConfig):
+        cfg = merge(cls, typed, set(typed), load_yaml(tmp_path / "run.yaml"), tmp_path / "run.yaml")
+        assert getattr(cfg, flag) == 5 and getattr(cfg, key) is None and cfg.lr == 1e-3  # the rest of the file holds
+        with pytest.raises(OvkitError, match="give --max-steps or --epochs, not both"):  # both typed: still an error
+            merge(cls, {**typed, key: 3}, {*typed, key}, {})
+
+
+@pytest.mark.parametrize("command", ["sft", "rl-train"])
+def test_max_steps_flag_over_a_config_with_epochs_is_no_usage_error(cli, tmp_path, command):
+    (tmp_path / "run.yaml").write_text("epochs: 3\n")
+    code, _, err = cli(command, tmp_path / "data", "--model", tmp_path / "m", "--out", tmp_path / "o", "--config", tmp_path / "run.yaml", "--max-steps", "1")
+    assert "not both" not in err and "data" in err  # gets as far as the missing DATA

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from ovkit.config import load_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [*sorted((ROOT / "commands").glob("*.md")), ROOT / "README.md"]
@@ -45,8 +44,8 @@ RUNS_AS_TINY = ("--model",)
 # command -> (option, value) set or added, and options removed. Why each:
 # - synth --scale 0.02: 333 rows instead of ~8,000; the examples need every split, not its size.
 # - align, midtrain, sft, rl-train: one or two optimiser steps run the whole engine (load, encode, step, save), where
-#   the page's numbers take minutes to days: --epochs 0.01, or --max-steps 1 where the --config file counts in
-#   max-steps (a flag cannot replace the file's other one: "give --max-steps or --epochs, not both"). --grad-accum 1:
+#   the page's numbers take minutes to days: --epochs 0.01 (it also replaces a --config file's max-steps, as a flag
+#   replaces the file's other half of an exclusive pair). --grad-accum 1:
 #   the small corpus holds fewer packs than the 8B recipe's global batch of 14.
 # - rl-train: 2 prompts x 2 samples, 8 new tokens (16 over all turns): the same loop, smaller.
 # - eval, rl-curate, mismatch-report: 2 rows (per category) and 8 new tokens: the untrained model never stops early.
@@ -128,8 +127,6 @@ def overridden(words: list[str]) -> list[str]:
     if "--compare" in words or "--list-presets" in words:
         return words
     sets, drops = OVERRIDES.get(command_of(words), ({}, ()))
-    if "--epochs" in sets and "--config" in words and "max_steps" in load_yaml(ROOT / words[words.index("--config") + 1]):
-        sets = {("--max-steps" if k == "--epochs" else k): ("1" if k == "--epochs" else v) for k, v in sets.items()}
     for opt in drops:
         while opt in words:
             i = words.index(opt)

@@ -54,9 +54,13 @@ def merge(
     """Build `cls` from values given on the command line (`from_cli` names those the user typed), then the file,
     then the dataclass defaults: the dataclass is the only place a default is declared. Every value goes through
     `convert` by the field's declared type. A file key may be an option's other name (`aliases`: `learning_rate` ->
-    `lr`, from the command's option declarations); an unknown key is an error naming it and the nearest option."""
+    `lr`, from the command's option declarations); an unknown key is an error naming it and the nearest option.
+    Where `cls.exclusive` pairs options, one typed on the command line replaces the file's whole pair."""
     names = [f.name for f in dataclasses.fields(cls)]
     file_values = _canonical_keys(file_values, names, aliases or {}, config_path)
+    for group in getattr(cls, "exclusive", ()):  # `--max-steps 5` over a file with `epochs: 3`: the flag wins, as any flag does
+        if from_cli & set(group):
+            file_values = {k: v for k, v in file_values.items() if k not in group}
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for name in names:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
@@ -41,6 +41,9 @@ RUN_CONTROL = frozenset({
 @dataclass
 class RLTrainConfig:
     """Options of `ovkit rl-train`. Defaults are the published LLaVA-OneVision-1.5-RL values (anchors.md section 1)."""
+
+    # Options that exclude each other: one given on the command line drops the config file's other (flags override the file)
+    exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
 
     data: list[Path] | None = None  # RL sample tables (answer, answer_type): e.g. rl-curate's OUT/stage1
     model: Path | None = None  # HF model directory: the SFT model for stage 1, the stage-1 output for stage 2

@@ -43,6 +43,8 @@ class TrainConfig:
     """Options of `ovkit align | midtrain | sft`. The stage (a class attribute, not an option) picks the presets."""
 
     stage: ClassVar[str] = "sft"
+    # Options that exclude each other: one given on the command line drops the config file's other (flags override the file)
+    exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
 
     data: list[Path] | None = None  # sample tables (parquet files or dirs of shards), read as one; the last assistant turn is the target
     model: Path | None = None  # HF model directory (save_pretrained layout) to start from
