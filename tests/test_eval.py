@@ -371,3 +371,58 @@ def test_compare_reads_a_real_lmms_eval_results_file_and_warns_on_tasks_it_canno
     code, out, err = cli("eval", "--compare", path, "--metric", "pope_f1_score")
     assert code == 0 and "| pope " in out and "85.0" in out, err
     assert "warning: llava: lmms-eval task 'pope'" not in err
+
+
+def test_eval_output_loads_with_load_dataset_dir(tmp_path, eval_set, cli, monkeypatch):
+    """`datasets.load_dataset(DIR)` on an eval output returns its per-row samples, a split per task, from the card
+    ovkit writes (#29); `load_dataset(DIR, TASK)` one task; a same-named output elsewhere loads its own rows."""
+    import shutil
+
+    import datasets
+
+    from ovkit.cards import CARD, write_card
+    from ovkit.evaluate import load_run
+    from ovkit.models.tiny import build_tiny
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    model = build_tiny(tmp_path / "tiny", TEXTS, seed=0)
+    a = tmp_path / "a" / "eval-tiny"
+    code, _, err = cli("eval", "--model", model, eval_set, "--out", a, "--max-new-tokens", "6", "--quiet")
+    assert code == 0, err
+    samples = {f.stem.split("_samples_")[1]: f for f in a.glob("*/*_samples_*.jsonl")}
+    lines = {t: f.read_text().splitlines() for t, f in samples.items()}
+    assert set(samples) == {"counting", "spatial", "grounding", "uncategorized"}
+    card = (a / CARD).read_text()
+    assert "_results.json\n" not in card.split("\n---\n")[0]  # configs point at the samples files only
+
+    ds = datasets.load_dataset(str(a))
+    assert {k: v.num_rows for k, v in ds.items()} == {t: len(v) for t, v in lines.items()}
+    for task, rows in lines.items():
+        got = {r["id"]: r for r in ds[task]}
+        for line in rows:
+            rec = json.loads(line)
+            assert got[rec["id"]]["target"] == rec["target"] and got[rec["id"]]["reward"] == rec["reward"]
+            assert got[rec["id"]]["filtered_resps"] == rec["filtered_resps"]
+            parts = got[rec["id"]]["reward_parts"][0]  # the union of the tasks' reward parts; this task's as written
+            assert {k: parts[k] for k in rec["reward_parts"][0]} == rec["reward_parts"][0]
+    one = datasets.load_dataset(str(a), "grounding")
+    assert list(one) == ["grounding"] and one["grounding"].num_rows == len(lines["grounding"])
+
+    # the results JSON stays lmms-eval's, and --compare still reads the output
+    results = json.loads(next(a.glob("*/*_results.json")).read_text())
+    assert {"results", "configs", "versions", "n-samples", "config", "date"} <= set(results)
+    assert load_run(a)[1]["categories"].keys() == samples.keys()
+
+    # same name, other rows: its own cache entry (the content key in each config's description)
+    b = tmp_path / "b" / "eval-tiny"
+    shutil.copytree(a, b)
+    (b / CARD).unlink()
+    f = next(b.glob("*/*_samples_counting.jsonl"))
+    f.write_text(f.read_text().splitlines()[0] + "\n")
+    write_card(b, json.loads((b / "ovkit.json").read_text()), b)
+    assert datasets.load_dataset(str(b), "counting")["counting"].num_rows == 1
+    assert datasets.load_dataset(str(b))["counting"].num_rows == 1
+    assert datasets.load_dataset(str(a))["counting"].num_rows == len(lines["counting"])

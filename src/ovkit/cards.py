@@ -12,7 +12,12 @@ Layout rules (DESIGN.md, "The sample table"):
 - a sharded output (OUT/part-I-of-N/...) gets the same configs with every pattern under `part-?????-of-NNNNN/`, which
   matches each part directory and no temporary `.tmp-<pid>` one; parts write this top-level card from what they all
   share (no row counts, no times, `--shard I/N` shown as such), so parts finishing together write identical bytes;
-- a pack plan (no sample table) is config `default` of `plan.parquet`.
+- a pack plan (no sample table) is config `default` of `plan.parquet`;
+- an eval output (lmms-eval layout, ovkit.evaluate.results) is its per-row samples: each task's
+  `<model>/<timestamp>_samples_<task>.jsonl` is a split of the `default` config and a config of its own (never the
+  `_results.json` beside them: one config over mixed json/jsonl fails to build). Tasks score with different reward
+  parts, so `reward_parts` differs in type from task to task; the `default` config declares its features
+  (`dataset_info`) as the union of every task's, where each task's missing fields load as None.
 A model card (HF model card metadata: library_name, pipeline_tag, base_model, tags, datasets) says what produced the
 model, from what, with which command and settings, its headline metrics and how to load it.
 """
@@ -31,6 +36,8 @@ CARD = "README.md"
 PART_DIR = re.compile(r"part-(\d{5})-of-(\d{5})")
 PART_GLOB = "part-*.parquet"
 PLAN = "plan.parquet"
+EVAL_SUMMARY = "summary.json"
+EVAL_RESULTS = "*_results.json"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 MAX_LINEAGE = 20
 
@@ -60,13 +67,18 @@ class Table:
 
 
 def write_card(directory: Path, prov: dict[str, Any], shown: Path | str) -> Path | None:
-    """Write DIR/README.md for a model or data output (`shown`: the path the output will have, for the snippets).
-    Nothing for other outputs (eval results, reports) or where the stage wrote a README itself."""
+    """Write DIR/README.md for a model, data or eval output (`shown`: the path the output will have, for the
+    snippets). Nothing for other outputs (reports) or where the stage wrote a README itself."""
     directory = Path(directory)
     if (directory / CARD).exists():
         return None
     if is_model_dir(directory):
         text = model_card(directory, prov, str(shown))
+    elif (directory / EVAL_SUMMARY).is_file():
+        tables = eval_tables(directory)
+        if not tables:
+            return None
+        text = eval_card(directory, tables, prov, str(shown))
     else:
         tables = data_tables(directory)
         if not tables:
@@ -171,7 +183,9 @@ def content_key(tables: list[Table]) -> str:
         for i, f in enumerate(t.files):  # by position: the output's own directory name is a temporary one here
             size = f.stat().st_size
             h.update(f"{t.split}/{i}:{size}".encode())
-            if size >= 8:
+            if f.suffix != ".parquet":  # an eval's samples jsonl: no footer to stand for it, the bytes themselves
+                h.update(f.read_bytes())
+            elif size >= 8:
                 with open(f, "rb") as fh:
                     fh.seek(-8, os.SEEK_END)
                     footer = int.from_bytes(fh.read(4), "little")
@@ -338,6 +352,98 @@ def _headline(metrics: dict[str, Any], limit: int = 14) -> list[tuple[str, Any]]
         if len(out) >= limit:
             break
     return out
+
+
+# ------------------------------------------------------------------------------------------------ eval outputs
+
+
+def eval_tables(directory: Path) -> list[Table]:
+    """The per-task samples files of an eval output: one Table per task (config: the task, split: its `datasets`
+    name), from the newest `<model>/<timestamp>_results.json` and the `_samples_<task>.jsonl` written with it."""
+    directory = Path(directory)
+    results = sorted((p for p in directory.glob(f"*/{EVAL_RESULTS}") if not _hidden(p.parent.name)), key=lambda p: p.name)
+    if not results:
+        return []
+    path = results[-1]
+    prefix = path.name.removesuffix("_results.json") + "_samples_"
+    tables = []
+    for f in sorted(path.parent.glob(f"{prefix}*.jsonl")):
+        task = f.stem[len(prefix):]
+        with open(f, encoding="utf-8") as fh:
+            lines = [line for line in fh if line.strip()]
+        if not lines:
+            continue
+        columns = list(json.loads(lines[0]))
+        rel = f.relative_to(directory).as_posix()
+        tables.append(Table(task, _split_name(task), rel, columns, len(lines), False, [f]))
+    return tables
+
+
+def eval_features(tables: list[Table]) -> list[dict[str, Any]] | None:
+    """The `default` config's features in the card's YAML: every task's inferred schema, unified (a struct's fields
+    are the union of the tasks'; `datasets` fills a task's missing ones with None). None where two tasks disagree on
+    a column's type (then `load_dataset(DIR)` asks for a task's config)."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+    from datasets import Features
+
+    try:
+        schemas = [pj.read_json(f).schema for t in tables for f in t.files]
+        schema = pa.unify_schemas(schemas, promote_options="permissive")
+        return Features.from_arrow_schema(schema)._to_yaml_list()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, NotImplementedError):
+        return None
+
+
+def eval_card(directory: Path, tables: list[Table], prov: dict[str, Any], shown: str) -> str:
+    import yaml
+
+    key = content_key(tables)
+    features = eval_features(tables) if len(tables) > 1 else None
+    configs = []
+    if features is not None or len(tables) == 1:
+        configs.append({"config_name": "default", "data_files": [{"split": t.split, "path": t.pattern} for t in tables]})
+    configs += [{"config_name": t.config, "data_files": [{"split": t.split, "path": t.pattern}]} for t in tables if t.config != "default"]
+    for cfg in configs:  # in each config, so `load_dataset(DIR)` caches this content apart from any other (#29)
+        cfg["description"] = f"ovkit eval {key}"
+    meta: dict[str, Any] = {"configs": configs}
+    if features is not None:
+        meta["dataset_info"] = [{"config_name": "default", "features": features}]
+    meta["tags"] = ["ovkit", "evaluation"]
+    summary = _json(Path(directory) / EVAL_SUMMARY)
+    results = Path(tables[0].pattern).parent / Path(tables[0].pattern).name.split("_samples_")[0]
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", ""]
+    lines += [f"# {Path(shown).name}", ""]
+    model = summary.get("model") or (prov.get("config") or {}).get("model")
+    lines += [
+        f"Eval of `{model}`, {sum(t.rows or 0 for t in tables)} rows in {len(tables)} task(s), written by "
+        f"`ovkit {prov.get('command')}` (ovkit {prov.get('ovkit_version')}) in the lmms-eval layout: "
+        f"`{results}_results.json` (the aggregate metrics lmms-eval tools read), one `_samples_<task>.jsonl` per task "
+        "(one line per row) and `summary.json`. Generated from `ovkit.json`.",
+        "",
+    ]
+    overall, cats = summary.get("overall"), summary.get("categories") or {}
+    if isinstance(overall, (int, float)):
+        lines += [f"## Scores ({summary.get('metric', 'reward')})", "", "| task | score |", "|---|---|", f"| overall | {overall:.4g} |"]
+        lines += [f"| {c} | {v:.4g} |" for c, v in cats.items() if isinstance(v, (int, float))]
+        lines.append("")
+    lines += ["## Load it", "", "```python", "from datasets import load_dataset", ""]
+    if configs[0]["config_name"] == "default" and len(tables) > 1:
+        lines.append(f'ds = load_dataset("{shown}")  # every task\'s rows, a split per task: {", ".join(t.split for t in tables)}')
+    elif len(tables) == 1:
+        lines.append(f'ds = load_dataset("{shown}", split="{tables[0].split}")')
+    lines.append(f'ds = load_dataset("{shown}", "{tables[-1].config}")  # one task')
+    lines += ["```", "", f"`ovkit eval --compare {shown} ...` reads `summary.json` (or the `_results.json`).", ""]
+    lines += ["## Contents", "", "| task (config) | split | file | rows |", "|---|---|---|---|"]
+    lines += [f"| {t.config} | {t.split} | `{t.pattern}` | {t.rows} |" for t in tables]
+    lines += ["", "Columns (lmms-eval's samples, one line per row): " + ", ".join(f"`{c}`" for c in tables[0].columns) + ".", ""]
+    if features is not None:
+        lines += ["Each task scores with its own reward parts, so `reward_parts` differs across tasks: the `default` config "
+                  "declares the union of the tasks' fields (a task's missing ones load as None); a task's own config has only its fields.", ""]
+    elif len(tables) > 1:
+        lines += ["The tasks' columns disagree in type, so there is no `default` config: load one task's config.", ""]
+    lines += ["## Provenance", "", *_provenance_lines(prov, None), ""]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ model outputs
