@@ -42,3 +42,15 @@ def find_key(tree, key: str):
             if found is not None:
                 return found
     return None
+
+
+def tiny_default(work: Path, data: str, model: str) -> None:
+    """The synthetic corpus (scale 0.25, seed 0) in work/data and the tiny model trained on its text in work/model,
+    each made once (a later run on another checkout reuses them: same inputs)."""
+    def ovkit(*args):
+        subprocess.run([sys.executable, "-m", "ovkit", *map(str, args), "--quiet"], check=True)
+
+    if not (work / data / "ovkit.json").is_file():
+        ovkit("synth", "--out", work / data, "--scale", "0.25", "--seed", "0")
+    if not (work / model / "ovkit.json").is_file():
+        ovkit("init-model", "--preset", "tiny", "--corpus", work / data, "--out", work / model)

@@ -17,6 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
+from _workers import tiny_default  # noqa: E402 (bench/ is on sys.path when this script runs)
 from runtime_proxies import ovkit  # bench/ is on sys.path when this script runs: `ovkit ...` in a child process
 
 CURVES = {  # column name -> sft options
@@ -30,15 +31,6 @@ BYTES_ONLY = {
     "bf16-mixed adamw_8bit": ("--precision", "bf16-mixed", "--optim", "adamw_8bit"),
     "bf16-true adamw_8bit": ("--precision", "bf16-true", "--optim", "adamw_8bit"),
 }
-
-
-def prepare(work: Path) -> None:
-    """The synthetic corpus (scale 0.25) and the tiny model, as bench/runtime_proxies.py makes them (not its padded
-    vocabulary nor its pack plan)."""
-    if not (work / "data" / "ovkit.json").is_file():
-        ovkit("synth", "--out", work / "data", "--scale", "0.25", "--seed", "0")
-    if not (work / "tiny" / "ovkit.json").is_file():
-        ovkit("init-model", "--preset", "tiny", "--corpus", work / "data", "--out", work / "tiny")
 
 
 def run(work: Path, name: str, opts: tuple[str, ...], steps: int, lr: float, batch: int) -> tuple[list[float], dict, float]:
@@ -64,7 +56,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--batch-size", type=int, default=8)
     args = ap.parse_args()
-    prepare(args.work)
+    tiny_default(args.work, "data", "tiny")
 
     curves, sizes, times = {}, {}, {}
     for name, opts in CURVES.items():

@@ -18,24 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _workers import tiny_default  # noqa: E402
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def prepare(work: Path) -> None:
-    def ovkit(*args):
-        subprocess.run([sys.executable, "-m", "ovkit", *map(str, args), "--quiet"], check=True)
-
-    if not (work / "D" / "ovkit.json").is_file():
-        ovkit("synth", "--out", work / "D", "--scale", "0.25", "--seed", "0")
-    if not (work / "M" / "ovkit.json").is_file():
-        ovkit("init-model", "--preset", "tiny", "--corpus", work / "D", "--out", work / "M")
 
 
 def learner_syncs(cfg, part: str = "step") -> tuple[list[int], list]:
@@ -85,7 +77,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        prepare(work)
+        tiny_default(work, "D", "M")
         result = {}
         for group in (4, 8):
             for part in ("step", "learner"):

@@ -15,6 +15,7 @@ captions) for the host-time share, as #25 asks it.
 
     python bench/step_costs.py                                   # this checkout
     PYTHONPATH=/other/src python bench/step_costs.py --work /tmp/costs   # another checkout, same inputs
+                      # (one from before #25 also needs src/ovkit/runtime/syncs.py of this one on its path)
 """
 
 from __future__ import annotations
@@ -30,21 +31,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _workers import tiny_default  # noqa: E402
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from ovkit.runtime.syncs import OptimizerSteps  # noqa: E402 (after the thread count is set: it imports torch)
+
 
 def prepare(work: Path, image_rows: int) -> None:
-    import subprocess
-
-    def ovkit(*args):
-        subprocess.run([sys.executable, "-m", "ovkit", *map(str, args), "--quiet"], check=True)
-
-    if not (work / "data" / "ovkit.json").is_file():
-        ovkit("synth", "--out", work / "data", "--scale", "0.25", "--seed", "0")
-    if not (work / "tiny" / "ovkit.json").is_file():
-        ovkit("init-model", "--preset", "tiny", "--corpus", work / "data", "--out", work / "tiny")
+    tiny_default(work, "data", "tiny")
     if not (work / "img448").exists():
         from gpu_train import make_data
 
@@ -56,30 +53,6 @@ def sft_config(work: Path, data: Path, out: str, batch_size: int, steps: int, pr
 
     return SFTConfig(data=data, model=work / "tiny", out=work / out, batch_size=batch_size, max_steps=steps, precision=precision,
                      quiet=True, overwrite=True, max_len=1 << 20)  # fmt: skip
-
-
-class StepHooks:
-    """Calls `on_step()` after each outermost optimizer.step (MixedPrecisionAdamW's step calls AdamW's)."""
-
-    def __init__(self, on_step, on_start=None):
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        self.depth, self.on_step, self.on_start = 0, on_step, on_start
-        self.handles = [register_optimizer_step_pre_hook(self._enter), register_optimizer_step_post_hook(self._leave)]
-
-    def _enter(self, *a):
-        self.depth += 1
-        if self.depth == 1 and self.on_start is not None:
-            self.on_start()
-
-    def _leave(self, *a):
-        self.depth -= 1
-        if self.depth == 0:
-            self.on_step()
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 # Ops that only make a view (no kernel runs on a GPU for them).
@@ -111,7 +84,7 @@ def op_counts(cfg) -> dict:
         periods.append(collections.Counter())
         prof.step()
 
-    hooks = StepHooks(step)
+    hooks = OptimizerSteps(step)
     prof.start()
     try:
         with Ops():
@@ -140,7 +113,7 @@ def profiled_ops(cfg) -> dict:
     from ovkit.train import train
 
     prof = profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=4, warmup=0, active=1, repeat=1))
-    hooks = StepHooks(prof.step)
+    hooks = OptimizerSteps(prof.step)
     prof.start()
     try:
         train(cfg)
@@ -191,7 +164,7 @@ def host_share(cfg, warmup: int) -> dict:
         steps.append((now - last[0], inside[0]))
         last[0], inside[0] = now, 0.0
 
-    hooks = StepHooks(step_end, on_start=lambda: opt_start.__setitem__(0, time.perf_counter()))
+    hooks = OptimizerSteps(step_end, on_start=lambda: opt_start.__setitem__(0, time.perf_counter()))
     try:
         train(cfg)
     finally:

@@ -74,21 +74,8 @@ class SyncCounter(TorchDispatchMode):
             original = getattr(torch.Tensor, name)
             self._undo.append((name, original))
             setattr(torch.Tensor, name, self._wrap(original, name))
-        if self._steps:  # a step is the outermost optimizer.step (MixedPrecisionAdamW's calls AdamW's inside it)
-            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-            self._depth = 0
-
-            def enter(*a):
-                self._depth += 1
-
-            def leave(*a):
-                self._depth -= 1
-                if self._depth == 0:
-                    self.per_step.append(Counter())
-
-            self._undo.append(("hook", register_optimizer_step_pre_hook(enter)))
-            self._undo.append(("hook", register_optimizer_step_post_hook(leave)))
+        if self._steps:
+            self._undo.append(("hook", OptimizerSteps(lambda: self.per_step.append(Counter()))))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -113,6 +100,31 @@ class SyncCounter(TorchDispatchMode):
     def step_counts(self) -> list[int]:
         """Syncs of each complete optimiser step (the period from one step's end to the next's)."""
         return [sum(c.values()) for c in self.per_step[1:-1]]
+
+
+class OptimizerSteps:
+    """Calls `on_step()` after each outermost optimizer.step, and `on_start()` (if given) as one begins:
+    MixedPrecisionAdamW's step calls AdamW's inside it, which is one step, not two. `remove()` unregisters."""
+
+    def __init__(self, on_step, on_start=None):
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self.depth, self.on_step, self.on_start = 0, on_step, on_start
+        self.handles = [register_optimizer_step_pre_hook(self._enter), register_optimizer_step_post_hook(self._leave)]
+
+    def _enter(self, *a):
+        self.depth += 1
+        if self.depth == 1 and self.on_start is not None:
+            self.on_start()
+
+    def _leave(self, *a):
+        self.depth -= 1
+        if self.depth == 0:
+            self.on_step()
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
 
 
 def _bool_index(args: tuple) -> bool:

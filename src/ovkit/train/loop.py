@@ -28,7 +28,7 @@ import torch
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
 from ovkit.models import pad_token_id
-from ovkit.models.precompute import LOSS_KEYS, to_device
+from ovkit.models.precompute import to_device
 from ovkit.models.groups import set_trainable, trainable_names
 from ovkit.runs import is_complete
 from ovkit.runtime import Result, Runtime
@@ -36,8 +36,6 @@ from ovkit.runtime.optim import cosine_factor
 from ovkit.train.config import TRAJECTORY, TrainConfig
 from ovkit.train.data import PackedSource, SampleSource, Schedule, real_tokens, target_tokens, total_steps
 
-# Keys of a batch that are for the loss or for bookkeeping, not model inputs.
-NOT_MODEL_INPUTS = LOSS_KEYS
 
 
 def train(cfg: TrainConfig) -> Result:
@@ -182,7 +180,7 @@ def _on(tensor: torch.Tensor | None, device) -> torch.Tensor | None:
 
 
 def model_inputs(batch: dict[str, Any], device) -> dict[str, Any]:
-    return to_device(batch, device, NOT_MODEL_INPUTS)
+    return to_device(batch, device)  # not the loss's keys (labels, counts, target positions)
 
 
 def token_nll_sum(model, batch: dict[str, Any], device) -> torch.Tensor:
