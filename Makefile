@@ -29,7 +29,7 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: gpu-suite gpu-suite-smoke setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
+.PHONY: lint format gpu-suite gpu-suite-smoke setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
 # Keep every file a rule made: make deletes the intermediate files of chained pattern rules (it removed each science
 # RL run's ovkit.json, its completion mark, once that run's eval was done).
 .SECONDARY:
@@ -48,6 +48,14 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
+
+format: setup
+	$(BIN)/ruff check --fix src tests bench examples
+	$(BIN)/ruff format src tests bench examples
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow

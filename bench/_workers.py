@@ -16,12 +16,14 @@ def run_workers(script: str, names: list[str], spec: dict[str, Any], work: Path)
     path.write_text(json.dumps(spec))
     results = {}
     for name in names:
-        run = subprocess.run([sys.executable, script, "--worker", name, "--spec", str(path)], capture_output=True, text=True)
+        run = subprocess.run(
+            [sys.executable, script, "--worker", name, "--spec", str(path)], capture_output=True, text=True
+        )
         line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
         if run.returncode != 0 or not line:
             print(f"{name}: failed\n{run.stderr[-3000:]}", file=sys.stderr)
             continue
-        results[name] = json.loads(line[-1][len("RESULT "):])
+        results[name] = json.loads(line[-1][len("RESULT ") :])
     return results
 
 
@@ -47,6 +49,7 @@ def find_key(tree, key: str):
 def tiny_default(work: Path, data: str, model: str) -> None:
     """The synthetic corpus (scale 0.25, seed 0) in work/data and the tiny model trained on its text in work/model,
     each made once (a later run on another checkout reuses them: same inputs)."""
+
     def ovkit(*args):
         subprocess.run([sys.executable, "-m", "ovkit", *map(str, args), "--quiet"], check=True)
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ovkit.models.presets import PRESETS, random_config
+from ovkit.models.presets import random_config
 from ovkit.runtime import checkpointing as ac
 from ovkit.runtime.loss import ChunkedHeadLogprob, chunk_rows
 
@@ -103,7 +103,9 @@ def head(config, tokens: int) -> float:
     weight = torch.randn(text.vocab_size, text.hidden_size, dtype=DTYPE, requires_grad=True)
     h = torch.randn(tokens, text.hidden_size, dtype=DTYPE, requires_grad=True)
     targets = torch.randint(0, text.vocab_size, (tokens,))
-    kept, _ = ac.saved_bytes(lambda: ChunkedHeadLogprob.apply(h * 1, weight, None, targets, 1.0, chunk_rows(text.vocab_size)))
+    kept, _ = ac.saved_bytes(
+        lambda: ChunkedHeadLogprob.apply(h * 1, weight, None, targets, 1.0, chunk_rows(text.vocab_size))
+    )
     return (kept - weight.numel() * weight.element_size()) / tokens
 
 
@@ -125,11 +127,19 @@ def main() -> None:
             "config": config,
         }
         t, v = config.text_config, config.vision_config
-        for part, (h, i) in (("llm", (t.hidden_size, t.intermediate_size)), ("vit", (v.hidden_size, v.intermediate_size))):
+        for part, (h, i) in (
+            ("llm", (t.hidden_size, t.intermediate_size)),
+            ("vit", (v.hidden_size, v.intermediate_size)),
+        ):
             r = results[name][part]
-            rows.append(f"| {name} | {'decoder layer' if part == 'llm' else 'ViT block'} | {h} / {i} | "
-                        + " | ".join(f"{r[m]:,.0f}" for m in MODES) + f" | {r['off'] / h:.1f} |")
-        rows.append(f"| {name} | head + loss (chunked) | {t.hidden_size} / vocab {t.vocab_size:,} | {results[name]['head']:,.0f} | | | |")
+            rows.append(
+                f"| {name} | {'decoder layer' if part == 'llm' else 'ViT block'} | {h} / {i} | "
+                + " | ".join(f"{r[m]:,.0f}" for m in MODES)
+                + f" | {r['off'] / h:.1f} |"
+            )
+        rows.append(
+            f"| {name} | head + loss (chunked) | {t.hidden_size} / vocab {t.vocab_size:,} | {results[name]['head']:,.0f} | | | |"
+        )
         print(f"# {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"\nbytes kept for backward per token per block (bf16, sdpa, {args.tokens} tokens; marginal block)\n")
     print("| preset | block | hidden / intermediate | off | mlp | full | off / hidden |")
@@ -141,7 +151,10 @@ def main() -> None:
 
 def _fit(results: dict) -> None:
     """off = a * hidden + b * intermediate from the decoder layers of two presets (ovkit's auto estimate)."""
-    pts = [(r["config"].text_config.hidden_size, r["config"].text_config.intermediate_size, r["llm"]["off"]) for r in results.values()]
+    pts = [
+        (r["config"].text_config.hidden_size, r["config"].text_config.intermediate_size, r["llm"]["off"])
+        for r in results.values()
+    ]
     if len(pts) < 2:
         return
     A = torch.tensor([[h, i] for h, i, _ in pts[:2]], dtype=torch.float64)
@@ -150,7 +163,9 @@ def _fit(results: dict) -> None:
     print(f"\nfit of the decoder layers (off): bytes/token/layer = {a:.2f} x hidden + {b:.2f} x intermediate")
     for name, r in results.items():
         v = r["config"].vision_config
-        print(f"  {name} ViT block predicted {a * v.hidden_size + b * v.intermediate_size:,.0f}, measured {r['vit']['off']:,.0f}")
+        print(
+            f"  {name} ViT block predicted {a * v.hidden_size + b * v.intermediate_size:,.0f}, measured {r['vit']['off']:,.0f}"
+        )
 
 
 def _arithmetic(r: dict, row: int) -> None:
@@ -158,8 +173,10 @@ def _arithmetic(r: dict, row: int) -> None:
     config = r["config"]
     layers, blocks = config.text_config.num_hidden_layers, config.vision_config.depth
     params = 2.21e9
-    print(f"\none packed row of {row:,} tokens, {layers} decoder layers, {blocks} ViT blocks; weights + optimiser 10-18 bytes/param"
-          f" x {params / 1e9:.2f}B = {10 * params / GIB:.1f}-{18 * params / GIB:.1f} GiB of an 80 GB card ({80e9 / GIB:.1f} GiB)\n")
+    print(
+        f"\none packed row of {row:,} tokens, {layers} decoder layers, {blocks} ViT blocks; weights + optimiser 10-18 bytes/param"
+        f" x {params / 1e9:.2f}B = {10 * params / GIB:.1f}-{18 * params / GIB:.1f} GiB of an 80 GB card ({80e9 / GIB:.1f} GiB)\n"
+    )
     print("| mode | LLM layers | head | text-only row | + ViT, half the row image tokens | fits next to 18 B/param? |")
     print("|---|---|---|---|---|---|")
     for mode in MODES:  # mlp and full also hold one block's (or MLP's) activations while it is recomputed (below)
@@ -168,10 +185,14 @@ def _arithmetic(r: dict, row: int) -> None:
         text_only, with_images = llm + r["head"] * row, llm + r["head"] * row + vit
         room = (80e9 - 18 * params) / GIB
         fits = "both" if with_images / GIB < room else "the text-only row" if text_only / GIB < room else "neither"
-        print(f"| {mode} | {llm / GIB:.1f} GiB | {r['head'] * row / GIB:.2f} GiB | {text_only / GIB:.1f} GiB | {with_images / GIB:.1f} GiB | "
-              f"{fits} ({room:.1f} GiB left) |")
-    print(f"\nwhile a block is recomputed in backward it holds its own activations once more: {r['llm']['off'] * row / GIB:.2f} GiB for a "
-          f"decoder layer of this row, {r['vit']['off'] * row * 2 / GIB:.2f} GiB for a ViT block of its patches")
+        print(
+            f"| {mode} | {llm / GIB:.1f} GiB | {r['head'] * row / GIB:.2f} GiB | {text_only / GIB:.1f} GiB | {with_images / GIB:.1f} GiB | "
+            f"{fits} ({room:.1f} GiB left) |"
+        )
+    print(
+        f"\nwhile a block is recomputed in backward it holds its own activations once more: {r['llm']['off'] * row / GIB:.2f} GiB for a "
+        f"decoder layer of this row, {r['vit']['off'] * row * 2 / GIB:.2f} GiB for a ViT block of its patches"
+    )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _workers import find_key as _find, report_result, run_workers  # noqa: E402
+from _workers import find_key as _find  # noqa: E402
+from _workers import report_result, run_workers
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -82,10 +83,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64 if cuda else 24)
-    p.add_argument("--micro-batch-size", type=int, default=8 if cuda else 32, help="ovkit's learner micro-batch (trajectories)")
+    p.add_argument(
+        "--micro-batch-size", type=int, default=8 if cuda else 32, help="ovkit's learner micro-batch (trajectories)"
+    )
     p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--bf16-optim", default="adamw_bf16", help="ovkit --optim of the bf16 runs (adamw_bf16, adamw_8bit, adamw_torch_fused)")
-    p.add_argument("--activation-checkpointing", default="off", help="ovkit's option; anything but `off` turns TRL's gradient_checkpointing on")
+    p.add_argument(
+        "--bf16-optim",
+        default="adamw_bf16",
+        help="ovkit --optim of the bf16 runs (adamw_bf16, adamw_8bit, adamw_torch_fused)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        default="off",
+        help="ovkit's option; anything but `off` turns TRL's gradient_checkpointing on",
+    )
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
     p.add_argument("--out", type=Path, help="keep the work directory here")
     p.add_argument("--json", type=Path, help="also write the results here (the GPU suite's summary reads it)")
@@ -195,17 +206,21 @@ def run_ovkit(spec: dict, policy: str, staleness: int, engine: str, mem: MemoryP
     )  # fmt: skip
     summary = loop.train_rl(cfg)
     bpp = _find(json.loads((out / "ovkit.json").read_text()), "bytes_per_param") or {}
-    return {"samples": summary["samples"], "seconds": summary["elapsed_s"], "bytes_per_param": bpp.get("total"),
-            "policy": f"{precision} / {optim}"}  # the training loop (TRL: trainer.train())
+    return {
+        "samples": summary["samples"],
+        "seconds": summary["elapsed_s"],
+        "bytes_per_param": bpp.get("total"),
+        "policy": f"{precision} / {optim}",
+    }  # the training loop (TRL: trainer.train())
 
 
 def run_trl(spec: dict, policy: str, mem: MemoryPhases) -> dict:
     import torch
+    from grpo import task_reward, trl_dataset
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
     from transformers.generation.utils import GenerationMixin
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo import task_reward, trl_dataset
     from ovkit.runtime.optim import bytes_per_param
 
     cuda = torch.cuda.is_available()
@@ -244,8 +259,12 @@ def run_trl(spec: dict, policy: str, mem: MemoryPhases) -> dict:
     mem.wrap(type(trainer), "training_step", "learner")
     t0 = time.perf_counter()
     trainer.train()
-    return {"samples": spec["steps"] * batch, "seconds": time.perf_counter() - t0, "bytes_per_param": bpp[0] if bpp else None,
-            "policy": f"{'fp32 weights' if policy == 'mixed' else 'bf16 weights'}, bf16 autocast / adamw_torch"}
+    return {
+        "samples": spec["steps"] * batch,
+        "seconds": time.perf_counter() - t0,
+        "bytes_per_param": bpp[0] if bpp else None,
+        "policy": f"{'fp32 weights' if policy == 'mixed' else 'bf16 weights'}, bf16 autocast / adamw_torch",
+    }
 
 
 def worker(name: str, spec_path: Path) -> None:
@@ -258,7 +277,9 @@ def worker(name: str, spec_path: Path) -> None:
     mem = MemoryPhases()
     side, policy, staleness, engine = RUNS[name]
     result = run_trl(spec, policy, mem) if side == "trl" else run_ovkit(spec, policy, staleness, engine, mem)
-    result["peak_bytes"] = mem.peak() if mem.cuda else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+    result["peak_bytes"] = (
+        mem.peak() if mem.cuda else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+    )
     phases = mem.report()
     result["phases"] = {k: phases.get(k) for k in PHASES} if phases else None
     report_result(result)
@@ -320,8 +341,10 @@ def main() -> None:
 
 def report(args, device: str, model: Path, runs: list[str], results: dict) -> None:
     gb = lambda b: f"{b / 1e9:.2f}" if b is not None else "-"  # noqa: E731
-    print(f"device: {device}; model {model}; {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} completions, "
-          f"<= {args.max_new_tokens} new tokens; ovkit micro-batch {args.micro_batch_size}; checkpointing {args.activation_checkpointing}")
+    print(
+        f"device: {device}; model {model}; {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} completions, "
+        f"<= {args.max_new_tokens} new tokens; ovkit micro-batch {args.micro_batch_size}; checkpointing {args.activation_checkpointing}"
+    )
     print(f"{'run':<18}{'samples/s':>10}{'vs trl':>8}{'peak GB':>9}{'vs trl':>8}{'B/param':>9}  policy")
     for name in runs:
         r = results.get(name)
@@ -334,7 +357,9 @@ def report(args, device: str, model: Path, runs: list[str], results: dict) -> No
         mem = f"{r['peak_bytes'] / base['peak_bytes']:.2f}x" if base and base["peak_bytes"] > 0 else "-"
         bpp = f"{r['bytes_per_param']:.2f}" if r.get("bytes_per_param") is not None else "-"
         print(f"{name:<18}{sps:>10.2f}{ratio:>8}{gb(r['peak_bytes']):>9}{mem:>8}{bpp:>9}  {r['policy']}")
-    print("\nwhere the memory goes, GB (weights, sampler copy, optimiser: allocated; generate, learner: peak above entry)")
+    print(
+        "\nwhere the memory goes, GB (weights, sampler copy, optimiser: allocated; generate, learner: peak above entry)"
+    )
     print(f"{'run':<18}" + "".join(f"{p:>14}" for p in PHASES))
     for name, r in results.items():
         phases = r.get("phases")
@@ -343,7 +368,15 @@ def report(args, device: str, model: Path, runs: list[str], results: dict) -> No
         else:
             print(f"{name:<18}" + "".join(f"{gb(phases.get(p)):>14}" for p in PHASES))
     if args.json:
-        args.json.write_text(json.dumps({"device": device, "runs": {k: {**v, "samples_per_s": v["samples"] / v["seconds"]} for k, v in results.items()}}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "runs": {k: {**v, "samples_per_s": v["samples"] / v["seconds"]} for k, v in results.items()},
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

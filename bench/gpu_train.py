@@ -75,7 +75,8 @@ from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _workers import find_key as _find, report_result, run_workers  # noqa: E402
+from _workers import find_key as _find  # noqa: E402
+from _workers import report_result, run_workers
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -83,7 +84,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RUNS = ("ovkit-padded", "ovkit-packed", "plain", "trl")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense bf16
 # --policy -> (ovkit --precision, the peers' weight dtype, the peers' autocast)
-POLICIES = {"mixed": ("bf16-mixed", "float32", True), "bf16": ("bf16-true", "bfloat16", False), "fp32": ("fp32", "float32", False)}
+POLICIES = {
+    "mixed": ("bf16-mixed", "float32", True),
+    "bf16": ("bf16-true", "bfloat16", False),
+    "fp32": ("fp32", "float32", False),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,18 +97,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, help="model directory (default: built from --preset)")
-    p.add_argument("--preset", default="qwen2.5-vl-2b" if cuda else "tiny", help="tiny, or a random-init preset (qwen2.5-vl-2b, -3b, -7b)")
+    p.add_argument(
+        "--preset",
+        default="qwen2.5-vl-2b" if cuda else "tiny",
+        help="tiny, or a random-init preset (qwen2.5-vl-2b, -3b, -7b)",
+    )
     p.add_argument("--rows", type=int, default=512 if cuda else 192, help="samples")
-    p.add_argument("--image-size", type=int, default=448 if cuda else 224, help="image side in pixels (448: 256 visual tokens)")
+    p.add_argument(
+        "--image-size", type=int, default=448 if cuda else 224, help="image side in pixels (448: 256 visual tokens)"
+    )
     p.add_argument("--text-tokens", type=int, default=120, help="median caption length in words")
-    p.add_argument("--batch-size", type=int, default=4 if cuda else 8, help="samples per padded micro-batch (ovkit padded, plain, TRL)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=4 if cuda else 8,
+        help="samples per padded micro-batch (ovkit padded, plain, TRL)",
+    )
     p.add_argument("--grad-accum", type=int, default=4 if cuda else 1, help="padded micro-batches per optimiser step")
-    p.add_argument("--tokens-per-row", type=int, default=16384 if cuda else 1024, help="packed row capacity (one row per micro-batch)")
+    p.add_argument(
+        "--tokens-per-row",
+        type=int,
+        default=16384 if cuda else 1024,
+        help="packed row capacity (one row per micro-batch)",
+    )
     p.add_argument("--steps", type=int, default=12 if cuda else 8, help="optimiser steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps not measured")
-    p.add_argument("--policy", choices=tuple(POLICIES), default="mixed" if cuda else "fp32", help="precision policy of every run (docstring)")
-    p.add_argument("--optim", default="adamw_torch_fused", help="ovkit --optim (adamw_torch_fused, adamw_torch, adamw_8bit, adamw_bf16)")
-    p.add_argument("--activation-checkpointing", default="full", help="ovkit --activation-checkpointing; `off` turns the peers' off too")
+    p.add_argument(
+        "--policy",
+        choices=tuple(POLICIES),
+        default="mixed" if cuda else "fp32",
+        help="precision policy of every run (docstring)",
+    )
+    p.add_argument(
+        "--optim",
+        default="adamw_torch_fused",
+        help="ovkit --optim (adamw_torch_fused, adamw_torch, adamw_8bit, adamw_bf16)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        default="full",
+        help="ovkit --activation-checkpointing; `off` turns the peers' off too",
+    )
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
     p.add_argument("--out", type=Path, help="keep the work directory here")
     p.add_argument("--json", type=Path, help="also write the results here (the GPU suite's summary reads it)")
@@ -128,12 +162,26 @@ def make_data(args, out: Path) -> None:
         img = Image.new("RGB", (args.image_size, args.image_size), "white")
         draw = ImageDraw.Draw(img)
         for _ in range(rng.randint(1, 5)):
-            x, y, r = rng.randrange(args.image_size), rng.randrange(args.image_size), rng.randint(8, args.image_size // 6)
+            x, y, r = (
+                rng.randrange(args.image_size),
+                rng.randrange(args.image_size),
+                rng.randint(8, args.image_size // 6),
+            )
             draw.ellipse([x - r, y - r, x + r, y + r], fill=tuple(rng.randrange(256) for _ in range(3)))
         n = max(4, int(rng.lognormvariate(0, 0.6) * args.text_tokens))
         caption = " ".join(rng.choice(words) for _ in range(n))
-        rows.append({"id": f"r{i}", "images": [image_cell(img)], "source": "bench/caption", "category": "caption",
-                     "messages": [{"role": "user", "content": "<image>\nDescribe the image."}, {"role": "assistant", "content": caption}]})
+        rows.append(
+            {
+                "id": f"r{i}",
+                "images": [image_cell(img)],
+                "source": "bench/caption",
+                "category": "caption",
+                "messages": [
+                    {"role": "user", "content": "<image>\nDescribe the image."},
+                    {"role": "assistant", "content": caption},
+                ],
+            }
+        )
     write_samples(samples_table(rows), out)
 
 
@@ -149,7 +197,9 @@ def make_model(args, work: Path) -> Path:
     if args.preset == "tiny":
         ovkit_cli("init-model", "--preset", "tiny", "--corpus", work / "data", "--out", work / "model")
     else:
-        ovkit_cli("init-model", "--preset", args.preset, "--random-init", "--dtype", "bfloat16", "--out", work / "model")
+        ovkit_cli(
+            "init-model", "--preset", args.preset, "--random-init", "--dtype", "bfloat16", "--out", work / "model"
+        )
     return work / "model"
 
 
@@ -171,7 +221,10 @@ def _padded_steps(spec: dict, processor) -> list[list[dict]]:
     source = SampleSource(Path(spec["data"]), processor, max_len=1 << 20)
     schedule = Schedule(tuple(source.lengths), spec["batch_size"], spec["grad_accum"], 1, 0)
     pad = processor.tokenizer.pad_token_id
-    return [[source.collate([source[i] for i in m], pad) for m in micro] for _, _, micro in schedule.steps(0, spec["steps"], 0)]
+    return [
+        [source.collate([source[i] for i in m], pad) for m in micro]
+        for _, _, micro in schedule.steps(0, spec["steps"], 0)
+    ]
 
 
 def run_ovkit(spec: dict, packed: bool) -> dict:
@@ -185,7 +238,7 @@ def run_ovkit(spec: dict, packed: bool) -> dict:
     train(SFTConfig(data=Path(spec["data"]), model=Path(spec["model"]), out=out, max_steps=spec["steps"], lr=1e-5, warmup_ratio=0.0,
                     precision=spec["precision"], optim=spec["optim"], activation_checkpointing=spec["activation_checkpointing"],
                     quiet=True, overwrite=True, max_len=1 << 20, **opts))  # fmt: skip
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][spec["warmup"]:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][spec["warmup"] :]
     record = json.loads((out / "ovkit.json").read_text())
     bpp = _find(record, "bytes_per_param") or {}
     ckpt = _find(record, "activation_checkpointing") or {}
@@ -288,8 +341,12 @@ def worker(name: str, spec_path: Path) -> None:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    run = {"ovkit-padded": lambda: run_ovkit(spec, False), "ovkit-packed": lambda: run_ovkit(spec, True),
-           "plain": lambda: run_plain(spec), "trl": lambda: run_trl(spec)}[name]
+    run = {
+        "ovkit-padded": lambda: run_ovkit(spec, False),
+        "ovkit-packed": lambda: run_ovkit(spec, True),
+        "plain": lambda: run_plain(spec),
+        "trl": lambda: run_trl(spec),
+    }[name]
     result = run()
     result["peak_bytes"] = _peak_memory(base)
     report_result(result)
@@ -329,7 +386,17 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         make_data(args, work / "data")
         model = make_model(args, work)
-        ovkit_cli("pack", work / "data", "--model", model, "--max-len", args.tokens_per_row, "--out", work / "plan", "--overwrite")
+        ovkit_cli(
+            "pack",
+            work / "data",
+            "--model",
+            model,
+            "--max-len",
+            args.tokens_per_row,
+            "--out",
+            work / "plan",
+            "--overwrite",
+        )
         if "trl" in runs:
             ovkit_cli("convert", work / "data", "--to", "trl", "--out", work / "trl", "--overwrite")
         stats = json.loads((work / "plan" / "stats.json").read_text())
@@ -345,16 +412,22 @@ def main() -> None:
     report(args, results, stats, mean_len, pack_rows, llm, vit, device, spec)
 
 
-def report(args, results: dict, stats: dict, mean_len: float, pack_rows: int, llm: int, vit: int, device: str, spec: dict) -> None:
+def report(
+    args, results: dict, stats: dict, mean_len: float, pack_rows: int, llm: int, vit: int, device: str, spec: dict
+) -> None:
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
     visual = (args.image_size // 28) ** 2  # visual tokens per image: 14-pixel patches, 2x2 merge (4 patches each)
-    print(f"device: {device}; model: {(llm + vit) / 1e6:.1f}M parameters (ViT {vit / 1e6:.1f}M); {stats['samples']} samples, "
-          f"mean {mean_len:.0f} tokens; padded {args.batch_size} x {args.grad_accum} samples per step; packed {pack_rows} x "
-          f"{args.tokens_per_row}; {args.steps} steps, {args.warmup} not measured; policy {args.policy} (ovkit --precision "
-          f"{spec['precision']} --optim {args.optim} --activation-checkpointing {args.activation_checkpointing}; peers "
-          f"{spec['peer_dtype']} weights{' under bf16 autocast' if spec['peer_autocast'] else ''})")
+    print(
+        f"device: {device}; model: {(llm + vit) / 1e6:.1f}M parameters (ViT {vit / 1e6:.1f}M); {stats['samples']} samples, "
+        f"mean {mean_len:.0f} tokens; padded {args.batch_size} x {args.grad_accum} samples per step; packed {pack_rows} x "
+        f"{args.tokens_per_row}; {args.steps} steps, {args.warmup} not measured; policy {args.policy} (ovkit --precision "
+        f"{spec['precision']} --optim {args.optim} --activation-checkpointing {args.activation_checkpointing}; peers "
+        f"{spec['peer_dtype']} weights{' under bf16 autocast' if spec['peer_autocast'] else ''})"
+    )
     base = results.get("plain")
-    print(f"{'run':<14}{'tok/step':>10}{'tokens/s':>11}{'vs plain':>10}{'MFU':>8}{'peak GB':>9}{'vs plain':>10}{'B/param':>9}  checkpointing")
+    print(
+        f"{'run':<14}{'tok/step':>10}{'tokens/s':>11}{'vs plain':>10}{'MFU':>8}{'peak GB':>9}{'vs plain':>10}{'B/param':>9}  checkpointing"
+    )
     rows = []
     for name, r in results.items():
         tps = r["tokens"] / max(r["seconds"], 1e-9)
@@ -363,8 +436,10 @@ def report(args, results: dict, stats: dict, mean_len: float, pack_rows: int, ll
         ratio = f"{tps / (base['tokens'] / base['seconds']):.2f}x" if base else "-"
         mem = f"{r['peak_bytes'] / base['peak_bytes']:.2f}x" if base and base["peak_bytes"] > 0 else "-"
         bpp = f"{r['bytes_per_param']:.2f}" if r.get("bytes_per_param") is not None else "-"
-        print(f"{name:<14}{r['tokens_per_step']:>10.0f}{tps:>11.0f}{ratio:>10}{f'{mfu:.1f}%' if mfu else '-':>8}"
-              f"{r['peak_bytes'] / 1e9:>9.2f}{mem:>10}{bpp:>9}  {r.get('checkpointing')}")
+        print(
+            f"{name:<14}{r['tokens_per_step']:>10.0f}{tps:>11.0f}{ratio:>10}{f'{mfu:.1f}%' if mfu else '-':>8}"
+            f"{r['peak_bytes'] / 1e9:>9.2f}{mem:>10}{bpp:>9}  {r.get('checkpointing')}"
+        )
         rows.append({"run": name, "tokens_per_s": tps, "mfu": mfu, **r})
     for name in RUNS:
         if name not in results and name in args.runs.split(","):

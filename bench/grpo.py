@@ -33,16 +33,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, help="tiny VLM directory (e.g. the pipeline's SFT output); default: build a fresh tiny model")
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="tiny VLM directory (e.g. the pipeline's SFT output); default: build a fresh tiny model",
+    )
     p.add_argument("--data", type=Path, help="RL prompts; default: `ovkit synth --scale 0.25` into a temp dir")
-    p.add_argument("--eval-data", type=Path, help="held-out prompts for the final greedy score (default: the synth eval split)")
+    p.add_argument(
+        "--eval-data", type=Path, help="held-out prompts for the final greedy score (default: the synth eval split)"
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--eval-limit", type=int, default=64, help="held-out prompts scored per model")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for ovkit (async splits them between its two workers)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads for ovkit (async splits them between its two workers)",
+    )
     p.add_argument("--trl-threads", default="1,2", help="torch thread counts to run TRL with; the best one is reported")
     p.add_argument("--out", type=Path, help="keep outputs here (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
@@ -68,9 +79,14 @@ def prepare(args, work: Path) -> tuple[Path, Path, Path]:
 
         model = work / "tiny"
         if not (model / "config.json").is_file():
-            texts = [m["content"] for msgs in read_table(data, ["messages"]).column("messages").to_pylist() for m in msgs]
+            texts = [
+                m["content"] for msgs in read_table(data, ["messages"]).column("messages").to_pylist() for m in msgs
+            ]
             build_tiny(model, texts, seed=args.seed)
-        print("note: no --model given; a fresh tiny model scores ~0 reward, so only the speed comparison means much", file=sys.stderr)
+        print(
+            "note: no --model given; a fresh tiny model scores ~0 reward, so only the speed comparison means much",
+            file=sys.stderr,
+        )
     return model, data, eval_data
 
 
@@ -98,7 +114,11 @@ def run_ovkit(args, model: Path, data: Path, out: Path, eta: int) -> dict:
         "train_reward": sum(r["reward"] for r in tail) / len(tail),
         "wall_s": wall,
         "model": out,
-        "step_s": {"waiting for rollouts": mean("ovkit/time/rollout"), "update": mean("ovkit/time/train"), "weight sync": mean("ovkit/time/sync")},
+        "step_s": {
+            "waiting for rollouts": mean("ovkit/time/rollout"),
+            "update": mean("ovkit/time/train"),
+            "weight sync": mean("ovkit/time/sync"),
+        },
     }
 
 
@@ -117,7 +137,16 @@ def trl_dataset(data: Path):
         images = decode_images(r["images"])
         # TRL puts the images before the text of the first user turn; ovkit's rows start with "<image>" too
         msgs[-1] = {"role": "user", "content": text.replace("<image>", "")}
-        rows.append({"prompt": msgs, "images": images, "answer": r["answer"], "answer_type": r["answer_type"], "source": r["source"], "reward_kwargs": r.get("reward_kwargs")})
+        rows.append(
+            {
+                "prompt": msgs,
+                "images": images,
+                "answer": r["answer"],
+                "answer_type": r["answer_type"],
+                "source": r["source"],
+                "reward_kwargs": r.get("reward_kwargs"),
+            }
+        )
     return Dataset.from_list(rows)
 
 
@@ -125,7 +154,10 @@ def task_reward(completions, answer, answer_type, source, reward_kwargs, **_):
     from ovkit.rewards import score_batch
 
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    items = [{"completion": t, "answer": a, "answer_type": at, "source": s, "reward_kwargs": k, "prompt_type": "answer"} for t, a, at, s, k in zip(texts, answer, answer_type, source, reward_kwargs)]
+    items = [
+        {"completion": t, "answer": a, "answer_type": at, "source": s, "reward_kwargs": k, "prompt_type": "answer"}
+        for t, a, at, s, k in zip(texts, answer, answer_type, source, reward_kwargs)
+    ]
     return [r.reward for r in score_batch(items, workers=2)]
 
 
@@ -170,16 +202,16 @@ def held_out(model_dir: Path, eval_data: Path, limit: int) -> float:
     from ovkit.generate import HFEngine
     from ovkit.models import load
     from ovkit.rollouts.groups import Group, score_groups
-    from ovkit.rollouts.prompts import encode_prompts
-
-    from ovkit.rollouts.prompts import limit_per_category
+    from ovkit.rollouts.prompts import encode_prompts, limit_per_category
 
     model, processor = load(model_dir)
     table = read_samples(eval_data).table
     n_categories = len(set(table.column("category").to_pylist())) if "category" in table.column_names else 1
     table = limit_per_category(table, max(1, limit // n_categories))  # every category, not the first few
     prompts = encode_prompts(table, processor, mode="answer", system=False)
-    outs = HFEngine(model, processor, batch_size=64).generate([p.encoded for p in prompts], n=1, max_new_tokens=32, temperature=0.0)
+    outs = HFEngine(model, processor, batch_size=64).generate(
+        [p.encoded for p in prompts], n=1, max_new_tokens=32, temperature=0.0
+    )
     groups = [Group(p, i, 0, list(o)) for i, (p, o) in enumerate(zip(prompts, outs))]
     score_groups(groups, mode="answer", format_weight=0.0)
     return sum(g.task_rewards[0] for g in groups) / len(groups)
@@ -205,9 +237,15 @@ def main() -> None:
     print(f"{'trainer':28s} {'samples/s':>10s} {'vs TRL':>7s} {'train reward':>13s} {'held-out':>9s} {'wall s':>7s}")
     for name, r in results.items():
         ratio = r["samples_per_s"] / trl_best["samples_per_s"]
-        print(f"{name:28s} {r['samples_per_s']:10.2f} {ratio:6.2f}x {r['train_reward']:13.3f} {r['held_out']:9.3f} {r['wall_s']:7.1f}")
+        print(
+            f"{name:28s} {r['samples_per_s']:10.2f} {ratio:6.2f}x {r['train_reward']:13.3f} {r['held_out']:9.3f} {r['wall_s']:7.1f}"
+        )
     summary = {k: {kk: (str(vv) if isinstance(vv, Path) else vv) for kk, vv in v.items()} for k, v in results.items()}
-    (work / "bench_grpo.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "base_held_out": base, "results": summary}, indent=2))
+    (work / "bench_grpo.json").write_text(
+        json.dumps(
+            {"args": {k: str(v) for k, v in vars(args).items()}, "base_held_out": base, "results": summary}, indent=2
+        )
+    )
     for name, r in results.items():
         if "step_s" in r:
             print(f"{name}: mean seconds per step: " + ", ".join(f"{k} {v:.2f}" for k, v in r["step_s"].items()))

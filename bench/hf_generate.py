@@ -47,7 +47,9 @@ import torch  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, help="tiny model directory (default: `ovkit init-model --preset tiny` in a temp dir)")
+    p.add_argument(
+        "--model", type=Path, help="tiny model directory (default: `ovkit init-model --preset tiny` in a temp dir)"
+    )
     p.add_argument("--data", type=Path, help="RL prompts (default: `ovkit synth --scale 0.25` rl split in a temp dir)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=4, help="completions per prompt (GRPO group size)")
@@ -56,13 +58,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable timings on a shared box)")
     p.add_argument("--models", default="tiny,wide", help="comma list of tiny, wide")
-    p.add_argument("--engine-options", default="", help="extra HFEngine keyword options, k=v comma list (e.g. prefill=per-sequence)")
+    p.add_argument(
+        "--engine-options",
+        default="",
+        help="extra HFEngine keyword options, k=v comma list (e.g. prefill=per-sequence)",
+    )
     p.add_argument("--no-profile", action="store_true")
     return p.parse_args()
 
 
 def ovkit_cli(*args) -> None:
-    subprocess.run([sys.executable, "-c", "from ovkit.cli import main; main()", *map(str, args), "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-c", "from ovkit.cli import main; main()", *map(str, args), "--quiet"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def wide_model(tiny_dir: Path):
@@ -75,8 +85,17 @@ def wide_model(tiny_dir: Path):
     from ovkit.models.tiny import TINY, tiny_config
 
     _, processor = load(tiny_dir)
-    spec = dataclasses.replace(TINY, hidden_size=768, num_heads=12, num_kv_heads=4, intermediate_size=2048,
-                               mrope_section=(16, 8, 8), vision_hidden_size=256, vision_heads=4, vision_intermediate_size=1024)
+    spec = dataclasses.replace(
+        TINY,
+        hidden_size=768,
+        num_heads=12,
+        num_kv_heads=4,
+        intermediate_size=2048,
+        mrope_section=(16, 8, 8),
+        vision_hidden_size=256,
+        vision_heads=4,
+        vision_intermediate_size=1024,
+    )
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(tiny_config(processor.tokenizer, spec)).eval()
     return model, processor
@@ -97,12 +116,18 @@ def plain_generate(model, prompts, pad_id, stops, a) -> int:
     from ovkit.generate.hf import collate_prompts
 
     inputs = collate_prompts(prompts, pad_id)  # = processor(text=..., images=..., padding=True) with left padding
-    config = GenerationConfig(do_sample=True, num_return_sequences=a.n, max_new_tokens=a.max_new_tokens, top_k=0,
-                              eos_token_id=sorted(stops), pad_token_id=pad_id)
+    config = GenerationConfig(
+        do_sample=True,
+        num_return_sequences=a.n,
+        max_new_tokens=a.max_new_tokens,
+        top_k=0,
+        eos_token_id=sorted(stops),
+        pad_token_id=pad_id,
+    )
     torch.manual_seed(a.seed)
     with torch.no_grad():
         out = model.generate(**inputs, generation_config=config)
-    return generated_tokens(out[:, inputs["input_ids"].shape[1]:], stops)
+    return generated_tokens(out[:, inputs["input_ids"].shape[1] :], stops)
 
 
 def engine_generate(engine, prompts, a) -> int:
@@ -161,7 +186,14 @@ def profile(engine, prompts, a) -> None:
     with ExitStack() as stack:
         stack.enter_context(timed(model, "forward", times, forward_kind))
         stack.enter_context(timed(model.model.visual, "forward", times, lambda *_: "vision encoder"))
-        stack.enter_context(timed(hf._SampledDistribution, "__call__", times, lambda *_: "sampling distribution (temperature, top-p, log-probs)"))
+        stack.enter_context(
+            timed(
+                hf._SampledDistribution,
+                "__call__",
+                times,
+                lambda *_: "sampling distribution (temperature, top-p, log-probs)",
+            )
+        )
         stack.enter_context(timed(hf.HFEngine, "_completion", times, lambda *_: "detokenise + Completion"))
         t = time.perf_counter()
         tokens = engine_generate(engine, prompts, a)
@@ -174,7 +206,9 @@ def profile(engine, prompts, a) -> None:
     print(f"  profile: {total:.3f} s for {tokens} tokens")
     for k, v in sorted(times.items(), key=lambda kv: -kv[1]):
         print(f"    {k:<66} {v:7.3f} s  {100 * v / total:5.1f}%")
-    print(f"  host syncs: {syncs.total} for {sync_tokens} tokens = {syncs.total / max(1, sync_tokens):.2f} per generated token")
+    print(
+        f"  host syncs: {syncs.total} for {sync_tokens} tokens = {syncs.total / max(1, sync_tokens):.2f} per generated token"
+    )
     for where, count in syncs.where.most_common(6):
         print(f"    {count:6d}  {where}")
 
@@ -203,29 +237,43 @@ def main() -> None:
         if model_dir is None:
             ovkit_cli("init-model", "--preset", "tiny", "--corpus", data.parent, "--out", Path(tmp) / "tiny")
             model_dir = Path(tmp) / "tiny"
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}; "
-              f"{a.prompts} prompts x n={a.n}, max_new_tokens={a.max_new_tokens}, temperature 1, best of {a.repeats}")
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}; "
+            f"{a.prompts} prompts x n={a.n}, max_new_tokens={a.max_new_tokens}, temperature 1, best of {a.repeats}"
+        )
         for name in a.models.split(","):
             model, processor = load(model_dir) if name == "tiny" else wide_model(model_dir)
             model.eval()
             table = read_table(data)
             prompts = encode_prompts(table.slice(0, a.prompts), processor, mode="answer", system=False)
             prompts = [p.encoded for p in prompts]
-            engine = HFEngine(model, processor, batch_size=a.prompts * a.n, **{"prefill": "shared", **engine_options(a.engine_options)})
+            engine = HFEngine(
+                model,
+                processor,
+                batch_size=a.prompts * a.n,
+                **{"prefill": "shared", **engine_options(a.engine_options)},
+            )
             before = HFEngine(model, processor, batch_size=a.prompts * a.n, prefill="per-sequence")
             stops = set(engine.stop_ids)
             lengths = sorted(p.length for p in prompts)
             params = sum(p.numel() for p in model.parameters()) / 1e6
-            print(f"\n{name}: {params:.1f}M parameters, prompt lengths {lengths[0]}-{lengths[-1]} tokens, "
-                  f"{sum(len(p.mm.get('image_grid_thw', [])) for p in prompts)} images")
+            print(
+                f"\n{name}: {params:.1f}M parameters, prompt lengths {lengths[0]}-{lengths[-1]} tokens, "
+                f"{sum(len(p.mm.get('image_grid_thw', [])) for p in prompts)} images"
+            )
             engine_generate(engine, prompts, a)  # warm-up
-            runs = {"model.generate": lambda: plain_generate(model, prompts, engine.pad_id, stops, a),
-                    "ovkit hf engine, per-sequence prefill": lambda: engine_generate(before, prompts, a),
-                    "ovkit hf engine, shared prefill": lambda: engine_generate(engine, prompts, a)}
+            runs = {
+                "model.generate": lambda: plain_generate(model, prompts, engine.pad_id, stops, a),
+                "ovkit hf engine, per-sequence prefill": lambda: engine_generate(before, prompts, a),
+                "ovkit hf engine, shared prefill": lambda: engine_generate(engine, prompts, a),
+            }
             best = {k: best_rate(fn, a.repeats) for k, fn in runs.items()}
             plain_rate = best["model.generate"][0]
             for k, (rate, tokens, cpu) in best.items():
-                print(f"  {k:<38}{rate:8.1f} tokens/s ({tokens} tokens, {cpu:.2f} CPU s)  ratio {rate / plain_rate:.2f}x", flush=True)
+                print(
+                    f"  {k:<38}{rate:8.1f} tokens/s ({tokens} tokens, {cpu:.2f} CPU s)  ratio {rate / plain_rate:.2f}x",
+                    flush=True,
+                )
             if not a.no_profile:
                 for label, e in (("per-sequence prefill", before), ("shared prefill", engine)):
                     print(f"  {label}:")

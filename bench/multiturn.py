@@ -71,9 +71,13 @@ def main() -> None:
     table = read_samples(args.data).table.slice(0, args.prompts)
     prompts = encode_prompts(table, processor, mode="answer", system=False)
     engine = HFEngine(model, processor, batch_size=64)
-    runner = EpisodeRunner(engine, processor, MultiTurn(env=load_env("verifier"), max_turns=args.max_turns), model=model)
+    runner = EpisodeRunner(
+        engine, processor, MultiTurn(env=load_env("verifier"), max_turns=args.max_turns), model=model
+    )
     t0 = time.perf_counter()
-    outs = runner.run(prompts, n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0, seed=args.seed)
+    outs = runner.run(
+        prompts, n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0, seed=args.seed
+    )
     ours_s = time.perf_counter() - t0
     trajectories = [(p, c) for p, cs in zip(prompts, outs) for c in cs]
     turns = sum(c.turns for _, c in trajectories)
@@ -99,8 +103,12 @@ def main() -> None:
     n = len(trajectories)
     context_tokens = sum(p.encoded.length * c.turns + len(c.token_ids) for p, c in trajectories)
     print(f"{n} trajectories, {turns} assistant turns ({turns / n:.2f} per trajectory), {sampled} sampled tokens")
-    print(f"token-in/token-out (ovkit): drift 0 by construction; rollout {ours_s:.1f} s, {ours_s / turns * 1000:.1f} ms/turn, {context_tokens / ours_s:.0f} context tokens/s")
-    print(f"decode + re-render (peer):  drift in {drifted}/{n} trajectories ({drifted / n:.1%}), {drifted_tokens}/{sampled} sampled tokens ({drifted_tokens / max(sampled, 1):.1%}) at or after the first differing token; re-rendering alone took {rerender_s:.2f} s")
+    print(
+        f"token-in/token-out (ovkit): drift 0 by construction; rollout {ours_s:.1f} s, {ours_s / turns * 1000:.1f} ms/turn, {context_tokens / ours_s:.0f} context tokens/s"
+    )
+    print(
+        f"decode + re-render (peer):  drift in {drifted}/{n} trajectories ({drifted / n:.1%}), {drifted_tokens}/{sampled} sampled tokens ({drifted_tokens / max(sampled, 1):.1%}) at or after the first differing token; re-rendering alone took {rerender_s:.2f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ BYTES_ONLY = {
 }
 
 
-def run(work: Path, name: str, opts: tuple[str, ...], steps: int, lr: float, batch: int) -> tuple[list[float], dict, float]:
+def run(
+    work: Path, name: str, opts: tuple[str, ...], steps: int, lr: float, batch: int
+) -> tuple[list[float], dict, float]:
     """(losses per step, bytes_per_param, elapsed s) of one `ovkit sft` run."""
     out = work / "runs" / f"{name.replace(' ', '-')}-lr{lr:g}-{steps}"
     ovkit("sft", work / "data" / "instruct", "--model", work / "tiny", "--out", out, "--max-steps", steps, "--batch-size", batch,
@@ -45,7 +47,10 @@ def run(work: Path, name: str, opts: tuple[str, ...], steps: int, lr: float, bat
 
 def window_means(losses: list[float], every: int) -> list[tuple[int, float]]:
     """(last step of the window, mean loss over the window): one noisy batch does not decide a row."""
-    return [(min(i + every, len(losses)), sum(losses[i : i + every]) / len(losses[i : i + every])) for i in range(0, len(losses), every)]
+    return [
+        (min(i + every, len(losses)), sum(losses[i : i + every]) / len(losses[i : i + every]))
+        for i in range(0, len(losses), every)
+    ]
 
 
 def main() -> None:
@@ -64,7 +69,9 @@ def main() -> None:
     for name, opts in BYTES_ONLY.items():
         _, sizes[name], _ = run(args.work, name, opts, 2, args.lr, args.batch_size)
 
-    print(f"\nloss, mean of every {args.every} steps (sft on the tiny default, batch {args.batch_size}, lr {args.lr:g} cosine to {args.lr / 10:g})")
+    print(
+        f"\nloss, mean of every {args.every} steps (sft on the tiny default, batch {args.batch_size}, lr {args.lr:g} cosine to {args.lr / 10:g})"
+    )
     names = list(CURVES)
     print("| steps | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
@@ -81,7 +88,9 @@ def main() -> None:
     print("| combination | weights | master weights | grads | optimiser state | total |")
     print("|---|---|---|---|---|---|")
     for name, b in sizes.items():
-        print(f"| {name} | {b['weights']:.2f} | {b['master_weights']:.2f} | {b['grads']:.2f} | {b['optimizer_state']:.2f} | {b['total']:.2f} |")
+        print(
+            f"| {name} | {b['weights']:.2f} | {b['master_weights']:.2f} | {b['grads']:.2f} | {b['optimizer_state']:.2f} | {b['total']:.2f} |"
+        )
     print(f"({next(iter(sizes.values()))['trainable_params']:,} trainable parameters)")
 
 

@@ -80,7 +80,9 @@ def draw_lengths(n: int, max_len: int, seed: int = 0) -> tuple[np.ndarray, int]:
 # --- the recipe's original seed-and-fill (LLaVA-OneVision-1.5 release), reimplemented from its description --------
 
 
-def seed_and_fill(lengths: np.ndarray, capacity: int, ratios=(0.96, 0.94, 0.92, 0.90), min_items: int = 1) -> np.ndarray:
+def seed_and_fill(
+    lengths: np.ndarray, capacity: int, ratios=(0.96, 0.94, 0.92, 0.90), min_items: int = 1
+) -> np.ndarray:
     """Hash-bucket items by exact length. Phase 1: exactly full packs from power-of-two lengths that divide the
     capacity (round-robin over those keys). Phase 2, per load ratio: every seed (an item >= capacity/2, largest
     first) starts a pack that is filled greedily with the largest remaining item that fits; the pack is kept if it
@@ -196,17 +198,25 @@ def check(assign: np.ndarray, lengths: np.ndarray, capacity: int) -> dict:
         raise AssertionError(f"a pack holds {loads.max()} > {capacity} tokens")
     tokens = int(lengths.sum())
     lower = -(-tokens // capacity)
-    return {"packs": packs, "lower_bound": lower, "over_lb_pct": 100 * (packs - lower) / lower, "efficiency": tokens / (packs * capacity)}
+    return {
+        "packs": packs,
+        "lower_bound": lower,
+        "over_lb_pct": 100 * (packs - lower) / lower,
+        "efficiency": tokens / (packs * capacity),
+    }
 
 
 def run(name, fn, lengths, capacity, results):
     t = time.perf_counter()
     out = fn()
     seconds = time.perf_counter() - t
-    assign, seconds = (out if isinstance(out, tuple) else (out, seconds))
+    assign, seconds = out if isinstance(out, tuple) else (out, seconds)
     row = {"method": name, **check(assign, lengths, capacity), "seconds": seconds}
     results.append(row)
-    print(f"  {name:<26} packs {row['packs']:>9,}  +{row['over_lb_pct']:.4f}% over LB  eff {row['efficiency']:.5f}  {seconds:8.2f} s", flush=True)
+    print(
+        f"  {name:<26} packs {row['packs']:>9,}  +{row['over_lb_pct']:.4f}% over LB  eff {row['efficiency']:.5f}  {seconds:8.2f} s",
+        flush=True,
+    )
     return row
 
 
@@ -219,7 +229,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     methods = args.only or ["ovkit", "ffd", "seed-fill", "trl", "trl-global"]
-    print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, numpy {np.__version__}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, numpy {np.__version__}"
+    )
     report = []
     for capacity in args.max_len:
         lengths, dropped = draw_lengths(args.n, capacity, args.seed)
@@ -246,7 +258,15 @@ def main() -> None:
                         f"  ratio {r['method']:<26} time x{r['seconds'] / base['seconds']:.1f} of ovkit, "
                         f"packs {r['packs'] / base['packs']:.5f}x ovkit's"
                     )
-        report.append({"max_len": capacity, "n": int(lengths.size), "dropped": dropped, "tokens": int(lengths.sum()), "results": results})
+        report.append(
+            {
+                "max_len": capacity,
+                "n": int(lengths.size),
+                "dropped": dropped,
+                "tokens": int(lengths.sum()),
+                "results": results,
+            }
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mixture": MIXTURE, "seed": args.seed, "runs": report}, f, indent=2)

@@ -42,12 +42,20 @@ def A(text: str) -> str:
 
 def mc(rng: random.Random) -> dict:
     gold = rng.choice("ABCD")
-    return {"answer_type": "multiple_choice", "answer": gold, "completion": A(rng.choice([gold, "ABCD"[rng.randrange(4)]]))}
+    return {
+        "answer_type": "multiple_choice",
+        "answer": gold,
+        "completion": A(rng.choice([gold, "ABCD"[rng.randrange(4)]])),
+    }
 
 
 def number(rng: random.Random) -> dict:
     n = rng.randrange(1, 10)
-    return {"answer_type": "number", "answer": str(n), "completion": A(rng.choice([str(n), f"{n}.0", str(n + 1), "three"]))}
+    return {
+        "answer_type": "number",
+        "answer": str(n),
+        "completion": A(rng.choice([str(n), f"{n}.0", str(n + 1), "three"])),
+    }
 
 
 def ocr(rng: random.Random) -> dict:
@@ -61,13 +69,19 @@ def bbox(rng: random.Random) -> dict:
     gold = [x, y, x + 21, y + 21]
     dx = rng.randrange(-8, 9)
     pred = [x + dx, y, x + 21 + dx, y + 21]
-    return {"answer_type": "bbox", "answer": json.dumps(gold), "completion": A(json.dumps(pred)),
-            "reward_kwargs": '{"coords": "pixel"}'}
+    return {
+        "answer_type": "bbox",
+        "answer": json.dumps(gold),
+        "completion": A(json.dumps(pred)),
+        "reward_kwargs": '{"coords": "pixel"}',
+    }
 
 
 def detection(rng: random.Random) -> dict:
-    gold = [{"label": rng.choice(COLOURS) + " shape", "box": [i * 25, i * 20, i * 25 + 21, i * 20 + 21]}
-            for i in range(rng.randrange(1, 4))]
+    gold = [
+        {"label": rng.choice(COLOURS) + " shape", "box": [i * 25, i * 20, i * 25 + 21, i * 20 + 21]}
+        for i in range(rng.randrange(1, 4))
+    ]
     pred = [dict(d, box=[v + rng.randrange(-3, 4) for v in d["box"]]) for d in gold[: rng.randrange(1, len(gold) + 1)]]
     return {"answer_type": "detection", "answer": json.dumps(gold), "completion": A(json.dumps(pred))}
 

@@ -87,7 +87,9 @@ def main() -> None:
                     result[f"where_{part}_4x{group}"] = dict(where[-1].most_common())
         # one micro-batch per step whatever the batch: the learner's count no longer depends on the batch
         for group in (4, 8):
-            result[f"syncs_per_learner_4x{group}_one_micro_batch"] = learner_syncs(rl_config(work, f"rl-g{group}", group, micro_batch_size=4 * group), "learner")[0]
+            result[f"syncs_per_learner_4x{group}_one_micro_batch"] = learner_syncs(
+                rl_config(work, f"rl-g{group}", group, micro_batch_size=4 * group), "learner"
+            )[0]
         print(json.dumps(result, indent=2))
 
 

@@ -45,7 +45,16 @@ def prepare(work: Path) -> None:
         model.save_pretrained(work / "tiny-151936")
         AutoProcessor.from_pretrained(work / "tiny").save_pretrained(work / "tiny-151936")
     if not (work / "plan-4096" / "ovkit.json").is_file():
-        ovkit("pack", work / "data" / "pretrain", "--model", work / "tiny", "--max-len", "4096", "--out", work / "plan-4096")
+        ovkit(
+            "pack",
+            work / "data" / "pretrain",
+            "--model",
+            work / "tiny",
+            "--max-len",
+            "4096",
+            "--out",
+            work / "plan-4096",
+        )
 
 
 COUNT = r"""
@@ -111,8 +120,9 @@ def main() -> None:
     p.add_argument("--work", type=Path, help="keep inputs here (reused by a later run on another checkout)")
     p.add_argument("--only", choices=["calls", "memory", "rl"], help="one measurement")
     args = p.parse_args()
-    import ovkit
     import torch
+
+    import ovkit
 
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
@@ -120,7 +130,9 @@ def main() -> None:
         prepare(work)
         result = {"ovkit": str(Path(ovkit.__file__).parent), "torch": torch.__version__}
         if args.only in (None, "calls"):
-            result["attention_calls_per_step"] = attention_calls(work)  # SDPA forward calls (fp32, sdpa: no eager attention)
+            result["attention_calls_per_step"] = attention_calls(
+                work
+            )  # SDPA forward calls (fp32, sdpa: no eager attention)
         if args.only in (None, "memory"):
             result["align_4096_vocab151936_peak_rss_gb"] = round(align_peak_rss(work), 2)
         if args.only in (None, "rl"):

@@ -173,7 +173,12 @@ def host_share(cfg, warmup: int) -> dict:
     measured = steps[warmup:]
     wall = statistics.median(w for w, _ in measured)
     host = statistics.median(w - i for w, i in measured)
-    return {"step_s": round(wall, 4), "host_s": round(host, 4), "host_share": round(host / wall, 4), "steps": len(measured)}
+    return {
+        "step_s": round(wall, 4),
+        "host_s": round(host, 4),
+        "host_share": round(host / wall, 4),
+        "steps": len(measured),
+    }
 
 
 def main() -> None:
@@ -191,16 +196,24 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         prepare(work, args.image_rows)
         instruct = work / "data" / "instruct"
-        result = {"ovkit": str(Path(ovkit.__file__).parent), "torch": torch.__version__, "threads": torch.get_num_threads()}
+        result = {
+            "ovkit": str(Path(ovkit.__file__).parent),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        }
         result["sft_b8_bf16_mixed"] = op_counts(sft_config(work, instruct, "ops", 8, 4, "bf16-mixed"))
         for compiled in (False, True):
             cfg = sft_config(work, instruct, "ops-profiled", 8, 6, "bf16-mixed")
             cfg.compile = compiled
             result[f"sft_b8_bf16_mixed_profiled{'_compile' if compiled else ''}"] = profiled_ops(cfg)
         for batch in (2, 8):
-            result[f"syncs_per_step_b{batch}_bf16_mixed"] = sync_counts(sft_config(work, instruct, "syncs", batch, 5, "bf16-mixed"))
+            result[f"syncs_per_step_b{batch}_bf16_mixed"] = sync_counts(
+                sft_config(work, instruct, "syncs", batch, 5, "bf16-mixed")
+            )
         for precision in ("fp32", "bf16-mixed"):
-            result[f"host_448px_b8_{precision}"] = host_share(sft_config(work, work / "img448", "host", 8, args.steps, precision), warmup=2)
+            result[f"host_448px_b8_{precision}"] = host_share(
+                sft_config(work, work / "img448", "host", 8, args.steps, precision), warmup=2
+            )
         print(json.dumps(result, indent=2))
 
 

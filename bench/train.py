@@ -40,8 +40,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=512, help="samples used (the first N rows of --data)")
     p.add_argument("--batch-size", type=int, default=16, help="samples per padded batch")
     p.add_argument("--max-len", type=int, default=512, help="pack capacity in tokens")
-    p.add_argument("--pack-batch", type=int, default=2, help="packs per micro-batch (about --batch-size samples' tokens)")
-    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 0)) or None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--pack-batch", type=int, default=2, help="packs per micro-batch (about --batch-size samples' tokens)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("OMP_NUM_THREADS", 0)) or None,
+        help="torch threads (default: torch's)",
+    )
     p.add_argument("--out", type=Path, help="keep outputs here (default: a temp dir)")
     return p.parse_args()
 
@@ -72,7 +79,11 @@ def run_ovkit(name: str, data: Path, model: Path, out: Path, **opts) -> dict:
     """Train two epochs; tokens/s and step time over the second."""
     from ovkit.train import SFTConfig, train
 
-    train(SFTConfig(data=data, model=model, out=out, precision="fp32", quiet=True, epochs=2, lr=1e-4, warmup_ratio=0.0, **opts))
+    train(
+        SFTConfig(
+            data=data, model=model, out=out, precision="fp32", quiet=True, epochs=2, lr=1e-4, warmup_ratio=0.0, **opts
+        )
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     warm = [r for r in rows if r["epoch"] >= 1]
     step_s = [r["ovkit/step_s"] for r in warm]
@@ -121,12 +132,26 @@ def hf_trainer_step_times(data: Path, model_dir: Path, batch_size: int, steps: i
             times.append(time.perf_counter() - self.t)
 
     args = TrainingArguments(
-        output_dir=str(work / "hf"), per_device_train_batch_size=1, max_steps=len(batches), learning_rate=1e-4,
-        lr_scheduler_type="cosine", adam_epsilon=1e-5, max_grad_norm=1.0, weight_decay=0.0, use_cpu=True,
-        report_to=[], save_strategy="no", logging_strategy="no", dataloader_num_workers=0, remove_unused_columns=False,
-        disable_tqdm=True, seed=0,
+        output_dir=str(work / "hf"),
+        per_device_train_batch_size=1,
+        max_steps=len(batches),
+        learning_rate=1e-4,
+        lr_scheduler_type="cosine",
+        adam_epsilon=1e-5,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        seed=0,
     )
-    Trainer(model=model, args=args, train_dataset=Batches(), data_collator=lambda xs: xs[0], callbacks=[Timer()]).train()
+    Trainer(
+        model=model, args=args, train_dataset=Batches(), data_collator=lambda xs: xs[0], callbacks=[Timer()]
+    ).train()
     return times
 
 
@@ -151,17 +176,25 @@ def main() -> None:
         results.append(run_ovkit("padded, random", data, model, work / "padded-random", batch_size=args.batch_size))
         train_data.CHUNK_BATCHES = window
         results.append(run_ovkit("padded, bucketed", data, model, work / "padded-bucketed", batch_size=args.batch_size))
-        results.append(run_ovkit("packed", data, model, work / "packed", batch_size=args.pack_batch, plan=work / "plan"))
+        results.append(
+            run_ovkit("packed", data, model, work / "packed", batch_size=args.pack_batch, plan=work / "plan")
+        )
         bucketed = results[1]
         hf = hf_trainer_step_times(data, model, args.batch_size, bucketed["steps"], work)
 
-    print(f"data: {stats['samples']} samples, {stats['tokens']} tokens (mean {stats['sample_length']['mean']:.0f}); "
-          f"{stats['packs']} packs of {args.max_len} (efficiency {stats['efficiency']:.3f}); torch threads {torch.get_num_threads()}")
+    print(
+        f"data: {stats['samples']} samples, {stats['tokens']} tokens (mean {stats['sample_length']['mean']:.0f}); "
+        f"{stats['packs']} packs of {args.max_len} (efficiency {stats['efficiency']:.3f}); torch threads {torch.get_num_threads()}"
+    )
     print(f"{'run':<18} {'steps':>5} {'tokens/s':>9} {'pad':>5} {'median step':>12}")
     for r in results:
-        print(f"{r['name']:<18} {r['steps']:>5} {r['tok_per_s']:>9.0f} {100 * r['pad_frac']:>4.0f}% {r['step_s']:>11.3f}s")
+        print(
+            f"{r['name']:<18} {r['steps']:>5} {r['tok_per_s']:>9.0f} {100 * r['pad_frac']:>4.0f}% {r['step_s']:>11.3f}s"
+        )
     hf_step = statistics.median(hf)
-    print(f"{'HF Trainer':<18} {len(hf):>5} {'':>9} {'':>5} {hf_step:>11.3f}s   (same micro-batches as 'padded, bucketed')")
+    print(
+        f"{'HF Trainer':<18} {len(hf):>5} {'':>9} {'':>5} {hf_step:>11.3f}s   (same micro-batches as 'padded, bucketed')"
+    )
     print(f"packed / padded random   tokens/s: {results[2]['tok_per_s'] / results[0]['tok_per_s']:.2f}x")
     print(f"packed / padded bucketed tokens/s: {results[2]['tok_per_s'] / results[1]['tok_per_s']:.2f}x")
     print(f"ovkit step / HF Trainer step:      {bucketed['step_s'] / hf_step:.2f}x (median; < 1 means ovkit is faster)")

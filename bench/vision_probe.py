@@ -84,7 +84,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     images, labels = scenes(args.seed)
-    print(f"linear probe of each merged visual token, {SCENES - TRAIN} held-out scenes x 9 cells: accuracy all / occupied")
+    print(
+        f"linear probe of each merged visual token, {SCENES - TRAIN} held-out scenes x 9 cells: accuracy all / occupied"
+    )
     for path in args.models:
         tokens = visual_tokens(path, images)
         if tokens.shape[1] != 9:

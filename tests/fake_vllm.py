@@ -58,7 +58,7 @@ class RequestOutput:
 class _Model:
     """vLLM's model as load_weights sees it: checkpoint names in, the weights of the HF model out."""
 
-    def __init__(self, llm: "LLM"):
+    def __init__(self, llm: LLM):
         from transformers.core_model_loading import revert_weight_conversion
 
         self.llm = llm
@@ -82,15 +82,19 @@ class _Model:
 
 class LLM:
     calls: list = []
-    instance: "LLM | None" = None
+    instance: LLM | None = None
 
     def __init__(self, model: str, dtype: str = "auto", seed: int = 0, **kwargs: Any):
         from ovkit.generate import HFEngine
         from ovkit.models import load
 
         self.kwargs = {"model": model, "dtype": dtype, "seed": seed, **kwargs}
-        assert kwargs.get("logprobs_mode") == "processed_logprobs", "ovkit must ask for the sampled distribution's log-probs"
-        torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        assert kwargs.get("logprobs_mode") == "processed_logprobs", (
+            "ovkit must ask for the sampled distribution's log-probs"
+        )
+        torch_dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            dtype
+        ]
         self.hf, self.processor = load(model, dtype=torch_dtype)
         self.hf.eval()
         self.engine = HFEngine(self.hf, self.processor, batch_size=64)
@@ -99,7 +103,9 @@ class LLM:
         model_runner = types.SimpleNamespace(model=_Model(self))
         worker = types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=model_runner))
         config = types.SimpleNamespace(max_model_len=int(self.hf.config.text_config.max_position_embeddings))
-        self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker), model_config=config)
+        self.llm_engine = types.SimpleNamespace(
+            model_executor=types.SimpleNamespace(driver_worker=worker), model_config=config
+        )
 
     def get_tokenizer(self):
         return self.processor.tokenizer
@@ -131,7 +137,11 @@ class LLM:
         outs = []
         for k, c in enumerate(completions):
             logprobs = [{t: Logprob(lp)} for t, lp in zip(c.token_ids, c.logprobs)]
-            outs.append(CompletionOutput(k, c.text, list(c.token_ids), logprobs, "stop" if c.finish_reason == "stop" else "length"))
+            outs.append(
+                CompletionOutput(
+                    k, c.text, list(c.token_ids), logprobs, "stop" if c.finish_reason == "stop" else "length"
+                )
+            )
         return RequestOutput(str(i), list(request["prompt_token_ids"]), outs)
 
     def _encoded(self, request: dict):
@@ -146,7 +156,9 @@ class LLM:
             images = images if isinstance(images, list) else [images]
             out = self.processor.image_processor(images=images, return_tensors="pt")
             mm = {k: v for k, v in out.items()}
-            expected = int(sum(int(g.prod()) for g in mm["image_grid_thw"]) // self.processor.image_processor.merge_size**2)
+            expected = int(
+                sum(int(g.prod()) for g in mm["image_grid_thw"]) // self.processor.image_processor.merge_size**2
+            )
             assert sum(t == image_id for t in ids) == expected, "image placeholders in the ids do not match the images"
         per_token = {"mm_token_type_ids": [1 if t == image_id else 0 for t in ids]}
         return Encoded(input_ids=ids, labels=[-100] * len(ids), mm=mm, per_token=per_token)

@@ -54,7 +54,12 @@ class Server:
         if path == "/v1/models":
             return {"data": [{"id": self.model_dir, "max_model_len": self.llm.llm_engine.model_config.max_model_len}]}
         if path == "/server_info":
-            return {"vllm_config": {"model_config": {"logprobs_mode": self.logprobs_mode}, "weight_transfer_config": {"backend": "nccl"}}}
+            return {
+                "vllm_config": {
+                    "model_config": {"logprobs_mode": self.logprobs_mode},
+                    "weight_transfer_config": {"backend": "nccl"},
+                }
+            }
         if path == "/get_world_size":
             return {"world_size": 1}
         raise KeyError(path)
@@ -64,10 +69,18 @@ class Server:
             choices = []
             for ids in body["prompt"]:
                 for out in self._sample({"prompt_token_ids": ids}, body):
-                    choices.append({"prompt_token_ids": ids, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                                    "logprobs": {"tokens": [f"token_id:{t}" for t in out.token_ids],
-                                                 "token_logprobs": [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)],
-                                                 "top_logprobs": [None] * len(out.token_ids)}})
+                    choices.append(
+                        {
+                            "prompt_token_ids": ids,
+                            "token_ids": out.token_ids,
+                            "finish_reason": out.finish_reason,
+                            "logprobs": {
+                                "tokens": [f"token_id:{t}" for t in out.token_ids],
+                                "token_logprobs": [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)],
+                                "top_logprobs": [None] * len(out.token_ids),
+                            },
+                        }
+                    )
             return {"choices": choices}
         if path == "/v1/chat/completions/render":
             parts = [p for m in body["messages"] for p in m["content"] if p["type"] == "image_url"]
@@ -77,12 +90,26 @@ class Server:
             if body.get("features"):
                 from PIL import Image
 
-                images = [Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in body["features"]["images"]]
+                images = [
+                    Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in body["features"]["images"]
+                ]
                 request["multi_modal_data"] = {"image": images}
             outs = self._sample(request, body["sampling_params"])
-            return {"choices": [{"token_ids": o.token_ids, "finish_reason": o.finish_reason,
-                                 "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp[t].logprob, "top_logprobs": []}
-                                                          for lp, t in zip(o.logprobs, o.token_ids)]}} for o in outs]}
+            return {
+                "choices": [
+                    {
+                        "token_ids": o.token_ids,
+                        "finish_reason": o.finish_reason,
+                        "logprobs": {
+                            "content": [
+                                {"token": f"token_id:{t}", "logprob": lp[t].logprob, "top_logprobs": []}
+                                for lp, t in zip(o.logprobs, o.token_ids)
+                            ]
+                        },
+                    }
+                    for o in outs
+                ]
+            }
         if path == "/reset_prefix_cache":
             return {"success": True}
         raise KeyError(path)
@@ -140,7 +167,9 @@ def connect(client, server: Server) -> None:
 
     def update_named_params(metadata, named_params):
         tensors = list(named_params)
-        assert [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors] == [tuple(m) for m in metadata]
+        assert [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors] == [
+            tuple(m) for m in metadata
+        ]
         assert all(isinstance(t, torch.Tensor) for _, t in tensors)
         server.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(tensors)
 

@@ -11,7 +11,8 @@ prompt's first (a zoom observation adds one).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -29,13 +30,28 @@ class ScriptedEngine:
         self.model = model
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Any], *, n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int = 0, images: Any = None, suppress_ids: Sequence[int] = (), seeds: Any = None) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        *,
+        n: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        images: Any = None,
+        suppress_ids: Sequence[int] = (),
+        seeds: Any = None,
+    ) -> list[list[Completion]]:
         out = []
         for j, prompt in enumerate(prompts):
             grid = prompt.mm.get("image_grid_thw")
             turn = (int(grid.shape[0]) if grid is not None else 1) - 1
-            say = (lambda i: self.script(turn, i, prompt)) if self.script.__code__.co_argcount == 3 else (lambda i: self.script(turn, i))
+            say = (
+                (lambda i: self.script(turn, i, prompt))
+                if self.script.__code__.co_argcount == 3
+                else (lambda i: self.script(turn, i))
+            )
             out.append([self._say(prompt, say(j * n + k), max_new_tokens, temperature, top_p) for k in range(n)])
         return out
 

@@ -129,19 +129,45 @@ def test_sharded_run_equals_single_machine(cli, tmp_path, method):
         run_ok(cli, data, *common, "--phase", "assign", "--shard", f"{i}/3", "--out", tmp_path / "assign")
     run_ok(cli, "--merge", tmp_path / "assign", *common, "--out", tmp_path / "plan")
     for i in range(3):
-        run_ok(cli, data, *common, "--phase", "sample", "--plan", tmp_path / "plan", "--shard", f"{i}/3", "--out", tmp_path / "sharded")
+        run_ok(
+            cli,
+            data,
+            *common,
+            "--phase",
+            "sample",
+            "--plan",
+            tmp_path / "plan",
+            "--shard",
+            f"{i}/3",
+            "--out",
+            tmp_path / "sharded",
+        )
     single, sharded = read_table(tmp_path / "single"), read_table(tmp_path / "sharded")
     assert single.column("id").to_pylist() == sharded.column("id").to_pylist()
     assert single.drop_columns(["balance_concepts"]).equals(sharded)
     plan = pq.read_table(tmp_path / "plan" / "plan.parquet")
-    assert plan.column("copies").to_pylist() == pq.read_table(tmp_path / "single" / "plan.parquet").column("copies").to_pylist()
+    assert (
+        plan.column("copies").to_pylist()
+        == pq.read_table(tmp_path / "single" / "plan.parquet").column("copies").to_pylist()
+    )
 
 
 def test_bad_usage_is_exit_2(cli, tmp_path):
     data, concepts = corpus(tmp_path, n=4)
     code, _, err = cli("balance", str(data), "--concepts", str(concepts), "--out", str(tmp_path / "o"))
     assert code == 2 and "--encoder" in err
-    code, _, err = cli("balance", str(data), "--concepts", str(concepts), "--method", "text", "--shard", "0/2", "--out", str(tmp_path / "o"))
+    code, _, err = cli(
+        "balance",
+        str(data),
+        "--concepts",
+        str(concepts),
+        "--method",
+        "text",
+        "--shard",
+        "0/2",
+        "--out",
+        str(tmp_path / "o"),
+    )
     assert code == 2 and "--phase" in err
 
 
@@ -149,10 +175,28 @@ def test_embed_with_tiny_clip_retrieves_better_than_chance(cli, tmp_path):
     from ovkit.balance.encoder import TinyClipSpec, build_tiny_clip
 
     data, concepts = corpus(tmp_path)
-    metrics = build_tiny_clip(tmp_path / "clip", [data], spec=TinyClipSpec(steps=40, batch_size=16, vision_layers=1, text_layers=1, vision_hidden=64, text_hidden=64), quiet=True)
+    metrics = build_tiny_clip(
+        tmp_path / "clip",
+        [data],
+        spec=TinyClipSpec(steps=40, batch_size=16, vision_layers=1, text_layers=1, vision_hidden=64, text_hidden=64),
+        quiet=True,
+    )
     assert metrics["loss_last"] < metrics["loss_first"]
     # Concepts are embedded in the captions' own phrasing, as one would prompt a real CLIP ("a photo of {}").
-    run_ok(cli, data, "--concepts", concepts, "--encoder", tmp_path / "clip", "--top-k", "1", "--concept-template", "a {} picture", "--out", tmp_path / "bal")
+    run_ok(
+        cli,
+        data,
+        "--concepts",
+        concepts,
+        "--encoder",
+        tmp_path / "clip",
+        "--top-k",
+        "1",
+        "--concept-template",
+        "a {} picture",
+        "--out",
+        tmp_path / "bal",
+    )
     r = json.loads((tmp_path / "bal" / "report.json").read_text())["retrieval"]
     assert r["precision_at_k"] > 2 * r["chance_precision"], r
 
@@ -165,7 +209,9 @@ def test_init_model_tiny_clip_preset_builds_a_loadable_encoder(cli, tmp_path, mo
 
     monkeypatch.setattr(encoder, "TinyClipSpec", functools.partial(encoder.TinyClipSpec, steps=3, batch_size=8))
     data, _ = corpus(tmp_path, n=12)
-    code, out, err = cli("init-model", "--preset", "tiny-clip", "--corpus", str(data), "--out", str(tmp_path / "clip"), "--quiet")
+    code, out, err = cli(
+        "init-model", "--preset", "tiny-clip", "--corpus", str(data), "--out", str(tmp_path / "clip"), "--quiet"
+    )
     assert code == 0, err
     assert "tiny-clip (CLIPModel" in out
     emb = Encoder(tmp_path / "clip").embed_texts(["a red picture", "a blue picture"])

@@ -4,7 +4,6 @@ crash without generating a row twice, --shard == one machine, and an end-to-end 
 import json
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 from PIL import Image
 
@@ -112,7 +111,14 @@ def test_config_errors_name_the_flag(kw, message):
 
 
 def test_prompts_and_ratios_from_options_and_yaml():
-    cfg = CaptionConfig(data=Path("d"), model=Path("m"), out=Path("o"), lang=["en", "fr"], lang_ratio=[1, 3], prompt=["fr=Décris cette image.", "en=Caption it."])
+    cfg = CaptionConfig(
+        data=Path("d"),
+        model=Path("m"),
+        out=Path("o"),
+        lang=["en", "fr"],
+        lang_ratio=[1, 3],
+        prompt=["fr=Décris cette image.", "en=Caption it."],
+    )
     assert cfg.lang == "en,fr" and cfg.languages() == [("en", 0.25), ("fr", 0.75)]
     assert cfg.prompts() == {"en": "Caption it.", "fr": "Décris cette image."}
     assert CaptionConfig(data=Path("d"), model=Path("m"), out=Path("o"), lang="zh").languages() == [("zh", 1.0)]
@@ -122,7 +128,9 @@ def test_example_config_is_valid():
     from ovkit.config import load_yaml, merge
 
     values = load_yaml(ROOT / "examples" / "tiny" / "caption.yaml")
-    cfg = merge(CaptionConfig, {"data": Path("d"), "model": Path("m"), "out": Path("o")}, {"data", "model", "out"}, values)
+    cfg = merge(
+        CaptionConfig, {"data": Path("d"), "model": Path("m"), "out": Path("o")}, {"data", "model", "out"}, values
+    )
     assert cfg.keep_original_on_reject and cfg.max_new_tokens == 16
 
 
@@ -226,7 +234,12 @@ def test_better_recaptions_replace_the_targets(tmp_path, processor):
     data = dataset(tmp_path, rows(6))
     texts = [f"{LONG} There is one red circle, number {i}." for i in range(6)]
     out, rejects, m = run_lib(tmp_path, data, scripted(texts), processor, lang="en")
-    assert m["replaced"] and m["concept_recall"] == {"original": 1.0, "recaption": 1.0, "rows_original": 6, "rows_recaption": 6}
+    assert m["replaced"] and m["concept_recall"] == {
+        "original": 1.0,
+        "recaption": 1.0,
+        "rows_original": 6,
+        "rows_recaption": 6,
+    }
     assert rejects is None and m["pass_rate"] == 1.0 and m["status"] == {"recaption": 6}
     for i, row in enumerate(out):
         assert row["messages"] == [
@@ -234,7 +247,11 @@ def test_better_recaptions_replace_the_targets(tmp_path, processor):
             {"role": "assistant", "content": texts[i]},
         ]
         assert row["original_caption"] == f"a red circle number {i}" and row["recaption"] == texts[i]
-        assert row["caption_lang"] == "en" and row["caption_model"] == "fake-model" and row["caption_status"] == "recaption"
+        assert (
+            row["caption_lang"] == "en"
+            and row["caption_model"] == "fake-model"
+            and row["caption_status"] == "recaption"
+        )
         assert json.loads(row["concepts"]) == ["red circle"]  # unknown columns are kept
 
 
@@ -253,9 +270,13 @@ def test_worse_recaptions_leave_the_targets_and_are_kept_beside(tmp_path, proces
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_rejected_recaptions_go_to_rejects_or_keep_their_original(tmp_path, processor, keep):
-    data = dataset(tmp_path, rows(6, concepts=False) + [{**rows(1)[0], "id": "bad", "images": []}])  # bad: marker, no image
+    data = dataset(
+        tmp_path, rows(6, concepts=False) + [{**rows(1)[0], "id": "bad", "images": []}]
+    )  # bad: marker, no image
     texts = [f"{LONG} {i}" for i in range(4)] + ["too short", "red " * 9]
-    out, rejects, m = run_lib(tmp_path, data, scripted(texts), processor, lang="en", keep_original_on_reject=keep, on_error="skip")
+    out, rejects, m = run_lib(
+        tmp_path, data, scripted(texts), processor, lang="en", keep_original_on_reject=keep, on_error="skip"
+    )
     assert m["replaced"] and "no `concepts` ground truth" in m["decision"]
     assert m["rows_in"] == 7 == m["rows_out"] + m["rejects"] and m["input_rejects"] == 1
     assert len(out) == m["rows_out"] and len(rejects) == m["rejects"]
@@ -268,7 +289,9 @@ def test_rejected_recaptions_go_to_rejects_or_keep_their_original(tmp_path, proc
         assert out[4]["caption_status"].startswith("original: rejected (too short")
     else:
         assert len(out) == 4 and set(reasons) == {"bad", "r4", "r5"}
-        assert reasons["r4"].startswith("caption filter: too short") and reasons["r5"].startswith("caption filter: repetition")
+        assert reasons["r4"].startswith("caption filter: too short") and reasons["r5"].startswith(
+            "caption filter: repetition"
+        )
     assert all(r["caption_status"] in ("recaption",) for r in out[:4])
 
 
@@ -297,11 +320,31 @@ def cli_ok(cli, *args):
 
 def test_end_to_end_on_the_tiny_model(cli, tmp_path, tiny_model):
     model, synth = tiny_model
-    out = cli_ok(cli, synth, "--model", model, "--out", tmp_path / "cap", "--max-new-tokens", "4", "--chunk-rows", "5", "--keep-original-on-reject")
+    out = cli_ok(
+        cli,
+        synth,
+        "--model",
+        model,
+        "--out",
+        tmp_path / "cap",
+        "--max-new-tokens",
+        "4",
+        "--chunk-rows",
+        "5",
+        "--keep-original-on-reject",
+    )
     assert "caption: 12 rows in, 12 out, 0 rejected" in out and "targets unchanged because concept recall" in out
     t = read_table(tmp_path / "cap")
     assert t.num_rows == 12
-    for name in ("original_caption", "recaption", "caption_lang", "caption_model", "caption_status", "concepts", "lang"):
+    for name in (
+        "original_caption",
+        "recaption",
+        "caption_lang",
+        "caption_model",
+        "caption_status",
+        "concepts",
+        "lang",
+    ):
         assert name in t.column_names
     source = read_table(synth)
     assert t.column("messages").to_pylist() == source.column("messages").to_pylist()  # targets kept
@@ -367,7 +410,10 @@ def test_shards_read_back_as_the_single_machine_output(cli, tmp_path, tiny_model
         out = cli_ok(cli, *common, "--shard", f"{i}/3", "--out", tmp_path / "many")
         assert f"part-{i:05d}-of-00003" in out
     # the parts, and the dataset card that covers them all (ovkit.cards)
-    assert sorted(p.name for p in (tmp_path / "many").iterdir()) == ["README.md", *(f"part-{i:05d}-of-00003" for i in range(3))]
+    assert sorted(p.name for p in (tmp_path / "many").iterdir()) == [
+        "README.md",
+        *(f"part-{i:05d}-of-00003" for i in range(3)),
+    ]
     one, many = read_table(tmp_path / "one"), read_table(tmp_path / "many")
     assert many.num_rows == 12 and many.equals(one)
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ovkit.runtime import checkpointing as ac
 from test_rl_train import TINY, rl_assets  # noqa: F401 (a session fixture: a tiny model and 6 RL prompts)
 from test_runtime import deep  # noqa: F401 (its module fixture)
 from test_train import _one_thread, weights  # noqa: F401 (autouse: one intra-op thread)
+
+from ovkit.runtime import checkpointing as ac
 
 MODES = ("off", "mlp", "every-2", "full")
 
@@ -52,20 +52,42 @@ def test_blocks_are_found_in_both_stacks(tiny):
     assert [n for n, _ in stacks["llm"]] == ["model.language_model.layers"]
     assert [n for n, _ in stacks["vision"]] == ["model.visual.blocks"]
     assert len(ac.targets(model, "full")) == 8 and len(ac.targets(model, "every-2")) == 4
-    assert [n for n, _ in ac.targets(model, "every-2")][:2] == ["model.language_model.layers.1", "model.language_model.layers.3"]
+    assert [n for n, _ in ac.targets(model, "every-2")][:2] == [
+        "model.language_model.layers.1",
+        "model.language_model.layers.3",
+    ]
     assert all(n.endswith(".mlp") for n, _ in ac.targets(model, "mlp")) and len(ac.targets(model, "mlp")) == 8
 
 
 @pytest.mark.parametrize("arch", ["llava-onevision", "smolvlm"])
 def test_blocks_are_found_by_structure_in_other_architectures(arch):
     """No per-architecture table: LLaVA-OneVision (SigLIP + Qwen2) and SmolVLM/Idefics3 (its ViT + Llama), on meta."""
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+    )
 
-    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, vocab_size=300)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14)
+    text = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=300,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14
+    )
     if arch == "llava-onevision":
-        config = LlavaOnevisionConfig(text_config={"model_type": "qwen2", **text}, vision_config={"model_type": "siglip_vision_model", **vision})
-        cls, names = LlavaOnevisionForConditionalGeneration, ("model.language_model.layers", "model.vision_tower.encoder.layers")
+        config = LlavaOnevisionConfig(
+            text_config={"model_type": "qwen2", **text}, vision_config={"model_type": "siglip_vision_model", **vision}
+        )
+        cls, names = (
+            LlavaOnevisionForConditionalGeneration,
+            ("model.language_model.layers", "model.vision_tower.encoder.layers"),
+        )
     else:
         config = Idefics3Config(text_config={"model_type": "llama", **text}, vision_config=vision)
         cls, names = Idefics3ForConditionalGeneration, ("model.text_model.layers", "model.vision_model.encoder.layers")
@@ -134,7 +156,14 @@ def test_generation_without_grad_runs_the_plain_forward(tiny):
 
 
 def test_modes_parse_and_auto_decides_by_device_and_memory():
-    assert [ac.canonical(m) for m in ("OFF", "full", "mlp", "every-3", "every-1", "auto")] == ["off", "full", "mlp", "every-3", "full", "auto"]
+    assert [ac.canonical(m) for m in ("OFF", "full", "mlp", "every-3", "every-1", "auto")] == [
+        "off",
+        "full",
+        "mlp",
+        "every-3",
+        "full",
+        "auto",
+    ]
     for bad in ("every-0", "every", "some", "every-x"):
         with pytest.raises(ValueError):
             ac.canonical(bad)
@@ -146,11 +175,39 @@ def test_modes_parse_and_auto_decides_by_device_and_memory():
 
 
 def test_bad_mode_exits_2_naming_the_flag(tiny, tmp_path, cli):
-    code, _, err = cli("sft", tiny / "data", "--model", tiny / "model", "--out", tmp_path / "o", "--activation-checkpointing", "sometimes")
+    code, _, err = cli(
+        "sft",
+        tiny / "data",
+        "--model",
+        tiny / "model",
+        "--out",
+        tmp_path / "o",
+        "--activation-checkpointing",
+        "sometimes",
+    )
     assert code == 2 and "--activation-checkpointing" in err
-    code, _, err = cli("rl-train", tiny / "data", "--model", tiny / "model", "--out", tmp_path / "o", "--activation-checkpointing", "every-0")
+    code, _, err = cli(
+        "rl-train",
+        tiny / "data",
+        "--model",
+        tiny / "model",
+        "--out",
+        tmp_path / "o",
+        "--activation-checkpointing",
+        "every-0",
+    )
     assert code == 2 and "--activation-checkpointing" in err
-    code, _, err = cli("sft", tiny / "data", "--model", tiny / "model", "--out", tmp_path / "o", "--gradient-checkpointing", "--activation-checkpointing", "mlp")
+    code, _, err = cli(
+        "sft",
+        tiny / "data",
+        "--model",
+        tiny / "model",
+        "--out",
+        tmp_path / "o",
+        "--gradient-checkpointing",
+        "--activation-checkpointing",
+        "mlp",
+    )
     assert code == 2 and "--gradient-checkpointing" in err
 
 
@@ -172,7 +229,9 @@ def test_sft_with_full_checkpointing_matches_without(tiny, tmp_path, cli):
                            "--precision", "fp32", "--lr", "1e-2", "--activation-checkpointing", mode, "--quiet")  # fmt: skip
         assert code == 0, err
         runs[mode] = out
-    losses = {m: [json.loads(x)["loss"] for x in (o / "metrics.jsonl").read_text().splitlines()] for m, o in runs.items()}
+    losses = {
+        m: [json.loads(x)["loss"] for x in (o / "metrics.jsonl").read_text().splitlines()] for m, o in runs.items()
+    }
     assert losses["full"] == pytest.approx(losses["off"], rel=1e-6)
     a, b = weights(runs["off"]), weights(runs["full"])
     for name in a:
@@ -197,7 +256,9 @@ def test_rl_train_with_full_checkpointing_matches_without(rl_assets, tmp_path, c
     a, b = weights(runs["off"]), weights(runs["full"])
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-7, msg=name)
-    assert json.loads((runs["full"] / "ovkit.json").read_text())["runtime"]["activation_checkpointing"]["mode"] == "full"
+    assert (
+        json.loads((runs["full"] / "ovkit.json").read_text())["runtime"]["activation_checkpointing"]["mode"] == "full"
+    )
 
 
 def test_qlora_with_full_checkpointing_matches_without(tiny, tmp_path, cli):

@@ -35,7 +35,9 @@ def test_show_completion_prints_a_bash_script(cli, monkeypatch):
     monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")
     code, out, _ = cli("--show-completion", "bash")
     assert code == 0
-    assert "complete -o default -F _ovkit_completion ovkit" in out  # the script's command is `ovkit`, not `python -m ovkit`
+    assert (
+        "complete -o default -F _ovkit_completion ovkit" in out
+    )  # the script's command is `ovkit`, not `python -m ovkit`
     assert "_OVKIT_COMPLETE=complete_bash" in out
 
 
@@ -80,12 +82,19 @@ from ovkit.errors import OvkitError  # noqa: E402
 INFO = {c.name: stage_of(c) for c in cli_mod.app.registered_commands}
 # The fewest inputs each command's config accepts: what a user must type (or put in --config).
 MINIMAL = {
-    "synth": ["--out", "o"], "convert": ["in.json", "--out", "o"], "init-model": ["--out", "o", "--corpus", "d"],
-    "balance": ["d", "--concepts", "c.txt", "--encoder", "e", "--out", "o"], "caption": ["d", "--model", "m", "--out", "o"],
-    "pack": ["d", "--model", "m", "--out", "o"], "align": ["d", "--model", "m", "--out", "o"],
-    "midtrain": ["d", "--model", "m", "--out", "o"], "sft": ["d", "--model", "m", "--out", "o"],
-    "eval": ["d", "--model", "m", "--out", "o"], "rl-curate": ["d", "--model", "m", "--out", "o"],
-    "rl-train": ["d", "--model", "m", "--out", "o"], "mismatch-report": ["r", "--model", "m", "--out", "o"],
+    "synth": ["--out", "o"],
+    "convert": ["in.json", "--out", "o"],
+    "init-model": ["--out", "o", "--corpus", "d"],
+    "balance": ["d", "--concepts", "c.txt", "--encoder", "e", "--out", "o"],
+    "caption": ["d", "--model", "m", "--out", "o"],
+    "pack": ["d", "--model", "m", "--out", "o"],
+    "align": ["d", "--model", "m", "--out", "o"],
+    "midtrain": ["d", "--model", "m", "--out", "o"],
+    "sft": ["d", "--model", "m", "--out", "o"],
+    "eval": ["d", "--model", "m", "--out", "o"],
+    "rl-curate": ["d", "--model", "m", "--out", "o"],
+    "rl-train": ["d", "--model", "m", "--out", "o"],
+    "mismatch-report": ["r", "--model", "m", "--out", "o"],
 }
 
 
@@ -114,7 +123,9 @@ def test_no_optional_flag_means_the_dataclass_defaults(cli, monkeypatch, name):
     seen = {}
 
     def spy(cls, cli_values, from_cli, file_values, config_path=None, aliases=None):
-        seen.update(cls=cls, typed=dict(cli_values), cfg=merge(cls, cli_values, from_cli, file_values, config_path, aliases))
+        seen.update(
+            cls=cls, typed=dict(cli_values), cfg=merge(cls, cli_values, from_cli, file_values, config_path, aliases)
+        )
         raise OvkitError("stop here")
 
     merge = common.merge
@@ -122,7 +133,11 @@ def test_no_optional_flag_means_the_dataclass_defaults(cli, monkeypatch, name):
     code, _, err = cli(name, *MINIMAL[name])
     assert code == 2 and "stop here" in err, err
     given = {p.name for p in click_command(name).params if any(o in MINIMAL[name] for o in p.opts)}
-    positional = {p.name for p in click_command(name).params if p.param_type_name == "argument"} if not MINIMAL[name][0].startswith("--") else set()
+    positional = (
+        {p.name for p in click_command(name).params if p.param_type_name == "argument"}
+        if not MINIMAL[name][0].startswith("--")
+        else set()
+    )
     assert set(seen["typed"]) == given | positional
     cls = seen["cls"]
     assert to_plain(seen["cfg"]) == to_plain(cls(**seen["typed"]))
@@ -134,7 +149,11 @@ def test_config_yaml_of_a_run_without_optional_flags_is_the_dataclass_defaults(c
     from ovkit.data.convert import ConvertConfig
 
     src = tmp_path / "in.json"
-    src.write_text(json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]))
+    src.write_text(
+        json.dumps(
+            [{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]
+        )
+    )
     code, _, err = cli("convert", src, "--out", tmp_path / "out")
     assert code == 0, err
     expected = ConvertConfig(input=str(src), out=tmp_path / "out")
@@ -162,13 +181,21 @@ def test_help_shows_the_dataclass_defaults(monkeypatch, name):
 
 @pytest.mark.parametrize(
     "name, option, default",
-    [("rl-train", "--lr", "2e-06"), ("sft", "--min-lr", "1e-06"), ("mismatch-report", "--precision", "fp32"), ("eval", "--precision", "auto"),
-     ("rl-train", "--adv-std", "adv-std"), ("rl-curate", "--stage2-category", "math, chart")],
+    [
+        ("rl-train", "--lr", "2e-06"),
+        ("sft", "--min-lr", "1e-06"),
+        ("mismatch-report", "--precision", "fp32"),
+        ("eval", "--precision", "auto"),
+        ("rl-train", "--adv-std", "adv-std"),
+        ("rl-curate", "--stage2-category", "math, chart"),
+    ],
 )
 def test_help_text_shows_defaults(cli, name, option, default):
     code, out, _ = cli(name, "--help")
     flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out).split())
-    row = flat[re.search(re.escape(option) + "[ ,]", flat).start():][:400]  # the option's row: names (and aliases), type, help, [default: ...]
+    row = flat[re.search(re.escape(option) + "[ ,]", flat).start() :][
+        :400
+    ]  # the option's row: names (and aliases), type, help, [default: ...]
     assert f"[default: {default}" in row, row
 
 
@@ -207,7 +234,16 @@ def test_rl_train_help_groups_options_by_concern(cli):
     _, out, _ = cli("rl-train", "--help")
     panels = re.findall(r"╭─ (.+?) ─", out)
     assert len(panels) > 1
-    for panel in ("Inputs/outputs", "Sampling", "Optimiser", "GRPO loss", "Mismatch corrections", "Multi-turn", "Runtime/precision", "Checkpoints & logging"):
+    for panel in (
+        "Inputs/outputs",
+        "Sampling",
+        "Optimiser",
+        "GRPO loss",
+        "Mismatch corrections",
+        "Multi-turn",
+        "Runtime/precision",
+        "Checkpoints & logging",
+    ):
         assert panel in panels
 
 

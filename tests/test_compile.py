@@ -18,12 +18,12 @@ import json
 
 import pytest
 import torch
+from test_rl_train import TINY, rl_assets  # noqa: F401 (a session fixture: a tiny model and 6 RL prompts)
+from test_train import _one_thread, assets, config, losses  # noqa: F401 (module fixture; autouse: one intra-op thread)
 
 from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import compiling
 from ovkit.runtime import kernels as kern
-from test_rl_train import TINY, rl_assets  # noqa: F401 (a session fixture: a tiny model and 6 RL prompts)
-from test_train import _one_thread, assets, config, losses  # noqa: F401 (module fixture; autouse: one intra-op thread)
 
 
 @pytest.fixture
@@ -82,7 +82,9 @@ def test_recompiles_stop_growing_with_new_lengths(assets, aot_eager):  # noqa: F
     # may compile once each: the text and the vision block, with a padding mask and without (a batch of 1)
     model, batches = _model_and_batches(assets, [4, 1, 3, 2, 4, 1, 3, 2])
     first, then = batches[:3], batches[3:]
-    assert {tuple(b["input_ids"].shape) for b in then} - {tuple(b["input_ids"].shape) for b in first}  # new shapes later
+    assert {tuple(b["input_ids"].shape) for b in then} - {
+        tuple(b["input_ids"].shape) for b in first
+    }  # new shapes later
     torch._dynamo.reset()  # count this model's compilation, not what earlier tests left in the cache
     info = compiling.apply(model)
     for batch in first:
@@ -118,7 +120,11 @@ def test_sft_with_compile_matches_eager(assets, tmp_path):  # noqa: F811
         runs[name] = out
     assert losses(runs["compiled"]) == pytest.approx(losses(runs["eager"]), rel=1e-5)
     info = json.loads((runs["compiled"] / "ovkit.json").read_text())["runtime"]
-    assert info["compile"]["enabled"] and info["compile"]["blocks"] == {"llm": 1, "vision": 1} and info["compile"]["backend"] == "inductor"
+    assert (
+        info["compile"]["enabled"]
+        and info["compile"]["blocks"] == {"llm": 1, "vision": 1}
+        and info["compile"]["backend"] == "inductor"
+    )
     assert info["compile"]["graphs"] >= 1
     assert info["kernels"]["kernels"] == "torch" and "cpu" in info["kernels"]["why"]
     assert json.loads((runs["eager"] / "ovkit.json").read_text())["runtime"]["compile"] == {"enabled": False}
@@ -163,10 +169,14 @@ def test_kernels_liger_is_refused_without_cuda_or_the_package(monkeypatch):
     with pytest.raises(OvkitError, match="needs a CUDA device"):
         kern.check_option("auto", use_liger_kernel=True, cuda=False)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a)
+    )
     with pytest.raises(OvkitError, match=r"not installed \(pip install 'ovkit\[liger\]'"):
         kern.check_option("liger", cuda=True)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else real(name, *a)
+    )
     assert kern.check_option("liger", cuda=True) == "liger"
     assert kern.check_option("auto", use_liger_kernel=True, cuda=True) == "liger"
     with pytest.raises(OvkitError, match="--use-liger-kernel means --kernels liger"):
@@ -183,7 +193,9 @@ def test_liger_on_cpu_exits_2_and_options_are_not_trajectory(assets, tmp_path, c
     for flags in (["--kernels", "liger"], ["--use-liger-kernel"]):
         code, _, err = cli("sft", assets / "data", "--model", assets / "model", "--out", tmp_path / "o", *flags)
         assert code == 2 and "needs a CUDA device" in err and "Traceback" not in err
-    code, _, err = cli("rl-train", assets / "data", "--model", assets / "model", "--out", tmp_path / "o", "--kernels", "fast")
+    code, _, err = cli(
+        "rl-train", assets / "data", "--model", assets / "model", "--out", tmp_path / "o", "--kernels", "fast"
+    )
     assert code == 2 and "--kernels must be one of" in err
     for name in ("compile", "kernels", "use_liger_kernel"):
         assert name not in TRAJECTORY and name not in RL_TRAJECTORY

@@ -40,7 +40,7 @@ def toy_app(seen: list) -> typer.Typer:
             seen.append(resolve(ctx, ToyConfig))
         except OvkitError as e:
             typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from e
 
     return app
 
@@ -109,20 +109,32 @@ def test_yaml_1_1_scientific_floats_and_quoted_numbers_convert(tmp_path):
     text = "lr: 1e-3\nsteps: '12'\nflag: 'yes'\nname: 32\npath: out\npaths: one\nmaybe: 2\nextra: {a: 1}\n"
     (tmp_path / "run.yaml").write_text(text)
     cfg = merge(TypedConfig, {}, set(), load_yaml(tmp_path / "run.yaml"), tmp_path / "run.yaml")
-    assert cfg == TypedConfig(lr=0.001, steps=12, flag=True, name="32", path=Path("out"), paths=[Path("one")], maybe=2.0, extra={"a": 1})
+    assert cfg == TypedConfig(
+        lr=0.001, steps=12, flag=True, name="32", path=Path("out"), paths=[Path("one")], maybe=2.0, extra={"a": 1}
+    )
     assert type(cfg.lr) is float and type(cfg.maybe) is float
 
 
 @pytest.mark.parametrize(
     "key, value, expected",
-    [("lr", "abc", "a float"), ("steps", "2.5", "an integer"), ("steps", True, "an integer"), ("flag", "maybe", "true or false"),
-     ("name", [1], "a string"), ("paths", {"a": 1}, "a list of paths"), ("lr", None, "a float")],
+    [
+        ("lr", "abc", "a float"),
+        ("steps", "2.5", "an integer"),
+        ("steps", True, "an integer"),
+        ("flag", "maybe", "true or false"),
+        ("name", [1], "a string"),
+        ("paths", {"a": 1}, "a list of paths"),
+        ("lr", None, "a float"),
+    ],
 )
 def test_a_value_that_does_not_convert_names_key_file_and_type(tmp_path, key, value, expected):
     path = tmp_path / "run.yaml"
     with pytest.raises(OvkitError) as e:
         merge(TypedConfig, {}, set(), {key: value}, path)
-    assert str(e.value) == f"config file {path}: key '{key}' must be {expected}, got {'null' if value is None else repr(value)}"
+    assert (
+        str(e.value)
+        == f"config file {path}: key '{key}' must be {expected}, got {'null' if value is None else repr(value)}"
+    )
 
 
 def test_untyped_flag_values_go_through_the_same_rule():
@@ -135,7 +147,16 @@ def test_untyped_flag_values_go_through_the_same_rule():
 @pytest.mark.parametrize("command", ["sft", "rl-train"])
 def test_bad_value_in_a_real_config_is_a_usage_error_naming_it(cli, tmp_path, command):
     (tmp_path / "run.yaml").write_text("lr: 1e-3\nmax-grad-norm: big\n")
-    code, _, err = cli(command, tmp_path / "data", "--model", tmp_path / "m", "--out", tmp_path / "o", "--config", tmp_path / "run.yaml")
+    code, _, err = cli(
+        command,
+        tmp_path / "data",
+        "--model",
+        tmp_path / "m",
+        "--out",
+        tmp_path / "o",
+        "--config",
+        tmp_path / "run.yaml",
+    )
     assert code == 2
     assert err.strip() == f"error: config file {tmp_path / 'run.yaml'}: key 'max_grad_norm' must be a float, got 'big'"
 
@@ -167,5 +188,16 @@ def test_a_flag_replaces_the_files_other_half_of_an_exclusive_pair(tmp_path, fla
 @pytest.mark.parametrize("command", ["sft", "rl-train"])
 def test_max_steps_flag_over_a_config_with_epochs_is_no_usage_error(cli, tmp_path, command):
     (tmp_path / "run.yaml").write_text("epochs: 3\n")
-    code, _, err = cli(command, tmp_path / "data", "--model", tmp_path / "m", "--out", tmp_path / "o", "--config", tmp_path / "run.yaml", "--max-steps", "1")
+    code, _, err = cli(
+        command,
+        tmp_path / "data",
+        "--model",
+        tmp_path / "m",
+        "--out",
+        tmp_path / "o",
+        "--config",
+        tmp_path / "run.yaml",
+        "--max-steps",
+        "1",
+    )
     assert "not both" not in err and "data" in err  # gets as far as the missing DATA

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from ovkit.data import read_samples
 from ovkit.data import convert as conv_mod
+from ovkit.data import read_samples
 
 HF_IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 
@@ -66,25 +66,49 @@ def test_llava_json(tmp_path, images, cli):
     src = write_json(
         tmp_path / "llava.json",
         [
-            {"id": "000001", "image": "coco/a.png", "model": "",
-             "conversations": [{"from": "human", "value": "<image>\nWhat colour?"}, {"from": "gpt", "value": "Red."},
-                               {"from": "human", "value": "Sure?"}, {"from": "gpt", "value": "Yes."}]},
-            {"id": "000002", "image": "coco/b.jpg",  # no marker: one is inserted at the start of the first user turn
-             "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Describe it."},
-                               {"from": "gpt", "value": "Blue."}]},
+            {
+                "id": "000001",
+                "image": "coco/a.png",
+                "model": "",
+                "conversations": [
+                    {"from": "human", "value": "<image>\nWhat colour?"},
+                    {"from": "gpt", "value": "Red."},
+                    {"from": "human", "value": "Sure?"},
+                    {"from": "gpt", "value": "Yes."},
+                ],
+            },
+            {
+                "id": "000002",
+                "image": "coco/b.jpg",  # no marker: one is inserted at the start of the first user turn
+                "conversations": [
+                    {"from": "system", "value": "Be brief."},
+                    {"from": "human", "value": "Describe it."},
+                    {"from": "gpt", "value": "Blue."},
+                ],
+            },
             {"id": "wgByO4Y_0", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]},
-            {"id": "000004", "image": ["coco/a.png", "c.png"],
-             "conversations": [{"from": "human", "value": "<image> and <image>: same?"}, {"from": "gpt", "value": "No"}]},
+            {
+                "id": "000004",
+                "image": ["coco/a.png", "c.png"],
+                "conversations": [
+                    {"from": "human", "value": "<image> and <image>: same?"},
+                    {"from": "gpt", "value": "No"},
+                ],
+            },
         ],
     )
-    code, stdout, err = cli("convert", src, "--from", "llava", "--image-root", root, "--out", tmp_path / "out", "--quiet")
+    code, stdout, err = cli(
+        "convert", src, "--from", "llava", "--image-root", root, "--out", tmp_path / "out", "--quiet"
+    )
     assert code == 0, err
     assert "4 records -> 4 rows" in stdout
     rows = rows_of(tmp_path / "out")
     assert [r["id"] for r in rows] == ["000001", "000002", "wgByO4Y_0", "000004"]
     assert rows[0]["messages"] == [
-        {"role": "user", "content": "<image>\nWhat colour?"}, {"role": "assistant", "content": "Red."},
-        {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."},
+        {"role": "user", "content": "<image>\nWhat colour?"},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": "Yes."},
     ]
     assert [i["bytes"] for i in rows[0]["images"]] == [files["coco/a.png"]]
     assert rows[0]["images"][0]["path"] == "coco/a.png"
@@ -102,14 +126,31 @@ def test_llava_json(tmp_path, images, cli):
 def test_sharegpt_json_and_jsonl(tmp_path, images, cli):
     root, files = images
     records = [
-        {"messages": [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A square."}],
-         "images": ["coco/a.png"]},
+        {
+            "messages": [
+                {"role": "user", "content": "<image>What is it?"},
+                {"role": "assistant", "content": "A square."},
+            ],
+            "images": ["coco/a.png"],
+        },
         # LLaMA-Factory's sharegpt layout: conversations with from/value, a system key, images list
-        {"conversations": [{"from": "human", "value": "<image><image>Compare."}, {"from": "gpt", "value": "Different."}],
-         "system": "You are a helpful AI assistant.", "images": ["coco/b.jpg", "c.png"], "tools": ""},
+        {
+            "conversations": [
+                {"from": "human", "value": "<image><image>Compare."},
+                {"from": "gpt", "value": "Different."},
+            ],
+            "system": "You are a helpful AI assistant.",
+            "images": ["coco/b.jpg", "c.png"],
+            "tools": "",
+        },
         # OpenAI content parts: the image part becomes a marker where it stands
-        {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " colour?"}]},
-                      {"role": "assistant", "content": "green"}], "images": ["c.png"]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " colour?"}]},
+                {"role": "assistant", "content": "green"},
+            ],
+            "images": ["c.png"],
+        },
     ]
     write_json(tmp_path / "sg.json", records)
     (tmp_path / "sg.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
@@ -136,16 +177,27 @@ def test_sharegpt_json_and_jsonl(tmp_path, images, cli):
 def test_onevision_parquet(tmp_path, cli, layout):
     imgs = [png((1, 2, 3)), None, jpeg()]
     if layout == "hf-struct":  # as `datasets` writes an Image feature
-        col = pa.array([None if b is None else {"bytes": b, "path": f"img{k}.png"} for k, b in enumerate(imgs)], HF_IMAGE)
+        col = pa.array(
+            [None if b is None else {"bytes": b, "path": f"img{k}.png"} for k, b in enumerate(imgs)], HF_IMAGE
+        )
     else:
         col = pa.array(imgs, pa.binary())
     conversations = pa.array(
-        [[{"from": "human", "value": "<image>\nQ1"}, {"from": "gpt", "value": "A1"}],
-         [{"from": "human", "value": "text only"}, {"from": "gpt", "value": "ok"}],
-         [{"from": "human", "value": "Q3 <image>"}, {"from": "gpt", "value": "A3"}]]
+        [
+            [{"from": "human", "value": "<image>\nQ1"}, {"from": "gpt", "value": "A1"}],
+            [{"from": "human", "value": "text only"}, {"from": "gpt", "value": "ok"}],
+            [{"from": "human", "value": "Q3 <image>"}, {"from": "gpt", "value": "A3"}],
+        ]
     )
-    table = pa.table({"id": ["a", "b", "c"], "image": col, "conversations": conversations,
-                      "data_source": ["chartqa", "magpie", None], "n_tokens": [1, 2, 3]})
+    table = pa.table(
+        {
+            "id": ["a", "b", "c"],
+            "image": col,
+            "conversations": conversations,
+            "data_source": ["chartqa", "magpie", None],
+            "n_tokens": [1, 2, 3],
+        }
+    )
     pq.write_table(table, tmp_path / "ov.parquet", row_group_size=2)
     code, stdout, err = cli("convert", tmp_path / "ov.parquet", "--out", tmp_path / "out")
     assert code == 0, err
@@ -159,31 +211,44 @@ def test_onevision_parquet(tmp_path, cli, layout):
 
 def test_midtrain_parquet(tmp_path, cli):
     a, b = png((9, 9, 9)), jpeg()
-    table = pa.table({"id": ["m0", "m1"], "image": pa.array([{"bytes": a, "path": None}, {"bytes": b, "path": None}], HF_IMAGE),
-                      "caption": ["A grey square.", "一个蓝色的长方形。"]})
+    table = pa.table(
+        {
+            "id": ["m0", "m1"],
+            "image": pa.array([{"bytes": a, "path": None}, {"bytes": b, "path": None}], HF_IMAGE),
+            "caption": ["A grey square.", "一个蓝色的长方形。"],
+        }
+    )
     pq.write_table(table, tmp_path / "mid.parquet")
     out = tmp_path / "out"
-    code, _, err = cli("convert", tmp_path / "mid.parquet", "--out", out, "--caption-prompt", "Caption this.", "--quiet")
+    code, _, err = cli(
+        "convert", tmp_path / "mid.parquet", "--out", out, "--caption-prompt", "Caption this.", "--quiet"
+    )
     assert code == 0, err
     rows = rows_of(out)
-    assert rows[1]["messages"] == [{"role": "user", "content": "<image>\nCaption this."},
-                                   {"role": "assistant", "content": "一个蓝色的长方形。"}]
+    assert rows[1]["messages"] == [
+        {"role": "user", "content": "<image>\nCaption this."},
+        {"role": "assistant", "content": "一个蓝色的长方形。"},
+    ]
     assert [r["images"][0]["bytes"] for r in rows] == [a, b]
     assert metrics(out)["format"] == "ov-midtrain"
 
 
 def test_ov_rl_parquet(tmp_path, cli):
     img = png((5, 5, 200))
-    table = pa.table({
-        "id": ["r0", "r1", "r2", "r3"],
-        "images": pa.array([[{"bytes": img, "path": "x.png"}], [{"bytes": img, "path": None}], [], []], pa.list_(HF_IMAGE)),
-        "problem": ["<image>How many circles?", "Read the text.", "What is 2+3?", "Is 7 prime?"],
-        "answer": [["3"], ["HELLO", "hello world"], ["5", "5.0"], ["yes"]],
-        "problem_type": ["counting", "ocr", "stem", "stem"],
-        "answer_type": ["number", "ocrtext", "math-expressions", "boolean"],
-        "source": ["count_v1", "ocr_v2", "math", "math"],
-        "prompt_type": ["normal", "default", "normal", "default"],
-    })
+    table = pa.table(
+        {
+            "id": ["r0", "r1", "r2", "r3"],
+            "images": pa.array(
+                [[{"bytes": img, "path": "x.png"}], [{"bytes": img, "path": None}], [], []], pa.list_(HF_IMAGE)
+            ),
+            "problem": ["<image>How many circles?", "Read the text.", "What is 2+3?", "Is 7 prime?"],
+            "answer": [["3"], ["HELLO", "hello world"], ["5", "5.0"], ["yes"]],
+            "problem_type": ["counting", "ocr", "stem", "stem"],
+            "answer_type": ["number", "ocrtext", "math-expressions", "boolean"],
+            "source": ["count_v1", "ocr_v2", "math", "math"],
+            "prompt_type": ["normal", "default", "normal", "default"],
+        }
+    )
     pq.write_table(table, tmp_path / "rl.parquet")
     out = tmp_path / "out"
     code, _, err = cli("convert", tmp_path / "rl.parquet", "--out", out, "--quiet")
@@ -204,16 +269,25 @@ def test_ov_rl_parquet(tmp_path, cli):
 def test_verl_parquet(tmp_path, cli):
     img = png((0, 128, 0), (40, 20))
     rm = pa.struct([("answer", pa.string()), ("ground_truth", pa.string()), ("accuracy_ratio", pa.float32())])
-    table = pa.table({
-        "data_source": ["mm_math", "v3det_train"],
-        "images": pa.array([[{"bytes": img, "path": None}], [{"bytes": img, "path": None}]], pa.list_(HF_IMAGE)),
-        "prompt": [[{"content": "<image>What is AB?", "role": "user"}],
-                   [{"content": "Be careful.", "role": "system"}, {"content": "<image>\nLocate the dog.", "role": "user"}]],
-        "ability": ["math", "cv_detection"],
-        "reward_model": pa.array([{"answer": "4", "ground_truth": "\\boxed{4}", "accuracy_ratio": 1.0},
-                                  {"answer": "[]", "ground_truth": "<answer>[]</answer>", "accuracy_ratio": 1.0}], rm),
-        "extra_info": pa.array([{"id": "q-17", "image_path": "a.png"}, {"id": None, "image_path": "b.png"}]),
-    })
+    table = pa.table(
+        {
+            "data_source": ["mm_math", "v3det_train"],
+            "images": pa.array([[{"bytes": img, "path": None}], [{"bytes": img, "path": None}]], pa.list_(HF_IMAGE)),
+            "prompt": [
+                [{"content": "<image>What is AB?", "role": "user"}],
+                [{"content": "Be careful.", "role": "system"}, {"content": "<image>\nLocate the dog.", "role": "user"}],
+            ],
+            "ability": ["math", "cv_detection"],
+            "reward_model": pa.array(
+                [
+                    {"answer": "4", "ground_truth": "\\boxed{4}", "accuracy_ratio": 1.0},
+                    {"answer": "[]", "ground_truth": "<answer>[]</answer>", "accuracy_ratio": 1.0},
+                ],
+                rm,
+            ),
+            "extra_info": pa.array([{"id": "q-17", "image_path": "a.png"}, {"id": None, "image_path": "b.png"}]),
+        }
+    )
     pq.write_table(table, tmp_path / "orsta.parquet")
     out = tmp_path / "out"
     code, _, err = cli("convert", tmp_path / "orsta.parquet", "--from", "roll", "--out", out, "--quiet")
@@ -223,8 +297,10 @@ def test_verl_parquet(tmp_path, cli):
     assert [r["answer"] for r in rows] == ["\\boxed{4}", "<answer>[]</answer>"]
     assert [r["source"] for r in rows] == ["mm_math", "v3det_train"]
     assert [r["category"] for r in rows] == ["math", "cv_detection"]
-    assert rows[1]["messages"] == [{"role": "system", "content": "Be careful."},
-                                   {"role": "user", "content": "<image>\nLocate the dog."}]
+    assert rows[1]["messages"] == [
+        {"role": "system", "content": "Be careful."},
+        {"role": "user", "content": "<image>\nLocate the dog."},
+    ]
     assert rows[0]["images"][0]["bytes"] == img
 
 
@@ -235,10 +311,26 @@ def bad_llava(tmp_path, root) -> Path:
     return write_json(
         tmp_path / "bad.json",
         [
-            {"id": "ok1", "image": "coco/a.png", "conversations": [{"from": "human", "value": "<image>\nQ"}, {"from": "gpt", "value": "A"}]},
-            {"id": "missing", "image": "coco/nope.png", "conversations": [{"from": "human", "value": "<image>\nQ"}, {"from": "gpt", "value": "A"}]},
-            {"id": "broken", "image": "broken.png", "conversations": [{"from": "human", "value": "<image>\nQ"}, {"from": "gpt", "value": "A"}]},
-            {"id": "twomarks", "image": "c.png", "conversations": [{"from": "human", "value": "<image><image>\nQ"}, {"from": "gpt", "value": "A"}]},
+            {
+                "id": "ok1",
+                "image": "coco/a.png",
+                "conversations": [{"from": "human", "value": "<image>\nQ"}, {"from": "gpt", "value": "A"}],
+            },
+            {
+                "id": "missing",
+                "image": "coco/nope.png",
+                "conversations": [{"from": "human", "value": "<image>\nQ"}, {"from": "gpt", "value": "A"}],
+            },
+            {
+                "id": "broken",
+                "image": "broken.png",
+                "conversations": [{"from": "human", "value": "<image>\nQ"}, {"from": "gpt", "value": "A"}],
+            },
+            {
+                "id": "twomarks",
+                "image": "c.png",
+                "conversations": [{"from": "human", "value": "<image><image>\nQ"}, {"from": "gpt", "value": "A"}],
+            },
             {"id": "role", "conversations": [{"from": "function_call", "value": "x"}]},
             {"id": "ok2", "conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]},
         ],
@@ -248,7 +340,9 @@ def bad_llava(tmp_path, root) -> Path:
 def test_bad_records_skip(tmp_path, images, cli):
     root, _ = images
     out = tmp_path / "out"
-    code, stdout, err = cli("convert", bad_llava(tmp_path, root), "--image-root", root, "--out", out, "--on-error", "skip", "--quiet")
+    code, stdout, err = cli(
+        "convert", bad_llava(tmp_path, root), "--image-root", root, "--out", out, "--on-error", "skip", "--quiet"
+    )
     assert code == 0, err
     assert "6 records -> 2 rows" in stdout and "4 rejects" in stdout
     assert [r["id"] for r in rows_of(out)] == ["ok1", "ok2"]
@@ -256,7 +350,10 @@ def test_bad_records_skip(tmp_path, images, cli):
     assert set(rejects) == {"missing", "broken", "twomarks", "role"}
     assert rejects["missing"]["field"] == "image" and "not found" in rejects["missing"]["reason"]
     assert rejects["broken"]["field"] == "image" and "unreadable image" in rejects["broken"]["reason"]
-    assert rejects["twomarks"]["field"] == "conversations" and "2 <image> marker(s) but 1 image(s)" in rejects["twomarks"]["reason"]
+    assert (
+        rejects["twomarks"]["field"] == "conversations"
+        and "2 <image> marker(s) but 1 image(s)" in rejects["twomarks"]["reason"]
+    )
     assert rejects["role"]["field"] == "conversations" and "function_call" in rejects["role"]["reason"]
     assert json.loads(rejects["missing"]["record"])["image"] == "coco/nope.png"  # the raw record, as JSON
     assert rejects["broken"]["index"] == 2 and rejects["broken"]["file"].endswith("bad.json")
@@ -315,7 +412,9 @@ def test_duplicate_ids_are_renamed_and_said_so(tmp_path, images, cli):
     assert code == 0, err
     assert [r["id"] for r in rows_of(tmp_path / "out")] == ["7", "7-1", "8"]
     assert metrics(tmp_path / "out")["renamed_ids"] == 1
-    assert "warning: 1 record(s) repeat an earlier id and were renamed" in err and "'7' of record 1 became '7-1'" in err  # even --quiet
+    assert (
+        "warning: 1 record(s) repeat an earlier id and were renamed" in err and "'7' of record 1 became '7-1'" in err
+    )  # even --quiet
 
 
 # ---------------------------------------------------------------- detection
@@ -329,7 +428,9 @@ def test_auto_detection(tmp_path):
     assert k(["conversations", "images", "system"])[0] == "sharegpt"
     assert k(["id", "image", "conversations", "data_source"])[0] == "onevision"
     assert k(["id", "image", "caption"])[0] == "ov-midtrain"
-    assert k(["id", "images", "problem", "answer", "answer_type", "problem_type", "source", "prompt_type"])[0] == "ov-rl"
+    assert (
+        k(["id", "images", "problem", "answer", "answer_type", "problem_type", "source", "prompt_type"])[0] == "ov-rl"
+    )
     assert k(["data_source", "images", "prompt", "ability", "reward_model", "extra_info"])[0] == "verl"
     with pytest.raises(conv_mod.OvkitError, match="--from"):
         k(["conversations", "image", "images"])  # LLaVA's image and ShareGPT's images: ambiguous
@@ -354,11 +455,17 @@ def test_ambiguous_input_exits_2(tmp_path, cli):
 
 
 def many_llava(tmp_path, n: int) -> Path:
-    return write_json(tmp_path / "many.json", [
-        {"id": f"r{i}", "image": "c.png" if i % 3 else "coco/a.png",
-         "conversations": [{"from": "human", "value": f"<image>\nQ{i}"}, {"from": "gpt", "value": f"A{i}"}]}
-        for i in range(n)
-    ])
+    return write_json(
+        tmp_path / "many.json",
+        [
+            {
+                "id": f"r{i}",
+                "image": "c.png" if i % 3 else "coco/a.png",
+                "conversations": [{"from": "human", "value": f"<image>\nQ{i}"}, {"from": "gpt", "value": f"A{i}"}],
+            }
+            for i in range(n)
+        ],
+    )
 
 
 def test_part_files_and_shards_read_as_one_dataset(tmp_path, images, cli):
@@ -374,7 +481,19 @@ def test_part_files_and_shards_read_as_one_dataset(tmp_path, images, cli):
 
     sharded = tmp_path / "sharded"
     for i in range(3):
-        code, stdout, err = cli("convert", src, "--image-root", root, "--out", sharded, "--shard", f"{i}/3", "--rows-per-file", "2", "--quiet")
+        code, stdout, err = cli(
+            "convert",
+            src,
+            "--image-root",
+            root,
+            "--out",
+            sharded,
+            "--shard",
+            f"{i}/3",
+            "--rows-per-file",
+            "2",
+            "--quiet",
+        )
         assert code == 0, err
     assert (sharded / "part-00001-of-00003" / "ovkit.json").is_file()
     assert read_samples(sharded).table.equals(expected)
@@ -387,7 +506,20 @@ def test_load_dataset_decodes_pil_images(tmp_path, images, cli):
     """The data layer's promise: `datasets` reads converted output with images decoded as PIL images."""
     datasets = pytest.importorskip("datasets")
     root, files = images
-    assert cli("convert", many_llava(tmp_path, 5), "--image-root", root, "--out", tmp_path / "out", "--rows-per-file", "2", "--quiet")[0] == 0
+    assert (
+        cli(
+            "convert",
+            many_llava(tmp_path, 5),
+            "--image-root",
+            root,
+            "--out",
+            tmp_path / "out",
+            "--rows-per-file",
+            "2",
+            "--quiet",
+        )[0]
+        == 0
+    )
     data_files = sorted(str(p) for p in (tmp_path / "out").glob("part-*.parquet"))
     ds = datasets.load_dataset("parquet", data_files=data_files, split="train", cache_dir=str(tmp_path / "hf-cache"))
     assert ds.num_rows == 5 and ds[0]["id"] == "r0"
@@ -398,7 +530,9 @@ def test_load_dataset_decodes_pil_images(tmp_path, images, cli):
 
 
 def test_json_list_is_streamed_in_small_chunks(tmp_path, monkeypatch):
-    records = [{"id": i, "s": "]}[{,\"" * (i % 4), "n": 12345 + i, "u": "中文 ✓", "x": [1.5, None, True]} for i in range(50)]
+    records = [
+        {"id": i, "s": ']}[{,"' * (i % 4), "n": 12345 + i, "u": "中文 ✓", "x": [1.5, None, True]} for i in range(50)
+    ]
     path = tmp_path / "r.json"
     path.write_text(json.dumps(records, indent=2, ensure_ascii=False))
     monkeypatch.setattr(conv_mod, "CHUNK", 7)  # every record spans several reads
@@ -422,12 +556,14 @@ def test_parquet_directory_shards_match_one_run(tmp_path, cli):
     src.mkdir()
     img = png()
     for f, n in (("a.parquet", 5), ("b.parquet", 4)):
-        table = pa.table({
-            "data_source": [f"{f}-{i}" for i in range(n)],
-            "images": pa.array([[{"bytes": img, "path": None}]] * n, pa.list_(HF_IMAGE)),
-            "prompt": [[{"role": "user", "content": f"<image>q{i}"}] for i in range(n)],
-            "reward_model": [{"ground_truth": str(i)} for i in range(n)],
-        })
+        table = pa.table(
+            {
+                "data_source": [f"{f}-{i}" for i in range(n)],
+                "images": pa.array([[{"bytes": img, "path": None}]] * n, pa.list_(HF_IMAGE)),
+                "prompt": [[{"role": "user", "content": f"<image>q{i}"}] for i in range(n)],
+                "reward_model": [{"ground_truth": str(i)} for i in range(n)],
+            }
+        )
         pq.write_table(table, src / f, row_group_size=2)
     whole = tmp_path / "whole"
     assert cli("convert", src, "--out", whole, "--quiet")[0] == 0

@@ -25,7 +25,13 @@ import pytest
 
 from ovkit.runs import is_complete
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 SEED = int(os.environ.get("OVKIT_CRASH_SEED", "0"))
 # Files of an output that record when, where and how fast a run went, not what it produced.
 RUN_RECORDS = {"ovkit.json", "README.md", "metrics.jsonl", "config.yaml"}  # config.yaml: names its own --out
@@ -41,8 +47,16 @@ def corpus(tmp_path_factory):
     _ovkit("synth", "--out", root / "data", "--scale", "0.02", "--quiet")
     texts = [m["content"] for r in pretrain_rows(0, {"all": 48}, {}) for m in r["messages"]] * 2
     spec = TinySpec(
-        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, mrope_section=(2, 3, 3),
-        vision_hidden_size=32, vision_depth=1, vision_heads=2, vision_intermediate_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        mrope_section=(2, 3, 3),
+        vision_hidden_size=32,
+        vision_depth=1,
+        vision_heads=2,
+        vision_intermediate_size=64,
     )
     build_tiny(root / "model", texts, spec=spec, seed=0)
     return root
@@ -64,14 +78,23 @@ def _steps_logged(out: Path) -> int:
 
 
 def _temporaries(out: Path) -> list[Path]:
-    return sorted(p for p in out.parent.iterdir() if p.name.startswith(f"{out.name}.tmp-") or p.name.startswith(f"{out.name}.old-"))
+    return sorted(
+        p
+        for p in out.parent.iterdir()
+        if p.name.startswith(f"{out.name}.tmp-") or p.name.startswith(f"{out.name}.old-")
+    )
 
 
 def writing_window(args: list, out: Path) -> float:
     """Run `ovkit *args` to the end and return for how long (seconds) its temporary output directory existed: the
     part of the run that writes, where a data stage is killed."""
-    proc = subprocess.Popen([sys.executable, "-m", "ovkit", *map(str, args)], env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ovkit", *map(str, args)],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     while not _temporaries(out) and proc.poll() is None:
         time.sleep(0.002)
     start = time.monotonic()
@@ -86,8 +109,13 @@ def kill_at_random(args: list, out: Path, *, rng: random.Random, steps: int | No
     `steps`: a training stage with this many optimiser steps, killed just after a random step in [1, steps - 1] was
     logged (between checkpoints, mid-way through the next step); else a data stage, killed at a uniformly random
     moment of the first 90% of its `window` (writing_window) after its temporary output directory appeared."""
-    proc = subprocess.Popen([sys.executable, "-m", "ovkit", *map(str, args)], env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ovkit", *map(str, args)],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     if steps is not None:
         k = rng.randint(1, steps - 1)
@@ -120,6 +148,7 @@ STAMP = re.compile(r"^\d{8}_\d{6}_")  # eval's lmms-eval files are named by the 
 
 def _content(path: Path):
     if path.suffix == ".json":
+
         def strip(x):
             if isinstance(x, dict):
                 return {k: strip(v) for k, v in x.items() if k not in HOW_IT_WENT}
@@ -134,8 +163,13 @@ def _content(path: Path):
 def assert_same_files(a: Path, b: Path, where: str, skip: set[str] = RUN_RECORDS) -> None:
     """Every file of outputs `a` and `b` byte-identical (JSON: the same values, how-it-went keys aside), except the
     run records."""
+
     def files(root: Path) -> dict[str, Path]:
-        return {str(p.parent.relative_to(root) / STAMP.sub("", p.name)): p for p in root.rglob("*") if p.is_file() and p.name not in skip}
+        return {
+            str(p.parent.relative_to(root) / STAMP.sub("", p.name)): p
+            for p in root.rglob("*")
+            if p.is_file() and p.name not in skip
+        }
 
     files_a, files_b = files(a), files(b)
     assert sorted(files_a) == sorted(files_b), where
@@ -191,33 +225,92 @@ def _train_stage(corpus: Path, tmp_path: Path, command: str, args: list, *, step
 
 
 def test_pack(corpus, tmp_path):
-    _data_stage(corpus, tmp_path, ["pack", corpus / "data" / "pretrain", "--model", corpus / "model", "--max-len", "512",
-                                   "--cache", "CACHE"], name="pack")
+    _data_stage(
+        corpus,
+        tmp_path,
+        ["pack", corpus / "data" / "pretrain", "--model", corpus / "model", "--max-len", "512", "--cache", "CACHE"],
+        name="pack",
+    )
 
 
 @pytest.mark.slow
 def test_balance(corpus, tmp_path):
-    _data_stage(corpus, tmp_path, ["balance", corpus / "data" / "pretrain", "--concepts", corpus / "data" / "concepts.txt",
-                                   "--method", "text"], name="balance")
+    _data_stage(
+        corpus,
+        tmp_path,
+        ["balance", corpus / "data" / "pretrain", "--concepts", corpus / "data" / "concepts.txt", "--method", "text"],
+        name="balance",
+    )
 
 
 @pytest.mark.slow
 def test_caption(corpus, tmp_path):
-    _data_stage(corpus, tmp_path, ["caption", corpus / "data" / "pretrain", "--model", corpus / "model", "--max-new-tokens",
-                                   "6", "--chunk-rows", "8", "--precision", "fp32"], name="caption")
+    _data_stage(
+        corpus,
+        tmp_path,
+        [
+            "caption",
+            corpus / "data" / "pretrain",
+            "--model",
+            corpus / "model",
+            "--max-new-tokens",
+            "6",
+            "--chunk-rows",
+            "8",
+            "--precision",
+            "fp32",
+        ],
+        name="caption",
+    )
 
 
 @pytest.mark.slow
 def test_eval(corpus, tmp_path):
-    _data_stage(corpus, tmp_path, ["eval", corpus / "data" / "eval", "--model", corpus / "model", "--limit", "4",
-                                   "--max-new-tokens", "8", "--precision", "fp32"], name="eval")
+    _data_stage(
+        corpus,
+        tmp_path,
+        [
+            "eval",
+            corpus / "data" / "eval",
+            "--model",
+            corpus / "model",
+            "--limit",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--precision",
+            "fp32",
+        ],
+        name="eval",
+    )
 
 
 @pytest.mark.slow
 def test_rl_curate(corpus, tmp_path):
-    _data_stage(corpus, tmp_path, ["rl-curate", corpus / "data" / "rl", "--model", corpus / "model", "--n", "2", "--limit",
-                                   "3", "--max-new-tokens", "8", "--precision", "fp32", "--reward-workers", "1",
-                                   "--no-system-prompt", "--seed", "1"], name="rl-curate")
+    _data_stage(
+        corpus,
+        tmp_path,
+        [
+            "rl-curate",
+            corpus / "data" / "rl",
+            "--model",
+            corpus / "model",
+            "--n",
+            "2",
+            "--limit",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--precision",
+            "fp32",
+            "--reward-workers",
+            "1",
+            "--no-system-prompt",
+            "--seed",
+            "1",
+        ],
+        name="rl-curate",
+    )
 
 
 # -- supervised training -------------------------------------------------------------------------------------------
@@ -226,25 +319,77 @@ TRAIN = ["--batch-size", "2", "--max-steps", "8", "--lr", "1e-2", "--save-every"
 
 
 def test_sft(corpus, tmp_path):
-    _train_stage(corpus, tmp_path, "sft", [corpus / "data" / "instruct", "--model", corpus / "model", *TRAIN], steps=8, exact=True)
+    _train_stage(
+        corpus,
+        tmp_path,
+        "sft",
+        [corpus / "data" / "instruct", "--model", corpus / "model", *TRAIN],
+        steps=8,
+        exact=True,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["align", "midtrain"])
 def test_packed_training_stages(corpus, tmp_path, command):
     plan = tmp_path / "plan"
-    _ovkit("pack", corpus / "data" / "pretrain", "--model", corpus / "model", "--max-len", "512", "--out", plan,
-           "--cache", tmp_path / "cache", "--quiet")
-    _train_stage(corpus, tmp_path, command, [corpus / "data" / "pretrain", "--plan", plan, "--model", corpus / "model", *TRAIN],
-                 steps=8, exact=True)
+    _ovkit(
+        "pack",
+        corpus / "data" / "pretrain",
+        "--model",
+        corpus / "model",
+        "--max-len",
+        "512",
+        "--out",
+        plan,
+        "--cache",
+        tmp_path / "cache",
+        "--quiet",
+    )
+    _train_stage(
+        corpus,
+        tmp_path,
+        command,
+        [corpus / "data" / "pretrain", "--plan", plan, "--model", corpus / "model", *TRAIN],
+        steps=8,
+        exact=True,
+    )
 
 
 # -- RL ------------------------------------------------------------------------------------------------------------
 
-RL = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-ratio", "0",
-      "--no-system-prompt", "--rollout-batch-size", "16", "--micro-batch-size", "8", "--reward-workers", "1",
-      "--max-staleness", "0", "--max-steps", "4", "--save-every", "1", "--keep-checkpoints", "1", "--precision", "fp32"]
+RL = [
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "6",
+    "--lr",
+    "1e-3",
+    "--warmup-ratio",
+    "0",
+    "--no-system-prompt",
+    "--rollout-batch-size",
+    "16",
+    "--micro-batch-size",
+    "8",
+    "--reward-workers",
+    "1",
+    "--max-staleness",
+    "0",
+    "--max-steps",
+    "4",
+    "--save-every",
+    "1",
+    "--keep-checkpoints",
+    "1",
+    "--precision",
+    "fp32",
+]
 
 
 def test_rl_train(corpus, tmp_path):
-    _train_stage(corpus, tmp_path, "rl-train", [corpus / "data" / "rl", "--model", corpus / "model", *RL], steps=4, exact=False)
+    _train_stage(
+        corpus, tmp_path, "rl-train", [corpus / "data" / "rl", "--model", corpus / "model", *RL], steps=4, exact=False
+    )

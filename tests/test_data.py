@@ -118,7 +118,9 @@ def bomb_png(width=100_000, height=100_000):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+    )
 
 
 def write_raw(path, table):
@@ -194,7 +196,9 @@ def test_bad_inputs_exit_2_through_a_command_and_write_nothing(cli, tmp_path, ca
     elif case == "bomb":
         write_raw(f, samples_table([good | {"images": [{"bytes": bomb_png(), "path": None}]}]))
     (tmp_path / "concepts.txt").write_text("red\n")
-    code, out, err = cli("balance", f, "--concepts", tmp_path / "concepts.txt", "--method", "text", "--out", tmp_path / "o")
+    code, out, err = cli(
+        "balance", f, "--concepts", tmp_path / "concepts.txt", "--method", "text", "--out", tmp_path / "o"
+    )
     assert code == 2, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: file ") and "bad.parquet" in lines[0], err
@@ -220,18 +224,28 @@ def test_a_truncated_jpeg_passes_the_header_check_and_fails_the_decode(tmp_path)
     rows = [row(0), row(1) | {"images": [{"bytes": truncated_jpeg(), "path": None}]}]
     write_samples(samples_table(rows), tmp_path / "ds")
     assert read_samples(tmp_path / "ds", images="header").table.num_rows == 2  # what pack and training read with
-    with pytest.raises(OvkitError, match=r"row 'r1' \(index 1\), column 'images': image 0: unreadable image: OSError: image file is truncated"):
+    with pytest.raises(
+        OvkitError,
+        match=r"row 'r1' \(index 1\), column 'images': image 0: unreadable image: OSError: image file is truncated",
+    ):
         read_samples(tmp_path / "ds")
 
 
 def test_nested_types_are_checked_per_file(tmp_path):
     t = samples_table([row(0)])
-    content_int = pa.array([[{"role": "user", "content": 7}]], pa.list_(pa.struct([("role", pa.string()), ("content", pa.int64())])))
+    content_int = pa.array(
+        [[{"role": "user", "content": 7}]], pa.list_(pa.struct([("role", pa.string()), ("content", pa.int64())]))
+    )
     write_raw(tmp_path / "ds" / "part-00000-of-00002.parquet", t)
     write_raw(tmp_path / "ds" / "part-00001-of-00002.parquet", t.set_column(2, "messages", content_int))
-    with pytest.raises(OvkitError, match=r"part-00001-of-00002.parquet, row every row, column 'messages': type is list<.*content: int64"):
+    with pytest.raises(
+        OvkitError,
+        match=r"part-00001-of-00002.parquet, row every row, column 'messages': type is list<.*content: int64",
+    ):
         read_samples(tmp_path / "ds", shard=(0, 2))  # a bad file is named even when this --shard part does not read it
-    large = t.set_column(0, "id", t.column("id").cast(pa.large_string()))  # large_ variants and all-null columns are fine
+    large = t.set_column(
+        0, "id", t.column("id").cast(pa.large_string())
+    )  # large_ variants and all-null columns are fine
     write_raw(tmp_path / "ok" / "a.parquet", large.append_column("answer", pa.nulls(1)))
     assert read_samples(tmp_path / "ok").table.column("id").to_pylist() == ["r0"]
 
@@ -243,9 +257,16 @@ def test_an_id_repeated_in_another_shard_part_is_a_duplicate_there(tmp_path):
         write_samples(samples_table(rows[3 * k : 3 * k + 3]), tmp_path / "ds", shard=(k, 2))
     whole = read_samples(tmp_path / "ds", on_error="skip")
     parts = [read_samples(tmp_path / "ds", shard=(k, 3), on_error="skip") for k in range(3)]
-    assert sum((p.table.column("id").to_pylist() for p in parts), []) == whole.table.column("id").to_pylist() == ["r0", "r1", "r2", "r3", "r5"]
+    assert (
+        sum((p.table.column("id").to_pylist() for p in parts), [])
+        == whole.table.column("id").to_pylist()
+        == ["r0", "r1", "r2", "r3", "r5"]
+    )
     (reason,) = parts[2].rejects.column("reason").to_pylist()
-    assert reason == "part-00001-of-00002.parquet row 1, column 'id': duplicate id 'r1' (first at part-00000-of-00002.parquet index 1; ids are unique in a dataset)"
+    assert (
+        reason
+        == "part-00001-of-00002.parquet row 1, column 'id': duplicate id 'r1' (first at part-00000-of-00002.parquet index 1; ids are unique in a dataset)"
+    )
 
 
 def test_answers_are_checked_for_rl_and_eval_tables(tmp_path):
@@ -272,7 +293,9 @@ def test_image_files_are_read_only_when_regular_and_small(tmp_path, kind):
 
     from ovkit.data.schema import read_image_file
 
-    path = {"dev_zero": "/dev/zero", "fifo": tmp_path / "p", "directory": tmp_path, "too_big": tmp_path / "big.png"}[kind]
+    path = {"dev_zero": "/dev/zero", "fifo": tmp_path / "p", "directory": tmp_path, "too_big": tmp_path / "big.png"}[
+        kind
+    ]
     if kind == "fifo":
         os.mkfifo(path)
     if kind == "too_big":

@@ -19,8 +19,7 @@ import yaml
 from PIL import Image
 
 from ovkit.cards import CARD
-from ovkit.data import read_samples
-from ovkit.data import sources
+from ovkit.data import read_samples, sources
 from ovkit.data.convert import content_parts
 from ovkit.data.schema import image_cell, samples_table
 from ovkit.data.sources import front_matter, is_hub_id, parse_spec
@@ -28,7 +27,9 @@ from ovkit.errors import OvkitError
 
 datasets = pytest.importorskip("datasets")
 
-requires_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed (pip install -e '.[bench]')")
+requires_trl = pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None, reason="TRL is not installed (pip install -e '.[bench]')"
+)
 HUB_ID = "ovkit-test/tiny-vlm"
 
 
@@ -126,7 +127,9 @@ def test_sharded_output_card_covers_every_part_and_no_temporary_directory(corpus
     out = tmp_path / "sharded"
     cards = []
     for i in (1, 0):  # parts finish in any order; each writes the top-level card
-        code, _, err = cli("convert", f"{corpus}@instruct", "--shard", f"{i}/2", "--out", out, "--rows-per-file", "10", "--quiet")
+        code, _, err = cli(
+            "convert", f"{corpus}@instruct", "--shard", f"{i}/2", "--out", out, "--rows-per-file", "10", "--quiet"
+        )
         assert code == 0, err
         cards.append((out / CARD).read_bytes())
     assert cards[0] == cards[1]  # same bytes whichever part wrote last
@@ -135,7 +138,10 @@ def test_sharded_output_card_covers_every_part_and_no_temporary_directory(corpus
     shutil.copytree(out / "part-00000-of-00002", out / "part-00000-of-00002.tmp-999")
     n = split_rows(corpus)["instruct"]
     assert load(out, split="train").num_rows == n
-    assert read_samples(out).table.column("id").to_pylist() == read_samples(f"{corpus}:instruct").table.column("id").to_pylist()
+    assert (
+        read_samples(out).table.column("id").to_pylist()
+        == read_samples(f"{corpus}:instruct").table.column("id").to_pylist()
+    )
     assert card_meta(out / "part-00001-of-00002")["configs"][0]["data_files"][0]["path"] == "part-*.parquet"
 
 
@@ -146,10 +152,27 @@ def test_subsets_side_tables_and_empty_tables(tmp_path):
     from ovkit.data import write_samples, write_table
 
     out = tmp_path / "curated"
-    rows = [{"id": f"r{i}", "images": [image_cell(Image.new("RGB", (28, 28), "red"))], "messages": [{"role": "user", "content": "<image>\nq"}], "source": "t", "answer": "1"} for i in range(3)]
+    rows = [
+        {
+            "id": f"r{i}",
+            "images": [image_cell(Image.new("RGB", (28, 28), "red"))],
+            "messages": [{"role": "user", "content": "<image>\nq"}],
+            "source": "t",
+            "answer": "1",
+        }
+        for i in range(3)
+    ]
     write_samples(samples_table(rows), out / "stage1")
     write_samples(samples_table(rows[:0]), out / "stage2")
-    write_table(pa.table({"prompt_id": ["r0"], "images": pa.array([[]], pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())])))}), out / "rollouts" / "part-00000-of-00001.parquet")
+    write_table(
+        pa.table(
+            {
+                "prompt_id": ["r0"],
+                "images": pa.array([[]], pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+            }
+        ),
+        out / "rollouts" / "part-00000-of-00001.parquet",
+    )
     write_card(out, {"command": "rl-curate", "ovkit_version": "0", "argv": [], "metrics": {}}, out)
     meta = card_meta(out)
     assert [c["config_name"] for c in meta["configs"]] == ["default", "stage1"]
@@ -164,7 +187,14 @@ def test_images_decode_whatever_columns_a_stage_adds(tmp_path):
     """Non-string columns (balance weights, pass rates, lists) used to drop the `datasets` feature metadata."""
     from ovkit.data import write_samples
 
-    rows = [{"id": "a", "images": [image_cell(Image.new("RGB", (28, 28), "blue"))], "messages": [{"role": "user", "content": "<image>"}], "source": "t"}]
+    rows = [
+        {
+            "id": "a",
+            "images": [image_cell(Image.new("RGB", (28, 28), "blue"))],
+            "messages": [{"role": "user", "content": "<image>"}],
+            "source": "t",
+        }
+    ]
     table = samples_table(rows).append_column("weight", pa.array([0.5])).append_column("ks", pa.array([[1, 2]]))
     write_samples(table, tmp_path / "ds")
     ds = datasets.load_dataset("parquet", data_files=str(tmp_path / "ds" / "*.parquet"), split="train")
@@ -193,7 +223,12 @@ def test_trl_layout_has_image_parts_and_no_markers(corpus, tmp_path, cli):
         assert all("<image>" not in (p["text"] or "") for p in parts)
         assert sum(p["type"] == "image" for p in parts) == len(row["images"]) >= 1
         assert all(isinstance(im, Image.Image) for im in row["images"])
-    assert content_parts("a<image>b<image>") == [{"type": "text", "text": "a"}, {"type": "image", "text": None}, {"type": "text", "text": "b"}, {"type": "image", "text": None}]
+    assert content_parts("a<image>b<image>") == [
+        {"type": "text", "text": "a"},
+        {"type": "image", "text": None},
+        {"type": "text", "text": "b"},
+        {"type": "image", "text": None},
+    ]
 
 
 def test_trl_prompt_completion_single_image_and_inline_images(tmp_path):
@@ -201,16 +236,32 @@ def test_trl_prompt_completion_single_image_and_inline_images(tmp_path):
     part = pa.struct([("type", pa.string()), ("text", pa.string())])
     turn = pa.struct([("role", pa.string()), ("content", pa.list_(part))])
     img = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    pq.write_table(pa.table({
-        "image": pa.array([png("red")], img),
-        "prompt": pa.array([[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]], pa.list_(turn)),
-        "completion": pa.array([[{"role": "assistant", "content": [{"type": "text", "text": "red"}]}]], pa.list_(turn)),
-    }), tmp_path / "pc.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "image": pa.array([png("red")], img),
+                "prompt": pa.array(
+                    [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]],
+                    pa.list_(turn),
+                ),
+                "completion": pa.array(
+                    [[{"role": "assistant", "content": [{"type": "text", "text": "red"}]}]], pa.list_(turn)
+                ),
+            }
+        ),
+        tmp_path / "pc.parquet",
+    )
     got = read_samples(tmp_path / "pc.parquet").table.to_pylist()[0]
     assert got["messages"] == [{"role": "user", "content": "<image>colour?"}, {"role": "assistant", "content": "red"}]
     assert got["id"] == "pc-0" and got["source"] == "pc" and got["images"][0]["bytes"] == png("red")["bytes"]
     # text content and images without markers: TRL puts the images before the first user turn's text
-    records = [{"messages": [{"role": "user", "content": "two?"}, {"role": "assistant", "content": "yes"}], "images": [png("red")["bytes"], png("blue")["bytes"]], "image": None}]
+    records = [
+        {
+            "messages": [{"role": "user", "content": "two?"}, {"role": "assistant", "content": "yes"}],
+            "images": [png("red")["bytes"], png("blue")["bytes"]],
+            "image": None,
+        }
+    ]
     ds = datasets.Dataset.from_list(records)
     ds.save_to_disk(str(tmp_path / "saved"))
     got = read_samples(tmp_path / "saved").table.to_pylist()[0]
@@ -230,7 +281,7 @@ def test_chat_template_renders_image_tokens_for_a_converted_row(corpus, tmp_path
     assert "<image>" not in text and text.count("<|image_pad|>") == len(row["images"]) == 1
     enc = processor(text=[text], images=row["images"], return_tensors="pt")
     n_pad = int((enc["input_ids"] == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum())
-    merge = processor.image_processor.merge_size ** 2
+    merge = processor.image_processor.merge_size**2
     assert n_pad == int(enc["image_grid_thw"].prod()) // merge > 0
 
 
@@ -266,7 +317,9 @@ def cache_as_hub_dataset(parquet_dir: Path, hub_id: str) -> None:
     cache = Path(datasets.config.HF_DATASETS_CACHE)
     namespace, name = hub_id.split("/")
     files = sorted(glob.glob(str(parquet_dir / "part-*.parquet")))
-    Parquet(cache_dir=str(cache), dataset_name=name, hash="0123abcd", data_files={"train": files}).download_and_prepare()
+    Parquet(
+        cache_dir=str(cache), dataset_name=name, hash="0123abcd", data_files={"train": files}
+    ).download_and_prepare()
     (config_dir,) = (cache / name).glob("default-*")
     config_dir.rename(cache / name / "default")
     (cache / name).rename(cache / f"{namespace}___{name}")
@@ -283,15 +336,35 @@ def test_cached_hub_id_loads_offline_through_a_command(corpus, tmp_path, monkeyp
     assert code == 0, err
     assert read_samples(tmp_path / "from-hub").table.equals(expected)
     prov = json.loads((tmp_path / "from-hub" / "ovkit.json").read_text())
-    assert prov["inputs"][0] == {"path": f"{HUB_ID}@train", "hub": HUB_ID, "source_fingerprint": datasets.load_dataset(HUB_ID, split="train")._fingerprint}
+    assert prov["inputs"][0] == {
+        "path": f"{HUB_ID}@train",
+        "hub": HUB_ID,
+        "source_fingerprint": datasets.load_dataset(HUB_ID, split="train")._fingerprint,
+    }
 
 
-def test_model_trained_on_a_hub_id_has_a_card_naming_base_model_and_dataset(corpus, tmp_path, monkeypatch, micro_model, cli):
+def test_model_trained_on_a_hub_id_has_a_card_naming_base_model_and_dataset(
+    corpus, tmp_path, monkeypatch, micro_model, cli
+):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     assert cli("convert", f"{corpus}@instruct", "--to", "trl", "--out", tmp_path / "trl", "--quiet")[0] == 0
     cache_as_hub_dataset(tmp_path / "trl", HUB_ID)
     out = tmp_path / "sft"
-    code, _, err = cli("sft", HUB_ID, "--model", micro_model, "--out", out, "--max-steps", "1", "--batch-size", "2", "--precision", "fp32", "--quiet")
+    code, _, err = cli(
+        "sft",
+        HUB_ID,
+        "--model",
+        micro_model,
+        "--out",
+        out,
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--precision",
+        "fp32",
+        "--quiet",
+    )
     assert code == 0, err
     text = (out / CARD).read_text()
     meta = front_matter(text)
@@ -326,7 +399,9 @@ def test_unreachable_hub_fails_after_one_probe_not_datasets_retries(tmp_path, mo
         read_samples("some-org/some-data")
 
 
-@pytest.mark.parametrize("text", ["./org/name", "/org/name", "~/name", "a/b/c", "name", "org/name.parquet", "org/data.jsonl"])
+@pytest.mark.parametrize(
+    "text", ["./org/name", "/org/name", "~/name", "a/b/c", "name", "org/name.parquet", "org/data.jsonl"]
+)
 def test_local_looking_names_are_never_sent_to_the_hub(text, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: pytest.fail("a local path went to the Hub"))
     assert not is_hub_id(parse_spec(text).base)
@@ -335,7 +410,9 @@ def test_local_looking_names_are_never_sent_to_the_hub(text, monkeypatch):
 
 
 def test_spec_syntax():
-    assert parse_spec("HuggingFaceM4/ChartQA:default@test[:100]") == sources.Spec("HuggingFaceM4/ChartQA:default@test[:100]", "HuggingFaceM4/ChartQA", "default", "test[:100]")
+    assert parse_spec("HuggingFaceM4/ChartQA:default@test[:100]") == sources.Spec(
+        "HuggingFaceM4/ChartQA:default@test[:100]", "HuggingFaceM4/ChartQA", "default", "test[:100]"
+    )
     assert parse_spec("org/name@validation").split == "validation" and is_hub_id("org/name")
 
 
@@ -351,10 +428,17 @@ def test_saved_dataset_dict_needs_a_split(corpus, tmp_path):
 def test_other_layouts_name_the_missing_column_and_the_fix(tmp_path):
     img = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     png = image_cell(Image.new("RGB", (28, 28), "red"))
-    datasets.Dataset.from_dict({"image": [png], "query": ["q"], "label": [["a"]]}).cast_column("image", datasets.Image()).save_to_disk(str(tmp_path / "chartqa"))
+    datasets.Dataset.from_dict({"image": [png], "query": ["q"], "label": [["a"]]}).cast_column(
+        "image", datasets.Image()
+    ).save_to_disk(str(tmp_path / "chartqa"))
     with pytest.raises(OvkitError, match=r"column 'messages': not a sample table .*ovkit convert"):
         read_samples(tmp_path / "chartqa")
-    pq.write_table(pa.table({"id": ["a"], "image": pa.array([png], img), "conversations": [[{"from": "human", "value": "<image>q"}]]}), tmp_path / "llava.parquet")
+    pq.write_table(
+        pa.table(
+            {"id": ["a"], "image": pa.array([png], img), "conversations": [[{"from": "human", "value": "<image>q"}]]}
+        ),
+        tmp_path / "llava.parquet",
+    )
     with pytest.raises(OvkitError, match="looks like --from llava"):
         read_samples(tmp_path / "llava.parquet")
 
@@ -424,10 +508,11 @@ def test_a_failing_card_never_costs_the_output(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(runs, "write_card", lambda *a: 1 / 0)
     with runs.Stage("synth", Cfg(), tmp_path / "out") as stage:
         (stage.path / "f.txt").write_text("done")
-    assert (tmp_path / "out" / "f.txt").read_text() == "done" and "could not write its README.md" in capsys.readouterr().err
+    assert (
+        tmp_path / "out" / "f.txt"
+    ).read_text() == "done" and "could not write its README.md" in capsys.readouterr().err
 
 
 def test_card_front_matter_parses_for_every_output_kind(corpus, micro_model):
     for directory in (corpus, micro_model):
         assert isinstance(card_meta(directory), dict) and card_meta(directory)
-

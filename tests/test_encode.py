@@ -146,7 +146,9 @@ def test_errors_are_clear(tiny):
 
     _, proc = tiny
     with pytest.raises(OvkitError, match="2 <image> markers but the row has 1 images"):
-        encode_sample(proc, [{"role": "user", "content": "<image><image>"}, {"role": "assistant", "content": "x"}], [_img()])
+        encode_sample(
+            proc, [{"role": "user", "content": "<image><image>"}, {"role": "assistant", "content": "x"}], [_img()]
+        )
     with pytest.raises(OvkitError, match="no assistant turn"):
         encode_sample(proc, [{"role": "user", "content": "hi"}], [])
 

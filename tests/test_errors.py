@@ -7,18 +7,12 @@ is imported.
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 from PIL import Image
 
-from ovkit.data import read_samples, write_samples
-from ovkit.data import sources
+from ovkit.data import read_samples, sources, write_samples
 from ovkit.data.schema import image_cell, samples_table
 from ovkit.errors import OvkitError
 
@@ -33,8 +27,13 @@ def _isolated_cache(tmp_path, monkeypatch):
 
 
 def _row(i: int, markers: int = 1, **extra) -> dict:
-    return {"id": f"r{i}", "images": [image_cell(Image.new("RGB", (28, 28), "red"))],
-            "messages": [{"role": "user", "content": "<image>" * markers + "\nq"}, {"role": "assistant", "content": "a"}], "source": "t", **extra}
+    return {
+        "id": f"r{i}",
+        "images": [image_cell(Image.new("RGB", (28, 28), "red"))],
+        "messages": [{"role": "user", "content": "<image>" * markers + "\nq"}, {"role": "assistant", "content": "a"}],
+        "source": "t",
+        **extra,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ data inputs
@@ -42,7 +41,17 @@ def _row(i: int, markers: int = 1, **extra) -> dict:
 
 def test_raw_llava_json_names_convert_with_its_format(tmp_path):
     f = tmp_path / "llava.json"
-    f.write_text(json.dumps([{"id": "a", "image": "a.png", "conversations": [{"from": "human", "value": "<image>\nq"}, {"from": "gpt", "value": "x"}]}]))
+    f.write_text(
+        json.dumps(
+            [
+                {
+                    "id": "a",
+                    "image": "a.png",
+                    "conversations": [{"from": "human", "value": "<image>\nq"}, {"from": "gpt", "value": "x"}],
+                }
+            ]
+        )
+    )
     with pytest.raises(OvkitError) as e:
         read_samples(f)
     assert f"`ovkit convert {f} --from llava --out DIR`" in str(e.value)
@@ -62,7 +71,9 @@ def test_csv_says_what_to_do_instead_of_parquet_magic_bytes(tmp_path):
 def test_trl_grpo_set_without_answer_names_the_input_and_its_solution_column(tmp_path):
     datasets = pytest.importorskip("datasets")
     prompt = [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "how many?"}]}]
-    ds = datasets.Dataset.from_dict({"prompt": [prompt, prompt], "image": [Image.new("RGB", (28, 28), "red")] * 2, "solution": ["1", "2"]})
+    ds = datasets.Dataset.from_dict(
+        {"prompt": [prompt, prompt], "image": [Image.new("RGB", (28, 28), "red")] * 2, "solution": ["1", "2"]}
+    )
     ds.save_to_disk(str(tmp_path / "grpo"))
     with pytest.raises(OvkitError) as e:
         read_samples(tmp_path / "grpo", answers=True)
@@ -94,15 +105,42 @@ def _sft_config(cli, monkeypatch, tmp_path, *args):
     for name in ("d", "m"):
         (tmp_path / name).mkdir(exist_ok=True)
     seen = {}
-    monkeypatch.setattr(ovkit.train, "train", lambda cfg: seen.setdefault("cfg", cfg) and type("R", (), {"status": "skipped"})())
+    monkeypatch.setattr(
+        ovkit.train, "train", lambda cfg: seen.setdefault("cfg", cfg) and type("R", (), {"status": "skipped"})()
+    )
     code, out, err = cli("sft", *args)
     return code, seen.get("cfg"), err
 
 
-@pytest.mark.parametrize("flags", [
-    ["--learning-rate", "3e-4", "--num-train-epochs", "2", "--gradient-accumulation-steps", "4", "--per-device-train-batch-size", "2", "--output-dir", "o"],
-    ["--learning_rate", "3e-4", "--num_train_epochs", "2", "--gradient_accumulation_steps", "4", "--per_device_train_batch_size", "2", "--output_dir", "o"],
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [
+            "--learning-rate",
+            "3e-4",
+            "--num-train-epochs",
+            "2",
+            "--gradient-accumulation-steps",
+            "4",
+            "--per-device-train-batch-size",
+            "2",
+            "--output-dir",
+            "o",
+        ],
+        [
+            "--learning_rate",
+            "3e-4",
+            "--num_train_epochs",
+            "2",
+            "--gradient_accumulation_steps",
+            "4",
+            "--per_device_train_batch_size",
+            "2",
+            "--output_dir",
+            "o",
+        ],
+    ],
+)
 def test_hf_and_trl_spellings_of_options_are_aliases(cli, monkeypatch, tmp_path, flags):
     code, cfg, err = _sft_config(cli, monkeypatch, tmp_path, "d", "--model", "m", *flags)
     assert code == 0, err
@@ -112,7 +150,13 @@ def test_hf_and_trl_spellings_of_options_are_aliases(cli, monkeypatch, tmp_path,
 def test_hf_spellings_show_in_help(cli, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     _, out, _ = cli("sft", "--help")
-    for name in ("--learning-rate", "--num-train-epochs", "--gradient-accumulation-steps", "--per-device-train-batch-size", "--output-dir"):
+    for name in (
+        "--learning-rate",
+        "--num-train-epochs",
+        "--gradient-accumulation-steps",
+        "--per-device-train-batch-size",
+        "--output-dir",
+    ):
         assert name in out
 
 
@@ -150,8 +194,9 @@ def test_each_precision_spelling_has_one_meaning():
 
 
 def test_shipped_configs_use_no_ambiguous_precision():
-    from ovkit.runtime.precision import AMBIGUOUS
     import yaml
+
+    from ovkit.runtime.precision import AMBIGUOUS
 
     for f in (Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"):
         values = yaml.safe_load(f.read_text()) or {}

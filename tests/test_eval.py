@@ -19,8 +19,28 @@ ROWS = [
     ("s0", "spatial", "synth/spatial", "Q-s0 where? A. B. C.", "B", "multiple_choice", None, "<answer>B</answer>", 1.0),
     ("s1", "spatial", "synth/spatial", "Q-s1 where? A. B. C.", "A", "multiple_choice", None, "<answer>A</answer>", 1.0),
     ("s2", "spatial", "synth/spatial", "Q-s2 where? A. B. C.", "C", "multiple_choice", None, "I do not know", 0.0),
-    ("g0", "grounding", "synth/grounding", "Q-g0 box?", "[10, 10, 30, 30]", "bbox", BOX, "<answer>[10, 10, 20, 30]</answer>", 0.5),
-    ("g1", "grounding", "synth/grounding", "Q-g1 box?", "[10, 10, 30, 30]", "bbox", BOX, "<answer>[10, 10, 20, 20]</answer>", 0.25),
+    (
+        "g0",
+        "grounding",
+        "synth/grounding",
+        "Q-g0 box?",
+        "[10, 10, 30, 30]",
+        "bbox",
+        BOX,
+        "<answer>[10, 10, 20, 30]</answer>",
+        0.5,
+    ),
+    (
+        "g1",
+        "grounding",
+        "synth/grounding",
+        "Q-g1 box?",
+        "[10, 10, 30, 30]",
+        "bbox",
+        BOX,
+        "<answer>[10, 10, 20, 20]</answer>",
+        0.25,
+    ),
     ("o0", None, "synth/ocr", "Q-o0 read it", "cat moon", "ocr", None, "<answer>cat moon</answer>", 1.0),
 ]
 FORCED = {q: completion for _, _, _, q, _, _, _, completion, _ in ROWS}
@@ -99,7 +119,9 @@ def test_scores_and_aggregates_forced_completions(tmp_path, eval_set, processor)
     metrics, summary, _ = _run(tmp_path, eval_set, processor)
     rewards = [r[-1] for r in ROWS]
     assert summary["overall"] == pytest.approx(sum(rewards) / len(rewards))  # mean over rows, not over categories
-    assert summary["categories"] == pytest.approx({"counting": 0.5, "spatial": 2 / 3, "grounding": 0.375, "uncategorized": 1.0})
+    assert summary["categories"] == pytest.approx(
+        {"counting": 0.5, "spatial": 2 / 3, "grounding": 0.375, "uncategorized": 1.0}
+    )
     assert summary["sources"]["synth/counting"] == 1.0 and summary["sources"]["other/counting"] == 0.0
     # accuracy = share with reward >= 0.5: the IoU-0.5 box counts, the IoU-0.25 one does not
     assert summary["accuracy"]["categories"]["grounding"] == 0.5
@@ -144,7 +166,9 @@ def test_token_budget_per_category_fits_the_longest_gold_answer(tmp_path, eval_s
     _, summary, engine = _run(tmp_path, eval_set, processor)
     budgets = summary["max_new_tokens"]
     assert set(budgets) == {"counting", "spatial", "grounding", "uncategorized"} and min(budgets.values()) >= 32
-    assert sum(c["prompts"] for c in engine.calls) == 8 and {c["max_new_tokens"] for c in engine.calls} == set(budgets.values())
+    assert sum(c["prompts"] for c in engine.calls) == 8 and {c["max_new_tokens"] for c in engine.calls} == set(
+        budgets.values()
+    )
     from ovkit.evaluate.run import token_budgets
 
     rows = [{"category": "svg", "answer": "<svg>" + "x" * 300 + "</svg>"}]
@@ -158,7 +182,9 @@ def test_prompt_auto_asks_each_row_in_the_mode_of_its_rl_stage(tmp_path, eval_se
     from ovkit.evaluate.run import row_mode, token_budgets
     from ovkit.prompts import ANSWER_PROMPT, THINK_PROMPT
 
-    assert row_mode({"category": "science"}, "auto") == "think" and row_mode({"category": "counting"}, "auto") == "answer"
+    assert (
+        row_mode({"category": "science"}, "auto") == "think" and row_mode({"category": "counting"}, "auto") == "answer"
+    )
     assert row_mode({"category": "counting", "prompt_type": "default"}, "auto") == "think"  # the released column wins
     assert row_mode({"category": "science"}, "answer") == "answer"
     rows = [{"category": "svg", "answer": "<svg/>"}, {"category": "counting", "answer": "3"}]
@@ -167,7 +193,9 @@ def test_prompt_auto_asks_each_row_in_the_mode_of_its_rl_stage(tmp_path, eval_se
     science = {q: f"<think>it tips left</think><answer>{a}</answer>" for _, _, _, q, a, _, _, _, _ in ROWS}
     _, summary, _ = _run(tmp_path, eval_set, processor, answers=science, prompt="auto")
     lines = [json.loads(x) for f in tmp_path.glob("*/*_samples_*.jsonl") for x in f.read_text().splitlines()]
-    assert all(ANSWER_PROMPT in x["input"] and THINK_PROMPT not in x["input"] for x in lines)  # none of these is stage 2
+    assert all(
+        ANSWER_PROMPT in x["input"] and THINK_PROMPT not in x["input"] for x in lines
+    )  # none of these is stage 2
     assert summary["prompt"] == "auto"
 
 
@@ -195,7 +223,11 @@ def test_n_samples_report_pass_at_k(tmp_path, eval_set, processor):
     counting = summary["detail"]["categories"]["counting"]
     # c0: 4 of 4 right; c1: 1 of 4 right -> pass@1 = (1 + 0.25) / 2, pass@2 = (1 + 0.5) / 2, pass@4 = 1
     assert counting["reward"] == pytest.approx(0.625)
-    assert counting["pass@1"] == pytest.approx(0.625) and counting["pass@2"] == pytest.approx(0.75) and counting["pass@4"] == 1.0
+    assert (
+        counting["pass@1"] == pytest.approx(0.625)
+        and counting["pass@2"] == pytest.approx(0.75)
+        and counting["pass@4"] == 1.0
+    )
 
 
 def test_limit_keeps_the_first_rows_of_each_category(tmp_path, eval_set, processor):
@@ -208,9 +240,15 @@ def test_limit_keeps_the_first_rows_of_each_category(tmp_path, eval_set, process
 def test_shuffled_images_come_from_another_row_of_the_same_category():
     from ovkit.evaluate.run import shuffle_images
 
-    rows = [{"id": f"{c}{i}", "category": c, "answer": f"{c}{i}", "images": [f"img-{c}{i}"]} for c, n in (("a", 5), ("b", 2), ("c", 1)) for i in range(n)]
+    rows = [
+        {"id": f"{c}{i}", "category": c, "answer": f"{c}{i}", "images": [f"img-{c}{i}"]}
+        for c, n in (("a", 5), ("b", 2), ("c", 1))
+        for i in range(n)
+    ]
     out = shuffle_images(rows, seed=3)
-    assert [r["id"] for r in out] == [r["id"] for r in rows] and [r["answer"] for r in out] == [r["answer"] for r in rows]
+    assert [r["id"] for r in out] == [r["id"] for r in rows] and [r["answer"] for r in out] == [
+        r["answer"] for r in rows
+    ]
     for cat in "abc":
         mine = [(r, o) for r, o in zip(rows, out) if r["category"] == cat]
         assert sorted(o["images"][0] for _, o in mine) == sorted(r["images"][0] for r, _ in mine)  # a permutation
@@ -229,7 +267,9 @@ def test_save_logprobs_writes_rollouts_mismatch_report_can_read(tmp_path, eval_s
     r = rows["c0"]
     assert r["response_ids"] == processor.tokenizer.encode("<answer>3</answer>", add_special_tokens=False)
     assert r["behave_logprobs"] == [-0.5] * len(r["response_ids"]) and r["loss_mask"] == [1] * len(r["response_ids"])
-    assert r["finish_reason"] == "stop" and r["answer"] == "3" and r["answer_type"] == "number" and len(r["images"]) == 1
+    assert (
+        r["finish_reason"] == "stop" and r["answer"] == "3" and r["answer_type"] == "number" and len(r["images"]) == 1
+    )
     assert json.loads(r["reward_parts"])["accuracy"] == 1.0
     assert processor.tokenizer.decode(r["prompt_ids"]).endswith("<|im_start|>assistant\n")
 
@@ -238,7 +278,9 @@ def test_compare_prints_one_table_across_runs(tmp_path, eval_set, processor, cli
     _run(tmp_path / "eval-sft", eval_set, processor)
     perfect = {q: f"<answer>{a}</answer>" for _, _, _, q, a, _, _, _, _ in ROWS}
     _run(tmp_path / "eval-rl", eval_set, processor, answers=perfect)
-    code, out, err = cli("eval", "--compare", tmp_path / "eval-sft", f"rl={tmp_path / 'eval-rl'}", "--out", tmp_path / "final.md")
+    code, out, err = cli(
+        "eval", "--compare", tmp_path / "eval-sft", f"rl={tmp_path / 'eval-rl'}", "--out", tmp_path / "final.md"
+    )
     assert code == 0, err
     table = [line for line in out.splitlines() if line.startswith("|")]
     assert [c.strip() for c in table[0].split("|")[1:-1]] == ["category", "eval-sft", "rl"]  # labels: dir or LABEL=
@@ -312,13 +354,18 @@ def test_example_config_is_valid():
     from ovkit.evaluate import EvalConfig
 
     values = load_yaml(ROOT / "examples" / "tiny" / "eval.yaml")
-    cfg = merge(EvalConfig, {"data": [Path("data/eval")], "model": Path("runs/sft"), "out": Path("runs/eval-sft")}, {"data", "model", "out"}, values)
+    cfg = merge(
+        EvalConfig,
+        {"data": [Path("data/eval")], "model": Path("runs/sft"), "out": Path("runs/eval-sft")},
+        {"data", "model", "out"},
+        values,
+    )
     assert cfg.prompt in ("answer", "think", "auto") and cfg.engine == "hf"
 
 
 def test_eval_command_end_to_end_on_the_tiny_model(tmp_path, eval_set, cli):
-    from ovkit.rollouts.table import read_rollouts
     from ovkit.models.tiny import build_tiny
+    from ovkit.rollouts.table import read_rollouts
 
     model = build_tiny(tmp_path / "tiny", TEXTS, seed=0)
     out = tmp_path / "eval-tiny"
@@ -361,7 +408,9 @@ def test_compare_reads_a_real_lmms_eval_results_file_and_warns_on_tasks_it_canno
     path.write_text(json.dumps(LMMS_RESULTS))
     code, out, err = cli("eval", "--compare", path)
     assert code == 0, err
-    cells = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()[3:] if line.startswith("|")}
+    cells = {
+        line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()[3:] if line.startswith("|")
+    }
     assert cells["mmmu_val"].startswith("41.0 ±") and cells["mmmu_val"].endswith("(mmmu_acc)")  # 900 rows: an interval
     assert cells["ai2d"].startswith("73.0 ±") and cells["ai2d"].endswith("(exact_match)")  # the filter does not matter
     assert cells["mmbench_en_dev"] == "68.2 (gpt_eval_score)"  # a percentage is shown as reported, not x 100

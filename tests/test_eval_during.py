@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_rl_train import _cfg, one_thread, rl_assets  # noqa: F401 (fixtures)
 from test_train import ENV, _one_thread, assets, config, losses, make_rows, weights  # noqa: F401 (fixtures)
 
@@ -30,7 +29,9 @@ def eval_data(assets):  # noqa: F811
     for r in rows:
         answer = r["messages"][-1]["content"].split("<answer>")[1].split("</answer>")[0]
         colour = not answer.isdigit()
-        r.update(answer=answer, answer_type="string" if colour else "number", category="colour" if colour else "counting")
+        r.update(
+            answer=answer, answer_type="string" if colour else "number", category="colour" if colour else "counting"
+        )
     path = assets / "eval"
     if not path.exists():
         write_samples(samples_table(rows), path, None)
@@ -63,12 +64,29 @@ def test_supervised_eval_is_logged_at_its_steps_and_leaves_the_trajectory_alone(
 
     plain, with_eval = tmp_path / "plain", tmp_path / "eval"
     train(config("SFTConfig", assets, plain, max_steps=3, lr=1e-2))
-    train(config("SFTConfig", assets, with_eval, max_steps=3, lr=1e-2, eval_data=[eval_data], eval_every=2, eval_max_new_tokens=4))
+    train(
+        config(
+            "SFTConfig",
+            assets,
+            with_eval,
+            max_steps=3,
+            lr=1e-2,
+            eval_data=[eval_data],
+            eval_every=2,
+            eval_max_new_tokens=4,
+        )
+    )
 
     rows = _metrics(with_eval)
     assert [r["step"] for r in rows if "eval/loss" in r] == [2, 3]  # every 2 steps and after the last
     for r in rows[1:]:
-        assert {"eval/reward", "eval/accuracy", "eval/reward/colour", "eval/reward/counting", "eval/accuracy/counting"} <= set(r)
+        assert {
+            "eval/reward",
+            "eval/accuracy",
+            "eval/reward/colour",
+            "eval/reward/counting",
+            "eval/accuracy/counting",
+        } <= set(r)
         assert 0 <= r["eval/reward"] <= 1 and r["eval/loss"] > 0
     assert not any(k.startswith("eval/") for k in rows[0])
     assert losses(with_eval) == losses(plain)  # bit-identical: the eval restores every RNG and mode
@@ -114,7 +132,12 @@ def test_rl_eval_equals_ovkit_eval_on_the_saved_model(rl_assets, tmp_path, one_t
     w0, w1 = weights(plain), weights(with_eval)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
-    summary = run_eval(EvalConfig(data=[data], model=with_eval, out=tmp_path / "ev", prompt="answer", max_new_tokens=8, seed=0, quiet=True), tmp_path / "ev")
+    summary = run_eval(
+        EvalConfig(
+            data=[data], model=with_eval, out=tmp_path / "ev", prompt="answer", max_new_tokens=8, seed=0, quiet=True
+        ),
+        tmp_path / "ev",
+    )
     last = rows[-1]
     assert summary["overall"] > 0  # not an all-zero comparison
     assert last["eval/reward"] == pytest.approx(summary["overall"], abs=1e-9)
@@ -129,7 +152,12 @@ def test_two_processes_log_the_eval_of_one(assets, eval_data, tmp_path):  # noqa
     one, two = tmp_path / "one", tmp_path / "two"
     base = ["sft", str(assets / "data"), "--model", str(assets / "model"), "--max-steps", "2", "--lr", "1e-2", "--precision", "fp32",
             "--quiet", "--eval-data", str(eval_data), "--eval-every", "1", "--eval-max-new-tokens", "4"]  # fmt: skip
-    subprocess.run([sys.executable, "-m", "ovkit", *base, "--out", str(one), "--batch-size", "4"], check=True, env=ENV, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "ovkit", *base, "--out", str(one), "--batch-size", "4"],
+        check=True,
+        env=ENV,
+        capture_output=True,
+    )
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ovkit", *base, "--out", str(two), "--batch-size", "2"],
         env=ENV, capture_output=True, text=True,

@@ -23,10 +23,16 @@ from ovkit.errors import OvkitError
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
 FILE_COMMANDS = {
-    "rl-stage1": "rl-train", "rl-stage2": "rl-train", "rl-multiturn": "rl-train", "rl-science": "rl-train", "sft-lora": "sft",
+    "rl-stage1": "rl-train",
+    "rl-stage2": "rl-train",
+    "rl-multiturn": "rl-train",
+    "rl-science": "rl-train",
+    "sft-lora": "sft",
     "rl-train-fsdp": "rl-train",
 }  # file stem -> command, where they differ
-ACCELERATE_CONFIGS = {"fsdp"}  # file stems of `accelerate launch --config_file` files, validated as accelerate reads them
+ACCELERATE_CONFIGS = {
+    "fsdp"
+}  # file stems of `accelerate launch --config_file` files, validated as accelerate reads them
 
 cli_mod._register()
 CALLBACKS = {c.name: c.callback for c in cli_mod.app.registered_commands}
@@ -57,7 +63,11 @@ def build(cls: type, values: dict, path: Path):
     when the config refuses, path-typed options the file leaves unset get placeholders, one at a time in
     declaration order, until it accepts; if it still refuses, the first error is the failure."""
     hints = typing.get_type_hints(cls)
-    unset = [f.name for f in dataclasses.fields(cls) if f.name not in values and f.default is None and "Path" in str(hints[f.name])]
+    unset = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in values and f.default is None and "Path" in str(hints[f.name])
+    ]
     filled: dict = {}
     first = None
     for name in [None, *unset]:
@@ -100,7 +110,9 @@ def check_accelerate_config(path: Path) -> None:
     wrap = (config.fsdp_config or {}).get("fsdp_transformer_layer_cls_to_wrap", "")
     for name in filter(None, wrap.split(",")):
         module = importlib.import_module("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
-        assert hasattr(module, name.strip()), f"{path.name}: fsdp_transformer_layer_cls_to_wrap names {name}, which transformers does not define"
+        assert hasattr(module, name.strip()), (
+            f"{path.name}: fsdp_transformer_layer_cls_to_wrap names {name}, which transformers does not define"
+        )
 
 
 def test_stage_examples_keep_the_stage_presets_where_published():
@@ -109,7 +121,11 @@ def test_stage_examples_keep_the_stage_presets_where_published():
 
     published = {"align": (1e-4, 0.0), "midtrain": (1e-5, 0.01), "sft": (1e-5, 0.0)}
     for stage, (lr, wd) in published.items():
-        cfg = build(STAGE_CONFIGS[stage], load_yaml(ROOT / "examples" / "8b" / f"{stage}.yaml"), ROOT / "examples" / "8b" / f"{stage}.yaml")
+        cfg = build(
+            STAGE_CONFIGS[stage],
+            load_yaml(ROOT / "examples" / "8b" / f"{stage}.yaml"),
+            ROOT / "examples" / "8b" / f"{stage}.yaml",
+        )
         assert (cfg.lr, cfg.weight_decay, cfg.warmup_ratio, cfg.min_lr, cfg.max_grad_norm) == (lr, wd, 0.002, 1e-6, 1.0)
         tiny = ROOT / "examples" / "tiny" / f"{stage}.yaml"
         if build(STAGE_CONFIGS[stage], load_yaml(tiny), tiny).lr != lr:

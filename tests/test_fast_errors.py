@@ -28,7 +28,9 @@ print(json.dumps({"code": code, "torch": "torch" in sys.modules, "transformers":
 def run_cli(*args: str) -> tuple[dict, str, float]:
     env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(args)], capture_output=True, text=True, env=env, timeout=120
+    )
     elapsed = time.perf_counter() - start
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr, elapsed
 
@@ -46,14 +48,30 @@ def model_dir(tmp_path):
         ("sft", ["{missing}", "--model", "{model}"], "DATA {missing}: no such file or directory"),
         ("align", ["{data}", "--model", "{tmp}/no-such-model"], "--model {tmp}/no-such-model: no such directory"),
         ("sft", ["{data}", "--model", "{model}", "--precision", "bf17"], "--precision must be one of"),
-        ("midtrain", ["{data}", "--model", "{model}", "--optim", "adamw_bf16", "--precision", "fp32"], "--optim adamw_bf16"),
-        ("sft", ["{data}", "--model", "{model}", "--activation-checkpointing", "every-0"], "--activation-checkpointing must be"),
+        (
+            "midtrain",
+            ["{data}", "--model", "{model}", "--optim", "adamw_bf16", "--precision", "fp32"],
+            "--optim adamw_bf16",
+        ),
+        (
+            "sft",
+            ["{data}", "--model", "{model}", "--activation-checkpointing", "every-0"],
+            "--activation-checkpointing must be",
+        ),
         ("sft", ["{data}", "--model", "{model}", "--kernels", "triton"], "--kernels must be one of"),
-        ("sft", ["{data}", "--model", "{model}", "--attn-implementation", "flash"], "--attn-implementation must be one of"),
+        (
+            "sft",
+            ["{data}", "--model", "{model}", "--attn-implementation", "flash"],
+            "--attn-implementation must be one of",
+        ),
         ("rl-train", ["{missing}", "--model", "{model}"], "DATA {missing}: no such file or directory"),
         ("rl-train", ["{data}", "--model", "{model}", "--loss-agg", "mean"], "--loss-agg must be one of"),
         ("rl-train", ["{data}", "--model", "{model}", "--correction", "tis9"], "--correction: unknown correction"),
-        ("rl-train", ["{data}", "--model", "{model}", "--sampler-precision", "fp8"], "--sampler-precision must be one of"),
+        (
+            "rl-train",
+            ["{data}", "--model", "{model}", "--sampler-precision", "fp8"],
+            "--sampler-precision must be one of",
+        ),
         ("rl-train", ["{data}", "--model", "{model}", "--engine", "sglang"], "--engine must be one of"),
     ],
 )

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_train import ENV, _one_thread, assets, config, losses, weights  # noqa: F401 (fixtures)
 
 from ovkit.errors import OvkitError
-from test_train import ENV, _one_thread, assets, config, losses, weights  # noqa: F401 (fixtures)
 
 
 def _holder(out: Path, command: str = "sft") -> subprocess.Popen:
@@ -86,8 +86,24 @@ def test_a_second_learner_exits_2_while_the_first_trains_on(assets, tmp_path):
     from ovkit.train import train
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ovkit", "sft", str(assets / "data"), "--model", str(assets / "model"), "--out", str(out),
-           "--batch-size", "2", "--max-steps", "6", "--precision", "fp32", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ovkit",
+        "sft",
+        str(assets / "data"),
+        "--model",
+        str(assets / "model"),
+        "--out",
+        str(out),
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "6",
+        "--precision",
+        "fp32",
+        "--quiet",
+    ]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -109,8 +125,28 @@ SFT = dict(batch_size=2, max_steps=12, lr=1e-2, save_every=4)
 
 
 def _sft(assets: Path, out: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "ovkit", "sft", str(assets / "data"), "--model", str(assets / "model"), "--out", str(out),
-           "--batch-size", "2", "--max-steps", "12", "--lr", "1e-2", "--save-every", "4", "--precision", "fp32", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ovkit",
+        "sft",
+        str(assets / "data"),
+        "--model",
+        str(assets / "model"),
+        "--out",
+        str(out),
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "12",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "4",
+        "--precision",
+        "fp32",
+        "--quiet",
+    ]
     return subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -140,7 +176,10 @@ def test_sigterm_stops_a_learner_with_a_checkpoint_and_resume_continues_the_same
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err and "stopped by SIGTERM after step" in err and "--resume" in err, err[-3000:]
     stopped = int(err.split("after step ")[1].split()[0])
-    assert 2 <= stopped < 12 and (tmp_path / "run.partial" / "checkpoints" / f"step-{stopped:06d}" / "ovkit.json").is_file()
+    assert (
+        2 <= stopped < 12
+        and (tmp_path / "run.partial" / "checkpoints" / f"step-{stopped:06d}" / "ovkit.json").is_file()
+    )
     assert not out.exists() and not (tmp_path / "run.lock").exists()
 
     res = train(config("SFTConfig", assets, out, resume=True, **SFT))
@@ -158,7 +197,11 @@ def test_a_second_signal_stops_a_learner_at_once(assets, tmp_path):
     proc.send_signal(signal.SIGINT)  # before the step ends: no checkpoint is waited for
     err = proc.communicate(timeout=300)[1]
     # Python runs pending handlers in signal-number order: the one handled second is the one that stopped the run
-    second = signal.Signals[err.split("stopped at once by ")[-1].split()[0].rstrip(";")] if "stopped at once by " in err else None
+    second = (
+        signal.Signals[err.split("stopped at once by ")[-1].split()[0].rstrip(";")]
+        if "stopped at once by " in err
+        else None
+    )
     assert second is not None and proc.returncode == 128 + second, err[-3000:]
     assert "Traceback" not in err and "stopping after this step" in err, err[-3000:]
     assert not out.exists() and (tmp_path / "run.partial").is_dir() and not (tmp_path / "run.lock").exists()
@@ -166,8 +209,13 @@ def test_a_second_signal_stops_a_learner_at_once(assets, tmp_path):
 
 def test_sigint_stops_a_data_stage_and_removes_its_partial_output(tmp_path):
     out = tmp_path / "data"
-    proc = subprocess.Popen([sys.executable, "-m", "ovkit", "synth", "--out", str(out), "--scale", "0.2", "--quiet"], env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ovkit", "synth", "--out", str(out), "--scale", "0.2", "--quiet"],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for(lambda: any(p.name.startswith("data.tmp-") for p in tmp_path.iterdir()), proc)
     time.sleep(0.2)  # into the writing
     proc.send_signal(signal.SIGINT)
@@ -230,8 +278,28 @@ def test_resume_with_every_checkpoint_damaged_exits_2_naming_the_run(assets, fin
     out = _unfinished(finished, tmp_path)
     for ckpt in (tmp_path / "run.partial" / "checkpoints").glob("step-*"):
         _truncate(ckpt / "model.safetensors")
-    code, _, err = cli("sft", assets / "data", "--model", assets / "model", "--out", out, "--resume", "--batch-size", "2",
-                       "--max-steps", "6", "--lr", "1e-2", "--save-every", "2", "--keep-checkpoints", "3", "--precision", "fp32", "--quiet")
+    code, _, err = cli(
+        "sft",
+        assets / "data",
+        "--model",
+        assets / "model",
+        "--out",
+        out,
+        "--resume",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "6",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "2",
+        "--keep-checkpoints",
+        "3",
+        "--precision",
+        "fp32",
+        "--quiet",
+    )
     assert code == 2 and f"every checkpoint of {tmp_path / 'run.partial'} is damaged" in err, err
 
 
@@ -250,7 +318,9 @@ def test_a_checkpoint_without_a_manifest_that_does_not_load_is_named(assets, fin
 # -- out of GPU memory ---------------------------------------------------------------------------------------------
 
 
-def test_out_of_memory_in_a_learner_step_exits_3_with_what_to_lower_and_resumes(assets, finished, tmp_path, cli, monkeypatch):
+def test_out_of_memory_in_a_learner_step_exits_3_with_what_to_lower_and_resumes(
+    assets, finished, tmp_path, cli, monkeypatch
+):
     import torch
 
     from ovkit.train import loop
@@ -265,13 +335,39 @@ def test_out_of_memory_in_a_learner_step_exits_3_with_what_to_lower_and_resumes(
 
     monkeypatch.setattr(loop, "_step", step)
     out = tmp_path / "run"
-    args = ["sft", assets / "data", "--model", assets / "model", "--out", out, "--batch-size", "2", "--max-steps", "6", "--lr", "1e-2",
-            "--save-every", "2", "--keep-checkpoints", "3", "--precision", "fp32", "--quiet"]
+    args = [
+        "sft",
+        assets / "data",
+        "--model",
+        assets / "model",
+        "--out",
+        out,
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "6",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "2",
+        "--keep-checkpoints",
+        "3",
+        "--precision",
+        "fp32",
+        "--quiet",
+    ]
     code, _, err = cli(*args)
     assert code == 3, err
     line = err.strip()
     assert "\n" not in line and line.startswith("error: sft: out of GPU memory at step 3 ("), err
-    for option in ("tokens per micro-batch", "--batch-size", "--activation-checkpointing", "--precision", "--max-len", "--resume continues from"):
+    for option in (
+        "tokens per micro-batch",
+        "--batch-size",
+        "--activation-checkpointing",
+        "--precision",
+        "--max-len",
+        "--resume continues from",
+    ):
         assert option in line, (option, line)
     assert (tmp_path / "run.partial" / "checkpoints" / "step-000002" / "ovkit.json").is_file() and not out.exists()
 
@@ -298,7 +394,21 @@ def test_out_of_memory_in_a_data_stage_exits_3_naming_it(tmp_path, cli, monkeypa
 # -- out of space or not writable ----------------------------------------------------------------------------------
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-SFT_ARGS = ["--batch-size", "2", "--max-steps", "6", "--lr", "1e-2", "--save-every", "2", "--keep-checkpoints", "3", "--precision", "fp32", "--quiet"]
+SFT_ARGS = [
+    "--batch-size",
+    "2",
+    "--max-steps",
+    "6",
+    "--lr",
+    "1e-2",
+    "--save-every",
+    "2",
+    "--keep-checkpoints",
+    "3",
+    "--precision",
+    "fp32",
+    "--quiet",
+]
 
 
 def _sft_cli(cli, assets: Path, out: Path, *more: str):
@@ -316,11 +426,16 @@ def test_a_full_disk_in_a_data_stage_exits_2_naming_the_file_and_leaves_nothing(
     line = err.strip()
     assert code == 2 and "\n" not in line and "Traceback" not in err, err
     assert line.startswith(f"error: {tmp_path}/data.tmp-") and ".parquet" in line, line  # the file being written
-    assert "could not write: no space left on device (" in line and " free); free space there or choose another --out" in line, line
+    assert (
+        "could not write: no space left on device (" in line
+        and " free); free space there or choose another --out" in line
+    ), line
     assert list(tmp_path.iterdir()) == []  # no OUT.tmp-<pid>, no lock
 
 
-def test_a_full_disk_at_a_learner_checkpoint_keeps_the_last_one_and_resume_ends_the_same(assets, finished, tmp_path, cli, monkeypatch):
+def test_a_full_disk_at_a_learner_checkpoint_keeps_the_last_one_and_resume_ends_the_same(
+    assets, finished, tmp_path, cli, monkeypatch
+):
     import torch
 
     real, calls = torch.save, []
@@ -337,7 +452,9 @@ def test_a_full_disk_at_a_learner_checkpoint_keeps_the_last_one_and_resume_ends_
     line = err.strip()
     ckpts = tmp_path / "run.partial" / "checkpoints"
     assert code == 2 and "\n" not in line and "Traceback" not in err, err
-    assert f"error: {ckpts / '.step-000004.tmp'}: could not write: no space left on device (" in line and "needed)" in line, line
+    assert (
+        f"error: {ckpts / '.step-000004.tmp'}: could not write: no space left on device (" in line and "needed)" in line
+    ), line
     assert f"--resume: it continues from {ckpts / 'step-000002'}" in line, line
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-000002"] and not out.exists()
 
@@ -362,7 +479,11 @@ def test_a_full_disk_at_the_final_save_keeps_the_checkpoints(assets, finished, t
     out = tmp_path / "run"
     code, _, err = _sft_cli(cli, assets, out)
     assert code == 2 and "Traceback" not in err and "internal error" not in err, err
-    assert "could not write: no space left on device" in err and "--resume: it continues from" in err and "step-000004" in err, err
+    assert (
+        "could not write: no space left on device" in err
+        and "--resume: it continues from" in err
+        and "step-000004" in err
+    ), err
     assert (tmp_path / "run.partial" / "checkpoints" / "step-000004" / "ovkit.json").is_file() and not out.exists()
 
     monkeypatch.setattr(modeling_utils, "safe_save_file", real)
@@ -375,11 +496,16 @@ def test_a_learner_that_cannot_fit_its_checkpoints_exits_2_before_writing(assets
     import shutil
 
     real = shutil.disk_usage
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=100_000))  # saves at steps 2 and 4 (6 is the end): ~1.4 MiB each
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda p: real(p)._replace(free=100_000)
+    )  # saves at steps 2 and 4 (6 is the end): ~1.4 MiB each
     code, _, err = _sft_cli(cli, assets, tmp_path / "run")
     line = err.strip()
     assert code == 2 and "\n" not in line, err
-    assert line.startswith(f"error: --out {tmp_path / 'run'}: 2 checkpoints of about ") and "and the final model need about " in line, line
+    assert (
+        line.startswith(f"error: --out {tmp_path / 'run'}: 2 checkpoints of about ")
+        and "and the final model need about " in line
+    ), line
     assert "its filesystem has 97.7 KiB free; free space there or choose another --out" in line, line
     assert list(tmp_path.iterdir()) == []
 
@@ -396,7 +522,11 @@ def test_a_read_only_output_place_exits_2_before_the_work(tmp_path, cli, monkeyp
 
     monkeypatch.setattr(faults.os, "open", read_only)  # as root, chmod stops no write: the filesystem's answer instead
     code, _, err = cli("synth", "--out", tmp_path / "data", "--scale", "0.005", "--quiet")
-    assert code == 2 and f"--out {tmp_path / 'data'}: cannot write in {tmp_path} (Read-only file system); choose a writable place" in err, err
+    assert (
+        code == 2
+        and f"--out {tmp_path / 'data'}: cannot write in {tmp_path} (Read-only file system); choose a writable place"
+        in err
+    ), err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -418,7 +548,10 @@ def test_write_failures_are_told_apart_from_other_errors():
 
     from ovkit.faults import write_errno
 
-    assert write_errno(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")) == errno.ENOSPC
+    assert (
+        write_errno(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"))
+        == errno.ENOSPC
+    )
     assert write_errno(OSError(errno.EDQUOT, "Disk quota exceeded")) == errno.EDQUOT
     wrapped = RuntimeError("saving failed")
     wrapped.__cause__ = OSError(errno.EROFS, "Read-only file system")
@@ -427,7 +560,10 @@ def test_write_failures_are_told_apart_from_other_errors():
     assert write_errno(RuntimeError("unexpected pos 704 vs 598"), saving=True) == errno.ENOSPC
     forbidden = PermissionError(errno.EACCES, "Permission denied", "/data/in.parquet")
     assert write_errno(forbidden) is None and write_errno(forbidden, within=Path("/out")) is None  # reading an input
-    assert write_errno(PermissionError(errno.EACCES, "Permission denied", "/out/x.parquet"), within=Path("/out")) == errno.EACCES
+    assert (
+        write_errno(PermissionError(errno.EACCES, "Permission denied", "/out/x.parquet"), within=Path("/out"))
+        == errno.EACCES
+    )
     assert write_errno(FileNotFoundError(errno.ENOENT, "No such file")) is None
 
 
@@ -435,7 +571,9 @@ def test_write_failures_are_told_apart_from_other_errors():
 
 
 @pytest.mark.parametrize("failure", ["bug", "disk full"])
-def test_a_failure_while_finishing_a_learner_gives_the_run_back_to_resume(assets, finished, tmp_path, cli, monkeypatch, failure):
+def test_a_failure_while_finishing_a_learner_gives_the_run_back_to_resume(
+    assets, finished, tmp_path, cli, monkeypatch, failure
+):
     """Runtime.finish moves OUT.partial into the Stage's temp dir before it writes ovkit.json: a failure there must not
     delete the run (checkpoints included) but move it back, so --resume ends it."""
     from ovkit import runs
@@ -443,8 +581,14 @@ def test_a_failure_while_finishing_a_learner_gives_the_run_back_to_resume(assets
     real = runs.write_json
 
     def write_json(path, obj):
-        if Path(path).name == "ovkit.json" and ".tmp-" in Path(path).parent.name:  # the end's provenance, not a checkpoint's
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) if failure == "disk full" else RuntimeError("boom")
+        if (
+            Path(path).name == "ovkit.json" and ".tmp-" in Path(path).parent.name
+        ):  # the end's provenance, not a checkpoint's
+            raise (
+                OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                if failure == "disk full"
+                else RuntimeError("boom")
+            )
         return real(path, obj)
 
     monkeypatch.setattr(runs, "write_json", write_json)
@@ -489,7 +633,11 @@ def test_a_reward_worker_killed_from_outside_is_replaced_and_its_item_scored_aga
         killer = threading.Thread(target=kill_the_first_worker)
         killer.start()
         # the first two items are slow: whichever started first is still scoring when it is killed
-        results = pool.run([(pool_tasks.slow, str(marks), "1.5", {})] * 2 + [(pool_tasks.slow, str(marks), "0.2", {})] * 2, workers=2, timeout=30)
+        results = pool.run(
+            [(pool_tasks.slow, str(marks), "1.5", {})] * 2 + [(pool_tasks.slow, str(marks), "0.2", {})] * 2,
+            workers=2,
+            timeout=30,
+        )
         killer.join()
         assert len(killed) == 1
         assert all(r.reward == 1.0 for r in results), results  # every item came back, scored
@@ -500,7 +648,9 @@ def test_a_reward_worker_killed_from_outside_is_replaced_and_its_item_scored_aga
         assert all(r.reward == 1.0 and not r.parts.get("worker_crashes") for r in again)
         assert killed[0] not in {r.parts["pid"] for r in again}
 
-        dead = pool.run([(pool_tasks.die, "", "", {})], workers=1, timeout=30)[0]  # killed every time: a failure, counted
+        dead = pool.run([(pool_tasks.die, "", "", {})], workers=1, timeout=30)[
+            0
+        ]  # killed every time: a failure, counted
         assert dead.reward == 0.0 and dead.parts == {"crashed": True, "worker_crashes": 2}
     finally:
         pool.shutdown()

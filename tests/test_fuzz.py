@@ -20,10 +20,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image, ImageDraw
-
-from ovkit.data import REJECTS, image_cell, samples_table, write_samples
 from test_data import bomb_png, truncated_jpeg
 from test_train import _one_thread  # noqa: F401 (an autouse fixture: one torch thread)
+
+from ovkit.data import REJECTS, image_cell, samples_table, write_samples
 
 N_ROWS = 6
 
@@ -40,7 +40,10 @@ def good_rows() -> list[dict]:
         {
             "id": f"r{i}",
             "images": [image_cell(_picture(i))],
-            "messages": [{"role": "user", "content": "<image>How many squares?"}, {"role": "assistant", "content": f"There are {1 + i % 3} red squares."}],
+            "messages": [
+                {"role": "user", "content": "<image>How many squares?"},
+                {"role": "assistant", "content": f"There are {1 + i % 3} red squares."},
+            ],
             "source": "fuzz/count",
             "category": "counting",
             "answer": str(1 + i % 3),
@@ -59,11 +62,31 @@ def assets(tmp_path_factory):
     rows = good_rows()
     write_samples(samples_table(rows), root / "good")
     spec = TinySpec(
-        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, mrope_section=(2, 3, 3),
-        vision_hidden_size=32, vision_depth=1, vision_heads=2, vision_intermediate_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        mrope_section=(2, 3, 3),
+        vision_hidden_size=32,
+        vision_depth=1,
+        vision_heads=2,
+        vision_intermediate_size=64,
     )
-    build_tiny(root / "model", [m["content"] for r in rows for m in r["messages"]] * 4 + ["<answer>3</answer>"] * 8, spec=spec)
-    clip = TinyClipSpec(steps=1, batch_size=8, vision_layers=1, text_layers=1, vision_hidden=32, text_hidden=32, heads=2, projection_dim=16, vocab_size=300)
+    build_tiny(
+        root / "model", [m["content"] for r in rows for m in r["messages"]] * 4 + ["<answer>3</answer>"] * 8, spec=spec
+    )
+    clip = TinyClipSpec(
+        steps=1,
+        batch_size=8,
+        vision_layers=1,
+        text_layers=1,
+        vision_hidden=32,
+        text_hidden=32,
+        heads=2,
+        projection_dim=16,
+        vocab_size=300,
+    )
     corpus = [{**r, "id": f"{r['id']}-{k}"} for k in range(2) for r in rows]  # tiny-clip trains on 8 rows at least
     write_samples(samples_table(corpus), root / "clip-corpus")
     build_tiny_clip(root / "clip", [root / "clip-corpus"], spec=clip, quiet=True)
@@ -73,7 +96,18 @@ def assets(tmp_path_factory):
 
 # ------------------------------------------------------------------------------------------------ the commands
 
-TABLE_COMMANDS = ["pack", "balance-text", "balance-embed", "caption", "convert", "sft", "eval", "rl-curate", "rl-train", "mismatch-generate"]
+TABLE_COMMANDS = [
+    "pack",
+    "balance-text",
+    "balance-embed",
+    "caption",
+    "convert",
+    "sft",
+    "eval",
+    "rl-curate",
+    "rl-train",
+    "mismatch-generate",
+]
 ANSWER_COMMANDS = ["eval", "rl-curate", "rl-train", "mismatch-generate"]  # read RL / eval rows: answers are checked
 MODEL_COMMANDS = ["sft", "eval", "caption", "rl-curate", "rl-train", "mismatch-generate", "mismatch-rollouts"]
 
@@ -85,15 +119,65 @@ def command(name: str, a: Path, data: Path, out: Path, *, model=None, encoder=No
     tiny = ["--max-new-tokens", "3", "--quiet"]
     return {
         "pack": ["pack", data, "--model", model, "--max-len", "512", "--out", out, "--quiet"],
-        "balance-text": ["balance", data, "--concepts", a / "concepts.txt", "--method", "text", "--out", out, "--quiet"],
-        "balance-embed": ["balance", data, "--concepts", a / "concepts.txt", "--encoder", encoder, "--out", out, "--quiet"],
+        "balance-text": [
+            "balance",
+            data,
+            "--concepts",
+            a / "concepts.txt",
+            "--method",
+            "text",
+            "--out",
+            out,
+            "--quiet",
+        ],
+        "balance-embed": [
+            "balance",
+            data,
+            "--concepts",
+            a / "concepts.txt",
+            "--encoder",
+            encoder,
+            "--out",
+            out,
+            "--quiet",
+        ],
         "caption": ["caption", data, "--model", model, "--lang", "en", "--min-chars", "1", "--out", out, *tiny],
         "convert": ["convert", data, "--from", "ovkit", "--out", out, "--quiet"],
         "sft": ["sft", data, "--model", model, "--max-steps", "1", "--batch-size", "2", "--out", out, "--quiet"],
         "eval": ["eval", data, "--model", model, "--out", out, *tiny],
         "rl-curate": ["rl-curate", data, "--model", model, "--n", "2", "--reward-workers", "1", "--out", out, *tiny],
-        "rl-train": ["rl-train", data, "--model", model, "--max-steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--reward-workers", "1", "--no-system-prompt", "--out", out, *tiny],
-        "mismatch-generate": ["mismatch-report", "--generate", data, "--model", model, "--n", "1", "--sampler", "fp32", "--out", out, *tiny],
+        "rl-train": [
+            "rl-train",
+            data,
+            "--model",
+            model,
+            "--max-steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--reward-workers",
+            "1",
+            "--no-system-prompt",
+            "--out",
+            out,
+            *tiny,
+        ],
+        "mismatch-generate": [
+            "mismatch-report",
+            "--generate",
+            data,
+            "--model",
+            model,
+            "--n",
+            "1",
+            "--sampler",
+            "fp32",
+            "--out",
+            out,
+            *tiny,
+        ],
         "mismatch-rollouts": ["mismatch-report", rollouts or data, "--model", model, "--out", out, "--quiet"],
     }[name]
 
@@ -149,7 +233,9 @@ ROW_CASES = {
 # warning), a missing source the input's name, images without any marker get one each (commands/convert.md). Every
 # other case is refused by it too.
 CONVERT_REPAIRS = {"empty_id", "duplicate_id", "null_source", "marker_count"}
-CONVERT_COLUMN = {"null_images": "messages"}  # convert reads a null images list as no images: the markers are then wrong
+CONVERT_COLUMN = {
+    "null_images": "messages"
+}  # convert reads a null images list as no images: the markers are then wrong
 ANSWER_CASES = {
     "null_answer": (_set("answer", None), "answer"),
     "empty_answer": (_set("answer", "  "), "answer"),
@@ -195,7 +281,15 @@ def _messages_typed(role_type: pa.DataType, content_type: pa.DataType, role, con
 COLUMN_CASES = {
     "id_int": (_typed("id", pa.int64(), 7), "id", "mapped"),
     "images_string": (_typed("images", pa.string(), "x.png"), "images", "refused"),
-    "images_bytes_string": (_typed("images", pa.list_(pa.struct([("bytes", pa.string()), ("path", pa.string())])), [{"bytes": "x", "path": None}]), "images", "refused"),
+    "images_bytes_string": (
+        _typed(
+            "images",
+            pa.list_(pa.struct([("bytes", pa.string()), ("path", pa.string())])),
+            [{"bytes": "x", "path": None}],
+        ),
+        "images",
+        "refused",
+    ),
     "messages_string": (_typed("messages", pa.string(), "hello"), "messages", "refused"),
     "content_int": (_messages_typed(pa.string(), pa.int64(), "user", 7), "messages", "refused"),
     "role_int": (_messages_typed(pa.int64(), pa.string(), 1, "<image>hi"), "messages", "refused"),
@@ -203,7 +297,11 @@ COLUMN_CASES = {
     "category_list": (_typed("category", pa.list_(pa.string()), ["a"]), "category", "mapped"),
     "answer_int": (_typed("answer", pa.int64(), 3), "answer", "mapped"),
     "answer_type_float": (_typed("answer_type", pa.float64(), 1.5), "answer_type", "mapped"),
-    "reward_kwargs_struct": (_typed("reward_kwargs", pa.struct([("rel_tol", pa.float64())]), {"rel_tol": 0.1}), "reward_kwargs", "mapped"),
+    "reward_kwargs_struct": (
+        _typed("reward_kwargs", pa.struct([("rel_tol", pa.float64())]), {"rel_tol": 0.1}),
+        "reward_kwargs",
+        "mapped",
+    ),
     # no images column: the rows' <image> markers have no images (messages); no messages: not a sample table
     "missing_images": ((lambda: samples_table(good_rows()).drop_columns(["images"])), "messages", "refused"),
     "missing_messages": ((lambda: samples_table(good_rows()).drop_columns(["messages"])), "messages", "refused"),
@@ -231,7 +329,9 @@ def test_bad_rows_exit_2_naming_file_row_and_column(cli, assets, tmp_path, case)
             assert case != "duplicate_id" or "repeat an earlier id and were renamed" in err, err
             continue
         named = CONVERT_COLUMN.get(case, column) if name == "convert" else column
-        msg = refused(cli, command(name, assets, data, out), out, "part-0000", f"column '{named}")  # convert: 'images[0]'
+        msg = refused(
+            cli, command(name, assets, data, out), out, "part-0000", f"column '{named}"
+        )  # convert: 'images[0]'
         if name != "convert":  # convert names the input record by its index and id (before any renaming)
             assert f"row '{rid}'" in msg, msg
 
@@ -241,7 +341,9 @@ def test_unscorable_answers_exit_2_before_a_model_loads(cli, assets, tmp_path, c
     import ovkit.models
 
     data, rid, column = mutated_table(tmp_path / "data", case, ANSWER_CASES)
-    monkeypatch.setattr(ovkit.models, "load", lambda *a, **kw: pytest.fail("a model loaded before the table was checked"))
+    monkeypatch.setattr(
+        ovkit.models, "load", lambda *a, **kw: pytest.fail("a model loaded before the table was checked")
+    )
     for name in ANSWER_COMMANDS:
         out = tmp_path / f"out-{name}"
         refused(cli, command(name, assets, data, out), out, "part-0000", f"row '{rid}'", f"column '{column}'")
@@ -259,7 +361,13 @@ def test_mistyped_or_missing_columns_exit_2_naming_file_and_column(cli, assets, 
             code, _, err = cli(*command(name, assets, f, out))
             assert code == 0, err
             continue
-        refused(cli, command(name, assets, f, out), out, "bad.parquet", "column '" + ("prompt" if name == "convert" and case == "missing_messages" else column))
+        refused(
+            cli,
+            command(name, assets, f, out),
+            out,
+            "bad.parquet",
+            "column '" + ("prompt" if name == "convert" and case == "missing_messages" else column),
+        )
 
 
 @pytest.mark.parametrize("case", ["zero_bytes", "truncated"])
@@ -349,10 +457,26 @@ def test_random_tables_split_into_rows_and_rejects(tmp_path, seed):
 # ------------------------------------------------------------------------------------------------ other inputs
 
 
-ALL_COMMANDS = ["synth", "convert", "init-model", "balance", "caption", "pack", "align", "midtrain", "sft", "eval", "rl-curate", "rl-train", "mismatch-report"]
+ALL_COMMANDS = [
+    "synth",
+    "convert",
+    "init-model",
+    "balance",
+    "caption",
+    "pack",
+    "align",
+    "midtrain",
+    "sft",
+    "eval",
+    "rl-curate",
+    "rl-train",
+    "mismatch-report",
+]
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe\x00\x81binary\x00\x9c", b"max-len: [unclosed\n\x00\x01"], ids=["not-utf8", "control-bytes"])
+@pytest.mark.parametrize(
+    "content", [b"\xff\xfe\x00\x81binary\x00\x9c", b"max-len: [unclosed\n\x00\x01"], ids=["not-utf8", "control-bytes"]
+)
 def test_binary_yaml_config_exits_2_naming_the_file(cli, tmp_path, content):
     config = tmp_path / "bad.yaml"
     config.write_bytes(content)
@@ -365,7 +489,9 @@ def test_binary_concepts_file_exits_2_naming_the_file(cli, assets, tmp_path):
     concepts = tmp_path / "concepts.bin"
     concepts.write_bytes(bytes(range(256)))
     out = tmp_path / "out"
-    refused(cli, ["balance", assets / "good", "--concepts", concepts, "--method", "text", "--out", out], out, "concepts.bin")
+    refused(
+        cli, ["balance", assets / "good", "--concepts", concepts, "--method", "text", "--out", out], out, "concepts.bin"
+    )
 
 
 def rollout_table(path: Path, a: Path, mutate=None) -> Path:
@@ -379,11 +505,27 @@ def rollout_table(path: Path, a: Path, mutate=None) -> Path:
     processor = AutoProcessor.from_pretrained(a / "model")
     rows = []
     for i in range(4):
-        prompt = encode_prompt(processor, [{"role": "user", "content": "<image>How many squares?"}], [_picture(i)]).input_ids
+        prompt = encode_prompt(
+            processor, [{"role": "user", "content": "<image>How many squares?"}], [_picture(i)]
+        ).input_ids
         response = processor.tokenizer(f"<answer>{i}</answer>")["input_ids"]
-        rows.append({"prompt_id": f"r{i}", "group": i // 2, "prompt_ids": prompt, "response_ids": response, "behave_logprobs": [-0.7] * len(response),
-                     "reward": 0.0, "reward_parts": {}, "finish_reason": "stop", "category": "counting", "source": "fuzz", "answer": "1", "answer_type": "number",
-                     "images": [image_cell(_picture(i))]})
+        rows.append(
+            {
+                "prompt_id": f"r{i}",
+                "group": i // 2,
+                "prompt_ids": prompt,
+                "response_ids": response,
+                "behave_logprobs": [-0.7] * len(response),
+                "reward": 0.0,
+                "reward_parts": {},
+                "finish_reason": "stop",
+                "category": "counting",
+                "source": "fuzz",
+                "answer": "1",
+                "answer_type": "number",
+                "images": [image_cell(_picture(i))],
+            }
+        )
     table = rollouts_table(rows)
     if mutate is not None:
         table = mutate(table)
@@ -393,6 +535,7 @@ def rollout_table(path: Path, a: Path, mutate=None) -> Path:
 
 def _rollout_column(name, fn):
     """Replace column `name` by fn(values) (a list per row), keeping its type unless fn returns an arrow array."""
+
     def mutate(t):
         values = fn(t.column(name).to_pylist())
         arr = values if isinstance(values, (pa.Array, pa.ChunkedArray)) else pa.array(values, t.schema.field(name).type)
@@ -408,14 +551,28 @@ def _first(fn):
 ROLLOUT_CASES = {
     "token_id_out_of_vocab": (_rollout_column("response_ids", _first(lambda ids: [10**6, *ids[1:]])), "response_ids"),
     "negative_token_id": (_rollout_column("prompt_ids", _first(lambda ids: [-3, *ids[1:]])), "prompt_ids"),
-    "nan_logprobs": (_rollout_column("behave_logprobs", _first(lambda lp: [float("nan")] * len(lp))), "behave_logprobs"),
-    "inf_logprob": (_rollout_column("behave_logprobs", _first(lambda lp: [*lp[:-1], float("-inf")])), "behave_logprobs"),
+    "nan_logprobs": (
+        _rollout_column("behave_logprobs", _first(lambda lp: [float("nan")] * len(lp))),
+        "behave_logprobs",
+    ),
+    "inf_logprob": (
+        _rollout_column("behave_logprobs", _first(lambda lp: [*lp[:-1], float("-inf")])),
+        "behave_logprobs",
+    ),
     "short_loss_mask": (_rollout_column("loss_mask", _first(lambda m: m[:-1])), "loss_mask"),
     "long_logprobs": (_rollout_column("behave_logprobs", _first(lambda lp: [*lp, -1.0])), "behave_logprobs"),
     "empty_prompt": (_rollout_column("prompt_ids", _first(lambda ids: [])), "prompt_ids"),
     "bad_finish_reason": (_rollout_column("finish_reason", _first(lambda r: "exploded")), "finish_reason"),
-    "truncated_image": (_rollout_column("images", _first(lambda cells: [{"bytes": truncated_jpeg(), "path": None}])), "images"),
-    "ids_as_strings": (_rollout_column("response_ids", lambda v: pa.array([[str(x) for x in ids] for ids in v], pa.list_(pa.string()))), "response_ids"),
+    "truncated_image": (
+        _rollout_column("images", _first(lambda cells: [{"bytes": truncated_jpeg(), "path": None}])),
+        "images",
+    ),
+    "ids_as_strings": (
+        _rollout_column(
+            "response_ids", lambda v: pa.array([[str(x) for x in ids] for ids in v], pa.list_(pa.string()))
+        ),
+        "response_ids",
+    ),
     "images_as_string": (_rollout_column("images", lambda v: pa.array(["x.png"] * len(v))), "images"),
     "missing_column": (lambda t: t.drop_columns(["behave_logprobs"]), "behave_logprobs"),
 }
@@ -427,9 +584,17 @@ def test_bad_rollout_tables_exit_2_before_the_model_loads(cli, assets, tmp_path,
 
     mutate, column = ROLLOUT_CASES[case]
     path = rollout_table(tmp_path / "rollouts.parquet", assets, mutate)
-    monkeypatch.setattr(ovkit.models, "load", lambda *a, **kw: pytest.fail("a model loaded before the rollouts were checked"))
+    monkeypatch.setattr(
+        ovkit.models, "load", lambda *a, **kw: pytest.fail("a model loaded before the rollouts were checked")
+    )
     out = tmp_path / "out"
-    refused(cli, command("mismatch-rollouts", assets, assets / "good", out, rollouts=path), out, "rollouts.parquet", f"column '{column}'")
+    refused(
+        cli,
+        command("mismatch-rollouts", assets, assets / "good", out, rollouts=path),
+        out,
+        "rollouts.parquet",
+        f"column '{column}'",
+    )
 
 
 def _model_dir(tmp_path: Path, source: Path, case: str) -> Path:
@@ -463,7 +628,9 @@ def test_damaged_model_directories_exit_2_naming_the_directory(cli, assets, tmp_
     names = MODEL_COMMANDS + (["pack"] if case in ("config_not_json", "no_tokenizer") else [])
     for name in names:
         out = tmp_path / f"out-{name}"
-        refused(cli, command(name, assets, assets / "good", out, model=model, rollouts=rollouts), out, f"--model {model}")
+        refused(
+            cli, command(name, assets, assets / "good", out, model=model, rollouts=rollouts), out, f"--model {model}"
+        )
 
 
 @pytest.mark.parametrize("case", ["truncated_weights", "no_config", "no_weights"])
@@ -473,7 +640,9 @@ def test_damaged_encoder_exits_2_naming_the_directory(cli, assets, tmp_path, cas
     refused(cli, command("balance-embed", assets, assets / "good", out, encoder=encoder), out, f"--encoder {encoder}")
 
 
-@pytest.mark.parametrize("name", ["./missing-model", "runs/a/missing-model", "~/missing-model", "missing-org/missing-model"])
+@pytest.mark.parametrize(
+    "name", ["./missing-model", "runs/a/missing-model", "~/missing-model", "missing-org/missing-model"]
+)
 def test_missing_model_paths_are_never_sent_to_the_hub(cli, assets, tmp_path, name, monkeypatch):
     """A local-looking name that does not exist is an error at once; an ORG/NAME id is looked up in the HF cache
     only (HF_HUB_OFFLINE=1 here): nothing reaches the network or transformers' retries."""
@@ -483,7 +652,12 @@ def test_missing_model_paths_are_never_sent_to_the_hub(cli, assets, tmp_path, na
     monkeypatch.chdir(tmp_path)
     for cmd in ["pack", "sft", "eval"]:
         out = tmp_path / f"out-{cmd}"
-        msg = refused(cli, command(cmd, assets, assets / "good", out, model=Path(name) if not name.startswith("./") else name), out, "--model")
+        msg = refused(
+            cli,
+            command(cmd, assets, assets / "good", out, model=Path(name) if not name.startswith("./") else name),
+            out,
+            "--model",
+        )
         assert "no such directory" in msg, msg
 
 
@@ -499,7 +673,9 @@ def test_a_hub_id_without_a_reachable_hub_fails_after_one_probe(cli, assets, tmp
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub, "get_session", lambda: Down())
     out = tmp_path / "out"
-    refused(cli, command("sft", assets, assets / "good", out, model="missing-org/missing-model"), out, "cannot be reached")
+    refused(
+        cli, command("sft", assets, assets / "good", out, model="missing-org/missing-model"), out, "cannot be reached"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ image paths in convert
@@ -525,8 +701,16 @@ def test_convert_never_reads_special_files_as_images(cli, tmp_path, target):
         (root / "dir.png").mkdir()
         special = "dir.png"
     records = [
-        {"id": "ok", "image": "ok.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A square."}]},
-        {"id": "special", "image": special, "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A square."}]},
+        {
+            "id": "ok",
+            "image": "ok.png",
+            "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A square."}],
+        },
+        {
+            "id": "special",
+            "image": special,
+            "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A square."}],
+        },
     ]
     src = tmp_path / "llava.json"
     src.write_text(json.dumps(records))
@@ -538,8 +722,17 @@ def test_convert_never_reads_special_files_as_images(cli, tmp_path, target):
     signal.alarm(30)
     try:
         out = tmp_path / "out"
-        refused(cli, ["convert", src, "--from", "llava", "--image-root", root, "--out", out, "--quiet"], out, "llava.json", "'special'", "not a regular file")
-        code, _, err = cli("convert", src, "--from", "llava", "--image-root", root, "--out", out, "--quiet", "--on-error", "skip")
+        refused(
+            cli,
+            ["convert", src, "--from", "llava", "--image-root", root, "--out", out, "--quiet"],
+            out,
+            "llava.json",
+            "'special'",
+            "not a regular file",
+        )
+        code, _, err = cli(
+            "convert", src, "--from", "llava", "--image-root", root, "--out", out, "--quiet", "--on-error", "skip"
+        )
     except _Hang:
         pytest.fail(f"convert hung on {special}")
     finally:

@@ -50,8 +50,16 @@ def prompts(tiny):
     return [
         encode_prompt(processor, [{"role": "user", "content": "<image>\nHow many circles are there?"}], [_img()]),
         encode_prompt(processor, [{"role": "user", "content": "What colour is the square?"}], []),
-        encode_prompt(processor, [{"role": "user", "content": "<image>\nthe words\n<image>\ncompare"}], [_img(168, 84, (0, 90, 200)), _img()]),
-        encode_prompt(processor, [{"role": "user", "content": "<image>\nA bar chart: A is 3, B is 5. What is B?"}], [_img(colour=(20, 200, 20))]),
+        encode_prompt(
+            processor,
+            [{"role": "user", "content": "<image>\nthe words\n<image>\ncompare"}],
+            [_img(168, 84, (0, 90, 200)), _img()],
+        ),
+        encode_prompt(
+            processor,
+            [{"role": "user", "content": "<image>\nA bar chart: A is 3, B is 5. What is B?"}],
+            [_img(colour=(20, 200, 20))],
+        ),
     ]
 
 
@@ -139,7 +147,9 @@ def test_sampler_logprobs_equal_teacher_forced_logprobs(tiny, prompts, temperatu
     from ovkit.generate import sampling_logprobs
 
     model, _ = tiny
-    out = _engine(tiny, batch_size=8).generate(prompts, n=2, temperature=temperature, top_p=top_p, max_new_tokens=8, seed=3)
+    out = _engine(tiny, batch_size=8).generate(
+        prompts, n=2, temperature=temperature, top_p=top_p, max_new_tokens=8, seed=3
+    )
     for prompt, completions in zip(prompts, out):
         assert len(completions) == 2
         for c in completions:
@@ -385,7 +395,9 @@ def test_rollouts_round_trip(tmp_path):
 
     from ovkit.rollouts.table import ROLLOUT_SCHEMA, read_rollouts, write_rollouts
 
-    path = write_rollouts([_rollout(), _rollout(prompt_id="p1", group=1, completion="<answer>3</answer>")], tmp_path / "rollouts.parquet")
+    path = write_rollouts(
+        [_rollout(), _rollout(prompt_id="p1", group=1, completion="<answer>3</answer>")], tmp_path / "rollouts.parquet"
+    )
     table = read_rollouts(tmp_path)  # a run directory holding rollouts.parquet
     assert table.column_names[: len(ROLLOUT_SCHEMA)] == ROLLOUT_SCHEMA.names
     rows = table.to_pylist()
@@ -432,10 +444,17 @@ def test_vllm_engine_matches_hf_greedy_and_reports_sampled_logprobs(tiny, prompt
     for prompt, completions in zip(prompts, sampled):
         for c in completions:
             logits = _teacher_forced_logits(model, prompt, c.token_ids)
-            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids, device=logits.device)[:, None]).squeeze(1)
+            want = (
+                torch.log_softmax(logits, -1)
+                .gather(1, torch.tensor(c.token_ids, device=logits.device)[:, None])
+                .squeeze(1)
+            )
             assert c.logprobs == pytest.approx(want.tolist(), abs=1e-2)
     engine.update_weights(model)  # in-place reload keeps generating
-    assert engine.generate(prompts[:1], temperature=0, max_new_tokens=8, images=images[:1])[0][0].token_ids == hf[0][0].token_ids
+    assert (
+        engine.generate(prompts[:1], temperature=0, max_new_tokens=8, images=images[:1])[0][0].token_ids
+        == hf[0][0].token_ids
+    )
 
 
 def test_a_sampler_copy_is_built_in_its_own_dtype_and_follows_the_learner(tiny, prompts):
@@ -447,7 +466,9 @@ def test_a_sampler_copy_is_built_in_its_own_dtype_and_follows_the_learner(tiny, 
 
     model, _ = tiny
     copy16 = cast_copy(model, torch.bfloat16)
-    assert {p.dtype for p in copy16.parameters()} == {torch.bfloat16} and {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {p.dtype for p in copy16.parameters()} == {torch.bfloat16} and {p.dtype for p in model.parameters()} == {
+        torch.float32
+    }
     assert copy16.get_output_embeddings().weight is copy16.get_input_embeddings().weight  # still tied
     assert not any(p.requires_grad for p in copy16.parameters())
     separate = _engine(tiny, separate=True)
@@ -463,13 +484,18 @@ def test_a_sampler_copy_is_built_in_its_own_dtype_and_follows_the_learner(tiny, 
             model.lm_head.weight.copy_(before)
 
 
-@pytest.mark.parametrize("precision, learner_dtype, staleness, want", [
-    ("bf16-mixed", "bfloat16", 2, 2.0),  # master weights: the learner computes in bf16 weights, the copy is bf16
-    ("bf16-mixed", "float32", 2, 2.0),  # autocast over fp32 weights (DDP, adamw_8bit): the copy is still bf16
-    ("fp32", "float32", 2, 4.0),
-    ("bf16-mixed", "float32", 0, 0.0),  # synchronous: the learner itself, no copy
-])
-def test_the_async_sampler_copy_holds_the_learner_compute_dtype(tiny, tmp_path, precision, learner_dtype, staleness, want):
+@pytest.mark.parametrize(
+    "precision, learner_dtype, staleness, want",
+    [
+        ("bf16-mixed", "bfloat16", 2, 2.0),  # master weights: the learner computes in bf16 weights, the copy is bf16
+        ("bf16-mixed", "float32", 2, 2.0),  # autocast over fp32 weights (DDP, adamw_8bit): the copy is still bf16
+        ("fp32", "float32", 2, 4.0),
+        ("bf16-mixed", "float32", 0, 0.0),  # synchronous: the learner itself, no copy
+    ],
+)
+def test_the_async_sampler_copy_holds_the_learner_compute_dtype(
+    tiny, tmp_path, precision, learner_dtype, staleness, want
+):
     """rl-train's asynchronous sampler holds its own weights in the learner's compute dtype: bytes per learner
     parameter of the copy (tied weights counted once)."""
     import torch
@@ -480,7 +506,9 @@ def test_the_async_sampler_copy_holds_the_learner_compute_dtype(tiny, tmp_path, 
 
     model, processor = tiny
     learner = cast_copy(model, getattr(torch, learner_dtype))
-    cfg = RLTrainConfig(data=[tmp_path], model=tmp_path, out=tmp_path / "out", precision=precision, max_staleness=staleness)
+    cfg = RLTrainConfig(
+        data=[tmp_path], model=tmp_path, out=tmp_path / "out", precision=precision, max_staleness=staleness
+    )
     sampler = make_sampler(cfg, learner, processor).model
     copy = 0 if sampler is learner else sum(p.numel() * p.element_size() for p in sampler.parameters())
     assert copy / sum(p.numel() for p in learner.parameters()) == want
@@ -515,16 +543,23 @@ def test_vllm_requests_are_token_ids_images_and_the_sampled_distribution(fake_vl
 
     fake, path = fake_vllm
     engine = VLLMEngine(path, tiny[1], dtype="float32")
-    out = engine.generate(prompts, n=2, max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3, images=IMAGES, suppress_ids=[5])
-    (_, ids, params), = [c for c in fake.LLM.calls if c[0] == "generate"]
+    out = engine.generate(
+        prompts, n=2, max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3, images=IMAGES, suppress_ids=[5]
+    )
+    ((_, ids, params),) = [c for c in fake.LLM.calls if c[0] == "generate"]
     assert ids == [list(p.input_ids) for p in prompts]
     assert [p["seed"] for p in params] == [3 * 1_000_003 + i * 2 for i in range(4)]
-    assert all(p["n"] == 2 and p["logprobs"] == 0 and p["temperature"] == 0.8 and p["top_p"] == 0.9 and p["max_tokens"] == 6 for p in params)
+    assert all(
+        p["n"] == 2 and p["logprobs"] == 0 and p["temperature"] == 0.8 and p["top_p"] == 0.9 and p["max_tokens"] == 6
+        for p in params
+    )
     assert all(p["logit_bias"] == {5: -100.0} and set(engine.stop_ids) <= set(p["stop_token_ids"]) for p in params)
     for completions in out:
         assert len(completions) == 2
         for c in completions:
-            assert len(c.logprobs) == len(c.token_ids) > 0 and all(lp <= 0 for lp in c.logprobs) and 5 not in c.token_ids
+            assert (
+                len(c.logprobs) == len(c.token_ids) > 0 and all(lp <= 0 for lp in c.logprobs) and 5 not in c.token_ids
+            )
             assert (c.finish_reason == "stop") == (c.token_ids[-1] in engine.stop_ids)
     with pytest.raises(Exception, match="images"):
         engine.generate(prompts[:1], max_new_tokens=2)  # a multimodal prompt without its images
@@ -561,7 +596,18 @@ def test_vllm_sleeps_while_the_learner_updates(fake_vllm, tiny, prompts):
     engine.generate(prompts[1:2], max_new_tokens=2)
     engine.generate(prompts[1:2], max_new_tokens=2)
     names = [c[0] for c in fake.LLM.calls[1:]]
-    assert names == ["generate", "sleep", "wake_up", "load_weights", "reset_prefix_cache", "generate", "sleep", "wake_up", "generate", "sleep"]
+    assert names == [
+        "generate",
+        "sleep",
+        "wake_up",
+        "load_weights",
+        "reset_prefix_cache",
+        "generate",
+        "sleep",
+        "wake_up",
+        "generate",
+        "sleep",
+    ]
 
 
 def test_weight_rounding_for_low_precision_samplers_is_bounded_and_device_agnostic(tiny, prompts):
@@ -573,7 +619,7 @@ def test_weight_rounding_for_low_precision_samplers_is_bounded_and_device_agnost
     from ovkit.generate.quant import FP8_MAX, round_weights
 
     model, _ = tiny
-    for kind, step in (("int8", 1 / 127), ("fp8", 2 ** -3)):
+    for kind, step in (("int8", 1 / 127), ("fp8", 2**-3)):
         rounded = round_weights(cast_copy(model, torch.float32), kind)
         for (name, a), (_, b) in zip(model.named_parameters(), rounded.named_parameters()):
             if a.dim() == 2 and "embed" not in name:

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_convert import images, many_llava  # noqa: F401 (a fixture)
+from test_eval import TEXTS, eval_set  # noqa: F401 (a fixture)
 
 from ovkit.data import read_samples
 from ovkit.errors import OvkitError
-from test_convert import images, many_llava  # noqa: F401 (a fixture)
-from test_eval import TEXTS, eval_set  # noqa: F401 (a fixture)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -31,7 +31,10 @@ def test_a_data_stage_under_torchrun_writes_one_part_per_process(tmp_path, image
     src = many_llava(tmp_path, 9)
     run = _torchrun(2, "convert", src, "--image-root", root, "--out", tmp_path / "out", "--quiet")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == ["part-00000-of-00002", "part-00001-of-00002"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == [
+        "part-00000-of-00002",
+        "part-00001-of-00002",
+    ]
     assert read_samples(tmp_path / "out").table.column("id").to_pylist() == [f"r{i}" for i in range(9)]
     explicit = _torchrun(2, "convert", src, "--image-root", root, "--out", tmp_path / "x", "--shard", "0/2", "--quiet")
     assert explicit.returncode != 0 and "drop --shard" in explicit.stderr  # each process exits 2; torchrun reports 1
@@ -57,7 +60,9 @@ def test_accelerate_asking_for_two_processes_and_starting_one_is_an_error(tmp_pa
     assert not (tmp_path / "out").exists()
     # A MULTI_CPU config starts one process too (accelerate needs MPI for several CPU processes): the message says what
     # works here (torchrun, or MPI), not "use a MULTI_CPU config".
-    (tmp_path / "multi_cpu.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
+    (tmp_path / "multi_cpu.yaml").write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n"
+    )
     run = subprocess.run([accelerate, "launch", "--config_file", str(tmp_path / "multi_cpu.yaml"), "-m", "ovkit", "convert", str(src), "--image-root",
                           str(root), "--out", str(tmp_path / "out"), "--quiet"], env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode != 0 and "asked for 2 processes and started one" in run.stderr, run.stderr[-2000:]
@@ -76,11 +81,15 @@ def test_an_engine_the_machine_cannot_run_is_named_in_a_warning(monkeypatch, tmp
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     assert launch.requested_engine() == "FSDP"
     note = launch.engine_warning("MULTI_CPU")
-    assert note and "asked for FSDP" in note and "this run is MULTI_CPU" in note and "torchrun --nproc_per_node N" in note
+    assert (
+        note and "asked for FSDP" in note and "this run is MULTI_CPU" in note and "torchrun --nproc_per_node N" in note
+    )
     assert launch.engine_warning("FSDP") is None
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # under accelerate launch, its config file says DEEPSPEED
-    monkeypatch.setattr(launch, "_launch_config", lambda args=None: {"distributed_type": "DEEPSPEED", "num_processes": 2})
+    monkeypatch.setattr(
+        launch, "_launch_config", lambda args=None: {"distributed_type": "DEEPSPEED", "num_processes": 2}
+    )
     assert launch.requested_engine() == "DEEPSPEED" and "asked for DEEPSPEED" in launch.engine_warning("NO")
 
 
@@ -107,8 +116,21 @@ def test_eval_under_torchrun_shares_the_rows_and_writes_what_one_process_writes(
     from ovkit.models.tiny import build_tiny
 
     model = build_tiny(tmp_path / "tiny", TEXTS, seed=0)
-    (tmp_path / "eval.yaml").write_text("n: 2\ntemperature: 1.0\n")  # torchrun's own parser takes `--n` for an abbreviation of its options
-    args = ["eval", eval_set, "--model", model, "--max-new-tokens", "5", "--config", tmp_path / "eval.yaml", "--save-logprobs", "--quiet"]
+    (tmp_path / "eval.yaml").write_text(
+        "n: 2\ntemperature: 1.0\n"
+    )  # torchrun's own parser takes `--n` for an abbreviation of its options
+    args = [
+        "eval",
+        eval_set,
+        "--model",
+        model,
+        "--max-new-tokens",
+        "5",
+        "--config",
+        tmp_path / "eval.yaml",
+        "--save-logprobs",
+        "--quiet",
+    ]
     for n in (1, 2):
         run = _torchrun(n, *args, "--out", tmp_path / f"p{n}")
         assert run.returncode == 0, run.stderr[-3000:]
@@ -119,7 +141,9 @@ def test_eval_under_torchrun_shares_the_rows_and_writes_what_one_process_writes(
     summary = lambda d: {k: v for k, v in json.loads((d / "summary.json").read_text()).items() if k != "results"}  # noqa: E731 (a timestamped name)
     assert summary(one) == summary(two)
     files = lambda d: sorted(d.rglob("*_*.json*"))  # noqa: E731 (lmms-eval's <timestamp>_results.json, _samples_<task>.jsonl)
-    assert [f.name.split("_", 2)[-1] for f in files(one)] == [f.name.split("_", 2)[-1] for f in files(two)] and files(one)
+    assert [f.name.split("_", 2)[-1] for f in files(one)] == [f.name.split("_", 2)[-1] for f in files(two)] and files(
+        one
+    )
     for a, b in zip(files(one), files(two)):
         if a.suffix == ".jsonl":
             assert a.read_text() == b.read_text(), a.name

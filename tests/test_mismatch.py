@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from test_rl_train import rl_assets  # noqa: F401  (the shared tiny model + RL table)
 
 L = math.log
@@ -58,7 +57,9 @@ def test_metrics_match_closed_forms():
     assert m["rollout_probs_diff_max"] == pytest.approx(0.4)
     assert m["rollout_probs_diff_mean"] == pytest.approx(0.3)
     assert m["rollout_probs_diff_std"] == pytest.approx(statistics.stdev(diffs))
-    assert m["rollout_actor_probs_pearson_corr"] == pytest.approx(statistics.correlation([p for p, _ in pairs], [q for _, q in pairs]))
+    assert m["rollout_actor_probs_pearson_corr"] == pytest.approx(
+        statistics.correlation([p for p, _ in pairs], [q for _, q in pairs])
+    )
     # per response max / mean |dp|: A (.25, .25), B (.4)
     assert m["max_mismatch_mean"] == pytest.approx((0.25 + 0.4) / 2)
     assert m["mean_mismatch_mean"] == pytest.approx((0.25 + 0.4) / 2)
@@ -75,13 +76,22 @@ def test_correction_fractions_by_hand():
 
     s = _hand_scores()  # token ratios A (.5, 2), B (.5); sequence ratios A 1, B .5; geometric A 1, B .5
     c = correction_fractions(s, Thresholds(correction_threshold=1.5, behave_cap=1.5, veto_threshold=None))
-    assert c["token-tis"] == {"action": "clip", "rule": "token ratio > 1.5", "token_frac": pytest.approx(1 / 3), "seq_frac": 0.5}
+    assert c["token-tis"] == {
+        "action": "clip",
+        "rule": "token ratio > 1.5",
+        "token_frac": pytest.approx(1 / 3),
+        "seq_frac": 0.5,
+    }
     assert c["seq-tis"]["token_frac"] == 0.0
     assert c["token-mis"]["action"] == "mask" and c["token-mis"]["token_frac"] == pytest.approx(1 / 3)
     assert c["seq-mis"]["token_frac"] == 0.0
-    assert c["geo-rs"]["token_frac"] == pytest.approx(1 / 3) and c["geo-rs"]["seq_frac"] == 0.5  # B's .5 is outside [.999, 1.001]
+    assert (
+        c["geo-rs"]["token_frac"] == pytest.approx(1 / 3) and c["geo-rs"]["seq_frac"] == 0.5
+    )  # B's .5 is outside [.999, 1.001]
     assert c["behave-cap"]["token_frac"] == pytest.approx(1 / 3)
-    c = correction_fractions(s, Thresholds(correction_threshold=1.5, correction_lower=0.6, behave_cap=None, veto_threshold=0.6))
+    c = correction_fractions(
+        s, Thresholds(correction_threshold=1.5, correction_lower=0.6, behave_cap=None, veto_threshold=0.6)
+    )
     assert c["token-tis"]["token_frac"] == pytest.approx(1.0)  # .5 -> .6 twice, 2 -> 1.5 once
     assert c["token-mis"]["token_frac"] == pytest.approx(1.0)
     assert c["seq-mis"]["token_frac"] == pytest.approx(1 / 3) and c["seq-mis"]["seq_frac"] == 0.5  # B: .5 < .6
@@ -97,7 +107,17 @@ def test_identical_sampler_and_learner_give_zero_mismatch():
     logp = [list(np.log(rng.uniform(0.001, 1.0, size=n))) for n in (3, 7, 12, 1)]
     a = analyse(Scores.from_lists(logp, logp), Thresholds(veto_threshold=0.5))
     m = a["metrics"]
-    for key in ("k3_kl", "kl", "chi2_token", "chi2_seq", "log_ppl_diff", "log_ppl_abs_diff", "rollout_probs_diff_max", "max_mismatch_mean", "mean_mismatch_mean"):
+    for key in (
+        "k3_kl",
+        "kl",
+        "chi2_token",
+        "chi2_seq",
+        "log_ppl_diff",
+        "log_ppl_abs_diff",
+        "rollout_probs_diff_max",
+        "max_mismatch_mean",
+        "mean_mismatch_mean",
+    ):
         assert m[key] == pytest.approx(0.0, abs=1e-12), key
     assert m["training_ppl"] == m["rollout_ppl"] and m["ppl_ratio"] == 1.0
     assert m["token_is_eff_sample_size"] == pytest.approx(1.0) and m["seq_is_eff_sample_size"] == pytest.approx(1.0)
@@ -112,7 +132,11 @@ def test_empty_or_all_masked_is_a_clear_error():
     from ovkit.mismatch.metrics import Scores, Thresholds, correction_fractions, mismatch_metrics
 
     for scores in (Scores.from_lists([], []), Scores.from_lists([[-1.0, -2.0]], [[-1.0, -2.5]], mask=[[0, 0]])):
-        for fn in (mismatch_metrics, lambda s: correction_fractions(s, Thresholds()), lambda s: analyse(s, Thresholds())):
+        for fn in (
+            mismatch_metrics,
+            lambda s: correction_fractions(s, Thresholds()),
+            lambda s: analyse(s, Thresholds()),
+        ):
             with pytest.raises(OvkitError, match="no sampled response tokens"):
                 fn(scores)
 
@@ -138,7 +162,9 @@ def test_sampler_probability_bins():
     assert rows["[0.01, 0.1)"]["tokens"] == 2 and rows["[0.01, 0.1)"]["mean_log_ratio"] == pytest.approx(0.0)
     assert rows["[0.01, 0.1)"]["mean_abs_log_ratio"] == pytest.approx(L(2))
     assert rows["[0.01, 0.1)"]["k3_kl"] == pytest.approx(((2 - 1 - L(2)) + (0.5 - 1 + L(2))) / 2)
-    assert rows["[0, 0.001)"]["learner_lower_frac"] == 1.0 and sum(r["share"] for r in rows.values()) == pytest.approx(1.0)
+    assert rows["[0, 0.001)"]["learner_lower_frac"] == 1.0 and sum(r["share"] for r in rows.values()) == pytest.approx(
+        1.0
+    )
 
 
 def test_turns_from_the_loss_mask_and_first_vs_later():
@@ -171,7 +197,9 @@ def test_length_buckets():
     sampler = [[L(0.5)] * 1, [L(0.5)] * 3, [L(0.5)] * 3]
     rows = by_length(Scores.from_lists(learner, sampler))
     assert [(r["bucket"], r["responses"]) for r in rows] == [("[1, 2)", 1), ("[2, 4)", 2)]
-    assert rows[1]["max_mismatch_mean"] == pytest.approx(0.4 / 2) and rows[1]["mean_mismatch_mean"] == pytest.approx(0.4 / 3 / 2)
+    assert rows[1]["max_mismatch_mean"] == pytest.approx(0.4 / 2) and rows[1]["mean_mismatch_mean"] == pytest.approx(
+        0.4 / 3 / 2
+    )
 
 
 def test_group_tables_per_category():
@@ -187,7 +215,21 @@ def test_group_tables_per_category():
 
 def _rollout_row(i, loss_mask):
     n = len(loss_mask)
-    return {"prompt_id": f"p{i}", "group": i, "prompt_ids": [1, 2, 3], "response_ids": [4] * n, "loss_mask": loss_mask, "behave_logprobs": [-0.5] * n, "reward": 0.0, "reward_parts": {}, "finish_reason": "stop", "category": "c", "source": "s", "answer": "1", "answer_type": "number"}
+    return {
+        "prompt_id": f"p{i}",
+        "group": i,
+        "prompt_ids": [1, 2, 3],
+        "response_ids": [4] * n,
+        "loss_mask": loss_mask,
+        "behave_logprobs": [-0.5] * n,
+        "reward": 0.0,
+        "reward_parts": {},
+        "finish_reason": "stop",
+        "category": "c",
+        "source": "s",
+        "answer": "1",
+        "answer_type": "number",
+    }
 
 
 @pytest.mark.parametrize("rows", [[], [_rollout_row(0, [0, 0, 0]), _rollout_row(1, [])]], ids=["empty", "all-masked"])
@@ -203,9 +245,13 @@ def test_cli_empty_or_all_masked_rollouts_exit_2(cli, tmp_path, rows):
 def test_cli_option_errors(cli, tmp_path):
     code, _, err = cli("mismatch-report", "--model", tmp_path, "--out", tmp_path / "o")
     assert code == 2 and "ROLLOUTS" in err
-    code, _, err = cli("mismatch-report", tmp_path / "r.parquet", "--model", tmp_path, "--out", tmp_path / "o", "--sampler", "int8")
+    code, _, err = cli(
+        "mismatch-report", tmp_path / "r.parquet", "--model", tmp_path, "--out", tmp_path / "o", "--sampler", "int8"
+    )
     assert code == 2 and "--generate" in err
-    code, _, err = cli("mismatch-report", "--generate", tmp_path, "--model", tmp_path, "--out", tmp_path / "o", "--sampler", "fp4")
+    code, _, err = cli(
+        "mismatch-report", "--generate", tmp_path, "--model", tmp_path, "--out", tmp_path / "o", "--sampler", "fp4"
+    )
     assert code == 2 and "--sampler must be one of" in err
 
 
@@ -223,7 +269,9 @@ def test_end_to_end_on_the_tiny_model(rl_assets, tmp_path, cli, one_thread):  # 
     model, data = rl_assets
     out = tmp_path / "gen"
     base = ["--model", model, "--n", "2", "--max-new-tokens", "8", "--no-system-prompt", "--quiet"]
-    code, stdout, err = cli("mismatch-report", "--generate", data, "--sampler", "fp32", "--sampler", "int8", *base, "--out", out)
+    code, stdout, err = cli(
+        "mismatch-report", "--generate", data, "--sampler", "fp32", "--sampler", "int8", *base, "--out", out
+    )
     assert code == 0, err
     assert re.search(r"mismatch-report: vllm-kl \(K3\) fp32 \S+, int8 \S+ over [\d,]+ tokens", stdout)
     doc = json.loads((out / "report.json").read_text())
@@ -231,7 +279,14 @@ def test_end_to_end_on_the_tiny_model(rl_assets, tmp_path, cli, one_thread):  # 
     # fp32 sampling re-scored by the same fp32 model: float noise only, so learner and sampler tokens line up
     assert fp32["k3_kl"] < 1e-8 and fp32["rollout_probs_diff_max"] < 1e-4
     assert int8["k3_kl"] > fp32["k3_kl"]
-    assert set(doc["runs"]["fp32"]["corrections"]) == {"token-tis", "seq-tis", "token-mis", "seq-mis", "geo-rs", "behave-cap"}
+    assert set(doc["runs"]["fp32"]["corrections"]) == {
+        "token-tis",
+        "seq-tis",
+        "token-mis",
+        "seq-mis",
+        "geo-rs",
+        "behave-cap",
+    }
     assert doc["runs"]["fp32"]["by_turn"][0]["turn"] == "first"
     # the figures exist, and report.html embeds every one of them and needs nothing from outside
     page = (out / "report.html").read_text()
@@ -243,7 +298,9 @@ def test_end_to_end_on_the_tiny_model(rl_assets, tmp_path, cli, one_thread):  # 
             assert (out / "figures" / run / f"{stem}.png").stat().st_size > 0
     assert "| k3_kl |" in (out / "report.md").read_text()
     for text in ((out / "report.md").read_text(), page):  # cited sources are listed by title, not by file number
-        assert "References" in text and "When Speed Kills Stability" in text and "Secretly Brings You Off-Policy" in text
+        assert (
+            "References" in text and "When Speed Kills Stability" in text and "Secretly Brings You Off-Policy" in text
+        )
     lp = pq.read_table(out / "logprobs.parquet")
     assert set(lp.column("run").to_pylist()) == {"fp32", "int8"}
 
@@ -270,7 +327,23 @@ def test_multi_turn_rollouts_split_first_and_later_turns(rl_assets, tmp_path, cl
 
     model, data = rl_assets
     first = tmp_path / "first"
-    code, _, err = cli("mismatch-report", "--generate", data, "--sampler", "fp32", "--model", model, "--n", "1", "--max-new-tokens", "6", "--no-system-prompt", "--quiet", "--out", first)
+    code, _, err = cli(
+        "mismatch-report",
+        "--generate",
+        data,
+        "--sampler",
+        "fp32",
+        "--model",
+        model,
+        "--n",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--no-system-prompt",
+        "--quiet",
+        "--out",
+        first,
+    )
     assert code == 0, err
     rows = read_rollouts(first / "rollouts" / "fp32.parquet").to_pylist()
     observation = rows[0]["prompt_ids"][-4:]  # any text tokens will do as the environment's reply
@@ -281,7 +354,9 @@ def test_multi_turn_rollouts_split_first_and_later_turns(rl_assets, tmp_path, cl
         r["behave_logprobs"] = lp + [0.0] * len(observation) + [x - 0.5 for x in lp]
         r["turns"] = 2
     write_rollouts(rows, tmp_path / "multi.parquet")
-    code, _, err = cli("mismatch-report", tmp_path / "multi.parquet", "--model", model, "--quiet", "--out", tmp_path / "multi")
+    code, _, err = cli(
+        "mismatch-report", tmp_path / "multi.parquet", "--model", model, "--quiet", "--out", tmp_path / "multi"
+    )
     assert code == 0, err
     run = json.loads((tmp_path / "multi" / "report.json").read_text())["runs"]["rollouts"]
     turns = {row["turn"]: row for row in run["by_turn"]}

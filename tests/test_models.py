@@ -118,9 +118,18 @@ def test_load_errors_are_user_errors(tmp_path):
 
 
 def _vision_dir(path, kind):
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
 
-    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14)
+    sizes = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14
+    )
     if kind == "clip":
         model = CLIPVisionModel(CLIPVisionConfig(**sizes))
         processor = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
@@ -139,7 +148,9 @@ def _llm_dir(path, kind):
 
     tok = train_tokenizer(TEXTS, 300)
     tok.eos_token = "<|endoftext|>"  # a base LLM: its own end-of-text, no ChatML end-of-turn
-    sizes = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    sizes = dict(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
     if kind == "qwen2":  # spare embedding rows for the added tokens, tied head (like Qwen2.5 LLMs)
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok) + 8, tie_word_embeddings=True, **sizes))
     else:  # no spare rows: adding <image> grows the embeddings
@@ -169,21 +180,26 @@ def test_compose_copies_weights_trains_generates_and_reloads(tmp_path, vision_ki
     for k, v in load_file(vis / "model.safetensors").items():
         assert (state[f"model.vision_tower.{k}"] == v).all(), k
     for k, v in load_file(llm / "model.safetensors").items():
-        name = f"model.language_model.{k[len('model.'):]}" if k.startswith("model.") else k
+        name = f"model.language_model.{k[len('model.') :]}" if k.startswith("model.") else k
         got = state[name]
         assert (got[: v.shape[0]] == v).all(), k  # grown embeddings keep every trained row
     assert any("multi_modal_projector" in k for k in state)
 
     tok = processor.tokenizer
     assert tok.convert_tokens_to_ids("<image>") == model.config.image_token_id
-    assert "<|im_end|>" in tok.get_vocab() and tok.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
+    assert (
+        "<|im_end|>" in tok.get_vocab()
+        and tok.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
+    )
     from ovkit.models.encode import encode_prompt, image_token_count
 
     for w, h in [(56, 56), (100, 40), (300, 500)]:
         enc = encode_prompt(processor, [{"role": "user", "content": "<image>hi"}], [_img(w, h)])
         assert image_token_count(processor, w, h) == enc.input_ids.count(model.config.image_token_id) == 16
     last = model.config.vision_config.num_hidden_layers - 1
-    _train_step_and_generate(model, processor, unused=(f"vision_tower.encoder.layers.{last}.", "post_layernorm", "vision_tower.head."))
+    _train_step_and_generate(
+        model, processor, unused=(f"vision_tower.encoder.layers.{last}.", "post_layernorm", "vision_tower.head.")
+    )
 
 
 def test_composed_llava_samples_the_same_with_a_shared_prefill(tmp_path):
@@ -197,8 +213,10 @@ def test_composed_llava_samples_the_same_with_a_shared_prefill(tmp_path):
 
     compose(_vision_dir(tmp_path / "vision", "clip"), _llm_dir(tmp_path / "llm", "qwen2"), tmp_path / "out", seed=0)
     model, processor = load(tmp_path / "out")
-    prompts = [encode_prompt(processor, [{"role": "user", "content": "<image>\nHow many shapes are there?"}], [_img()]),
-               encode_prompt(processor, [{"role": "user", "content": "Describe it."}], [])]
+    prompts = [
+        encode_prompt(processor, [{"role": "user", "content": "<image>\nHow many shapes are there?"}], [_img()]),
+        encode_prompt(processor, [{"role": "user", "content": "Describe it."}], []),
+    ]
     kw = dict(n=3, temperature=1.0, max_new_tokens=6, seed=3)
     shared = HFEngine(model, processor, batch_size=6).generate(prompts, **kw)
     own = HFEngine(model, processor, batch_size=6, prefill="per-sequence").generate(prompts, **kw)
@@ -214,7 +232,10 @@ def test_compose_projector_is_seeded(tmp_path):
     from ovkit.models.compose import compose
 
     vis, llm = _vision_dir(tmp_path / "v", "siglip"), _llm_dir(tmp_path / "l", "qwen2")
-    a, b, c = (load_file(compose(vis, llm, tmp_path / n, seed=s) and tmp_path / n / "model.safetensors") for n, s in [("a", 0), ("b", 0), ("c", 1)])
+    a, b, c = (
+        load_file(compose(vis, llm, tmp_path / n, seed=s) and tmp_path / n / "model.safetensors")
+        for n, s in [("a", 0), ("b", 0), ("c", 1)]
+    )
     proj = [k for k in a if "projector" in k]
     assert all((a[k] == b[k]).all() for k in a)
     assert any((a[k] != c[k]).any() for k in proj)
@@ -278,7 +299,9 @@ def test_init_model_composes(cli, tmp_path):
     assert code == 0, err
     assert "init-model: compose (LlavaForConditionalGeneration" in stdout
     # a preset name is a promise about the LLM: a different one is refused
-    code, _, err = cli("init-model", "--preset", "llava-ov-1.5-8b", "--vision", vis, "--llm", llm, "--out", tmp_path / "o2")
+    code, _, err = cli(
+        "init-model", "--preset", "llava-ov-1.5-8b", "--vision", vis, "--llm", llm, "--out", tmp_path / "o2"
+    )
     assert code == 2 and "hidden size 48" in err and "Qwen/Qwen3-8B-Base" in err
 
 
@@ -351,7 +374,17 @@ def test_random_init_builds_a_loadable_2b_model(cli, tmp_path):
 
     from ovkit.models import load
 
-    code, out, err = cli("init-model", "--preset", "qwen2.5-vl-2b", "--random-init", "--dtype", "bfloat16", "--out", tmp_path / "m", "--quiet")
+    code, out, err = cli(
+        "init-model",
+        "--preset",
+        "qwen2.5-vl-2b",
+        "--random-init",
+        "--dtype",
+        "bfloat16",
+        "--out",
+        tmp_path / "m",
+        "--quiet",
+    )
     assert code == 0, err
     model, processor = load(tmp_path / "m", dtype=torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(2.21, abs=0.01)

@@ -66,7 +66,9 @@ class Scripted:
         self.stop_ids = stop_token_ids(self.tok)
         self.calls = []
 
-    def generate(self, prompts, *, n, max_new_tokens, temperature, top_p, seed, images=None, suppress_ids=(), seeds=None):
+    def generate(
+        self, prompts, *, n, max_new_tokens, temperature, top_p, seed, images=None, suppress_ids=(), seeds=None
+    ):
         self.calls.append([p.length for p in prompts])
         turn = len(self.calls) - 1
         text = self.script[min(turn, len(self.script) - 1)]
@@ -100,18 +102,23 @@ def test_context_is_the_templates_rendering_of_the_whole_conversation(tiny):
     _, processor = tiny
     (prompt,) = _prompts(processor)
     engine = Scripted(processor, ["<answer>3</answer>", "<answer>2</answer>"])
-    (c,), = _run(_runner(engine, processor, "verifier"), [prompt])
+    ((c,),) = _run(_runner(engine, processor, "verifier"), [prompt])
     assert (c.turns, c.termination, c.reward_scale) == (2, "completed", pytest.approx(0.8))
     conversation = [
         {"role": "system", "content": "You are a helpful AI assistant."},
-        {"role": "user", "content": "<image>\nHow many squares are there?\nPut ONLY your final answer within <answer></answer>."},
+        {
+            "role": "user",
+            "content": "<image>\nHow many squares are there?\nPut ONLY your final answer within <answer></answer>.",
+        },
         {"role": "assistant", "content": "<answer>3</answer>"},
         {"role": "user", "content": "Your answer is incorrect. Try again."},
         {"role": "assistant", "content": "<answer>2</answer>"},
     ]
     whole = encode_messages(processor, conversation, [_image()], generation_prompt=False).input_ids
     ours = prompt.encoded.input_ids + c.token_ids
-    assert ours == whole[: len(ours)] and len(whole) - len(ours) <= 1  # the template's trailing newline is never sampled
+    assert (
+        ours == whole[: len(ours)] and len(whole) - len(ours) <= 1
+    )  # the template's trailing newline is never sampled
     assert processor.tokenizer.decode(ours).count("You are a helpful AI assistant.") == 1
 
 
@@ -123,7 +130,9 @@ _CONTENT = (
 TOOLS_TEMPLATE = (  # Qwen2.5's shape: tool schemas in a system preamble, tool results as a user turn
     "{%- if tools -%}{{- '<|im_start|>system\\nYou may call these tools:\\n' -}}{%- for t in tools -%}{{- t | tojson -}}"
     "{{- '\\n' -}}{%- endfor -%}{{- '<|im_end|>\\n' -}}{%- endif -%}{%- for message in messages -%}"
-    "{%- if message['role'] == 'tool' -%}{{- '<|im_start|>user\\n<tool_response>\\n' -}}" + _CONTENT + "{{- '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- if message['role'] == 'tool' -%}{{- '<|im_start|>user\\n<tool_response>\\n' -}}"
+    + _CONTENT
+    + "{{- '\\n</tool_response><|im_end|>\\n' -}}"
     "{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}" + _CONTENT + "{{- '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
@@ -132,7 +141,16 @@ TOOLS_TEMPLATE = (  # Qwen2.5's shape: tool schemas in a system preamble, tool r
 class CounterTool:
     """A tool-calling environment: its schema goes to the chat template, its results come back as "tool" turns."""
 
-    tools = [{"type": "function", "function": {"name": "count", "description": "Count the squares.", "parameters": {"type": "object", "properties": {}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "count",
+                "description": "Count the squares.",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+    ]
 
     def __init__(self, task):
         self.calls = 0
@@ -159,10 +177,20 @@ def test_a_tool_preamble_is_rendered_once(tiny):
     _, processor = tiny
     processor = copy.deepcopy(processor)
     processor.chat_template = TOOLS_TEMPLATE
-    rows = [{"id": "t", "images": [image_cell(_image())], "messages": [{"role": "user", "content": "<image>\nHow many squares?"}], "source": "s", "category": "counting", "answer": "2", "answer_type": "number"}]
+    rows = [
+        {
+            "id": "t",
+            "images": [image_cell(_image())],
+            "messages": [{"role": "user", "content": "<image>\nHow many squares?"}],
+            "source": "s",
+            "category": "counting",
+            "answer": "2",
+            "answer_type": "number",
+        }
+    ]
     (prompt,) = encode_prompts(samples_table(rows), processor, mode="none", system=False, tools=CounterTool.tools)
     engine = Scripted(processor, ["<tool_call>count</tool_call>", "<tool_call>count</tool_call>", "<answer>2</answer>"])
-    (c,), = _run(_runner(engine, processor, CounterTool), [prompt])
+    ((c,),) = _run(_runner(engine, processor, CounterTool), [prompt])
     assert (c.turns, c.termination) == (3, "completed")
     ours = processor.tokenizer.decode(prompt.encoded.input_ids + c.token_ids)
     assert ours.count("You may call these tools") == 1 and ours.count("<tool_response>") == 2
@@ -174,7 +202,9 @@ def test_a_tool_preamble_is_rendered_once(tiny):
         {"role": "tool", "content": "2 squares"},
         {"role": "assistant", "content": "<answer>2</answer>"},
     ]
-    whole = encode_messages(processor, conversation, [_image()], generation_prompt=False, tools=CounterTool.tools).input_ids
+    whole = encode_messages(
+        processor, conversation, [_image()], generation_prompt=False, tools=CounterTool.tools
+    ).input_ids
     assert prompt.encoded.input_ids + c.token_ids == whole[: len(whole) - 1]  # all but the template's trailing newline
 
 
@@ -182,7 +212,7 @@ def test_loss_mask_logprobs_and_turn_ids_line_up(tiny):
     _, processor = tiny
     prompts = _prompts(processor)
     engine = Scripted(processor, ["<answer>3</answer>", "<answer>4</answer>", "<answer>5</answer>"])
-    (c,), = _run(_runner(engine, processor, "verifier", max_turns=3, env_args={"max_attempts": 5}), prompts)
+    ((c,),) = _run(_runner(engine, processor, "verifier", max_turns=3, env_args={"max_attempts": 5}), prompts)
     tok = processor.tokenizer
     sampled = [t for t, m in zip(c.token_ids, c.mask) if m]
     observed = [t for t, m in zip(c.token_ids, c.mask) if not m]
@@ -195,7 +225,10 @@ def test_loss_mask_logprobs_and_turn_ids_line_up(tiny):
     runs = [(t, m) for t, m in zip(c.turn_ids, c.mask)]
     assert sorted(set(c.turn_ids)) == [0, 1, 2] and c.turn_ids == sorted(c.turn_ids)
     assert all(m == 1 for t, m in runs if t == 2)  # no observation after the last turn
-    assert c.turn_texts == ["<answer>3</answer>", "<answer>4</answer>", "<answer>5</answer>"] and c.text == "<answer>5</answer>"
+    assert (
+        c.turn_texts == ["<answer>3</answer>", "<answer>4</answer>", "<answer>5</answer>"]
+        and c.text == "<answer>5</answer>"
+    )
 
 
 def test_observation_images_are_placed_and_their_tokens_typed(tiny):
@@ -204,14 +237,14 @@ def test_observation_images_are_placed_and_their_tokens_typed(tiny):
     _, processor = tiny
     prompts = _prompts(processor)
     engine = Scripted(processor, ["<zoom>[0,0,42,42]</zoom>", "<answer>1</answer>"])
-    (c,), = _run(_runner(engine, processor, "zoom"), prompts)
+    ((c,),) = _run(_runner(engine, processor, "zoom"), prompts)
     assert (c.turns, c.termination) == (2, "completed")
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     n_pad = sum(1 for t in c.token_ids if t == pad)
     assert n_pad > 0 and all(m == 0 for t, m in zip(c.token_ids, c.mask) if t == pad)
     assert [t == pad for t in c.token_ids] == [v == 1 for v in c.per_token["mm_token_type_ids"]]
     assert len(c.images) == 1 and c.images[0].size == (84, 84)  # 42 x 42 enlarged twice
-    merge = processor.image_processor.merge_size ** 2
+    merge = processor.image_processor.merge_size**2
     assert int(c.mm["image_grid_thw"].prod(-1).sum()) == n_pad * merge
 
 
@@ -222,20 +255,38 @@ def test_termination_reasons_and_budgets(tiny):
     _, processor = tiny
     prompts = _prompts(processor)
     answer_right = Scripted(processor, ["<answer>2</answer>"])
-    (c,), = _run(_runner(answer_right, processor, "verifier"), prompts)
+    ((c,),) = _run(_runner(answer_right, processor, "verifier"), prompts)
     assert (c.turns, c.termination, c.reward_scale) == (1, "completed", 1.0)
     always_wrong = Scripted(processor, ["<answer>3</answer>"])
-    (c,), = _run(_runner(always_wrong, processor, "verifier", max_turns=5, env_args={"max_attempts": 2, "discount": 0.5}), prompts)
+    ((c,),) = _run(
+        _runner(always_wrong, processor, "verifier", max_turns=5, env_args={"max_attempts": 2, "discount": 0.5}),
+        prompts,
+    )
     assert (c.turns, c.termination, c.reward_scale) == (2, "env_done", 0.5)
-    (c,), = _run(_runner(Scripted(processor, ["<answer>3</answer>"]), processor, "verifier", max_turns=2, env_args={"max_attempts": 9}), prompts)
+    ((c,),) = _run(
+        _runner(
+            Scripted(processor, ["<answer>3</answer>"]),
+            processor,
+            "verifier",
+            max_turns=2,
+            env_args={"max_attempts": 9},
+        ),
+        prompts,
+    )
     assert (c.turns, c.termination) == (2, "max_turns")
     no_stop = Scripted(processor, ["<answer>3</answer>"], stop=False)
-    (c,), = _run(_runner(no_stop, processor, "verifier"), prompts)
+    ((c,),) = _run(_runner(no_stop, processor, "verifier"), prompts)
     assert (c.turns, c.termination, c.finish_reason) == (1, "truncated", "length")
     budget = 12  # one turn (7 tokens) fits; the observation does not
-    (c,), = _run(_runner(Scripted(processor, ["<answer>3</answer>"]), processor, "verifier", max_response_tokens=budget), prompts)
+    ((c,),) = _run(
+        _runner(Scripted(processor, ["<answer>3</answer>"]), processor, "verifier", max_response_tokens=budget), prompts
+    )
     assert c.termination == "truncated" and len(c.token_ids) <= budget and c.turns == 1
-    (c,), = _run(_runner(Scripted(processor, ["<answer>3</answer>"]), processor, "verifier", max_response_tokens=5), prompts, max_new_tokens=32)
+    ((c,),) = _run(
+        _runner(Scripted(processor, ["<answer>3</answer>"]), processor, "verifier", max_response_tokens=5),
+        prompts,
+        max_new_tokens=32,
+    )
     assert c.termination == "truncated" and len(c.token_ids) == 5
 
 
@@ -245,7 +296,12 @@ class Flaky:
     def __init__(self, task, fails=1, hang=0.0, calls=None):
         from ovkit.envs import VerifierEnv
 
-        self.inner, self.fails, self.hang, self.calls = VerifierEnv(task), fails, hang, calls if calls is not None else []
+        self.inner, self.fails, self.hang, self.calls = (
+            VerifierEnv(task),
+            fails,
+            hang,
+            calls if calls is not None else [],
+        )
 
     def reset(self):
         self.inner.reset()
@@ -267,11 +323,26 @@ def test_a_failing_environment_is_retried_then_ends_the_rollout(tiny):
     _, processor = tiny
     prompts = _prompts(processor)
     calls = []
-    (c,), = _run(_runner(Scripted(processor, ["<answer>2</answer>"]), processor, Flaky, env_args={"fails": 2, "calls": calls}, env_retries=2), prompts)
+    ((c,),) = _run(
+        _runner(
+            Scripted(processor, ["<answer>2</answer>"]),
+            processor,
+            Flaky,
+            env_args={"fails": 2, "calls": calls},
+            env_retries=2,
+        ),
+        prompts,
+    )
     assert (c.termination, len(calls)) == ("completed", 3)  # two failures, then the retry budget's last try works
     calls = []
-    runner = _runner(Scripted(processor, ["<answer>2</answer>"]), processor, Flaky, env_args={"fails": 5, "calls": calls}, env_retries=1)
-    (c,), = _run(runner, prompts)
+    runner = _runner(
+        Scripted(processor, ["<answer>2</answer>"]),
+        processor,
+        Flaky,
+        env_args={"fails": 5, "calls": calls},
+        env_retries=1,
+    )
+    ((c,),) = _run(runner, prompts)
     assert (c.termination, c.finish_reason, len(calls)) == ("env_error", "error", 2)
     assert "the tool server is down" in runner.failures[0]
 
@@ -295,9 +366,16 @@ def test_a_factory_that_raises_ends_only_its_trajectory(tiny):
 def test_a_hanging_environment_times_out(tiny):
     _, processor = tiny
     prompts = _prompts(processor)
-    runner = _runner(Scripted(processor, ["<answer>2</answer>"]), processor, Flaky, env_args={"fails": 9, "hang": 30.0}, env_retries=1, env_timeout=0.2)
+    runner = _runner(
+        Scripted(processor, ["<answer>2</answer>"]),
+        processor,
+        Flaky,
+        env_args={"fails": 9, "hang": 30.0},
+        env_retries=1,
+        env_timeout=0.2,
+    )
     t0 = time.perf_counter()
-    (c,), = _run(runner, prompts)
+    ((c,),) = _run(runner, prompts)
     assert c.termination == "env_error" and time.perf_counter() - t0 < 5
     assert "timed out" in runner.failures[0]
 
@@ -306,7 +384,14 @@ def test_environment_calls_of_a_turn_run_concurrently(tiny):
     """Eight trajectories whose tool takes 0.4 s per call: a turn's calls overlap (about 0.4 s, not 3.2 s)."""
     _, processor = tiny
     prompts = _prompts(processor, n=4)
-    runner = _runner(Scripted(processor, ["<answer>2</answer>"]), processor, Flaky, env_args={"fails": 1, "hang": 0.4}, env_retries=1, env_timeout=5.0)
+    runner = _runner(
+        Scripted(processor, ["<answer>2</answer>"]),
+        processor,
+        Flaky,
+        env_args={"fails": 1, "hang": 0.4},
+        env_retries=1,
+        env_timeout=5.0,
+    )
     t0 = time.perf_counter()
     outs = _run(runner, prompts, n=2)
     assert all(c.termination == "completed" for cs in outs for c in cs)
@@ -328,7 +413,10 @@ def test_bad_env_specs_fail_before_any_model_is_loaded(tmp_path):
         RLTrainConfig(**base, env="verifier", env_arg=["max_attempts"])
     with pytest.raises(OvkitError, match="--env-arg max_attemps"):
         RLTrainConfig(**base, env="verifier", env_arg=["max_attemps=2"])  # a misspelt argument, caught before loading
-    assert RLTrainConfig(**base, env="verifier", env_arg=["max_attempts=2", "discount=0.5"]).env_arg == {"max_attempts": 2, "discount": 0.5}
+    assert RLTrainConfig(**base, env="verifier", env_arg=["max_attempts=2", "discount=0.5"]).env_arg == {
+        "max_attempts": 2,
+        "discount": 0.5,
+    }
     assert RLTrainConfig(**base, env="ovkit.envs.zoom:ZoomEnv").env == "ovkit.envs.zoom:ZoomEnv"  # an import path
 
 
@@ -368,11 +456,23 @@ def test_multiturn_reward_is_the_last_answer_discounted(tiny):
 
     _, processor = tiny
     prompts = _prompts(processor)
-    (cs,) = _run(_runner(Scripted(processor, ["<answer>3</answer>", "<answer>2</answer>"]), processor, "verifier", env_args={"discount": 0.8}), prompts)
+    (cs,) = _run(
+        _runner(
+            Scripted(processor, ["<answer>3</answer>", "<answer>2</answer>"]),
+            processor,
+            "verifier",
+            env_args={"discount": 0.8},
+        ),
+        prompts,
+    )
     group = Group(prompts[0], 0, 0, cs)
     score_groups([group], mode="answer", format_weight=0.0, workers=1)
     assert group.task_rewards == [pytest.approx(0.8)]
-    assert group.parts[0]["turns"] == 2 and group.parts[0]["termination"] == "completed" and group.parts[0]["accuracy"] == 1.0
+    assert (
+        group.parts[0]["turns"] == 2
+        and group.parts[0]["termination"] == "completed"
+        and group.parts[0]["accuracy"] == 1.0
+    )
 
 
 # ------------------------------------------------------------------------------------------------ with a real model
@@ -448,7 +548,9 @@ def test_an_image_returned_on_turn_two_changes_the_turn_two_logits(spread):
     assert (logp[0][turn2] - logp[1][turn2]).abs().max() > 1e-3
     assert torch.allclose(logp[0][turn1], logp[1][turn1], atol=1e-5)
     again = _colour_run(model, processor, "red")[1]
-    batch = build_trajectories([Group(prompt, 0, 0, [red, again], rewards=[0.0, 0.0])], processor.tokenizer.pad_token_id)
+    batch = build_trajectories(
+        [Group(prompt, 0, 0, [red, again], rewards=[0.0, 0.0])], processor.tokenizer.pad_token_id
+    )
     logp, _ = forward_all(model, batch, 2, 1.0)
     assert torch.allclose(logp[0], logp[1], atol=1e-5)
 
@@ -469,8 +571,16 @@ def zoomer(tmp_path_factory):
     question = f"<image>\nHow many squares are there?\n{ANSWER_PROMPT}\n{ZoomEnv.instruction}"
     img = _image()
     crop = img.crop((0, 0, 42, 42)).resize((84, 84))
-    first = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}, {"role": "assistant", "content": "<zoom>[0,0,42,42]</zoom>"}]
-    second = [*first, {"role": "user", "content": "Region [0,0,42,42] enlarged:\n<image>"}, {"role": "assistant", "content": "<answer>1</answer>"}]
+    first = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "<zoom>[0,0,42,42]</zoom>"},
+    ]
+    second = [
+        *first,
+        {"role": "user", "content": "Region [0,0,42,42] enlarged:\n<image>"},
+        {"role": "assistant", "content": "<answer>1</answer>"},
+    ]
     examples = [encode_sample(processor, first, [img]), encode_sample(processor, second, [img, crop])]
     torch.manual_seed(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -527,16 +637,35 @@ def test_multi_turn_rollouts_through_vllm_are_token_in_token_out(zoomer, monkeyp
     model, processor, base = zoomer
     prompts = _prompts(processor, n=2, answer="1", extra=ZoomEnv.instruction)
     runs = {}
-    for name, engine in (("hf", HFEngine(model, processor)), ("vllm", VLLMEngine(base / "model", processor, dtype="float32"))):
+    for name, engine in (
+        ("hf", HFEngine(model, processor)),
+        ("vllm", VLLMEngine(base / "model", processor, dtype="float32")),
+    ):
         runner = _runner(engine, processor, "zoom", model=model)
-        runs[name] = [c for cs in runner.run(prompts, n=1, max_new_tokens=16, temperature=0, top_p=1.0, seed=0) for c in cs]
+        runs[name] = [
+            c for cs in runner.run(prompts, n=1, max_new_tokens=16, temperature=0, top_p=1.0, seed=0) for c in cs
+        ]
     assert any(c.turns == 2 for c in runs["hf"])  # real two-turn episodes (the zoomer zooms, then answers)
     for a, b in zip(runs["hf"], runs["vllm"]):
-        assert (a.token_ids, a.loss_mask, a.turn_ids, a.termination) == (b.token_ids, b.loss_mask, b.turn_ids, b.termination)
+        assert (a.token_ids, a.loss_mask, a.turn_ids, a.termination) == (
+            b.token_ids,
+            b.loss_mask,
+            b.turn_ids,
+            b.termination,
+        )
         assert len(a.images) == len(b.images) and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
-    second_turns = [ids for call in fake_vllm.LLM.calls if call[0] == "generate" for ids in call[1] if len(ids) > len(prompts[0].encoded.input_ids)]
-    assert second_turns and all(ids[: len(prompts[0].encoded.input_ids)] == list(prompts[0].encoded.input_ids) or
-                                ids[: len(prompts[1].encoded.input_ids)] == list(prompts[1].encoded.input_ids) for ids in second_turns)
+    second_turns = [
+        ids
+        for call in fake_vllm.LLM.calls
+        if call[0] == "generate"
+        for ids in call[1]
+        if len(ids) > len(prompts[0].encoded.input_ids)
+    ]
+    assert second_turns and all(
+        ids[: len(prompts[0].encoded.input_ids)] == list(prompts[0].encoded.input_ids)
+        or ids[: len(prompts[1].encoded.input_ids)] == list(prompts[1].encoded.input_ids)
+        for ids in second_turns
+    )
 
 
 def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_path):
@@ -550,22 +679,50 @@ def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_pat
     out = tmp_path / "rl"
     args = ["--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "16", "--max-steps", "2", "--lr", "1e-4",
             "--warmup-ratio", "0", "--max-staleness", "0", "--temperature", "0.5", "--reward-workers", "1", "--quiet"]  # fmt: skip
-    code, stdout, err = cli("rl-train", base / "data", "--model", base / "model", "--out", out, "--env", "zoom", "--max-turns", "3", "--save-rollouts", *args)
+    code, stdout, err = cli(
+        "rl-train",
+        base / "data",
+        "--model",
+        base / "model",
+        "--out",
+        out,
+        "--env",
+        "zoom",
+        "--max-turns",
+        "3",
+        "--save-rollouts",
+        *args,
+    )
     assert code == 0, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(sum(r[f"ovkit/termination/{k}"] for k in ("completed", "env_done", "max_turns", "truncated", "env_error")) == pytest.approx(1.0) for r in rows)
+    assert all(
+        sum(r[f"ovkit/termination/{k}"] for k in ("completed", "env_done", "max_turns", "truncated", "env_error"))
+        == pytest.approx(1.0)
+        for r in rows
+    )
     assert all(sum(r["ovkit/turns/hist"].values()) == 6 for r in rows) and any(r["ovkit/turns/max"] >= 2 for r in rows)
-    assert any("ovkit/mismatch/later_turns/vllm_kl" in r for r in rows) and any(k.startswith("ovkit/reward/by_turns/") for k in rows[0])
+    assert any("ovkit/mismatch/later_turns/vllm_kl" in r for r in rows) and any(
+        k.startswith("ovkit/reward/by_turns/") for k in rows[0]
+    )
     table = read_rollouts(out / "rollouts" / "step-000001.parquet")
     for row in table.to_pylist():
         assert len(row["turn_ids"]) == len(row["response_ids"]) == len(row["loss_mask"])
-        assert row["turns"] == max(row["turn_ids"]) + 1 and row["termination"] in ("completed", "max_turns", "truncated")
+        assert row["turns"] == max(row["turn_ids"]) + 1 and row["termination"] in (
+            "completed",
+            "max_turns",
+            "truncated",
+        )
         assert len(row["images"]) >= 1 and row["completion"].count("<|im_start|>assistant") == row["turns"] - 1
     from ovkit.errors import OvkitError
     from ovkit.rollouts.table import write_rollouts
 
     with pytest.raises(OvkitError, match="termination"):
-        write_rollouts(table.set_column(table.column_names.index("termination"), "termination", pa.array(["finished"] * table.num_rows)), tmp_path / "bad.parquet")
+        write_rollouts(
+            table.set_column(
+                table.column_names.index("termination"), "termination", pa.array(["finished"] * table.num_rows)
+            ),
+            tmp_path / "bad.parquet",
+        )
     report = tmp_path / "report"
     code, stdout, err = cli("mismatch-report", out / "rollouts", "--model", base / "model", "--quiet", "--out", report)
     assert code == 0, err
@@ -589,12 +746,16 @@ def test_eval_and_rl_curate_run_the_same_loop(zoomer, cli, tmp_path):
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())["multiturn"]
     assert summary["turns/max"] >= 2 and sum(summary["turns/hist"].values()) == 4
     rollouts = read_rollouts(tmp_path / "ev" / "rollouts.parquet").to_pylist()
-    assert any(r["turns"] == 2 and 0 in r["loss_mask"] for r in rollouts) and all(len(r["images"]) >= 1 for r in rollouts)
+    assert any(r["turns"] == 2 and 0 in r["loss_mask"] for r in rollouts) and all(
+        len(r["images"]) >= 1 for r in rollouts
+    )
     code, _, err = cli("rl-curate", base / "data", "--model", base / "model", "--out", tmp_path / "cu", "--env", "verifier", "--env-arg", "max_attempts=2",
                        "--n", "2", "--max-new-tokens", "16", "--reward-workers", "1", "--quiet")  # fmt: skip
     assert code == 0, err
     curated = read_rollouts(tmp_path / "cu" / "rollouts").to_pylist()
-    assert len(curated) == 4 and all(r["termination"] in ("completed", "env_done", "truncated", "max_turns") for r in curated)
+    assert len(curated) == 4 and all(
+        r["termination"] in ("completed", "env_done", "truncated", "max_turns") for r in curated
+    )
     assert all(json.loads(r["reward_parts"])["turns"] == r["turns"] for r in curated)
 
 
@@ -629,7 +790,16 @@ def test_mismatch_report_generates_multi_turn_rollouts_per_sampler(zoomer, cli, 
         assert names[:2] == ["first", "later"], (name, names)
     fp32 = {r["turn"]: r for r in runs["fp32"]["by_turn"]}
     assert fp32["later"]["k3_kl"] < 1e-6  # fp32 sampler, fp32 learner: later turns re-read exactly too
-    code, _, err = cli("mismatch-report", out / "rollouts" / "fp32.parquet", "--model", base / "model", "--env", "zoom", "--out", tmp_path / "x")
+    code, _, err = cli(
+        "mismatch-report",
+        out / "rollouts" / "fp32.parquet",
+        "--model",
+        base / "model",
+        "--env",
+        "zoom",
+        "--out",
+        tmp_path / "x",
+    )
     assert code == 2 and "--env goes with --generate" in err
 
 
@@ -648,14 +818,16 @@ def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tm
     import json
 
     from safetensors.torch import load_file
+    from scripted_policy import ScriptedEngine
 
     from ovkit.rl import loop as trainer
     from ovkit.rl.config import RLTrainConfig
     from ovkit.runtime import Runtime
-    from scripted_policy import ScriptedEngine
 
     _, _, base = zoomer
-    monkeypatch.setattr(trainer, "make_sampler", lambda cfg, model, processor: ScriptedEngine(model, processor, _zoom_script))
+    monkeypatch.setattr(
+        trainer, "make_sampler", lambda cfg, model, processor: ScriptedEngine(model, processor, _zoom_script)
+    )
 
     def cfg(out, **kw):
         return RLTrainConfig(
@@ -668,7 +840,7 @@ def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tm
     save = Runtime.save_checkpoint
 
     def save_then_die(*args, **kwargs):
-        path = save(*args, **kwargs)
+        save(*args, **kwargs)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
@@ -676,10 +848,15 @@ def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tm
         trainer.train_rl(cfg(tmp_path / "cut"))
     monkeypatch.setattr(Runtime, "save_checkpoint", save)
     assert trainer.train_rl(cfg(tmp_path / "cut", resume=True))["resumed_from"].endswith("step-000001")
-    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("straight", "cut")}
+    rows = {
+        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("straight", "cut")
+    }
     straight = rows["straight"]
     assert [r["reward"] for r in straight] == [0.75, 0.75] and all(r["frac_reward_zero_std"] == 0 for r in straight)
-    assert all(r["grad_norm"] > 0 for r in straight) and all(r["ovkit/turns/hist"] == {"1": 4, "2": 4} for r in straight)
+    assert all(r["grad_norm"] > 0 for r in straight) and all(
+        r["ovkit/turns/hist"] == {"1": 4, "2": 4} for r in straight
+    )
     assert [r["grad_norm"] for r in straight] == pytest.approx([r["grad_norm"] for r in rows["cut"]], rel=1e-5)
     a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

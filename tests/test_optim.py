@@ -9,10 +9,10 @@ import json
 
 import pytest
 import torch
-
-from ovkit.errors import OvkitError
 from test_rl_train import rl_assets  # noqa: F401 (a fixture)
 from test_train import _one_thread, assets, config, weights  # noqa: F401 (fixtures)
+
+from ovkit.errors import OvkitError
 
 # (--optim, --precision) -> bytes per trainable parameter on a model of large tensors (weights + grads + state):
 #   fp32 AdamW                 4 + 4 + 8 (m, v fp32)                                   = 16
@@ -95,7 +95,11 @@ def _optimizer_spy(monkeypatch) -> dict:
     prepare = Runtime.prepare
 
     def spy(self, model, optimizer, scheduler):
-        seen["optimizer"], seen["dtypes"], seen["mixed"] = optimizer, {p.dtype for p in model.parameters()}, self.accelerator.mixed_precision
+        seen["optimizer"], seen["dtypes"], seen["mixed"] = (
+            optimizer,
+            {p.dtype for p in model.parameters()},
+            self.accelerator.mixed_precision,
+        )
         return prepare(self, model, optimizer, scheduler)
 
     monkeypatch.setattr(Runtime, "prepare", spy)
@@ -143,7 +147,9 @@ def test_every_optimiser_trains_and_resumes_bit_identically(assets, tmp_path, mo
         assert seen["dtypes"] == {torch.float32} and seen["mixed"] == "bf16"
     assert straight.metrics["final_loss"] < straight.metrics["first_loss"]
 
-    _interrupted_then_resumed(monkeypatch, lambda resume: config("SFTConfig", assets, tmp_path / "cut", resume=resume, **kw), train)
+    _interrupted_then_resumed(
+        monkeypatch, lambda resume: config("SFTConfig", assets, tmp_path / "cut", resume=resume, **kw), train
+    )
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "cut")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -159,8 +165,28 @@ def test_sft_adamw_bf16_resumes_bit_identically_through_the_cli(assets, tmp_path
     from ovkit.runtime import Runtime
 
     def args(out, *extra):
-        return ("sft", assets / "data", "--model", assets / "model", "--out", out, "--batch-size", "4", "--max-steps", "4", "--lr", "1e-2",
-                "--save-every", "2", "--precision", "bf16-true", "--optim", "adamw_bf16", "--quiet", *extra)
+        return (
+            "sft",
+            assets / "data",
+            "--model",
+            assets / "model",
+            "--out",
+            out,
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "4",
+            "--lr",
+            "1e-2",
+            "--save-every",
+            "2",
+            "--precision",
+            "bf16-true",
+            "--optim",
+            "adamw_bf16",
+            "--quiet",
+            *extra,
+        )
 
     code, _, err = cli(*args(tmp_path / "straight"))
     assert code == 0, err
@@ -172,14 +198,20 @@ def test_sft_adamw_bf16_resumes_bit_identically_through_the_cli(assets, tmp_path
 
     monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
     code, _, _ = cli(*args(tmp_path / "cut"))  # click turns the interrupt into an abort
-    assert code != 0 and not (tmp_path / "cut").exists() and (tmp_path / "cut.partial" / "checkpoints" / "step-000002").is_dir()
+    assert (
+        code != 0
+        and not (tmp_path / "cut").exists()
+        and (tmp_path / "cut.partial" / "checkpoints" / "step-000002").is_dir()
+    )
     monkeypatch.setattr(Runtime, "save_checkpoint", save)
     code, _, err = cli(*args(tmp_path / "cut", "--resume"))
     assert code == 0, err
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "cut")
     assert all(torch.equal(a[k], b[k]) for k in a)
     saved = json.loads((tmp_path / "cut" / "ovkit.json").read_text())
-    assert saved["config"]["optim"] == "adamw_bf16" and saved["runtime"]["bytes_per_param"]["total"] == pytest.approx(10.0, abs=0.05)
+    assert saved["config"]["optim"] == "adamw_bf16" and saved["runtime"]["bytes_per_param"]["total"] == pytest.approx(
+        10.0, abs=0.05
+    )
 
 
 @pytest.mark.parametrize(
@@ -216,11 +248,25 @@ def test_adamw_8bit_without_bitsandbytes_says_how_to_install_it(monkeypatch):
 
 
 def test_rl_train_runs_the_chosen_optimiser_and_records_its_bytes(rl_assets, tmp_path):  # noqa: F811
-    from ovkit.rl.loop import train_rl
     from test_rl_train import _cfg
 
+    from ovkit.rl.loop import train_rl
+
     model_dir, data = rl_assets
-    train_rl(_cfg(model_dir, data, tmp_path / "rl", max_steps=2, optim="adamw_bf16", precision="auto", save_every=0, quiet=True))
+    train_rl(
+        _cfg(
+            model_dir,
+            data,
+            tmp_path / "rl",
+            max_steps=2,
+            optim="adamw_bf16",
+            precision="auto",
+            save_every=0,
+            quiet=True,
+        )
+    )
     saved = json.loads((tmp_path / "rl" / "ovkit.json").read_text())
     assert saved["config"]["precision"] == "bf16-true"  # adamw_bf16 makes auto mean bf16-true, in config.yaml too
-    assert saved["runtime"]["optim"] == "adamw_bf16" and saved["runtime"]["bytes_per_param"]["total"] == pytest.approx(10.0, abs=0.05)
+    assert saved["runtime"]["optim"] == "adamw_bf16" and saved["runtime"]["bytes_per_param"]["total"] == pytest.approx(
+        10.0, abs=0.05
+    )

@@ -98,7 +98,9 @@ def test_random_batch_padding_by_hand():
 def tiny(tmp_path_factory):
     from ovkit.models.tiny import build_tiny
 
-    return build_tiny(tmp_path_factory.mktemp("tiny"), ["a red circle and a blue square", "Describe the image.", "how many"] * 20)
+    return build_tiny(
+        tmp_path_factory.mktemp("tiny"), ["a red circle and a blue square", "Describe the image.", "how many"] * 20
+    )
 
 
 def make_rows(n, seed=0, *, bad_row=None, long_row=None):
@@ -149,7 +151,11 @@ def test_pack_writes_a_complete_plan(cli, tiny, dataset, tmp_path):
     plan = pq.read_table(out / "plan.parquet")
     assert plan.column_names == ["id", "shard", "row", "length", "pack"]
     rejects = pq.read_table(out / "rejects.parquet").to_pylist()
-    assert [r["id"] for r in rejects] == ["r007"] and rejects[0]["length"] > 1024 and "--max-len 1024" in rejects[0]["reason"]
+    assert (
+        [r["id"] for r in rejects] == ["r007"]
+        and rejects[0]["length"] > 1024
+        and "--max-len 1024" in rejects[0]["reason"]
+    )
     assert plan.num_rows + len(rejects) == 60
     stats = json.loads((out / "stats.json").read_text())
     assert stats["samples"] == 59 and stats["rows_in"] == 60 and stats["rejects"]["longer_than_max_len"] == 1
@@ -212,7 +218,9 @@ def test_bad_rows_fail_or_go_to_rejects(cli, tiny, tmp_path):
 
     d = tmp_path / "data"
     write_samples(samples_table(make_rows(10, bad_row=3)), d)
-    code, _, err = cli("pack", d, "--model", tiny, "--max-len", 1024, "--out", tmp_path / "p", "--cache", tmp_path / "c", "--quiet")
+    code, _, err = cli(
+        "pack", d, "--model", tiny, "--max-len", 1024, "--out", tmp_path / "p", "--cache", tmp_path / "c", "--quiet"
+    )
     assert code == 2 and "'r003'" in err and "assistant" in err
     assert not (tmp_path / "p").exists()
     run_pack(cli, d, tiny, tmp_path / "p", "--cache", tmp_path / "c", "--on-error", "skip")

@@ -24,7 +24,21 @@ def row(sizes, text="Describe the image.", answer="a red circle"):
 
 # Tiny preset: 14-pixel patches, 2x2 merge, min 28*28 and max 448*448 pixels. Sizes below the minimum are scaled
 # up, above the maximum scaled down, odd sizes rounded to multiples of 28; extreme aspect ratios included.
-SIZES = [(84, 84), (168, 84), (28, 28), (1, 1), (13, 29), (27, 200), (500, 3), (448, 448), (449, 448), (1000, 700), (3000, 40), (57, 85), (300, 301)]
+SIZES = [
+    (84, 84),
+    (168, 84),
+    (28, 28),
+    (1, 1),
+    (13, 29),
+    (27, 200),
+    (500, 3),
+    (448, 448),
+    (449, 448),
+    (1000, 700),
+    (3000, 40),
+    (57, 85),
+    (300, 301),
+]
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -43,7 +57,10 @@ def test_sizes_method_on_random_multi_image_and_multi_turn_rows(processor):
         k = int(rng.integers(0, 4))
         sizes = [(int(rng.integers(5, 900)), int(rng.integers(5, 900))) for _ in range(k)]
         messages, images = row(sizes, text="how many " * int(rng.integers(1, 30)))
-        messages += [{"role": "user", "content": "and now?"}, {"role": "assistant", "content": "two " * int(rng.integers(1, 9))}]
+        messages += [
+            {"role": "user", "content": "and now?"},
+            {"role": "assistant", "content": "two " * int(rng.integers(1, 9))},
+        ]
         if rng.random() < 0.3:
             messages.append({"role": "user", "content": "a trailing question without an answer"})
         assert length_by_sizes(processor, messages, images) == length_by_processor(processor, messages, images)
@@ -56,7 +73,9 @@ def test_compute_lengths_falls_back_to_the_processor_when_sizes_disagree(process
 
     processor.save_pretrained(tmp_path)
     rows = [row([(84, 84)]), row([]), row([(168, 84), (30, 30)])]
-    table = samples_table([{"id": str(i), "images": im, "messages": m, "source": "t"} for i, (m, im) in enumerate(rows)])
+    table = samples_table(
+        [{"id": str(i), "images": im, "messages": m, "source": "t"} for i, (m, im) in enumerate(rows)]
+    )
     want = [length_by_processor(processor, m, im) for m, im in rows]
 
     good = compute_lengths(table, tmp_path, progress=False)
@@ -73,7 +92,10 @@ def test_unencodable_rows_get_a_reason_not_a_crash(processor, tmp_path):
 
     processor.save_pretrained(tmp_path)
     messages, images = row([(84, 84)])
-    rows = [{"id": "ok", "images": images, "messages": messages, "source": "t"}, {"id": "bad", "images": [], "messages": messages[:1], "source": "t"}]
+    rows = [
+        {"id": "ok", "images": images, "messages": messages, "source": "t"},
+        {"id": "bad", "images": [], "messages": messages[:1], "source": "t"},
+    ]
     out = compute_lengths(samples_table(rows), tmp_path, progress=False)
     assert out.lengths[0] > 0 and out.errors[0] is None
     assert out.lengths[1] == -1 and "assistant" in out.errors[1]

@@ -22,7 +22,13 @@ def noise(size, seed):
 def conversations():
     """Captions, a text-only row, a two-image multi-turn row and a row with an image late in the text."""
     return [
-        ([{"role": "user", "content": "<image>\nDescribe the image."}, {"role": "assistant", "content": "a red circle"}], [noise((84, 84), 0)]),
+        (
+            [
+                {"role": "user", "content": "<image>\nDescribe the image."},
+                {"role": "assistant", "content": "a red circle"},
+            ],
+            [noise((84, 84), 0)],
+        ),
         ([{"role": "user", "content": "how many shapes?"}, {"role": "assistant", "content": "<answer>3</answer>"}], []),
         (
             [
@@ -33,7 +39,13 @@ def conversations():
             ],
             [noise((168, 84), 1), noise((112, 140), 2)],
         ),
-        ([{"role": "user", "content": "Describe the image. <image>"}, {"role": "assistant", "content": "a blue square"}], [noise((56, 112), 3)]),
+        (
+            [
+                {"role": "user", "content": "Describe the image. <image>"},
+                {"role": "assistant", "content": "a blue square"},
+            ],
+            [noise((56, 112), 3)],
+        ),
     ]
 
 
@@ -60,7 +72,14 @@ def qwen():
 
 @pytest.fixture(scope="module")
 def llava():
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        Qwen2Config,
+    )
 
     from ovkit.models.tiny import IMAGE_PAD, chatml_template, train_tokenizer
 
@@ -76,8 +95,22 @@ def llava():
         image_token=IMAGE_PAD,
     )
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14),
-        text_config=Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        vision_config=CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        text_config=Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
         image_token_id=tok.convert_tokens_to_ids(IMAGE_PAD),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
@@ -87,7 +120,10 @@ def llava():
 
 
 def as_float64(inputs):
-    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() and k != "attention_mask" else v for k, v in inputs.items()}
+    return {
+        k: v.double() if torch.is_tensor(v) and v.is_floating_point() and k != "attention_mask" else v
+        for k, v in inputs.items()
+    }
 
 
 def token_ce(logits, labels):
@@ -167,7 +203,9 @@ def test_qwen_positions_are_each_samples_own_rope_index(qwen):
     offset = 0
     for e in encoded:
         inputs = e.model_inputs()
-        own, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], inputs.get("image_grid_thw"))
+        own, _ = model.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"], inputs.get("image_grid_thw")
+        )
         assert torch.equal(item["position_ids"][1:, :, offset : offset + e.length], own)
         assert torch.equal(item["position_ids"][0, 0, offset : offset + e.length], torch.arange(e.length))
         offset += e.length
@@ -197,7 +235,9 @@ def test_vision_tower_keeps_images_apart(qwen):
     alone = []
     for im in images:
         enc = processor.image_processor(images=[im], return_tensors="pt")
-        alone.append(model.model.get_image_features(enc["pixel_values"].double(), enc["image_grid_thw"]).pooler_output[0])
+        alone.append(
+            model.model.get_image_features(enc["pixel_values"].double(), enc["image_grid_thw"]).pooler_output[0]
+        )
     enc = processor.image_processor(images=images, return_tensors="pt")
     together = model.model.get_image_features(enc["pixel_values"].double(), enc["image_grid_thw"]).pooler_output
     for a, b in zip(alone, together):
@@ -219,7 +259,9 @@ def plan(qwen, tmp_path_factory):
         rows.append({"id": f"s{i}", "images": [image_cell(im) for im in images], "messages": msgs, "source": "t"})
     write_samples(samples_table(rows), root / "data")
     (root / "plan").mkdir()
-    cfg = PackConfig(data=root / "data", model=root / "model", max_len=256, out=root / "plan", cache=root / "cache", quiet=True)
+    cfg = PackConfig(
+        data=root / "data", model=root / "model", max_len=256, out=root / "plan", cache=root / "cache", quiet=True
+    )
     build_plan(cfg, root / "plan")
     return root
 
@@ -238,7 +280,10 @@ def test_packed_dataset_items_are_exact_and_collate(qwen, plan):
     for i in (0, len(ds) - 1):
         item = ds[i]
         assert item["input_ids"].shape[1] == ds.lengths[i] == ds.info(i)["tokens"] <= 256
-        encoded = [encode_sample(processor, data[int(ds.rows[j])]["messages"], decode_images(data[int(ds.rows[j])]["images"])) for j in ds.members(i)]
+        encoded = [
+            encode_sample(processor, data[int(ds.rows[j])]["messages"], decode_images(data[int(ds.rows[j])]["images"]))
+            for j in ds.members(i)
+        ]
         assert_same(reference(model, encoded), packed(model, item))
     both = ds.collate([ds[0], ds[1]])  # two packs as one row: still every sample on its own
     encoded = [

@@ -16,18 +16,30 @@ The few examples that take more than a few seconds are marked slow (SLOW; `make 
 from __future__ import annotations
 
 import os
-import shutil
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [*sorted((ROOT / "commands").glob("*.md")), ROOT / "README.md"]
-ORDER = ["synth", "init-model", "convert", "balance", "caption", "pack", "align", "midtrain", "sft", "eval", "rl-curate",
-         "rl-train", "mismatch-report"]
+ORDER = [
+    "synth",
+    "init-model",
+    "convert",
+    "balance",
+    "caption",
+    "pack",
+    "align",
+    "midtrain",
+    "sft",
+    "eval",
+    "rl-curate",
+    "rl-train",
+    "mismatch-report",
+]
 
 # Lines that are examples but cannot run here: (a substring of the line, why).
 SKIP = [
@@ -56,8 +68,16 @@ OVERRIDES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "align": ({"--epochs": "0.01", "--grad-accum": "1"}, ()),
     "midtrain": ({"--epochs": "0.01", "--grad-accum": "1"}, ()),
     "sft": ({"--epochs": "0.01", "--grad-accum": "1"}, ()),
-    "rl-train": ({"--epochs": "0.01", "--prompts-per-step": "2", "--group-size": "2", "--max-new-tokens": "8",
-                  "--max-response-tokens": "16"}, ()),
+    "rl-train": (
+        {
+            "--epochs": "0.01",
+            "--prompts-per-step": "2",
+            "--group-size": "2",
+            "--max-new-tokens": "8",
+            "--max-response-tokens": "16",
+        },
+        (),
+    ),
     "eval": ({"--limit": "2", "--max-new-tokens": "8"}, ()),
     "rl-curate": ({"--limit": "2", "--n": "2", "--max-new-tokens": "8", "--min-reward": "-1"}, ()),
     "mismatch-report": ({"--limit": "2", "--max-new-tokens": "8"}, ()),
@@ -130,7 +150,7 @@ def overridden(words: list[str]) -> list[str]:
     for opt in drops:
         while opt in words:
             i = words.index(opt)
-            del words[i:i + 2]
+            del words[i : i + 2]
     for opt, value in sets.items():
         if opt in words:
             words[words.index(opt) + 1] = value
@@ -168,8 +188,18 @@ def world(tmp_path_factory, cli):
     try:
         code, _, err = cli("synth", "--out", "data", "--scale", "0.02", "--quiet")
         assert code == 0, err
-        code, _, err = cli("init-model", "--preset", "tiny", "--corpus", "data/pretrain", "--corpus", "data/instruct",
-                           "--out", ".tiny", "--quiet")
+        code, _, err = cli(
+            "init-model",
+            "--preset",
+            "tiny",
+            "--corpus",
+            "data/pretrain",
+            "--corpus",
+            "data/instruct",
+            "--out",
+            ".tiny",
+            "--quiet",
+        )
         assert code == 0, err
     finally:
         os.chdir(old)

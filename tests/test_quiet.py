@@ -47,13 +47,21 @@ def test_library_switches_are_restored_after_a_quiet_command(transformers_on):
 
     from ovkit.progress import silence_library_bars
 
-    before = (transformers_bars.is_progress_bar_enabled(), hub_bars.are_progress_bars_disabled(), datasets_bars.are_progress_bars_disabled())
+    before = (
+        transformers_bars.is_progress_bar_enabled(),
+        hub_bars.are_progress_bars_disabled(),
+        datasets_bars.are_progress_bars_disabled(),
+    )
     try:
         (transformers_bars.enable_progress_bar if transformers_on else transformers_bars.disable_progress_bar)()
         hub_bars.enable_progress_bars()
         datasets_bars.enable_progress_bars()
         restore = silence_library_bars()
-        assert not transformers_bars.is_progress_bar_enabled() and hub_bars.are_progress_bars_disabled() and datasets_bars.are_progress_bars_disabled()
+        assert (
+            not transformers_bars.is_progress_bar_enabled()
+            and hub_bars.are_progress_bars_disabled()
+            and datasets_bars.are_progress_bars_disabled()
+        )
         restore()
         assert transformers_bars.is_progress_bar_enabled() == transformers_on
         assert not hub_bars.are_progress_bars_disabled() and not datasets_bars.are_progress_bars_disabled()
@@ -65,8 +73,23 @@ def test_library_switches_are_restored_after_a_quiet_command(transformers_on):
 
 def test_rl_train_quiet_prints_no_bar(cli, tiny):
     code, out, err = cli(
-        "rl-train", tiny / "data" / "rl", "--model", tiny / "model", "--out", tiny / "rl", "--max-steps", "1",
-        "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "2", "--reward-workers", "1", "--quiet",
+        "rl-train",
+        tiny / "data" / "rl",
+        "--model",
+        tiny / "model",
+        "--out",
+        tiny / "rl",
+        "--max-steps",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "2",
+        "--reward-workers",
+        "1",
+        "--quiet",
     )
     assert code == 0 and out.startswith("rl-train stage 1: 1 steps"), err
     assert not BAR.search(err), err

@@ -9,7 +9,6 @@ import json
 import os
 
 import pytest
-
 from test_rl_train import _cfg as rl_cfg
 from test_rl_train import rl_assets  # noqa: F401 (a fixture)
 from test_train import _one_thread, assets, config  # noqa: F401 (fixtures)

@@ -90,8 +90,14 @@ CASES = [
         {"coords": "norm1000", "pred_coords": "pixel", "image_size": [200, 100]},
         1.0,
     ),
-    ("bbox-norm1000-prediction-norm1-gold", "bbox", A("[100,100,500,500]"), "[0.1,0.1,0.5,0.5]",
-     {"coords": "norm1", "pred_coords": "norm1000"}, 1.0),
+    (
+        "bbox-norm1000-prediction-norm1-gold",
+        "bbox",
+        A("[100,100,500,500]"),
+        "[0.1,0.1,0.5,0.5]",
+        {"coords": "norm1", "pred_coords": "norm1000"},
+        1.0,
+    ),
     # detection (ROLL rules; default weights: label-first IoU, completeness weight 0.3)
     ("detection-roll-perfect", "detection", A(DET_GOLD), DET_GOLD, None, 1.0),
     (
@@ -158,18 +164,34 @@ CASES = [
         {"iou_threshold": "dynamic", "step": 50, "total_steps": 100},
         0.0,
     ),
-    ("detection-roll-map50", "detection", A(DET_GOLD), DET_GOLD, {"weights": {"map50": 1.0, "iou_max_label_first": 0}}, 1.0),
+    (
+        "detection-roll-map50",
+        "detection",
+        A(DET_GOLD),
+        DET_GOLD,
+        {"weights": {"map50": 1.0, "iou_max_label_first": 0}},
+        1.0,
+    ),
     (
         "detection-roll-single-quotes-bbox_2d-and-cut-off-list",
         "detection",
-        A("[{'bbox_2d': [10, 10, 50, 50], 'label': 'cat'}, {'bbox_2d': [60, 60, 90, 90], 'label': 'dog'}, {'bbox_2d': [1"),
+        A(
+            "[{'bbox_2d': [10, 10, 50, 50], 'label': 'cat'}, {'bbox_2d': [60, 60, 90, 90], 'label': 'dog'}, {'bbox_2d': [1"
+        ),
         DET_GOLD,
         None,
         1.0,
     ),
     ("detection-unparsable", "detection", A("a cat and a dog"), DET_GOLD, None, 0.0),
     # html
-    ("html-released-exact-up-to-whitespace", "html-code", A("<div>\n  <p>hi</p>\n</div>"), "<div><p>hi</p></div>", None, 1.0),
+    (
+        "html-released-exact-up-to-whitespace",
+        "html-code",
+        A("<div>\n  <p>hi</p>\n</div>"),
+        "<div><p>hi</p></div>",
+        None,
+        1.0,
+    ),
     ("html-released-jaccard-weights", "html", A("<div><p>hi</p></div>"), "<div><p>hello</p></div>", None, 0.7),
     ("html-fenced-code", "html", A("```html\n<div><p>hi</p></div>\n```"), "<div><p>hi</p></div>", None, 1.0),
     # format as a scorer
@@ -205,7 +227,9 @@ SANDBOXED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("answer_type,completion,answer,kwargs,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "answer_type,completion,answer,kwargs,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_known_answers(answer_type, completion, answer, kwargs, expected):
     result = score(completion, answer, answer_type, reward_kwargs=kwargs)
     assert result.reward == pytest.approx(expected, abs=1e-6)
@@ -237,7 +261,9 @@ def test_svg_partial_credit_orders_sensibly():
 
 def test_svg_change_blank_image_guard():
     """A blank canvas scores SSIM ~1 against a mostly white target; the guard gives it no image score."""
-    sparse_gold = '<svg xmlns="http://www.w3.org/2000/svg" width="100" height="100"><circle cx="50" cy="50" r="8"/></svg>'
+    sparse_gold = (
+        '<svg xmlns="http://www.w3.org/2000/svg" width="100" height="100"><circle cx="50" cy="50" r="8"/></svg>'
+    )
     blank = '<svg xmlns="http://www.w3.org/2000/svg" width="100" height="100"></svg>'
     result = score(A(blank), sparse_gold, "svg", timeout=20.0)
     assert result.parts["blank"] is True and result.parts["ssim"] == 0.0
@@ -247,7 +273,9 @@ def test_svg_change_blank_image_guard():
 def test_svg_unrenderable_and_oversized():
     entity = '<?xml version="1.0"?><!DOCTYPE svg [<!ENTITY a "x">]><svg xmlns="http://www.w3.org/2000/svg">&a;</svg>'
     huge = SVG_SQUARE.replace("</svg>", "<!--" + "x" * 60_000 + "--></svg>")
-    results = score_batch([dict(completion=A(s), answer=SVG_CIRCLE, answer_type="svg") for s in (entity, huge)], timeout=20.0)
+    results = score_batch(
+        [dict(completion=A(s), answer=SVG_CIRCLE, answer_type="svg") for s in (entity, huge)], timeout=20.0
+    )
     for r in results:
         assert r.parts["rendered"] is False and r.parts["ssim"] == 0.0 and r.reward < 0.5
 
@@ -315,8 +343,19 @@ def test_format_weight_mixes_accuracy_and_format():
 
 @pytest.mark.parametrize(
     "alias",
-    ["multiple-choice", "math-expressions", "html-code", "svg-code", "general-code", "bbox", "number", "critic",
-     "boolean", "ocrtext", "any"],
+    [
+        "multiple-choice",
+        "math-expressions",
+        "html-code",
+        "svg-code",
+        "general-code",
+        "bbox",
+        "number",
+        "critic",
+        "boolean",
+        "ocrtext",
+        "any",
+    ],
 )
 def test_released_answer_types_are_accepted(alias):
     assert resolve_scorer(alias, None) in SCORERS

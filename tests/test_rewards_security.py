@@ -11,13 +11,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from test_rewards_helpers import allocate, buggy, crash, echo_length, ours_or_orphaned, record_pid_then_sleep
 
 import ovkit.rewards as rewards
 from ovkit.rewards import score, score_batch
 from ovkit.rewards.codeexec import run_sandboxed
 from ovkit.rewards.markup import render
 from ovkit.rewards.pool import shared_pool
-from test_rewards_helpers import allocate, buggy, crash, echo_length, ours_or_orphaned, record_pid_then_sleep
 
 SLACK = 3.0  # seconds on top of a limit: process start and a loaded 2-core CI box
 CODE_ONE_TEST = json.dumps({"entry": "solution", "tests": [{"input": 1, "output": 1}]})
@@ -60,7 +60,9 @@ CHEAP_CORPUS = [
 ]
 
 
-@pytest.mark.parametrize("answer_type,completion,answer", [c[1:] for c in CHEAP_CORPUS], ids=[c[0] for c in CHEAP_CORPUS])
+@pytest.mark.parametrize(
+    "answer_type,completion,answer", [c[1:] for c in CHEAP_CORPUS], ids=[c[0] for c in CHEAP_CORPUS]
+)
 def test_adversarial_cheap_completions_are_bounded(answer_type, completion, answer):
     start = time.perf_counter()
     result = score(completion, answer, answer_type)
@@ -78,18 +80,50 @@ SANDBOXED_CORPUS = [
     ("math-nested-parens", "math", A("(" * 1_000 + "1" + ")" * 1_000), "1"),
     ("math-nested-sqrt", "math", A("\\sqrt{" * 900 + "2" + "}" * 900), "2"),
     ("math-long-expression", "math", A("1+" * 50_000 + "1"), "3"),
-    ("svg-entity-bomb", "svg", A('<?xml version="1.0"?><!DOCTYPE svg [' + "".join(
-        f'<!ENTITY e{i} "{"&e%d;" % (i - 1) * 10 if i else "lol"}">' for i in range(10)) + ']><svg>&e9;</svg>'), SVG),
-    ("svg-recursive-use", "svg", A(
-        '<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink">'
-        '<g id="a"><use xlink:href="#b"/></g><g id="b"><use xlink:href="#a"/></g></svg>'), SVG),
-    ("svg-use-fanout", "svg", A(
-        '<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink"><circle id="l0" r="1"/>'
-        + "".join(f'<g id="l{i}">' + f'<use xlink:href="#l{i - 1}"/>' * 10 + "</g>" for i in range(1, 9))
-        + "</svg>"), SVG),
-    ("svg-huge-declared-size", "svg", A('<svg xmlns="http://www.w3.org/2000/svg" width="100000000" height="100000000">'
-                                        '<rect width="100%" height="100%"/></svg>'), SVG),
-    ("svg-deep-nesting", "svg", A("<svg xmlns='http://www.w3.org/2000/svg'>" + "<g>" * 20_000 + "</g>" * 20_000 + "</svg>"), SVG),
+    (
+        "svg-entity-bomb",
+        "svg",
+        A(
+            '<?xml version="1.0"?><!DOCTYPE svg ['
+            + "".join(f'<!ENTITY e{i} "{f"&e{i - 1};" * 10 if i else "lol"}">' for i in range(10))
+            + "]><svg>&e9;</svg>"
+        ),
+        SVG,
+    ),
+    (
+        "svg-recursive-use",
+        "svg",
+        A(
+            '<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink">'
+            '<g id="a"><use xlink:href="#b"/></g><g id="b"><use xlink:href="#a"/></g></svg>'
+        ),
+        SVG,
+    ),
+    (
+        "svg-use-fanout",
+        "svg",
+        A(
+            '<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink"><circle id="l0" r="1"/>'
+            + "".join(f'<g id="l{i}">' + f'<use xlink:href="#l{i - 1}"/>' * 10 + "</g>" for i in range(1, 9))
+            + "</svg>"
+        ),
+        SVG,
+    ),
+    (
+        "svg-huge-declared-size",
+        "svg",
+        A(
+            '<svg xmlns="http://www.w3.org/2000/svg" width="100000000" height="100000000">'
+            '<rect width="100%" height="100%"/></svg>'
+        ),
+        SVG,
+    ),
+    (
+        "svg-deep-nesting",
+        "svg",
+        A("<svg xmlns='http://www.w3.org/2000/svg'>" + "<g>" * 20_000 + "</g>" * 20_000 + "</svg>"),
+        SVG,
+    ),
     ("code-infinite-loop", "code", A("def solution(x):\n    while True: pass"), CODE_ONE_TEST),
     ("code-sleep", "code", A("import time\ndef solution(x):\n    time.sleep(100)"), CODE_ONE_TEST),
     ("code-memory-bomb", "code", A("def solution(x):\n    return len(bytearray(1 << 34))"), CODE_ONE_TEST),
@@ -142,19 +176,22 @@ def _run(source: str, calls=([],), **limits):
 
 
 SANDBOX_ESCAPES = [
-        ("network", "import socket\n    return socket.socket().connect(('127.0.0.1', 9))"),
-        ("network-after-import", "import urllib.request\n    return urllib.request.urlopen('http://127.0.0.1:9').read()"),
-        ("subprocess", "import subprocess\n    return subprocess.run(['true']).returncode"),
-        ("os-system", "import os\n    return os.system('true')"),
-        ("fork", "import os\n    return os.fork()"),
-        ("ctypes", "import ctypes\n    return 1"),
-        ("read-outside", "return open('/etc/hostname').read()"),
-        ("list-outside", "import os\n    return os.listdir('/')"),
-        ("symlink", "import os\n    os.symlink('/etc', 'etc')\n    return 1"),
-        ("chmod", "import os\n    os.chmod('.', 0o777)\n    return 1"),
-        ("dir-fd-escape", "import os\n    d = os.open(os.path.dirname(os.__file__), os.O_RDONLY)\n    return os.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=d)"),
-        ("gc-walk", "import gc\n    return len(gc.get_objects())"),
-        ("settrace", "import sys\n    sys.settrace(lambda *a: None)\n    return 1"),
+    ("network", "import socket\n    return socket.socket().connect(('127.0.0.1', 9))"),
+    ("network-after-import", "import urllib.request\n    return urllib.request.urlopen('http://127.0.0.1:9').read()"),
+    ("subprocess", "import subprocess\n    return subprocess.run(['true']).returncode"),
+    ("os-system", "import os\n    return os.system('true')"),
+    ("fork", "import os\n    return os.fork()"),
+    ("ctypes", "import ctypes\n    return 1"),
+    ("read-outside", "return open('/etc/hostname').read()"),
+    ("list-outside", "import os\n    return os.listdir('/')"),
+    ("symlink", "import os\n    os.symlink('/etc', 'etc')\n    return 1"),
+    ("chmod", "import os\n    os.chmod('.', 0o777)\n    return 1"),
+    (
+        "dir-fd-escape",
+        "import os\n    d = os.open(os.path.dirname(os.__file__), os.O_RDONLY)\n    return os.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=d)",
+    ),
+    ("gc-walk", "import gc\n    return len(gc.get_objects())"),
+    ("settrace", "import sys\n    sys.settrace(lambda *a: None)\n    return 1"),
 ]
 
 
@@ -169,7 +206,7 @@ def test_sandbox_refuses(body):
 def test_sandbox_cannot_write_the_callers_files(tmp_path):
     target = tmp_path / "owned.txt"
     source = f"def f():\n    open({str(target)!r}, 'w').write('x')\n    return 1"
-    relative = "def f():\n    import os\n    open(os.path.join('..', '..', {0!r}), 'w')\n    return 1".format(
+    relative = "def f():\n    import os\n    open(os.path.join('..', '..', {!r}), 'w')\n    return 1".format(
         str(target).lstrip("/")
     )
     for code in (source, relative):
@@ -190,7 +227,11 @@ def test_sandbox_allows_ordinary_code():
 
 @pytest.mark.parametrize(
     "body,flag",
-    [("while True: pass", "timeout"), ("import time\n    time.sleep(60)", "timeout"), ("print('x' * 100)\n    return 1", None)],
+    [
+        ("while True: pass", "timeout"),
+        ("import time\n    time.sleep(60)", "timeout"),
+        ("print('x' * 100)\n    return 1", None),
+    ],
     ids=["cpu-loop", "sleep", "print-goes-to-dev-null"],
 )
 def test_sandbox_limits(body, flag):

@@ -9,7 +9,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from test_rl_train import rl_assets  # noqa: F401  (the shared tiny model + RL table)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +63,24 @@ def test_curate_end_to_end(rl_assets, tmp_path, cli):  # noqa: F811
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = ["rl-curate", data, "--model", model_dir, "--n", "3", "--max-new-tokens", "5", "--min-reward", "-0.01", "--max-reward", "0.5", "--no-system-prompt", "--reward-workers", "1", "--quiet"]
+        args = [
+            "rl-curate",
+            data,
+            "--model",
+            model_dir,
+            "--n",
+            "3",
+            "--max-new-tokens",
+            "5",
+            "--min-reward",
+            "-0.01",
+            "--max-reward",
+            "0.5",
+            "--no-system-prompt",
+            "--reward-workers",
+            "1",
+            "--quiet",
+        ]
         code, stdout, err = cli(*args, "--out", tmp_path / "a")
         assert code == 0, err
         code2, _, err2 = cli(*args, "--out", tmp_path / "b")
@@ -79,7 +95,9 @@ def test_curate_end_to_end(rl_assets, tmp_path, cli):  # noqa: F811
     stage1 = pq.read_table(next((out / "stage1").glob("*.parquet")))
     stage2 = pq.read_table(next((out / "stage2").glob("*.parquet")))
     assert stage1.num_rows + stage2.num_rows == stats["kept"] == sum(c["kept"] for c in curation)
-    assert set(stage2.column("category").to_pylist()) <= {"math"} and set(stage1.column("category").to_pylist()) <= {"counting"}
+    assert set(stage2.column("category").to_pylist()) <= {"math"} and set(stage1.column("category").to_pylist()) <= {
+        "counting"
+    }
     assert {"pass_at_1", "pass_at_n"} <= set(stage1.column_names)
     for c in curation:
         assert c["pass_at_1"] <= c["pass_at_n"] and c["kept"] == (-0.01 < c["pass_at_1"] < 0.5)
@@ -95,7 +113,22 @@ def test_an_excluded_category_is_not_sampled(rl_assets, tmp_path, cli):  # noqa:
     from ovkit.rollouts.table import read_rollouts
 
     model_dir, data = rl_assets
-    args = ["rl-curate", data, "--model", model_dir, "--n", "2", "--max-new-tokens", "3", "--min-reward", "-0.01", "--no-system-prompt", "--reward-workers", "1", "--quiet"]
+    args = [
+        "rl-curate",
+        data,
+        "--model",
+        model_dir,
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--min-reward",
+        "-0.01",
+        "--no-system-prompt",
+        "--reward-workers",
+        "1",
+        "--quiet",
+    ]
     code, stdout, err = cli(*args, "--exclude-category", "math", "--out", tmp_path / "a")
     assert code == 0, err
     stats = json.loads((tmp_path / "a" / "stats.json").read_text())

@@ -27,7 +27,24 @@ def _sft(tmp: Path) -> tuple[Path, Path]:
     data, stage0, sft = tmp / "data", tmp / "stage0", tmp / "sft"
     ovkit("synth", "--out", data)
     ovkit("init-model", "--preset", "tiny", "--corpus", data, "--out", stage0)
-    ovkit("sft", data / "instruct", "--model", stage0, "--out", sft, "--lr", "1e-3", "--min-lr", "1e-4", "--batch-size", "16", "--max-steps", "600", "--warmup-ratio", "0.03")
+    ovkit(
+        "sft",
+        data / "instruct",
+        "--model",
+        stage0,
+        "--out",
+        sft,
+        "--lr",
+        "1e-3",
+        "--min-lr",
+        "1e-4",
+        "--batch-size",
+        "16",
+        "--max-steps",
+        "600",
+        "--warmup-ratio",
+        "0.03",
+    )
     return data, sft
 
 
@@ -39,12 +56,30 @@ def _overall(run: Path) -> float:
 def test_rl_curriculum_learns(tmp_path):
     data, sft = _sft(tmp_path)
     curate, rl1, rl2 = tmp_path / "rl-data", tmp_path / "rl1", tmp_path / "rl2"
-    ovkit("rl-curate", data / "rl", "--model", sft, "--out", curate, "--n", "8", "--limit", "24", "--max-new-tokens", "64", "--no-system-prompt")
+    ovkit(
+        "rl-curate",
+        data / "rl",
+        "--model",
+        sft,
+        "--out",
+        curate,
+        "--n",
+        "8",
+        "--limit",
+        "24",
+        "--max-new-tokens",
+        "64",
+        "--no-system-prompt",
+    )
     stats = json.loads((curate / "stats.json").read_text())
     assert stats["stage1"] > 0 and stats["stage2"] > 0
     assert stats["always_solved"] + stats["never_solved"] + stats["kept"] <= stats["prompts"]
-    ovkit("rl-train", curate / "stage1", "--model", sft, "--out", rl1, "--config", ROOT / "examples/tiny/rl-stage1.yaml")
-    ovkit("rl-train", curate / "stage2", "--model", rl1, "--out", rl2, "--config", ROOT / "examples/tiny/rl-stage2.yaml")
+    ovkit(
+        "rl-train", curate / "stage1", "--model", sft, "--out", rl1, "--config", ROOT / "examples/tiny/rl-stage1.yaml"
+    )
+    ovkit(
+        "rl-train", curate / "stage2", "--model", rl1, "--out", rl2, "--config", ROOT / "examples/tiny/rl-stage2.yaml"
+    )
     for name, model in [("sft", sft), ("rl1", rl1), ("rl2", rl2)]:
         ovkit("eval", "--model", model, data / "eval", "--out", tmp_path / f"eval-{name}")
     before, after1, after2 = (_overall(tmp_path / f"eval-{n}") for n in ("sft", "rl1", "rl2"))

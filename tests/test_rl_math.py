@@ -43,7 +43,9 @@ def test_reward_transform_and_its_effect_on_advantages():
     g = torch.zeros(3, dtype=torch.long)
     # whitening removes the affine transform (up to eps): the transform matters for Dr. GRPO (std=False) and KL balance
     assert torch.allclose(group_advantages(transform_rewards(r), g), group_advantages(r, g), atol=1e-4)
-    assert torch.allclose(group_advantages(transform_rewards(r), g, std=False), t(5.0, -5.0, -2.5) - (-2.5 / 3), atol=1e-5)
+    assert torch.allclose(
+        group_advantages(transform_rewards(r), g, std=False), t(5.0, -5.0, -2.5) - (-2.5 / 3), atol=1e-5
+    )
 
 
 # ---------------------------------------------------------------- clip branches
@@ -141,7 +143,9 @@ def test_mismatch_metrics_clamp_only_the_exponential():
 
     stats = mismatch_stats(t(-0.2, -50.0)[None], t(-0.2, -0.2)[None], torch.ones(1, 2, dtype=torch.bool))
     assert stats["mismatch/delta_logp_max"] == pytest.approx(49.8) and stats["mismatch/k1"] == pytest.approx(24.9)
-    assert math.isfinite(stats["mismatch/vllm_kl"]) and stats["mismatch/vllm_kl"] == pytest.approx((math.exp(-20) + 20 - 1) / 2)
+    assert math.isfinite(stats["mismatch/vllm_kl"]) and stats["mismatch/vllm_kl"] == pytest.approx(
+        (math.exp(-20) + 20 - 1) / 2
+    )
 
 
 def test_token_mis_masks_tokens_outside_the_bounds():
@@ -156,7 +160,9 @@ def test_seq_mis_keeps_or_masks_whole_sequences():
     prox_b, behave_b, _ = _ratios(3.0, 1.5, 1.0)  # product 4.5: masked
     prox_c, behave_c, _ = _ratios(0.5, 0.5, 1.0)  # product 0.25 < lower 0.5: masked
     prox, behave = torch.cat([prox_a, prox_b, prox_c]), torch.cat([behave_a, behave_b, behave_c])
-    w = off_policy_weights(prox, behave, torch.ones(3, 3, dtype=torch.bool), Correction("seq_sum_k1", upper=2.0, lower=0.5))
+    w = off_policy_weights(
+        prox, behave, torch.ones(3, 3, dtype=torch.bool), Correction("seq_sum_k1", upper=2.0, lower=0.5)
+    )
     assert torch.allclose(w.weights[0], torch.full((3,), 1.8), atol=1e-5)
     assert not w.keep[1:].any()
     assert w.stats["masked/seq_frac"] == pytest.approx(2 / 3)
@@ -166,7 +172,9 @@ def test_geo_rs_masks_by_the_geometric_mean_and_keeps_the_behaviour_weight():
     prox_a, behave_a, _ = _ratios(1.0005, 0.9999, 1.0)  # geometric mean ~1.0001: kept
     prox_b, behave_b, _ = _ratios(1.01, 1.0, 1.0)  # ~1.0033: rejected
     prox, behave = torch.cat([prox_a, prox_b]), torch.cat([behave_a, behave_b])
-    w = off_policy_weights(prox, behave, torch.ones(2, 3, dtype=torch.bool), Correction("geo-rs", geo_lower=0.999, geo_upper=1.001))
+    w = off_policy_weights(
+        prox, behave, torch.ones(2, 3, dtype=torch.bool), Correction("geo-rs", geo_lower=0.999, geo_upper=1.001)
+    )
     assert w.keep[0].all() and not w.keep[1].any()
     assert torch.allclose(w.weights[0], t(1.0005, 0.9999, 1.0), atol=1e-5)
 
@@ -174,7 +182,12 @@ def test_geo_rs_masks_by_the_geometric_mean_and_keeps_the_behaviour_weight():
 def test_veto_rejects_a_sequence_with_one_catastrophic_token():
     prox_a, behave_a, _ = _ratios(1.0, 1e-5, 1.0)
     prox_b, behave_b, _ = _ratios(1.0, 0.5, 1.0)
-    w = off_policy_weights(torch.cat([prox_a, prox_b]), torch.cat([behave_a, behave_b]), torch.ones(2, 3, dtype=torch.bool), Correction(veto=1e-4))
+    w = off_policy_weights(
+        torch.cat([prox_a, prox_b]),
+        torch.cat([behave_a, behave_b]),
+        torch.ones(2, 3, dtype=torch.bool),
+        Correction(veto=1e-4),
+    )
     assert not w.keep[0].any() and w.keep[1].all()
     assert w.stats["masked/veto_frac"] == pytest.approx(0.5)
 
@@ -237,7 +250,10 @@ def test_micro_batches_sum_to_the_whole_batch_loss():
     agg = aggregation_weights(mask, "seq-mean-token-mean")
     w = mask.float()
     whole = decoupled_ppo_loss(logp, prox, adv, w, agg).loss
-    parts = sum(decoupled_ppo_loss(logp[i : i + 2], prox[i : i + 2], adv[i : i + 2], w[i : i + 2], agg[i : i + 2]).loss for i in (0, 2, 4))
+    parts = sum(
+        decoupled_ppo_loss(logp[i : i + 2], prox[i : i + 2], adv[i : i + 2], w[i : i + 2], agg[i : i + 2]).loss
+        for i in (0, 2, 4)
+    )
     assert float(whole) == pytest.approx(float(parts), abs=1e-6)
 
 
@@ -252,7 +268,16 @@ def test_kl_estimators_hand_values():
     assert float(kl_estimate(logp, ref, "k1")) == pytest.approx(math.log(2))
     assert float(kl_estimate(logp, ref, "k2")) == pytest.approx(0.5 * math.log(2) ** 2)
     assert float(kl_estimate(logp, ref, "k3")) == pytest.approx(0.5 + math.log(2) - 1)  # r - log r - 1, r = 0.5
-    parts = decoupled_ppo_loss(logp[None], logp[None], torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), ref_logprobs=ref[None], kl_coef=0.1, kl_estimator="k1")
+    parts = decoupled_ppo_loss(
+        logp[None],
+        logp[None],
+        torch.zeros(1, 1),
+        torch.ones(1, 1),
+        torch.ones(1, 1),
+        ref_logprobs=ref[None],
+        kl_coef=0.1,
+        kl_estimator="k1",
+    )
     assert float(parts.loss) == pytest.approx(0.1 * math.log(2))
 
 

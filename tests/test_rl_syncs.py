@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from test_rl_train import _cfg, rl_assets  # noqa: F401 (a fixture)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # reads inside transformers' Qwen-VL forward (none since the learner builds its input embeddings from host-computed
 # image positions: ovkit.runtime.loss._embedded); kept apart so a regression there names itself
@@ -54,7 +53,16 @@ def test_a_learner_step_reads_the_device_once_whatever_the_batch(rl_assets, tmp_
     model, data = rl_assets
     counts = {}
     for g in (group_size, 2 * group_size):
-        cfg = _cfg(model, data, tmp_path / f"g{g}", group_size=g, micro_batch_size=2 * g, max_steps=2, quiet=True, precision="fp32")
+        cfg = _cfg(
+            model,
+            data,
+            tmp_path / f"g{g}",
+            group_size=g,
+            micro_batch_size=2 * g,
+            max_steps=2,
+            quiet=True,
+            precision="fp32",
+        )
         sites = _learner_syncs(cfg)
         counts[g] = [sum(w.values()) for w in sites]
         for where in sites:
@@ -67,7 +75,17 @@ def test_several_micro_batches_and_minibatches_read_once_per_optimiser_step(rl_a
     """Each optimiser step reads once (its skip guard; the last one carries the metrics), whatever the micro-batches
     and forwards (reference and proximal passes over the batch included)."""
     model, data = rl_assets
-    cfg = _cfg(model, data, tmp_path / "mb", group_size=4, micro_batch_size=3, ppo_minibatches=2, kl_coef=0.01, max_steps=1, quiet=True)
+    cfg = _cfg(
+        model,
+        data,
+        tmp_path / "mb",
+        group_size=4,
+        micro_batch_size=3,
+        ppo_minibatches=2,
+        kl_coef=0.01,
+        max_steps=1,
+        quiet=True,
+    )
     (where,) = _learner_syncs(cfg)
     assert sum(where.values()) == sum(_ours(where).values()) == 2, dict(where)  # two optimiser steps
 

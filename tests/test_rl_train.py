@@ -56,7 +56,10 @@ def rl_assets(tmp_path_factory):
     base = tmp_path_factory.getbasetemp() / "rl-assets"
     if not (base / "model" / "config.json").is_file():
         rows = _rows()
-        texts = [m["content"] for r in rows for m in r["messages"]] + ["<answer>3</answer>", "<think>count</think><answer>2</answer>"] * 20
+        texts = [m["content"] for r in rows for m in r["messages"]] + [
+            "<answer>3</answer>",
+            "<think>count</think><answer>2</answer>",
+        ] * 20
         build_tiny(base / "model", texts, seed=0)
         write_samples(samples_table(rows), base / "data")
     return base / "model", base / "data"
@@ -70,13 +73,45 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-TINY = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-ratio", "0", "--no-system-prompt", "--rollout-batch-size", "16", "--micro-batch-size", "8", "--reward-workers", "1"]
+TINY = [
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "6",
+    "--lr",
+    "1e-3",
+    "--warmup-ratio",
+    "0",
+    "--no-system-prompt",
+    "--rollout-batch-size",
+    "16",
+    "--micro-batch-size",
+    "8",
+    "--reward-workers",
+    "1",
+]
 
 
 def _cfg(model, data, out, **kw):
     from ovkit.rl.config import RLTrainConfig
 
-    base = dict(data=[data], model=model, out=out, prompts_per_step=2, group_size=4, max_new_tokens=6, lr=1e-3, warmup_ratio=0.0, weight_decay=0.0, system_prompt=False, max_staleness=0, micro_batch_size=8, reward_workers=1)
+    base = dict(
+        data=[data],
+        model=model,
+        out=out,
+        prompts_per_step=2,
+        group_size=4,
+        max_new_tokens=6,
+        lr=1e-3,
+        warmup_ratio=0.0,
+        weight_decay=0.0,
+        system_prompt=False,
+        max_staleness=0,
+        micro_batch_size=8,
+        reward_workers=1,
+    )
     return RLTrainConfig(**{**base, **kw})
 
 
@@ -106,7 +141,9 @@ def _step(model_dir, data, tmp_path, rewards, **kw):
     params = trainable(model, cfg)
     optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    metrics = train_step(model, optimizer, params, groups, 0, processor.tokenizer.pad_token_id, cfg.correction_config(), None, cfg)
+    metrics = train_step(
+        model, optimizer, params, groups, 0, processor.tokenizer.pad_token_id, cfg.correction_config(), None, cfg
+    )
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     return metrics, changed
 
@@ -125,7 +162,15 @@ def test_a_step_trains_only_with_a_learning_signal(rl_assets, tmp_path, one_thre
 def test_an_all_masked_batch_is_logged_and_trains_nothing(rl_assets, tmp_path, one_thread):
     model_dir, data = rl_assets
     # token-MIS with the window [0.5, 0.6]: every ratio is ~1, so every token is rejected
-    metrics, changed = _step(model_dir, data, tmp_path, [[1, 0, 1, 0], [1, 0, 0, 0]], correction="token-mis", correction_threshold=0.6, correction_lower=0.5)
+    metrics, changed = _step(
+        model_dir,
+        data,
+        tmp_path,
+        [[1, 0, 1, 0], [1, 0, 0, 0]],
+        correction="token-mis",
+        correction_threshold=0.6,
+        correction_lower=0.5,
+    )
     assert metrics["all_masked"] == 1.0 and metrics["masked/token_frac"] == 1.0
     assert metrics["skipped_updates"] == 1 and metrics["grad_norm"] == 0.0
     assert not changed
@@ -148,7 +193,23 @@ REQUIRED = [  # metrics.jsonl's names: TRL's where TRL logs the same quantity, o
 def test_stage1_then_stage2_end_to_end(rl_assets, tmp_path, cli, one_thread):
     model_dir, data = rl_assets
     out1, out2 = tmp_path / "rl1", tmp_path / "rl2"
-    code, stdout, err = cli("rl-train", data, "--model", model_dir, "--out", out1, "--stage", "1", "--max-steps", "2", "--max-staleness", "0", "--save-rollouts", "--quiet", *TINY)
+    code, stdout, err = cli(
+        "rl-train",
+        data,
+        "--model",
+        model_dir,
+        "--out",
+        out1,
+        "--stage",
+        "1",
+        "--max-steps",
+        "2",
+        "--max-staleness",
+        "0",
+        "--save-rollouts",
+        "--quiet",
+        *TINY,
+    )
     assert code == 0, err
     assert "rl-train stage 1: 2 steps" in stdout
     rows = _metrics(out1)
@@ -160,17 +221,38 @@ def test_stage1_then_stage2_end_to_end(rl_assets, tmp_path, cli, one_thread):
     assert first["epoch"] == pytest.approx(2 / 6) and second["epoch"] == pytest.approx(4 / 6)
     assert first["rewards/task/mean"] == first["reward"]  # stage 1: the task reward is all that is optimised
     assert first["completions/min_length"] <= first["completions/mean_length"] <= first["completions/max_length"]
-    assert (out1 / "model.safetensors").is_file() and (out1 / "ovkit.json").is_file() and (out1 / "config.yaml").is_file()
+    assert (
+        (out1 / "model.safetensors").is_file() and (out1 / "ovkit.json").is_file() and (out1 / "config.yaml").is_file()
+    )
     assert not (tmp_path / "rl1.partial").exists()
     from ovkit.rollouts.table import read_rollouts
 
     rollouts = read_rollouts(out1 / "rollouts")
     assert rollouts.num_rows == 2 * 2 * 4 and set(rollouts.column("version").to_pylist()) == {0, 1}
 
-    code, stdout, err = cli("rl-train", data, "--model", out1, "--out", out2, "--stage", "2", "--max-steps", "1", "--max-staleness", "0", "--quiet", *TINY)
+    code, stdout, err = cli(
+        "rl-train",
+        data,
+        "--model",
+        out1,
+        "--out",
+        out2,
+        "--stage",
+        "2",
+        "--max-steps",
+        "1",
+        "--max-staleness",
+        "0",
+        "--quiet",
+        *TINY,
+    )
     assert code == 0, err
     prov = json.loads((out2 / "ovkit.json").read_text())
-    assert prov["parent"]["command"] == "rl-train" and prov["config"]["stage"] == 2 and prov["config"]["format-weight"] == 0.1
+    assert (
+        prov["parent"]["command"] == "rl-train"
+        and prov["config"]["stage"] == 2
+        and prov["config"]["format-weight"] == 0.1
+    )
     assert "rewards/format/mean" in _metrics(out2)[0]
     from ovkit.models import load
 
@@ -195,8 +277,8 @@ def test_fewer_prompts_than_a_step_needs_warns(rl_assets, tmp_path, capfd, one_t
 
 
 def test_async_eta2_never_consumes_a_sample_staler_than_2(rl_assets, tmp_path, one_thread):
-    from ovkit.rollouts.table import read_rollouts
     from ovkit.rl.loop import train_rl
+    from ovkit.rollouts.table import read_rollouts
 
     model_dir, data = rl_assets
     out = tmp_path / "async"
@@ -217,7 +299,6 @@ def test_interrupted_run_resumes_on_the_same_trajectory(rl_assets, tmp_path, mon
 
     from ovkit.errors import OvkitError
     from ovkit.rl import loop as trainer
-    from ovkit.rl.config import RLTrainConfig
     from ovkit.runtime import Runtime
 
     model_dir, data = rl_assets
@@ -251,7 +332,25 @@ def test_killed_run_resumes_on_the_same_trajectory(rl_assets, tmp_path):
     from safetensors.torch import load_file
 
     model_dir, data = rl_assets
-    args = [sys.executable, "-m", "ovkit", "rl-train", str(data), "--model", str(model_dir), "--max-steps", "4", "--max-staleness", "0", "--save-every", "1", "--keep-checkpoints", "1", "--quiet", *TINY]
+    args = [
+        sys.executable,
+        "-m",
+        "ovkit",
+        "rl-train",
+        str(data),
+        "--model",
+        str(model_dir),
+        "--max-steps",
+        "4",
+        "--max-staleness",
+        "0",
+        "--save-every",
+        "1",
+        "--keep-checkpoints",
+        "1",
+        "--quiet",
+        *TINY,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*args, "--out", str(tmp_path / "straight")], check=True, env=env, capture_output=True)
 
@@ -292,20 +391,34 @@ def test_config_validation_names_the_flag(tmp_path):
     from ovkit.rl.config import RLTrainConfig
 
     ok = dict(data=[tmp_path], model=tmp_path, out=tmp_path / "o")
-    for bad, flag in [({"stage": 3}, "--stage"), ({"correction": "nope"}, "--correction"), ({"loss_agg": "x"}, "--loss-agg"), ({"max_staleness": -1}, "--max-staleness"), ({"max_steps": 2, "epochs": 1.0}, "--epochs")]:
+    for bad, flag in [
+        ({"stage": 3}, "--stage"),
+        ({"correction": "nope"}, "--correction"),
+        ({"loss_agg": "x"}, "--loss-agg"),
+        ({"max_staleness": -1}, "--max-staleness"),
+        ({"max_steps": 2, "epochs": 1.0}, "--epochs"),
+    ]:
         with pytest.raises(OvkitError, match=flag):
             RLTrainConfig(**ok, **bad)
     assert RLTrainConfig(**ok, correction="seq_mean_k1").correction == "geo-rs"
     assert RLTrainConfig(**ok, stage=2).format_weight == 0.1
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*/rl-stage*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "examples").glob("*/rl-stage*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}"
+)
 def test_shipped_configs_validate(path, tmp_path):
     from ovkit.config import load_yaml, merge
     from ovkit.rl.config import RLTrainConfig
 
     values = load_yaml(path)
-    cfg = merge(RLTrainConfig, {"data": [tmp_path], "model": tmp_path, "out": tmp_path / "o"}, {"data", "model", "out"}, values, path)
+    cfg = merge(
+        RLTrainConfig,
+        {"data": [tmp_path], "model": tmp_path, "out": tmp_path / "o"},
+        {"data", "model", "out"},
+        values,
+        path,
+    )
     assert cfg.stage == (1 if "stage1" in path.name else 2)
     assert yaml.safe_load(path.read_text())
 
@@ -385,7 +498,9 @@ def test_two_processes_sample_and_learn_what_one_process_does(rl_assets, tmp_pat
         key = lambda rows: sorted((r["group"], r["response_ids"], r["reward"]) for r in rows)  # noqa: E731
         assert key(r1) == key(r2) and len(r1) == 16
     m1, m2 = _metrics(one), _metrics(two)
-    assert len({r["reward"] for r in m1}) + len({tuple(x["response_ids"]) for x in r1}) > 2  # real sampling, not one answer
+    assert (
+        len({r["reward"] for r in m1}) + len({tuple(x["response_ids"]) for x in r1}) > 2
+    )  # real sampling, not one answer
     for a, b in zip(m1, m2):
         assert b["reward"] == pytest.approx(a["reward"]) and b["ovkit/samples"] == a["ovkit/samples"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
@@ -398,9 +513,9 @@ def test_rl_train_with_the_vllm_engine_colocated(rl_assets, tmp_path, monkeypatc
     """--engine vllm through a stand-in with vLLM's shapes (tests/fake_vllm.py): rollouts come back on-policy (the
     behaviour log-probs are the sampled distribution's, the learner agrees), vLLM sleeps during every update and its
     weights are the learner's after every step."""
+    import fake_vllm
     from safetensors.torch import load_file
 
-    import fake_vllm
     from ovkit.rl.loop import train_rl
 
     fake_vllm.install(monkeypatch)
@@ -409,7 +524,11 @@ def test_rl_train_with_the_vllm_engine_colocated(rl_assets, tmp_path, monkeypatc
     rows = _metrics(tmp_path / "out")
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows)
     names = [c[0] for c in fake_vllm.LLM.calls[1:]]
-    assert names == ["load_weights", "reset_prefix_cache"] + ["generate", "sleep", "wake_up", "load_weights", "reset_prefix_cache"] * 2
+    assert (
+        names
+        == ["load_weights", "reset_prefix_cache"]
+        + ["generate", "sleep", "wake_up", "load_weights", "reset_prefix_cache"] * 2
+    )
     final = load_file(tmp_path / "out" / "model.safetensors")
     loaded = [c for c in fake_vllm.LLM.calls if c[0] == "load_weights"]
     assert all(c[1] == len(final) for c in loaded)  # every checkpoint tensor, every time

@@ -45,7 +45,15 @@ def test_a_rerun_removes_a_killed_runs_temporary_directories(cli, tmp_path, pids
     dead, live = pids
     data = tmp_path / "data"
     cell = image_cell(Image.new("RGB", (28, 28), "red"))
-    rows = [{"id": f"r{i}", "images": [cell], "messages": [{"role": "user", "content": "<image>what?"}, {"role": "assistant", "content": "a red square"}], "source": "t"} for i in range(4)]
+    rows = [
+        {
+            "id": f"r{i}",
+            "images": [cell],
+            "messages": [{"role": "user", "content": "<image>what?"}, {"role": "assistant", "content": "a red square"}],
+            "source": "t",
+        }
+        for i in range(4)
+    ]
     write_samples(samples_table(rows), data)
     (tmp_path / "concepts.txt").write_text("red\n")
     out = tmp_path / "out"

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_rl_train import _cfg as rl_cfg
 from test_rl_train import rl_assets  # noqa: F401 (a fixture)
 from test_train import ENV, _one_thread, config, make_rows, weights  # noqa: F401 (_one_thread: an autouse fixture)
@@ -38,8 +37,16 @@ def deep(tmp_path_factory):
     rows = make_rows(16)
     write_samples(samples_table(rows), root / "data", None)
     spec = TinySpec(
-        hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=64, mrope_section=(2, 3, 3),
-        vision_hidden_size=32, vision_depth=4, vision_heads=2, vision_intermediate_size=64,
+        hidden_size=32,
+        num_layers=4,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        mrope_section=(2, 3, 3),
+        vision_hidden_size=32,
+        vision_depth=4,
+        vision_heads=2,
+        vision_intermediate_size=64,
     )
     build_tiny(root / "model", [m["content"] for r in rows for m in r["messages"]] * 4, spec=spec)
     return root, spec
@@ -50,7 +57,9 @@ def _pack(cli, root: Path, max_len: int) -> tuple[Path, int]:
 
     plan = root / f"plan-{max_len}"
     if not plan.exists():
-        code, _, err = cli("pack", root / "data", "--model", root / "model", "--max-len", str(max_len), "--out", plan, "--quiet")
+        code, _, err = cli(
+            "pack", root / "data", "--model", root / "model", "--max-len", str(max_len), "--out", plan, "--quiet"
+        )
         assert code == 0, err
     return plan, len(set(pq.read_table(plan / "plan.parquet").column("pack").to_pylist()))
 
@@ -64,7 +73,9 @@ def _attention_calls(cfg) -> tuple[int, int]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train(cfg)
     counts = {e.key: e.count for e in prof.key_averages()}
-    return counts.get("aten::scaled_dot_product_attention", 0), counts.get("aten::softmax", 0) + counts.get("aten::_softmax", 0)
+    return counts.get("aten::scaled_dot_product_attention", 0), counts.get("aten::softmax", 0) + counts.get(
+        "aten::_softmax", 0
+    )
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -94,8 +105,21 @@ def test_packed_equals_padded_for_every_cpu_attention(deep, tmp_path, cli, attn)
     plan, n_packs = _pack(cli, root, 160)
     from ovkit.train import train
 
-    padded = train(config("SFTConfig", root, tmp_path / "padded", batch_size=16, max_steps=1, lr=1e-2, attn_implementation=attn))
-    packed = train(config("SFTConfig", root, tmp_path / "packed", plan=plan, batch_size=n_packs, max_steps=1, lr=1e-2, attn_implementation=attn))
+    padded = train(
+        config("SFTConfig", root, tmp_path / "padded", batch_size=16, max_steps=1, lr=1e-2, attn_implementation=attn)
+    )
+    packed = train(
+        config(
+            "SFTConfig",
+            root,
+            tmp_path / "packed",
+            plan=plan,
+            batch_size=n_packs,
+            max_steps=1,
+            lr=1e-2,
+            attn_implementation=attn,
+        )
+    )
     assert packed.metrics["first_loss"] == pytest.approx(padded.metrics["first_loss"], rel=1e-5)
     w_pad, w_pack = weights(tmp_path / "padded"), weights(tmp_path / "packed")
     for name in w_pad:
@@ -136,7 +160,9 @@ def test_chunked_loss_and_logprobs_equal_the_full_logits(deep):
     inputs = model_inputs(batch, "cpu")
     logits = model(**inputs).logits[:, :-1].float()
     targets = batch["labels"][:, 1:]
-    full = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum")
+    full = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
+    )
     full_grads = torch.autograd.grad(full, [p for p in model.parameters()], allow_unused=True)
     chunked = nll_sum(model, inputs, batch["labels"])
     chunked_grads = torch.autograd.grad(chunked, [p for p in model.parameters()], allow_unused=True)
@@ -147,7 +173,9 @@ def test_chunked_loss_and_logprobs_equal_the_full_logits(deep):
     where = targets != -100
     logp, ent = score(model, inputs, targets.clamp(min=0), where, temperature=0.7, entropy=True, chunk=5)
     ref = torch.log_softmax(logits / 0.7, -1)
-    torch.testing.assert_close(logp[where], ref.gather(-1, targets.clamp(min=0)[..., None])[..., 0][where], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        logp[where], ref.gather(-1, targets.clamp(min=0)[..., None])[..., 0][where], rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(ent[where], -(ref.exp() * ref).sum(-1)[where], rtol=1e-5, atol=1e-5)
     assert (logp[~where] == 0).all()
 
@@ -176,7 +204,9 @@ def test_the_loss_over_a_qwen_vocabulary_peaks_at_the_chunk_not_tokens_x_vocab()
     what the allocator keeps."""
     peak = {}
     for mode in ("chunked", "full"):
-        run = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, mode], env=ENV, capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            [sys.executable, "-c", PEAK_SCRIPT, mode], env=ENV, capture_output=True, text=True, timeout=300
+        )
         assert run.returncode == 0, run.stderr[-2000:]
         peak[mode] = int(run.stdout.split()[-1])
     logits_bytes = 4096 * 151936 * 4
@@ -226,7 +256,7 @@ def test_bf16_mixed_keeps_fp32_masters_and_resumes_from_them_exactly(deep, tmp_p
     save = Runtime.save_checkpoint
 
     def save_then_die(self, *args, **kwargs):
-        path = save(self, *args, **kwargs)
+        save(self, *args, **kwargs)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
@@ -245,7 +275,17 @@ def test_sft_and_the_rl_learner_go_through_the_same_runtime(deep, rl_assets, tmp
     from ovkit.train import train
 
     calls: dict[str, list[str]] = {}
-    for name in ("load_model", "optimizer", "prepare", "resume", "logger", "backward", "clip", "save_checkpoint", "finish"):
+    for name in (
+        "load_model",
+        "optimizer",
+        "prepare",
+        "resume",
+        "logger",
+        "backward",
+        "clip",
+        "save_checkpoint",
+        "finish",
+    ):
         original = getattr(Runtime, name)
 
         def spy(self, *a, _name=name, _original=original, **k):
@@ -257,9 +297,16 @@ def test_sft_and_the_rl_learner_go_through_the_same_runtime(deep, rl_assets, tmp
     train(config("SFTConfig", root, tmp_path / "sft", max_steps=2, save_every=1))
     model_dir, data = rl_assets
     train_rl(rl_cfg(model_dir, data, tmp_path / "rl", max_steps=2, save_every=1, quiet=True))
-    assert set(calls["sft"]) == set(calls["rl-train"]) == {"load_model", "optimizer", "prepare", "resume", "logger", "backward", "clip", "save_checkpoint", "finish"}
+    assert (
+        set(calls["sft"])
+        == set(calls["rl-train"])
+        == {"load_model", "optimizer", "prepare", "resume", "logger", "backward", "clip", "save_checkpoint", "finish"}
+    )
     prov = json.loads((tmp_path / "rl" / "ovkit.json").read_text())
-    assert prov["runtime"]["precision"]["used"] == "fp32" and prov["runtime"]["attention"]["vision"] == "ovkit_varlen_flash"
+    assert (
+        prov["runtime"]["precision"]["used"] == "fp32"
+        and prov["runtime"]["attention"]["vision"] == "ovkit_varlen_flash"
+    )
 
 
 # ---- LoRA ------------------------------------------------------------------------------------------------------------
@@ -276,12 +323,17 @@ def test_lora_trains_adapters_only_and_saves_a_merged_model_and_the_adapter(deep
     from ovkit.train import train
 
     root, _ = deep
-    res = train(config("SFTConfig", root, tmp_path / "lora", max_steps=3, lr=5e-2, lora_r=4, lora_alpha=8, trainable=["llm"]))
+    res = train(
+        config("SFTConfig", root, tmp_path / "lora", max_steps=3, lr=5e-2, lora_r=4, lora_alpha=8, trainable=["llm"])
+    )
     assert res.metrics["trainable_params"] < res.metrics["total_params"] / 5
     start, merged = weights(root / "model"), weights(tmp_path / "lora")
     assert set(start) == set(merged)  # the checkpoint layout of the base: no peft names
     changed = {k for k in start if not torch.equal(start[k], merged[k])}
-    assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj") for k in changed)
+    assert changed and all(
+        k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        for k in changed
+    )
     base = AutoModelForImageTextToText.from_pretrained(root / "model")
     adapted = PeftModel.from_pretrained(base, tmp_path / "lora" / "adapter").eval()
     plain, processor = load(tmp_path / "lora")
@@ -331,9 +383,8 @@ def test_qlora_trains_adapters_on_a_four_bit_base_and_saves_a_plain_merged_model
     4-bit and stay as loaded, the vision tower and the head are not quantised, the adapters train; OUT is a plain
     checkpoint (no quantisation config) whose logits equal the 4-bit base + adapters' own."""
     bnb = pytest.importorskip("bitsandbytes")
-    from transformers import AutoModelForImageTextToText
-
     from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
 
     from ovkit.errors import OvkitError
     from ovkit.models.encode import decode_images, encode_sample
@@ -344,7 +395,17 @@ def test_qlora_trains_adapters_on_a_four_bit_base_and_saves_a_plain_merged_model
     root, _ = deep
     with pytest.raises(OvkitError, match="--lora-r"):
         train(config("SFTConfig", root, tmp_path / "no-rank", max_steps=1, load_in_4bit=True))
-    cfg = config("SFTConfig", root, tmp_path / "qlora", max_steps=3, lr=5e-2, lora_r=4, lora_alpha=8, trainable=["llm"], load_in_4bit=True)
+    cfg = config(
+        "SFTConfig",
+        root,
+        tmp_path / "qlora",
+        max_steps=3,
+        lr=5e-2,
+        lora_r=4,
+        lora_alpha=8,
+        trainable=["llm"],
+        load_in_4bit=True,
+    )
     rt = Runtime(cfg, command="sft", trajectory=TRAJECTORY)
     model, processor = rt.load_model(root / "model")
     four_bit = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -361,8 +422,12 @@ def test_qlora_trains_adapters_on_a_four_bit_base_and_saves_a_plain_merged_model
     row = make_rows(1)[0]
     inputs = encode_sample(processor, row["messages"], decode_images(row["images"])).model_inputs(labels=False)
     # the user's way back to the trained model: the 4-bit base (plain transformers) and the adapter through peft
-    base = AutoModelForImageTextToText.from_pretrained(root / "model", quantization_config=lora.four_bit_config(torch.float32))
-    assert all(torch.equal(before[n], m.weight.data) for n, m in base.named_modules() if n in before)  # NF4 is deterministic
+    base = AutoModelForImageTextToText.from_pretrained(
+        root / "model", quantization_config=lora.four_bit_config(torch.float32)
+    )
+    assert all(
+        torch.equal(before[n], m.weight.data) for n, m in base.named_modules() if n in before
+    )  # NF4 is deterministic
     with torch.no_grad():  # train mode: bitsandbytes' CPU inference path (eval + no grad) repacks the weights and
         untrained = base.train()(**inputs).logits  # fails on tiny layers; no dropout anywhere, so the same function
     adapted = PeftModel.from_pretrained(base, tmp_path / "qlora" / "adapter")

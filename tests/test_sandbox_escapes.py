@@ -20,11 +20,11 @@ import time
 import uuid
 
 import pytest
+from test_rewards_helpers import ours_or_orphaned
 
 from ovkit.rewards import score
 from ovkit.rewards.codeexec import run_sandboxed
 from ovkit.rewards.sandbox import LEVELS, isolation
-from test_rewards_helpers import ours_or_orphaned
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS isolation is Linux's")
 
@@ -33,7 +33,7 @@ ANSWER = json.dumps({"entry": "solution", "tests": [{"input": 1, "output": 1}]})
 
 # Loads an extension module from the standard library under a dotted alias (the blocklist once checked only the
 # first part), then fork_execs a shell through it: the route that once bypassed every in-process check.
-ALIASED_FORK_EXEC = r'''
+ALIASED_FORK_EXEC = r"""
 import importlib.util, posix, sys
 def _alias(name):
     dyn = [p for p in sys.path if p.endswith("lib-dynload")][0]
@@ -47,7 +47,7 @@ def _shell(command):
     r, w = posix.pipe()
     return ps.fork_exec([b"/bin/sh", b"-c", command.encode()], [b"/bin/sh"], True, (), None, None,
                         -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None, False)
-'''
+"""
 
 
 def _solution(prelude: str, body: str) -> str:
@@ -110,7 +110,12 @@ def _sandboxed(token: str | None = None) -> dict[int, str]:
                 status = f.read()
         except OSError:
             continue
-        ours = token is not None and token.encode() in cmdline or BOOTSTRAP_MARK in cmdline and ours_or_orphaned(int(entry))
+        ours = (
+            token is not None
+            and token.encode() in cmdline
+            or BOOTSTRAP_MARK in cmdline
+            and ours_or_orphaned(int(entry))
+        )
         if ours and "\nState:\tZ" not in status:
             found[int(entry)] = status
     return found
@@ -172,7 +177,9 @@ def test_aliased_fork_exec_shell_is_contained(level, hook, tmp_path, listener, b
         f"(setsid sleep 60 {token} &); python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {port}))'; "
         f"kill -9 {bystander}"
     )
-    reward, _, _ = _score(_solution(ALIASED_FORK_EXEC, f"_shell({command!r})\nimport time\ntime.sleep(0.5)"), level, hook)
+    reward, _, _ = _score(
+        _solution(ALIASED_FORK_EXEC, f"_shell({command!r})\nimport time\ntime.sleep(0.5)"), level, hook
+    )
     assert reward == 0.0
     assert not marker.exists() and not (tmp_path / "marker.passwd").exists()
     assert seen == []
@@ -221,7 +228,12 @@ def _peak_processes(source: str, level: str, hook: bool, **limits) -> tuple[floa
     def sample():
         while not done.is_set():
             found = _sandboxed()
-            threads = [int(line.split()[1]) for status in found.values() for line in status.splitlines() if line.startswith("Threads:")]
+            threads = [
+                int(line.split()[1])
+                for status in found.values()
+                for line in status.splitlines()
+                if line.startswith("Threads:")
+            ]
             peak["processes"] = max(peak["processes"], len(found))
             peak["threads"] = max(peak["threads"], *threads, 0)
             time.sleep(0.02)
@@ -333,6 +345,7 @@ def test_a_fallback_is_said_once_and_an_impossible_request_is_an_error(monkeypat
 def test_the_cpu_limit_is_a_timeout_when_it_comes_before_the_wall_clock(level):
     # Under bwrap a child killed by SIGXCPU shows as bwrap's exit code 128 + SIGXCPU, not as -SIGXCPU: both are a
     # timeout, and a run that ends before its last report never passes as a complete (empty) one.
-    reports, flags = run_sandboxed("def f():\n    while True: pass", "f", [[]], level=level, cpu_s=1.0, wall_s=30.0,
-                                   memory_mb=200)
+    reports, flags = run_sandboxed(
+        "def f():\n    while True: pass", "f", [[]], level=level, cpu_s=1.0, wall_s=30.0, memory_mb=200
+    )
     assert flags["timeout"] and reports is None

@@ -50,17 +50,26 @@ def test_matched_positions_compares_turns_only_where_both_have_tokens():
 def _write_run(d, rewards, grad, kl):
     d.mkdir(parents=True)
     (d / "ovkit.json").write_text("{}")
-    lines = [{"step": i + 1, "reward": r, "grad_norm": g, "ovkit/mismatch/vllm_kl": kl, "ovkit/masked/token_frac": 0.0} for i, (r, g) in enumerate(zip(rewards, grad))]
+    lines = [
+        {"step": i + 1, "reward": r, "grad_norm": g, "ovkit/mismatch/vllm_kl": kl, "ovkit/masked/token_frac": 0.0}
+        for i, (r, g) in enumerate(zip(rewards, grad))
+    ]
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
 
 
 def _fake_run(tmp_path):
-    from ovkit.data import image_cell, samples_table, write_samples
     from PIL import Image
+
+    from ovkit.data import image_cell, samples_table, write_samples
 
     run = tmp_path / "run"
     sci = run / "science"
-    for variant, base, kl in [("fp32", 0.6, 1e-9), ("int4", 0.3, 1e-2), ("int4-tis", 0.5, 1e-2), ("int4-seqmis", 0.55, 1e-2)]:
+    for variant, base, kl in [
+        ("fp32", 0.6, 1e-9),
+        ("int4", 0.3, 1e-2),
+        ("int4-tis", 0.5, 1e-2),
+        ("int4-seqmis", 0.55, 1e-2),
+    ]:
         for seed in (1, 2, 3):
             rewards = [0.2 + (base - 0.2) * k / 7 + 0.01 * seed for k in range(8)]
             grad = [1.0] * 8 if variant != "int4-tis" else [1.0] * 7 + [9.0]
@@ -71,14 +80,19 @@ def _fake_run(tmp_path):
     bins = [{"bin": "[0, 0.1)", "lo": 0.0, "hi": 0.1, "tokens": 10, "mean_sampler_prob": 0.05, "mean_abs_log_ratio": 0.2, "k3_kl": 0.02},
             {"bin": "[0.9, 1]", "lo": 0.9, "hi": 1.0, "tokens": 90, "mean_sampler_prob": 0.97, "mean_abs_log_ratio": 0.01, "k3_kl": 1e-4}]  # fmt: skip
     (sci / "buckets").mkdir(parents=True)
-    (sci / "buckets" / "report.json").write_text(json.dumps({"runs": {"bf16": {"by_sampler_prob": bins}, "int8": {"by_sampler_prob": bins}}}))
+    (sci / "buckets" / "report.json").write_text(
+        json.dumps({"runs": {"bf16": {"by_sampler_prob": bins}, "int8": {"by_sampler_prob": bins}}})
+    )
     plans = run / "plans" / "pretrain"
     plans.mkdir(parents=True)
     stats = {"samples": 100, "packs": 7, "lower_bound": 7, "efficiency": 0.98, "samples_per_pack": {"mean": 14.3},
              "padding": {"pad_to_max_len": {"compression": 900.0}, "pad_to_longest_in_random_batches": {"batch": 8, "compression": 30.0}}}  # fmt: skip
     (plans / "stats.json").write_text(json.dumps(stats))
     cell = image_cell(Image.new("RGB", (28, 28), "white"))
-    for name, concepts in [("pretrain", ["red circle"] * 8 + ["blue star"] * 2), ("pretrain-balanced", ["red circle"] * 5 + ["blue star"] * 5)]:
+    for name, concepts in [
+        ("pretrain", ["red circle"] * 8 + ["blue star"] * 2),
+        ("pretrain-balanced", ["red circle"] * 5 + ["blue star"] * 5),
+    ]:
         rows = [{"id": f"{name}-{i}", "images": [cell], "messages": [{"role": "user", "content": "<image>\nDescribe."}, {"role": "assistant", "content": c}],
                  "source": "synth/caption", "concepts": json.dumps([c])} for i, c in enumerate(concepts)]  # fmt: skip
         write_samples(samples_table(rows), run / "data" / name)

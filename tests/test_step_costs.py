@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_runtime import _pack, deep  # noqa: F401 (a fixture)
 from test_train import _one_thread, assets, config, make_rows  # noqa: F401 (fixtures)
 
@@ -46,7 +45,9 @@ def test_host_computed_positions_and_vision_layout_give_the_models_own_loss_and_
     root, _ = deep
     model, processor = _trainable_model(root)
     encoded = [encode_sample(processor, r["messages"], decode_images(r["images"])) for r in make_rows(6)]
-    assert len({e.length for e in encoded}) > 1 and len({tuple(e.mm["image_grid_thw"][0].tolist()) for e in encoded}) == 2
+    assert (
+        len({e.length for e in encoded}) > 1 and len({tuple(e.mm["image_grid_thw"][0].tolist()) for e in encoded}) == 2
+    )
     layout = PackLayout.for_model(model)
     host = collate_padded(encoded, 0, layout)
     for key in ("position_ids", "image_cu_seqlens", "image_window_index", "image_cu_window_seqlens", "target_index"):
@@ -71,7 +72,9 @@ def test_packed_rows_with_host_boundaries_give_the_loss_of_the_boundary_search(d
     assert source.dataset.layout.attention == "positions"
     batch = source.collate([source[0]], 0)
     assert int(batch["cu_seq_lens_q"].numel()) > 2 and batch["max_length_q"] > 0  # several samples in the row
-    searched = {k: v for k, v in batch.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    searched = {
+        k: v for k, v in batch.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    }
     _assert_same(_loss_and_grads(model, batch), _loss_and_grads(model, searched))
 
 
@@ -90,9 +93,15 @@ def test_an_optimiser_step_reads_the_device_back_once_whatever_the_batch(assets,
     transformers' Qwen-VL forward either, whose image merge (a token count check read twice, the features split by
     `grid_thw.tolist()`) the learner does itself from host-computed positions. Before #25: 107 at batch 8 and 53 at
     batch 2 (the per-sample rope index, the vision windows, per-layer boundary reads, the counts)."""
-    small = _syncs_per_step(config("SFTConfig", assets, tmp_path / "b2", batch_size=2, max_steps=4, precision=precision))
-    large = _syncs_per_step(config("SFTConfig", assets, tmp_path / "b8", batch_size=8, max_steps=4, precision=precision))
+    small = _syncs_per_step(
+        config("SFTConfig", assets, tmp_path / "b2", batch_size=2, max_steps=4, precision=precision)
+    )
+    large = _syncs_per_step(
+        config("SFTConfig", assets, tmp_path / "b8", batch_size=8, max_steps=4, precision=precision)
+    )
     assert len(small) == len(large) == 3  # the periods from the end of one step to the end of the next
     assert small == large == [1, 1, 1], (small, large)
-    accumulated = _syncs_per_step(config("SFTConfig", assets, tmp_path / "a4", batch_size=2, grad_accum=4, max_steps=4, precision=precision))
+    accumulated = _syncs_per_step(
+        config("SFTConfig", assets, tmp_path / "a4", batch_size=2, grad_accum=4, max_steps=4, precision=precision)
+    )
     assert accumulated == [1, 1, 1]  # micro-batches add none

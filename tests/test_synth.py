@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from ovkit.data import read_samples, read_table
+from ovkit.data import read_samples, synth_tasks
 from ovkit.data.synth import (
     CONCEPTS_FILE,
     PREVIEW_FILE,
@@ -25,7 +25,6 @@ from ovkit.data.synth import (
     corpus_texts,
     pretrain_rows,
 )
-from ovkit.data import synth_tasks
 from ovkit.data.synth_tasks import ANSWER_TYPES, CATEGORIES, COLOURS, SHAPES, is_heldout, render_svg, side_of
 from ovkit.errors import OvkitError
 from ovkit.prompts import ANSWER_PROMPT, THINK_PROMPT

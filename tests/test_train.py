@@ -75,8 +75,16 @@ def assets(tmp_path_factory):
     rows = make_rows(16)
     write_samples(samples_table(rows), root / "data", None)
     spec = TinySpec(
-        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, mrope_section=(2, 3, 3),
-        vision_hidden_size=32, vision_depth=1, vision_heads=2, vision_intermediate_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        mrope_section=(2, 3, 3),
+        vision_hidden_size=32,
+        vision_depth=1,
+        vision_heads=2,
+        vision_intermediate_size=64,
     )
     texts = [m["content"] for r in rows for m in r["messages"]] * 4
     build_tiny(root / "model", texts, spec=spec)
@@ -97,7 +105,9 @@ def losses(out: Path) -> list[float]:
 def config(cls_name: str, assets: Path, out: Path, **kw):
     from ovkit import train
 
-    opts = dict(data=assets / "data", model=assets / "model", out=out, batch_size=4, max_steps=3, precision="fp32", quiet=True)
+    opts = dict(
+        data=assets / "data", model=assets / "model", out=out, batch_size=4, max_steps=3, precision="fp32", quiet=True
+    )
     opts.update(kw)
     return getattr(train, cls_name)(**opts)
 
@@ -111,7 +121,14 @@ def test_groups_follow_module_names_of_qwen_and_llava():
     from ovkit.models.groups import param_groups, trainable_names
 
     qwen_cfg = __import__("transformers").Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64),
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=64,
+        ),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32),
     )
     qwen = __import__("transformers").Qwen2_5_VLForConditionalGeneration(qwen_cfg)
@@ -123,8 +140,22 @@ def test_groups_follow_module_names_of_qwen_and_llava():
     assert set(trainable_names(qwen, "midtrain", freeze_vision=True)) == set(g["llm"] + g["projector"])
 
     llava_cfg = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14).to_dict(),
-        text_config=Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64).to_dict(),
+        vision_config=CLIPVisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ).to_dict(),
+        text_config=Qwen2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=64,
+        ).to_dict(),
         image_token_index=63,
     )
     llava = LlavaForConditionalGeneration(llava_cfg)
@@ -132,7 +163,9 @@ def test_groups_follow_module_names_of_qwen_and_llava():
     assert g["projector"] and all(n.startswith("model.multi_modal_projector.") for n in g["projector"])
     assert g["vision"] and all(n.startswith("model.vision_tower.") for n in g["vision"])
     assert "lm_head.weight" in g["llm"] and g["other"] == []
-    assert trainable_names(llava, ["vision_tower\\.encoder"]) and all("vision_tower.encoder" in n for n in trainable_names(llava, ["vision_tower\\.encoder"]))
+    assert trainable_names(llava, ["vision_tower\\.encoder"]) and all(
+        "vision_tower.encoder" in n for n in trainable_names(llava, ["vision_tower\\.encoder"])
+    )
     with pytest.raises(OvkitError, match="matches no parameter"):
         trainable_names(llava, ["visual\\.merger"])
 
@@ -167,8 +200,25 @@ def test_align_trains_only_the_projector_and_writes_a_loadable_model(assets, tmp
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     out = tmp_path / "align"
-    code, stdout, err = cli("align", assets / "data", "--model", assets / "model", "--out", out, "--max-steps", "3",
-                            "--batch-size", "4", "--save-every", "2", "--precision", "fp32", "--lr", "1e-2", "--quiet")
+    code, stdout, err = cli(
+        "align",
+        assets / "data",
+        "--model",
+        assets / "model",
+        "--out",
+        out,
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--save-every",
+        "2",
+        "--precision",
+        "fp32",
+        "--lr",
+        "1e-2",
+        "--quiet",
+    )
     assert code == 0, err
     assert stdout.startswith("align: 3 steps") and str(out) in stdout
     before, after = weights(assets / "model"), weights(out)
@@ -178,7 +228,9 @@ def test_align_trains_only_the_projector_and_writes_a_loadable_model(assets, tmp
         assert same != name.startswith("visual.merger."), name  # merger moved, everything else bit-identical
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     prov = json.loads((out / "ovkit.json").read_text())
-    assert prov["command"] == "align" and prov["metrics"]["steps"] == 3 and prov["parent"]["path"] == str(assets / "model")
+    assert (
+        prov["command"] == "align" and prov["metrics"]["steps"] == 3 and prov["parent"]["path"] == str(assets / "model")
+    )
     assert (out / "config.yaml").is_file() and (out / "checkpoints" / "step-000002" / "state").is_dir()
     assert not (tmp_path / "align.partial").exists()
     AutoModelForImageTextToText.from_pretrained(out)  # a plain HF checkpoint
@@ -234,8 +286,28 @@ def test_resume_after_sigkill_logs_the_same_losses(assets, tmp_path):
     opts = dict(batch_size=2, max_steps=12, lr=1e-2, save_every=2)
     train(config("SFTConfig", assets, ref, **opts))
 
-    cmd = [sys.executable, "-m", "ovkit", "sft", str(assets / "data"), "--model", str(assets / "model"), "--out", str(out),
-           "--batch-size", "2", "--max-steps", "12", "--lr", "1e-2", "--save-every", "2", "--precision", "fp32", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ovkit",
+        "sft",
+        str(assets / "data"),
+        "--model",
+        str(assets / "model"),
+        "--out",
+        str(out),
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "12",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "2",
+        "--precision",
+        "fp32",
+        "--quiet",
+    ]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = tmp_path / "run.partial" / "checkpoints" / "step-000004"
     deadline = time.time() + 300
@@ -299,7 +371,9 @@ def test_trackers_through_accelerate(assets, tmp_path):
     acc.Reload()
     logged = [e.value for e in acc.Scalars("loss")]
     assert logged == pytest.approx(losses(tmp_path / "tb"), rel=1e-6)
-    assert {"learning_rate", "num_tokens", "ovkit/tok_per_s"} <= set(acc.Tags()["scalars"])  # TRL's names, ovkit's under ovkit/
+    assert {"learning_rate", "num_tokens", "ovkit/tok_per_s"} <= set(
+        acc.Tags()["scalars"]
+    )  # TRL's names, ovkit's under ovkit/
     with pytest.raises(OvkitError, match="--report-to must be one of"):
         config("SFTConfig", assets, tmp_path / "x", report_to=["neptune"])
     for name in ("mlflow", "wandb", "trackio"):
@@ -319,12 +393,46 @@ def test_step_line_format():
 def test_two_processes_match_one_with_the_same_global_batch(assets, tmp_path):
     """torchrun with 2 CPU processes (gloo) x batch 2 == 1 process x batch 4: same samples per step, same loss."""
     one, two = tmp_path / "one", tmp_path / "two"
-    base = ["sft", str(assets / "data"), "--model", str(assets / "model"), "--max-steps", "2", "--lr", "1e-2",
-            "--precision", "fp32", "--quiet", "--save-every", "1"]
-    subprocess.run([sys.executable, "-m", "ovkit", *base, "--out", str(one), "--batch-size", "4"], check=True, env=ENV, capture_output=True)
+    base = [
+        "sft",
+        str(assets / "data"),
+        "--model",
+        str(assets / "model"),
+        "--max-steps",
+        "2",
+        "--lr",
+        "1e-2",
+        "--precision",
+        "fp32",
+        "--quiet",
+        "--save-every",
+        "1",
+    ]
+    subprocess.run(
+        [sys.executable, "-m", "ovkit", *base, "--out", str(one), "--batch-size", "4"],
+        check=True,
+        env=ENV,
+        capture_output=True,
+    )
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ovkit", *base, "--out", str(two), "--batch-size", "2"],
-        env=ENV, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "ovkit",
+            *base,
+            "--out",
+            str(two),
+            "--batch-size",
+            "2",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((two / "ovkit.json").read_text())["metrics"]["processes"] == 2
@@ -342,21 +450,28 @@ def test_packed_rows_give_the_same_loss_and_update_as_padded_batches(assets, tmp
     from ovkit.train import train
 
     plan = tmp_path / "plan"
-    code, _, err = cli("pack", assets / "data", "--model", assets / "model", "--max-len", "160", "--out", plan, "--quiet")
+    code, _, err = cli(
+        "pack", assets / "data", "--model", assets / "model", "--max-len", "160", "--out", plan, "--quiet"
+    )
     assert code == 0, err
     import pyarrow.parquet as pq
 
     n_packs = len(set(pq.read_table(plan / "plan.parquet").column("pack").to_pylist()))
     assert 2 < n_packs < 16
     padded = train(config("SFTConfig", assets, tmp_path / "padded", batch_size=16, max_steps=1, lr=1e-2))
-    packed = train(config("SFTConfig", assets, tmp_path / "packed", plan=plan, batch_size=n_packs, max_steps=1, lr=1e-2))
+    packed = train(
+        config("SFTConfig", assets, tmp_path / "packed", plan=plan, batch_size=n_packs, max_steps=1, lr=1e-2)
+    )
     assert packed.metrics["inputs"] == "packed" and packed.metrics["items"] == n_packs
     assert packed.metrics["first_loss"] == pytest.approx(padded.metrics["first_loss"], rel=1e-5)
     w_pad, w_pack = weights(tmp_path / "padded"), weights(tmp_path / "packed")
     for name in w_pad:
         torch.testing.assert_close(w_pad[name], w_pack[name], rtol=1e-4, atol=1e-6, msg=name)
     meta = [json.loads(x) for x in (tmp_path / "packed" / "metrics.jsonl").read_text().splitlines()]
-    assert meta[0]["ovkit/target_tokens"] == json.loads((tmp_path / "padded" / "metrics.jsonl").read_text())["ovkit/target_tokens"]
+    assert (
+        meta[0]["ovkit/target_tokens"]
+        == json.loads((tmp_path / "padded" / "metrics.jsonl").read_text())["ovkit/target_tokens"]
+    )
 
 
 def test_vision_lr_gives_the_vision_encoder_its_own_learning_rate(tmp_path):

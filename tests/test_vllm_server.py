@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-
 from test_generate import IMAGES, prompts, tiny  # noqa: F401  (module fixtures: the tiny model and four prompts)
 
 
@@ -52,12 +51,20 @@ def test_requests_are_token_ids_and_log_probs_are_the_sampled_distributions(serv
     out = engine.generate(prompts, n=2, max_new_tokens=6, temperature=0.8, seed=3, images=IMAGES)
     sent = [body for path, body in server.requests if path == "/inference/v1/generate"]  # a batch with images
     assert sorted(map(tuple, (b["token_ids"] for b in sent))) == sorted(tuple(p.input_ids) for p in prompts)
-    assert all(b["sampling_params"]["n"] == 2 and b["sampling_params"]["logprobs"] == 0 and b["sampling_params"]["seed"] == 3 for b in sent)
+    assert all(
+        b["sampling_params"]["n"] == 2 and b["sampling_params"]["logprobs"] == 0 and b["sampling_params"]["seed"] == 3
+        for b in sent
+    )
     assert sum(b["features"] is None for b in sent) == 1  # the text-only prompt
     renders = [b for path, b in server.requests if path == "/v1/chat/completions/render"]
     assert sorted(len([p for m in b["messages"] for p in m["content"]]) for b in renders) == [1, 1, 2]
-    common = max({t for cs in out for c in cs for t in c.token_ids}, key=lambda t: sum(c.token_ids.count(t) for cs in out for c in cs))
-    again = engine.generate(prompts[1:2], n=4, max_new_tokens=6, seed=3, suppress_ids=[common])  # text only: completions
+    common = max(
+        {t for cs in out for c in cs for t in c.token_ids},
+        key=lambda t: sum(c.token_ids.count(t) for cs in out for c in cs),
+    )
+    again = engine.generate(
+        prompts[1:2], n=4, max_new_tokens=6, seed=3, suppress_ids=[common]
+    )  # text only: completions
     [text_only] = [b for path, b in server.requests if path == "/v1/completions"]
     assert text_only["prompt"] == [list(prompts[1].input_ids)] and text_only["return_tokens_as_token_ids"]
     assert text_only["logit_bias"] == {str(common): -100.0} and all(common not in c.token_ids for c in again[0])
@@ -114,13 +121,13 @@ def test_rl_train_runs_on_the_server_and_pushes_weights_every_step(server, tiny,
     """Two synchronous GRPO steps with rollouts from the server: weights pushed before each step's rollouts, the
     sampler/learner gap that of an fp32 sampler (the server samples from the pushed weights)."""
     import fake_vllm_server
+    from test_rl_train import _rows
 
     from ovkit.data.io import write_samples
     from ovkit.data.schema import samples_table
     from ovkit.generate import vllm_server
     from ovkit.rl.config import RLTrainConfig
     from ovkit.rl.loop import train_rl
-    from test_rl_train import _rows
 
     real = vllm_server.VLLMServerEngine.__init__
 
@@ -130,10 +137,27 @@ def test_rl_train_runs_on_the_server_and_pushes_weights_every_step(server, tiny,
 
     monkeypatch.setattr(vllm_server.VLLMServerEngine, "__init__", connected)
     write_samples(samples_table(_rows()), tmp_path / "data")
-    cfg = RLTrainConfig(data=[tmp_path / "data"], model=tmp_path / "model", out=tmp_path / "out", engine="vllm-server",
-                        vllm_server_url=server.url, vllm_server_timeout=5, max_steps=2, max_staleness=0, prompts_per_step=2,
-                        group_size=4, max_new_tokens=6, lr=1e-3, warmup_ratio=0.0, system_prompt=False, reward_workers=1,
-                        micro_batch_size=8, save_every=0, precision="fp32", quiet=True)
+    cfg = RLTrainConfig(
+        data=[tmp_path / "data"],
+        model=tmp_path / "model",
+        out=tmp_path / "out",
+        engine="vllm-server",
+        vllm_server_url=server.url,
+        vllm_server_timeout=5,
+        max_steps=2,
+        max_staleness=0,
+        prompts_per_step=2,
+        group_size=4,
+        max_new_tokens=6,
+        lr=1e-3,
+        warmup_ratio=0.0,
+        system_prompt=False,
+        reward_workers=1,
+        micro_batch_size=8,
+        save_every=0,
+        precision="fp32",
+        quiet=True,
+    )
     train_rl(cfg)
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -96,9 +96,7 @@ def write_parts_card(out: Path, part: Path, prov: dict[str, Any]) -> Path | None
         return None
     n = int(m.group(2))
     prefix = f"part-?????-of-{n:05d}/"
-    tables = [
-        Table(t.config, t.split, prefix + t.pattern, t.columns, None, t.trl) for t in data_tables(Path(part))
-    ]
+    tables = [Table(t.config, t.split, prefix + t.pattern, t.columns, None, t.trl) for t in data_tables(Path(part))]
     if not tables:
         return None
     return _write_atomic(Path(out) / CARD, dataset_card(tables, prov, str(out), parts=n, key=shared_key(prov)))
@@ -200,12 +198,22 @@ def shared_key(prov: dict[str, Any]) -> str:
     own `--out` and `--shard`."""
     import hashlib
 
-    config = {k: v for k, v in (prov.get("config") or {}).items() if k not in ("out", "shard", "quiet", "overwrite", "resume")}
+    config = {
+        k: v for k, v in (prov.get("config") or {}).items() if k not in ("out", "shard", "quiet", "overwrite", "resume")
+    }
     what = {k: prov.get(k) for k in ("command", "inputs", "seed", "ovkit_version")}
     return hashlib.sha256(json.dumps({**what, "config": config}, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def dataset_card(tables: list[Table], prov: dict[str, Any], shown: str, *, parts: int | None = None, empty: list[str] = (), key: str | None = None) -> str:
+def dataset_card(
+    tables: list[Table],
+    prov: dict[str, Any],
+    shown: str,
+    *,
+    parts: int | None = None,
+    empty: list[str] = (),
+    key: str | None = None,
+) -> str:
     import yaml
 
     if not tables:
@@ -235,7 +243,10 @@ def dataset_card(tables: list[Table], prov: dict[str, Any], shown: str, *, parts
         ]
     lines += ["## Contents", "", *_contents_table(tables, configs), ""]
     if empty:
-        lines += [f"Without rows, so not in the configs (`datasets` cannot load an empty split): {', '.join(f'`{e}`' for e in empty)}.", ""]
+        lines += [
+            f"Without rows, so not in the configs (`datasets` cannot load an empty split): {', '.join(f'`{e}`' for e in empty)}.",
+            "",
+        ]
     for note in _layout_notes(tables, configs):
         lines += [note, ""]
     lines += ["## Provenance", "", *_provenance_lines(prov, parts), ""]
@@ -244,17 +255,30 @@ def dataset_card(tables: list[Table], prov: dict[str, Any], shown: str, *, parts
 
 def _empty_card(prov: dict[str, Any], shown: str, empty: list[str]) -> str:
     lines = ["---", "tags:", "- ovkit", "---", "", f"# {Path(shown).name}", ""]
-    lines += [f"Written by `ovkit {prov.get('command')}` (ovkit {prov.get('ovkit_version')}) with no rows in "
-              f"{', '.join(f'`{e}`' for e in empty)}, so it has no `configs:` for `datasets` to load. Generated from `ovkit.json`.", ""]
+    lines += [
+        f"Written by `ovkit {prov.get('command')}` (ovkit {prov.get('ovkit_version')}) with no rows in "
+        f"{', '.join(f'`{e}`' for e in empty)}, so it has no `configs:` for `datasets` to load. Generated from `ovkit.json`.",
+        "",
+    ]
     lines += ["## Provenance", "", *_provenance_lines(prov, None), ""]
     return "\n".join(lines)
 
 
 def _data_summary(tables: list[Table], prov: dict[str, Any], parts: int | None) -> str:
-    what = "A pack plan" if prov.get("command") == "pack" else "A sample table in TRL's conversational VLM layout" if tables[0].trl else "An ovkit sample table"
+    what = (
+        "A pack plan"
+        if prov.get("command") == "pack"
+        else "A sample table in TRL's conversational VLM layout"
+        if tables[0].trl
+        else "An ovkit sample table"
+    )
     rows = None if parts else sum(t.rows or 0 for t in tables)
     made = f"written by `ovkit {prov.get('command')}` (ovkit {prov.get('ovkit_version')})"
-    size = f", {rows} rows" if rows is not None else f", in {parts} parts (`part-IIIII-of-{parts:05d}/`, each with its own card and ovkit.json)"
+    size = (
+        f", {rows} rows"
+        if rows is not None
+        else f", in {parts} parts (`part-IIIII-of-{parts:05d}/`, each with its own card and ovkit.json)"
+    )
     return f"{what}{size}, {made}. Generated from `ovkit.json`."
 
 
@@ -266,7 +290,9 @@ def _contents_table(tables: list[Table], configs: list[dict[str, Any]]) -> list[
             t = by_split[df["path"]]
             cols = cfg.get("columns", t.columns)
             n = "see the parts" if t.rows is None else str(t.rows)
-            rows.append(f"| {cfg['config_name']} | {df['split']} | `{df['path']}` | {n} | {', '.join(f'`{c}`' for c in cols)} |")
+            rows.append(
+                f"| {cfg['config_name']} | {df['split']} | `{df['path']}` | {n} | {', '.join(f'`{c}`' for c in cols)} |"
+            )
     return rows
 
 
@@ -276,7 +302,8 @@ def _layout_notes(tables: list[Table], configs: list[dict[str, Any]]) -> list[st
         if "columns" in configs[0]:
             only = sorted({c for t in tables for c in t.columns} - set(configs[0]["columns"]))
             notes.append(
-                "Each subset is a config of its own because their columns differ (" + ", ".join(f"`{c}`" for c in only)
+                "Each subset is a config of its own because their columns differ ("
+                + ", ".join(f"`{c}`" for c in only)
                 + " are not in every subset): a config's splits share one set of features in `datasets`. The `default` "
                 "config loads every subset as a split with the columns they share."
             )
@@ -289,7 +316,7 @@ def _layout_notes(tables: list[Table], configs: list[dict[str, Any]]) -> list[st
         )
     elif tables[0].pattern.endswith(PART_GLOB):
         notes.append(
-            "Columns (ovkit DESIGN.md, \"The sample table\"): `images` is a list of images (the `datasets` Image feature, "
+            'Columns (ovkit DESIGN.md, "The sample table"): `images` is a list of images (the `datasets` Image feature, '
             "decoded to PIL), `messages` the chat turns with `<image>` where each image goes, `source` the origin of the "
             "row; RL and eval rows hold the prompt only, with `answer` and `answer_type` (the reward's scorer)."
         )
@@ -326,7 +353,12 @@ def command_line(prov: dict[str, Any], parts: int | None = None) -> str:
         return f"ovkit {command}"
     args = argv[1:]
     if parts:
-        args = [re.sub(r"^(--shard=)?\d+/(\d+)$", r"\1I/\2", a) if k and (args[k - 1] == "--shard" or a.startswith("--shard=")) else a for k, a in enumerate(args)]
+        args = [
+            re.sub(r"^(--shard=)?\d+/(\d+)$", r"\1I/\2", a)
+            if k and (args[k - 1] == "--shard" or a.startswith("--shard="))
+            else a
+            for k, a in enumerate(args)
+        ]
     return shlex.join(["ovkit", *args])
 
 
@@ -361,14 +393,16 @@ def eval_tables(directory: Path) -> list[Table]:
     """The per-task samples files of an eval output: one Table per task (config: the task, split: its `datasets`
     name), from the newest `<model>/<timestamp>_results.json` and the `_samples_<task>.jsonl` written with it."""
     directory = Path(directory)
-    results = sorted((p for p in directory.glob(f"*/{EVAL_RESULTS}") if not _hidden(p.parent.name)), key=lambda p: p.name)
+    results = sorted(
+        (p for p in directory.glob(f"*/{EVAL_RESULTS}") if not _hidden(p.parent.name)), key=lambda p: p.name
+    )
     if not results:
         return []
     path = results[-1]
     prefix = path.name.removesuffix("_results.json") + "_samples_"
     tables = []
     for f in sorted(path.parent.glob(f"{prefix}*.jsonl")):
-        task = f.stem[len(prefix):]
+        task = f.stem[len(prefix) :]
         with open(f, encoding="utf-8") as fh:
             lines = [line for line in fh if line.strip()]
         if not lines:
@@ -402,8 +436,14 @@ def eval_card(directory: Path, tables: list[Table], prov: dict[str, Any], shown:
     features = eval_features(tables) if len(tables) > 1 else None
     configs = []
     if features is not None or len(tables) == 1:
-        configs.append({"config_name": "default", "data_files": [{"split": t.split, "path": t.pattern} for t in tables]})
-    configs += [{"config_name": t.config, "data_files": [{"split": t.split, "path": t.pattern}]} for t in tables if t.config != "default"]
+        configs.append(
+            {"config_name": "default", "data_files": [{"split": t.split, "path": t.pattern} for t in tables]}
+        )
+    configs += [
+        {"config_name": t.config, "data_files": [{"split": t.split, "path": t.pattern}]}
+        for t in tables
+        if t.config != "default"
+    ]
     for cfg in configs:  # in each config, so `load_dataset(DIR)` caches this content apart from any other (#29)
         cfg["description"] = f"ovkit eval {key}"
     meta: dict[str, Any] = {"configs": configs}
@@ -424,22 +464,37 @@ def eval_card(directory: Path, tables: list[Table], prov: dict[str, Any], shown:
     ]
     overall, cats = summary.get("overall"), summary.get("categories") or {}
     if isinstance(overall, (int, float)):
-        lines += [f"## Scores ({summary.get('metric', 'reward')})", "", "| task | score |", "|---|---|", f"| overall | {overall:.4g} |"]
+        lines += [
+            f"## Scores ({summary.get('metric', 'reward')})",
+            "",
+            "| task | score |",
+            "|---|---|",
+            f"| overall | {overall:.4g} |",
+        ]
         lines += [f"| {c} | {v:.4g} |" for c, v in cats.items() if isinstance(v, (int, float))]
         lines.append("")
     lines += ["## Load it", "", "```python", "from datasets import load_dataset", ""]
     if configs[0]["config_name"] == "default" and len(tables) > 1:
-        lines.append(f'ds = load_dataset("{shown}")  # every task\'s rows, a split per task: {", ".join(t.split for t in tables)}')
+        lines.append(
+            f'ds = load_dataset("{shown}")  # every task\'s rows, a split per task: {", ".join(t.split for t in tables)}'
+        )
     elif len(tables) == 1:
         lines.append(f'ds = load_dataset("{shown}", split="{tables[0].split}")')
     lines.append(f'ds = load_dataset("{shown}", "{tables[-1].config}")  # one task')
     lines += ["```", "", f"`ovkit eval --compare {shown} ...` reads `summary.json` (or the `_results.json`).", ""]
     lines += ["## Contents", "", "| task (config) | split | file | rows |", "|---|---|---|---|"]
     lines += [f"| {t.config} | {t.split} | `{t.pattern}` | {t.rows} |" for t in tables]
-    lines += ["", "Columns (lmms-eval's samples, one line per row): " + ", ".join(f"`{c}`" for c in tables[0].columns) + ".", ""]
+    lines += [
+        "",
+        "Columns (lmms-eval's samples, one line per row): " + ", ".join(f"`{c}`" for c in tables[0].columns) + ".",
+        "",
+    ]
     if features is not None:
-        lines += ["Each task scores with its own reward parts, so `reward_parts` differs across tasks: the `default` config "
-                  "declares the union of the tasks' fields (a task's missing ones load as None); a task's own config has only its fields.", ""]
+        lines += [
+            "Each task scores with its own reward parts, so `reward_parts` differs across tasks: the `default` config "
+            "declares the union of the tasks' fields (a task's missing ones load as None); a task's own config has only its fields.",
+            "",
+        ]
     elif len(tables) > 1:
         lines += ["The tasks' columns disagree in type, so there is no `default` config: load one task's config.", ""]
     lines += ["## Provenance", "", *_provenance_lines(prov, None), ""]
@@ -485,7 +540,14 @@ def model_card(directory: Path, prov: dict[str, Any], shown: str) -> str:
         lines += ["| setting | value |", "|---|---|", *[f"| `{k}` | {_cell(v)} |" for k, v in settings], ""]
     headline = _headline(prov.get("metrics") or {}, limit=20)
     if headline:
-        lines += ["## Metrics", "", "| metric | value |", "|---|---|", *[f"| {k} | {_cell(v)} |" for k, v in headline], ""]
+        lines += [
+            "## Metrics",
+            "",
+            "| metric | value |",
+            "|---|---|",
+            *[f"| {k} | {_cell(v)} |" for k, v in headline],
+            "",
+        ]
     lines += ["## Provenance", "", *_provenance_lines(prov, None, full=False), ""]
     return "\n".join(lines)
 

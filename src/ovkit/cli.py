@@ -19,7 +19,11 @@ app = typer.Typer(
     add_completion=True,  # typer's --install-completion / --show-completion (SHELL with _TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION)
     pretty_exceptions_enable=False,
     # `--output_dir` is `--output-dir` (HF's argument parser takes both spellings), also for command names (rl_train)
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110, "token_normalize_func": lambda t: t.replace("_", "-")},
+    context_settings={
+        "help_option_names": ["-h", "--help"],
+        "max_content_width": 110,
+        "token_normalize_func": lambda t: t.replace("_", "-"),
+    },
 )
 
 
@@ -31,7 +35,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
     debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for expected errors too."),
 ) -> None:
     if debug:

@@ -14,8 +14,9 @@ import difflib
 import enum
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -31,7 +32,9 @@ def load_yaml(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise OvkitError(f"cannot read config file {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:  # a binary file given as --config
-        raise OvkitError(f"config file {path} is not UTF-8 text (byte {e.start}); it must be a YAML mapping of option names to values") from None
+        raise OvkitError(
+            f"config file {path} is not UTF-8 text (byte {e.start}); it must be a YAML mapping of option names to values"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -58,7 +61,9 @@ def merge(
     Where `cls.exclusive` pairs options, one typed on the command line replaces the file's whole pair."""
     names = [f.name for f in dataclasses.fields(cls)]
     file_values = _canonical_keys(file_values, names, aliases or {}, config_path)
-    for group in getattr(cls, "exclusive", ()):  # `--max-steps 5` over a file with `epochs: 3`: the flag wins, as any flag does
+    for group in getattr(
+        cls, "exclusive", ()
+    ):  # `--max-steps 5` over a file with `epochs: 3`: the flag wins, as any flag does
         if from_cli & set(group):
             file_values = {k: v for k, v in file_values.items() if k not in group}
     hints = typing.get_type_hints(cls)
@@ -74,7 +79,9 @@ def merge(
         raise OvkitError(str(e)) from None
 
 
-def _canonical_keys(values: Mapping[str, Any], names: list[str], aliases: Mapping[str, str], config_path: Path | None) -> dict[str, Any]:
+def _canonical_keys(
+    values: Mapping[str, Any], names: list[str], aliases: Mapping[str, str], config_path: Path | None
+) -> dict[str, Any]:
     """The file's keys as field names: an alias becomes its option's name; an unknown key, or an option given under two
     of its names, is an error (the unknown one names the nearest key: difflib, as click does for options)."""
     out: dict[str, Any] = {}
@@ -206,7 +213,14 @@ def _to_path(value: Any) -> Path:
 
 
 _SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str, Path: _to_path}
-_NAMES = {bool: "true or false", int: "an integer", float: "a float", str: "a string", Path: "a path", dict: "a mapping"}
+_NAMES = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a float",
+    str: "a string",
+    Path: "a path",
+    dict: "a mapping",
+}
 
 
 def describe(hint: Any) -> str:
@@ -216,7 +230,13 @@ def describe(hint: Any) -> str:
         return " or ".join(describe(a) for a in args if a is not type(None))  # None is "unset", not worth naming
     if origin in (list, tuple):
         item = describe(args[0]) if args else "value"
-        plural = {"a string": "strings", "a path": "paths", "an integer": "integers", "a float": "floats", "true or false": "booleans"}
+        plural = {
+            "a string": "strings",
+            "a path": "paths",
+            "an integer": "integers",
+            "a float": "floats",
+            "true or false": "booleans",
+        }
         return f"a list of {plural.get(item, item)}"
     if origin is dict:
         return "a mapping"

@@ -43,14 +43,14 @@ import socket
 import sys
 import time
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from ovkit.errors import OvkitError
 
 # Locks this process holds, by output: a learner's Runtime holds its OUT and its final Stage takes the same lock again.
-_held: "weakref.WeakValueDictionary[str, OutputLock]" = weakref.WeakValueDictionary()
+_held: weakref.WeakValueDictionary[str, OutputLock] = weakref.WeakValueDictionary()
 
 
 def lock_path(out: Path) -> Path:
@@ -58,7 +58,7 @@ def lock_path(out: Path) -> Path:
     return out.with_name(f"{out.name}.lock")
 
 
-def hold(out: Path, command: str) -> "OutputLock":
+def hold(out: Path, command: str) -> OutputLock:
     """The lock on `out` for this process (taken now, or taken again: release() once per hold())."""
     key = os.path.abspath(out)
     lock = _held.get(key)
@@ -80,7 +80,7 @@ class OutputLock:
         self._fd: int | None = None
         self._made: list[Path] = []  # directories created to hold the lock file, removed again if still empty
 
-    def acquire(self) -> "OutputLock":
+    def acquire(self) -> OutputLock:
         if self.users == 0:
             self._lock()
         self.users += 1
@@ -100,26 +100,35 @@ class OutputLock:
         try:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise OvkitError(f"--out {self.out}: cannot create {parent} ({e.strerror}); choose a writable place") from None
+            raise OvkitError(
+                f"--out {self.out}: cannot create {parent} ({e.strerror}); choose a writable place"
+            ) from None
         self._made = missing
         for _ in range(10):  # the holder may remove the file between our open and our flock: then lock the new one
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:
                 self._remove_made()
-                raise OvkitError(f"--out {self.out}: cannot write in {parent} ({e.strerror}); choose a writable place") from None
+                raise OvkitError(
+                    f"--out {self.out}: cannot write in {parent} ({e.strerror}); choose a writable place"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 self._remove_made()
-                raise OvkitError(f"{self.out} is being written by another run ({holder(self.path)}); wait for it to end, "
-                                 f"or stop it and run again (a stopped or killed run releases its lock)") from None
+                raise OvkitError(
+                    f"{self.out} is being written by another run ({holder(self.path)}); wait for it to end, "
+                    f"or stop it and run again (a stopped or killed run releases its lock)"
+                ) from None
             except OSError as e:  # a filesystem without flock: go on unguarded, and say so
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     raise
-                print(f"warning: {self.path}: this filesystem cannot lock ({e.strerror}); nothing stops a second run "
-                      f"writing {self.out} at the same time", file=sys.stderr)
+                print(
+                    f"warning: {self.path}: this filesystem cannot lock ({e.strerror}); nothing stops a second run "
+                    f"writing {self.out} at the same time",
+                    file=sys.stderr,
+                )
             if _same_file(fd, self.path):
                 self._fd = fd
                 self._write_holder()
@@ -210,7 +219,11 @@ def _on_signal(signum: int, frame) -> None:
     if _defer and _asked is None:
         _asked = signum
         name = signal.Signals(signum).name
-        print(f"\n{name}: stopping after this step, with a checkpoint (send it again to stop at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n{name}: stopping after this step, with a checkpoint (send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     if _asked is None:
         raise Interrupted(signum)
@@ -268,7 +281,10 @@ def memory_note() -> str:
     if not torch.cuda.is_available():
         return ""
     try:
-        peak, total = torch.cuda.max_memory_allocated(), torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        peak, total = (
+            torch.cuda.max_memory_allocated(),
+            torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+        )
     except Exception:  # noqa: BLE001 -- the note is a courtesy: a broken device must not hide the message
         return ""
     return f"; peak {peak / 2**30:.1f} GiB allocated of {total / 2**30:.1f} GiB"
@@ -291,8 +307,14 @@ _WRITE_ERRNOS = {
 # Libraries that report a failed write without an OSError: safetensors (Rust's `... (os error 28)`) and torch.save
 # (its C++ zip writer: `PytorchStreamWriter failed writing file`, `unexpected pos N vs M`, an iostream error).
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-_STRERROR = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT, "Read-only file system": errno.EROFS}
-_TORCH_WRITER = re.compile(r"PytorchStreamWriter failed writing|file write failed|unexpected pos \d+ vs \d+|iostream error")
+_STRERROR = {
+    "No space left on device": errno.ENOSPC,
+    "Disk quota exceeded": errno.EDQUOT,
+    "Read-only file system": errno.EROFS,
+}
+_TORCH_WRITER = re.compile(
+    r"PytorchStreamWriter failed writing|file write failed|unexpected pos \d+ vs \d+|iostream error"
+)
 
 
 def write_errno(e: BaseException, *, saving: bool = False, within: Path | None = None) -> int | None:

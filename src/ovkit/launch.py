@@ -51,13 +51,21 @@ def check(command: str, cfg: Any) -> None:
         return
     if command in RANK_SHARDED and hasattr(cfg, "shard"):
         if cfg.shard not in (None, ""):
-            raise OvkitError(f"ovkit {command}: --shard {cfg.shard} under {launcher}: the processes are the shards; drop --shard")
+            raise OvkitError(
+                f"ovkit {command}: --shard {cfg.shard} under {launcher}: the processes are the shards; drop --shard"
+            )
         cfg.shard = f"{rank}/{world}"
         return
-    raise OvkitError(f"ovkit {command} runs in one process, but {launcher}: run it without torchrun / accelerate launch")
+    raise OvkitError(
+        f"ovkit {command} runs in one process, but {launcher}: run it without torchrun / accelerate launch"
+    )
 
 
-ENGINE_FLAGS = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM": "MEGATRON_LM"}
+ENGINE_FLAGS = {
+    "ACCELERATE_USE_FSDP": "FSDP",
+    "ACCELERATE_USE_DEEPSPEED": "DEEPSPEED",
+    "ACCELERATE_USE_MEGATRON_LM": "MEGATRON_LM",
+}
 
 
 def requested_engine() -> str | None:
@@ -109,7 +117,9 @@ def _accelerate_asked() -> int:
     if not any(k.startswith("ACCELERATE_") for k in os.environ):
         return 0
     try:
-        args = shlex.split(Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        args = shlex.split(
+            Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
     except OSError:
         return 0
     if "launch" not in args:
@@ -127,7 +137,9 @@ def _launch_config(args: list[str] | None = None) -> dict[str, Any]:
     """The config file `accelerate launch` read (its --config_file, else accelerate's default one), as a dict."""
     if args is None:
         try:
-            args = shlex.split(Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            args = shlex.split(
+                Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
         except OSError:
             return {}
         if "launch" not in args:
@@ -137,7 +149,9 @@ def _launch_config(args: list[str] | None = None) -> dict[str, Any]:
         if flag in args and args.index(flag) + 1 < len(args):
             path = Path(args[args.index(flag) + 1])
     if path is None:
-        home = Path(os.environ.get("HF_HOME", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"))
+        home = Path(
+            os.environ.get("HF_HOME", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface")
+        )
         path = home / "accelerate" / "default_config.yaml"
     try:
         import yaml

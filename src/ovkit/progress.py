@@ -5,7 +5,7 @@ map bars), each behind its own switch. This turns those switches off for one com
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def silence_library_bars() -> Callable[[], None]:
@@ -15,7 +15,11 @@ def silence_library_bars() -> Callable[[], None]:
     import huggingface_hub.utils as hub_bars
     import transformers.utils.logging as transformers_bars
 
-    was = (hub_bars.are_progress_bars_disabled(), transformers_bars.is_progress_bar_enabled(), datasets_bars.are_progress_bars_disabled())
+    was = (
+        hub_bars.are_progress_bars_disabled(),
+        transformers_bars.is_progress_bar_enabled(),
+        datasets_bars.are_progress_bars_disabled(),
+    )
     hub_bars.disable_progress_bars()
     transformers_bars.disable_progress_bar()  # after the hub's: transformers turns the hub's off too
     datasets_bars.disable_progress_bars()

@@ -25,8 +25,9 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from ovkit import __version__
 from ovkit.cards import PART_DIR, write_card, write_parts_card
@@ -119,7 +120,7 @@ class Stage:
         for stale in remove_stale(self.out):
             print(f"removed {stale}: left by a run that was killed", file=sys.stderr)
 
-    def __enter__(self) -> "Stage":
+    def __enter__(self) -> Stage:
         if self.skipped:
             raise RuntimeError("a skipped stage must not be entered")
         if self.path.exists():
@@ -130,7 +131,9 @@ class Stage:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if isinstance(exc, Interrupted) and exc.message.startswith("stopped"):  # a data stage, stopped by a signal
-            exc.message = f"{self.command}: {exc.message}; its partial output was removed, run the same command again to redo it"
+            exc.message = (
+                f"{self.command}: {exc.message}; its partial output was removed, run the same command again to redo it"
+            )
         try:
             if exc_type is not None:
                 self._discard()
@@ -139,7 +142,7 @@ class Stage:
                     self._commit()
                 except BaseException as e:
                     self._discard()
-                    raise self._write_failure(e) or e
+                    raise (self._write_failure(e) or e) from None
         finally:
             self.lock.release()
         failure = self._write_failure(exc) if exc is not None else None

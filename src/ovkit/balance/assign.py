@@ -9,9 +9,9 @@ vocabulary and merged into a running top-K: memory is bounded by batch x chunk, 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -26,7 +26,9 @@ def read_concepts(path: Path) -> list[str]:
     except OSError as e:
         raise OvkitError(f"cannot read concepts file {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise OvkitError(f"file {path}: not UTF-8 text (byte {e.start}); a concepts file has one concept per line") from None
+        raise OvkitError(
+            f"file {path}: not UTF-8 text (byte {e.start}); a concepts file has one concept per line"
+        ) from None
     concepts, seen = [], {}
     for n, line in enumerate(lines, 1):
         c = line.strip()
@@ -41,7 +43,9 @@ def read_concepts(path: Path) -> list[str]:
     return concepts
 
 
-def topk_chunked(queries: torch.Tensor, keys: torch.Tensor, k: int, chunk: int = 65536) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_chunked(
+    queries: torch.Tensor, keys: torch.Tensor, k: int, chunk: int = 65536
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of `queries @ keys.T` per query row, scanning `keys` in chunks. Returns (scores, indices), both [Q, k],
     sorted by score descending; ties broken by the lower index (deterministic)."""
     k = min(k, keys.shape[0])
@@ -93,7 +97,7 @@ class TextMatcher:
     max_len: int
 
     @classmethod
-    def build(cls, concepts: Sequence[str]) -> "TextMatcher":
+    def build(cls, concepts: Sequence[str]) -> TextMatcher:
         index: dict[tuple[str, ...], int] = {}
         for i, c in enumerate(concepts):
             toks = tuple(_tokens(c))
@@ -141,7 +145,9 @@ class Encoder:
     def embed_texts(self, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
         out = []
         for s in range(0, len(texts), batch_size):
-            enc = self.tokenizer(list(texts[s : s + batch_size]), padding=self.pad, truncation=True, return_tensors="pt")
+            enc = self.tokenizer(
+                list(texts[s : s + batch_size]), padding=self.pad, truncation=True, return_tensors="pt"
+            )
             enc = {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
             out.append(_features(self.model.get_text_features(**enc)).float().cpu())
         return torch.nn.functional.normalize(torch.cat(out), dim=-1)

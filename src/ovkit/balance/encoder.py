@@ -86,7 +86,9 @@ def _tokenizer(texts: list[str], spec: TinyClipSpec, seed: int):
     )
 
 
-def build_tiny_clip(out: Path, data: list[Path], *, seed: int = 0, spec: TinyClipSpec | None = None, quiet: bool = False) -> dict[str, Any]:
+def build_tiny_clip(
+    out: Path, data: list[Path], *, seed: int = 0, spec: TinyClipSpec | None = None, quiet: bool = False
+) -> dict[str, Any]:
     """Train the tiny CLIP on `data` and save it into `out`. Returns training metrics."""
     from PIL import Image
     from tqdm import tqdm
@@ -123,17 +125,24 @@ def build_tiny_clip(out: Path, data: list[Path], *, seed: int = 0, spec: TinyCli
         size={"shortest_edge": spec.image_size},
         crop_size={"height": spec.image_size, "width": spec.image_size},
     )
-    pix = processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")["pixel_values"]
+    pix = processor(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")[
+        "pixel_values"
+    ]
     enc = tokenizer(texts, padding="max_length", truncation=True, max_length=spec.max_text_len, return_tensors="pt")
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / spec.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / spec.steps))
+    )
     rng = np.random.default_rng(seed)
     model.train()
     t0, losses = time.time(), []
     for _ in tqdm(range(spec.steps), desc="tiny-clip", disable=quiet):
         b = torch.from_numpy(rng.choice(len(texts), size=min(spec.batch_size, len(texts)), replace=False))
         loss = model(
-            input_ids=enc["input_ids"][b], attention_mask=enc["attention_mask"][b], pixel_values=pix[b], return_loss=True
+            input_ids=enc["input_ids"][b],
+            attention_mask=enc["attention_mask"][b],
+            pixel_values=pix[b],
+            return_loss=True,
         ).loss
         opt.zero_grad()
         loss.backward()

@@ -46,7 +46,9 @@ class BalanceConfig:
     concepts: Path | None = None  # concept vocabulary, one per line
     out: Path | None = None
     method: str = "embed"  # embed: top-K by CLIP-family similarity; text: concept strings in captions; metaclip
-    encoder: Path | None = None  # CLIP / SigLIP / MetaCLIP directory (embed); `init-model --preset tiny-clip` builds one
+    encoder: Path | None = (
+        None  # CLIP / SigLIP / MetaCLIP directory (embed); `init-model --preset tiny-clip` builds one
+    )
     top_k: int = 3  # concepts per image (embed)
     combine: str = "mean"  # how an image's per-concept inverse frequencies combine into its weight: mean|max|sum
     target: int | None = None  # rows after resampling (default: as many as the input)
@@ -80,7 +82,9 @@ class BalanceConfig:
         if not self.merge and self.data is None:
             raise OvkitError("DATA is required (or --merge ASSIGN_DIR...)")
         if self.method == "embed" and self.phase != "sample" and not self.merge and self.encoder is None:
-            raise OvkitError("--method embed needs --encoder DIR (a CLIP-family model; `ovkit init-model --preset tiny-clip` builds one)")
+            raise OvkitError(
+                "--method embed needs --encoder DIR (a CLIP-family model; `ovkit init-model --preset tiny-clip` builds one)"
+            )
         if self.phase == "sample" and self.plan is None:
             raise OvkitError("--phase sample needs --plan (the output of `ovkit balance --merge`)")
         if self.shard and self.phase == "all" and not self.merge:
@@ -202,12 +206,16 @@ def write_plan(out: Path, plan: pa.Table, report: dict[str, Any]) -> dict[str, A
 # ---- phase 3: materialise --------------------------------------------------------------------------------------------
 
 
-def resample(table: pa.Table, plan: pa.Table, rows: list[int], concepts: list[str], assigned: pa.Table | None) -> pa.Table:
+def resample(
+    table: pa.Table, plan: pa.Table, rows: list[int], concepts: list[str], assigned: pa.Table | None
+) -> pa.Table:
     """Repeat each row `copies` times (copy k > 0 gets id `ID#k`), with its weight and concepts as columns."""
     plan_rows = plan.column("row").to_numpy()
     pos = np.searchsorted(plan_rows, rows)
     if len(rows) and (pos.max() >= len(plan_rows) or not np.array_equal(plan_rows[pos], rows)):
-        raise OvkitError(f"--plan does not cover these rows of DATA: was it merged from the same DATA and --shard parts?")
+        raise OvkitError(
+            "--plan does not cover these rows of DATA: was it merged from the same DATA and --shard parts?"
+        )
     sub = plan.take(pa.array(pos, pa.int64()))
     if sub.column("id").to_pylist() != table.column("id").to_pylist():
         raise OvkitError("--plan was made for different row ids: was it merged from the same DATA?")
@@ -223,7 +231,9 @@ def resample(table: pa.Table, plan: pa.Table, rows: list[int], concepts: list[st
     out = out.set_column(out.column_names.index("id"), "id", pa.array(new_ids, pa.string()))
     out = out.append_column("balance_weight", pa.array(sub.column("weight").to_numpy()[take], pa.float64()))
     if assigned is not None:
-        names = [json.dumps([concepts[c] for c in cs], ensure_ascii=False) for cs in assigned.column("concepts").to_pylist()]
+        names = [
+            json.dumps([concepts[c] for c in cs], ensure_ascii=False) for cs in assigned.column("concepts").to_pylist()
+        ]
         out = out.append_column("balance_concepts", pa.array([names[i] for i in take], pa.string()))
     return out
 
@@ -265,6 +275,10 @@ def _headline(report: dict[str, Any], t0: float) -> dict[str, Any]:
         "effective_concepts_before": round(report["before"]["effective_concepts"], 2),
         "effective_concepts_after": round(report["after"]["effective_concepts"], 2),
         "rare_gained_fraction": round(report["rare_gained_fraction"], 3),
-        **({"precision_at_k": round(r["precision_at_k"], 3), "chance_precision": round(r["chance_precision"], 4)} if r else {}),
+        **(
+            {"precision_at_k": round(r["precision_at_k"], 3), "chance_precision": round(r["chance_precision"], 4)}
+            if r
+            else {}
+        ),
         "seconds": round(time.time() - t0, 2),
     }

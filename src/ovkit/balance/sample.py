@@ -11,14 +11,16 @@ image with `1 - prod(1 - p)` over its concepts; images that match nothing are dr
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 COMBINE = ("mean", "max", "sum")
 
 
-def concept_counts(assignments: Sequence[Sequence[int]], n_concepts: int, copies: np.ndarray | None = None) -> np.ndarray:
+def concept_counts(
+    assignments: Sequence[Sequence[int]], n_concepts: int, copies: np.ndarray | None = None
+) -> np.ndarray:
     """How many images carry each concept (an image counts once per concept), optionally weighted by copies."""
     counts = np.zeros(n_concepts, dtype=np.int64)
     for i, cs in enumerate(assignments):
@@ -47,7 +49,9 @@ def inverse_frequency_copies(weights: np.ndarray, target: int, seed: int) -> np.
     return (base + (u < expected - base)).astype(np.int64)
 
 
-def metaclip_copies(assignments: Sequence[Sequence[int]], counts: np.ndarray, threshold: float, seed: int) -> np.ndarray:
+def metaclip_copies(
+    assignments: Sequence[Sequence[int]], counts: np.ndarray, threshold: float, seed: int
+) -> np.ndarray:
     p_concept = np.minimum(1.0, threshold / np.maximum(counts, 1))
     p_image = np.array([1.0 - float(np.prod(1.0 - p_concept[list(cs)])) if len(cs) else 0.0 for cs in assignments])
     u = np.random.default_rng(seed).random(len(assignments))
@@ -91,7 +95,13 @@ def retrieval_precision(assignments: Sequence[Sequence[int]], truth: Sequence[se
     precision = float(np.mean([len(set(cs) & t) / len(cs) for cs, t in pairs]))
     recall = float(np.mean([len(set(cs) & t) / len(t) for cs, t in pairs]))
     chance = float(np.mean([len(t) / n_concepts for _, t in pairs]))
-    return {"images": len(pairs), "k": k, "precision_at_k": precision, "recall_at_k": recall, "chance_precision": chance}
+    return {
+        "images": len(pairs),
+        "k": k,
+        "precision_at_k": precision,
+        "recall_at_k": recall,
+        "chance_precision": chance,
+    }
 
 
 def plot_long_tail(before: np.ndarray, after: np.ndarray, path) -> None:

@@ -30,9 +30,10 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -75,13 +76,19 @@ class CaptionConfig:
     min_chars: int = 50  # filter: shorter captions are rejected
     max_chars: int = 3500  # filter: longer captions are rejected
     repeat_limit: int = 8  # filter: a run of this many identical consecutive words rejects the caption
-    keep_original_on_reject: bool = False  # a rejected recaption keeps its row (original caption) instead of rejecting it
-    replace_if_better: bool = True  # with a `concepts` column: replace targets only if recaption concept recall >= original's
+    keep_original_on_reject: bool = (
+        False  # a rejected recaption keeps its row (original caption) instead of rejecting it
+    )
+    replace_if_better: bool = (
+        True  # with a `concepts` column: replace targets only if recaption concept recall >= original's
+    )
     chunk_rows: int = 256  # rows per saved chunk of generations (the resume granularity)
     shard: str | None = None
     on_error: str = "fail"
     precision: str = "auto"  # the captioner's compute precision (ovkit.runtime.precision)
-    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    attn_implementation: str = (
+        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    )
     trust_remote_code: bool = False
     seed: int = 0
     overwrite: bool = False
@@ -112,7 +119,9 @@ class CaptionConfig:
         if not 0 <= self.min_chars <= self.max_chars:
             raise OvkitError(f"need 0 <= --min-chars <= --max-chars, got {self.min_chars} and {self.max_chars}")
         if self.repeat_limit < 2:
-            raise OvkitError(f"--repeat-limit must be >= 2 (a run of that many identical words rejects), got {self.repeat_limit}")
+            raise OvkitError(
+                f"--repeat-limit must be >= 2 (a run of that many identical words rejects), got {self.repeat_limit}"
+            )
 
     def languages(self) -> list[tuple[str, float]]:
         """(language, share) pairs, shares summing to 1."""
@@ -125,9 +134,13 @@ class CaptionConfig:
             try:
                 shares = [float(x) for x in self.lang_ratio.split(",")]
             except ValueError:
-                raise OvkitError(f"--lang-ratio must be numbers separated by commas (e.g. 0.75,0.25), got {self.lang_ratio!r}") from None
+                raise OvkitError(
+                    f"--lang-ratio must be numbers separated by commas (e.g. 0.75,0.25), got {self.lang_ratio!r}"
+                ) from None
             if len(shares) != len(langs) or any(s < 0 for s in shares) or sum(shares) <= 0:
-                raise OvkitError(f"--lang-ratio needs one share >= 0 per --lang language ({self.lang}), not all 0; got {self.lang_ratio!r}")
+                raise OvkitError(
+                    f"--lang-ratio needs one share >= 0 per --lang language ({self.lang}), not all 0; got {self.lang_ratio!r}"
+                )
         total = sum(shares)
         return [(x, s / total) for x, s in zip(langs, shares)]
 
@@ -185,8 +198,16 @@ def build_engine(cfg: CaptionConfig) -> tuple[Any, Any]:
     """(engine, processor) for `cfg.model`: transformers (on the GPU when there is one) or vLLM."""
     from ovkit.runtime.engines import build_engine as build
 
-    engine = build(cfg.engine, model_dir=cfg.model, precision=cfg.precision, batch_size=cfg.batch_size, seed=cfg.seed,
-                   progress=not cfg.quiet, trust_remote_code=cfg.trust_remote_code, attn_implementation=cfg.attn_implementation)
+    engine = build(
+        cfg.engine,
+        model_dir=cfg.model,
+        precision=cfg.precision,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        progress=not cfg.quiet,
+        trust_remote_code=cfg.trust_remote_code,
+        attn_implementation=cfg.attn_implementation,
+    )
     return engine, engine.processor
 
 
@@ -206,7 +227,10 @@ class Captioner:
         if self.engine is None:
             self.engine, self.processor = build_engine(self.cfg)
         images = [decode_images(r["images"]) for r in rows]
-        prompts = [encode_prompt(self.processor, caption_messages(len(pics), self.prompts[lang]), pics) for pics, lang in zip(images, langs)]
+        prompts = [
+            encode_prompt(self.processor, caption_messages(len(pics), self.prompts[lang]), pics)
+            for pics, lang in zip(images, langs)
+        ]
         outs = self.engine.generate(
             prompts,
             n=1,
@@ -312,7 +336,9 @@ def _read_chunk(path: Path, ids: list[str]) -> pa.Table | None:
     return chunk
 
 
-def _generate_chunk(part: list[dict[str, Any]], rows: Sequence[int], langs: Sequence[str], captioner: Captioner, seed: int) -> pa.Table:
+def _generate_chunk(
+    part: list[dict[str, Any]], rows: Sequence[int], langs: Sequence[str], captioner: Captioner, seed: int
+) -> pa.Table:
     todo = [i for i, r in enumerate(part) if r["images"]]
     done = captioner([part[i] for i in todo], [langs[i] for i in todo], seed) if todo else []
     texts: list[str | None] = [None] * len(part)
@@ -336,19 +362,42 @@ class Decision:
 
 def decide(cfg: CaptionConfig, table: pa.Table, gen: pa.Table, originals: Sequence[str | None]) -> Decision:
     """Replace the targets, or keep them: the concept-recall comparison of `--replace-if-better`."""
-    concepts = [parse_concepts(c) for c in table.column("concepts").to_pylist()] if "concepts" in table.column_names else [None] * table.num_rows
+    concepts = (
+        [parse_concepts(c) for c in table.column("concepts").to_pylist()]
+        if "concepts" in table.column_names
+        else [None] * table.num_rows
+    )
     texts, langs, finish = (gen.column(k).to_pylist() for k in ("recaption", "caption_lang", "finish_reason"))
     # Both sides over the rows that were captioned: originals written in English, recaptions asked for in English.
-    before, n_before = mean_recall((o, c) for o, c, f in zip(originals, concepts, finish) if c and f != NO_IMAGE and o is not None and not has_cjk(o))
-    after, n_after = mean_recall((t, c) for t, c, lang, f in zip(texts, concepts, langs, finish) if c and lang == "en" and f != NO_IMAGE)
-    recall = {"original": _round(before), "recaption": _round(after), "rows_original": n_before, "rows_recaption": n_after}
+    before, n_before = mean_recall(
+        (o, c)
+        for o, c, f in zip(originals, concepts, finish)
+        if c and f != NO_IMAGE and o is not None and not has_cjk(o)
+    )
+    after, n_after = mean_recall(
+        (t, c) for t, c, lang, f in zip(texts, concepts, langs, finish) if c and lang == "en" and f != NO_IMAGE
+    )
+    recall = {
+        "original": _round(before),
+        "recaption": _round(after),
+        "rows_original": n_before,
+        "rows_recaption": n_after,
+    }
     if not cfg.replace_if_better:
         return Decision(True, "recaptions replace the originals (--no-replace-if-better)", recall)
     if before is None or after is None:
-        return Decision(True, "recaptions replace the originals (no `concepts` ground truth on English captions to compare them with)", recall)
+        return Decision(
+            True,
+            "recaptions replace the originals (no `concepts` ground truth on English captions to compare them with)",
+            recall,
+        )
     if after >= before:
         return Decision(True, f"recaptions replace the originals: concept recall {after:.3f} >= {before:.3f}", recall)
-    return Decision(False, f"targets unchanged because concept recall {after:.3f} < {before:.3f} (originals); recaptions kept in column `recaption`", recall)
+    return Decision(
+        False,
+        f"targets unchanged because concept recall {after:.3f} < {before:.3f} (originals); recaptions kept in column `recaption`",
+        recall,
+    )
 
 
 def assemble(cfg: CaptionConfig, table: pa.Table, gen: pa.Table) -> tuple[pa.Table, pa.Table | None, dict[str, Any]]:
@@ -364,7 +413,9 @@ def assemble(cfg: CaptionConfig, table: pa.Table, gen: pa.Table) -> tuple[pa.Tab
 
     new_messages, status, keep = [], [], []
     for msgs, text, lang, f, problem, k in zip(messages, texts, langs, finish, problems, n_images):
-        target, state, kept = _outcome(msgs, text, k, prompts.get(lang, ""), f, problem, decision.replace, cfg.keep_original_on_reject)
+        target, state, kept = _outcome(
+            msgs, text, k, prompts.get(lang, ""), f, problem, decision.replace, cfg.keep_original_on_reject
+        )
         new_messages.append(target)
         status.append(state)
         keep.append(kept)
@@ -443,7 +494,13 @@ def _round(x: float | None) -> float | None:
 
 
 def run(
-    cfg: CaptionConfig, out: Path, shard: tuple[int, int] | None, *, work: Path, engine: Any = None, processor: Any = None
+    cfg: CaptionConfig,
+    out: Path,
+    shard: tuple[int, int] | None,
+    *,
+    work: Path,
+    engine: Any = None,
+    processor: Any = None,
 ) -> dict[str, Any]:
     """Recaption `cfg.data` (this shard of it) into `out`; generations are saved under `work` as they finish and
     read back on a rerun. `engine`/`processor` may be given (tests, or a caller holding a model). Returns metrics."""

@@ -10,7 +10,11 @@ from ovkit.commands import _train_options as T
 from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, stage
 
 
-@stage("ovkit.train.config:AlignConfig", required=T.REQUIRED, example="ovkit align runs/tiny/data/pretrain-balanced --plan runs/tiny/plans/pretrain --model runs/tiny/models/stage0 --out runs/tiny/models/align --config examples/tiny/align.yaml")
+@stage(
+    "ovkit.train.config:AlignConfig",
+    required=T.REQUIRED,
+    example="ovkit align runs/tiny/data/pretrain-balanced --plan runs/tiny/plans/pretrain --model runs/tiny/models/stage0 --out runs/tiny/models/align --config examples/tiny/align.yaml",
+)
 def align(
     ctx: typer.Context,
     data: list[Path] = T.DATA,

@@ -29,11 +29,29 @@ def convert(
         help="auto (detect from the keys/columns) | llava | sharegpt | onevision | ov-midtrain | ov-rl | verl (= roll) | trl | ovkit.",
         rich_help_panel=IO,
     ),
-    to_format: str = _O(None, "--to", "--to-format", help="ovkit (the sample table) | trl (TRL's conversational VLM format: images + messages with content parts).", rich_help_panel=IO),
+    to_format: str = _O(
+        None,
+        "--to",
+        "--to-format",
+        help="ovkit (the sample table) | trl (TRL's conversational VLM format: images + messages with content parts).",
+        rich_help_panel=IO,
+    ),
     out: Path = OUT,
-    image_root: Path = _O(None, "--image-root", help="Folder that relative image paths start from (default: the input's folder).", rich_help_panel=IO),
-    source: str = _O(None, "--source", help="`source` of rows whose input names none (default: the input's file name).", rich_help_panel=RECORDS),
-    caption_prompt: str = _O(None, "--caption-prompt", help="ov-midtrain: the user turn after '<image>\\n'.", rich_help_panel=RECORDS),
+    image_root: Path = _O(
+        None,
+        "--image-root",
+        help="Folder that relative image paths start from (default: the input's folder).",
+        rich_help_panel=IO,
+    ),
+    source: str = _O(
+        None,
+        "--source",
+        help="`source` of rows whose input names none (default: the input's file name).",
+        rich_help_panel=RECORDS,
+    ),
+    caption_prompt: str = _O(
+        None, "--caption-prompt", help="ov-midtrain: the user turn after '<image>\\n'.", rich_help_panel=RECORDS
+    ),
     rows_per_file: int = _O(None, "--rows-per-file", help="Rows per output part file.", rich_help_panel=RECORDS),
     shard: str = SHARD,
     on_error: str = ON_ERROR,

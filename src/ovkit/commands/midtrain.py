@@ -10,7 +10,11 @@ from ovkit.commands import _train_options as T
 from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, stage
 
 
-@stage("ovkit.train.config:MidtrainConfig", required=T.REQUIRED, example="ovkit midtrain runs/tiny/data/pretrain-balanced --plan runs/tiny/plans/pretrain --model runs/tiny/models/align --out runs/tiny/models/midtrain --config examples/tiny/midtrain.yaml")
+@stage(
+    "ovkit.train.config:MidtrainConfig",
+    required=T.REQUIRED,
+    example="ovkit midtrain runs/tiny/data/pretrain-balanced --plan runs/tiny/plans/pretrain --model runs/tiny/models/align --out runs/tiny/models/midtrain --config examples/tiny/midtrain.yaml",
+)
 def midtrain(
     ctx: typer.Context,
     data: list[Path] = T.DATA,

@@ -2,7 +2,21 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import CONFIG, IO, ON_ERROR, OUT, OVERWRITE, QUIET, RUNTIME, SEED, SHARD, done, resolve, skipped, stage
+from ovkit.commands._common import (
+    CONFIG,
+    IO,
+    ON_ERROR,
+    OUT,
+    OVERWRITE,
+    QUIET,
+    RUNTIME,
+    SEED,
+    SHARD,
+    done,
+    resolve,
+    skipped,
+    stage,
+)
 
 _O = typer.Option
 
@@ -19,14 +33,23 @@ def pack(
     ctx: typer.Context,
     data: Path = typer.Argument(None, help="Sample table to pack (a parquet file or a directory of shards)."),
     model: Path = _O(None, "--model", help="Model directory whose processor measures each sample.", rich_help_panel=IO),
-    max_len: int = _O(None, "--max-len", help="Pack capacity L in tokens; longer samples go to rejects.", rich_help_panel=PACKING),
+    max_len: int = _O(
+        None, "--max-len", help="Pack capacity L in tokens; longer samples go to rejects.", rich_help_panel=PACKING
+    ),
     out: Path = OUT,
     workers: int = _O(None, "--workers", help="Processes measuring lengths.", rich_help_panel=RUNTIME),
     exact_lengths: bool = _O(
-        None, "--exact-lengths", help="Encode every image with the processor instead of counting from image sizes.", rich_help_panel=PACKING
+        None,
+        "--exact-lengths",
+        help="Encode every image with the processor instead of counting from image sizes.",
+        rich_help_panel=PACKING,
     ),
-    cache: Path = _O(None, "--cache", help="Lengths cache directory (default $OVKIT_CACHE or ~/.cache/ovkit).", rich_help_panel=IO),
-    baseline_batch: int = _O(None, "--baseline-batch", help="B of the 'pad to longest in random batches' baseline.", rich_help_panel=PACKING),
+    cache: Path = _O(
+        None, "--cache", help="Lengths cache directory (default $OVKIT_CACHE or ~/.cache/ovkit).", rich_help_panel=IO
+    ),
+    baseline_batch: int = _O(
+        None, "--baseline-batch", help="B of the 'pad to longest in random batches' baseline.", rich_help_panel=PACKING
+    ),
     shard: str = SHARD,
     on_error: str = ON_ERROR,
     seed: int = SEED,

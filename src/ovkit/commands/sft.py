@@ -10,7 +10,11 @@ from ovkit.commands import _train_options as T
 from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, stage
 
 
-@stage("ovkit.train.config:SFTConfig", required=T.REQUIRED, example="ovkit sft runs/tiny/data/instruct --model runs/tiny/models/midtrain --out runs/tiny/models/sft --config examples/tiny/sft.yaml")
+@stage(
+    "ovkit.train.config:SFTConfig",
+    required=T.REQUIRED,
+    example="ovkit sft runs/tiny/data/instruct --model runs/tiny/models/midtrain --out runs/tiny/models/sft --config examples/tiny/sft.yaml",
+)
 def sft(
     ctx: typer.Context,
     data: list[Path] = T.DATA,

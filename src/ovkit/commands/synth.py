@@ -13,7 +13,9 @@ from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, done, re
 def synth(
     ctx: typer.Context,
     out: Path = OUT,
-    scale: float = typer.Option(None, "--scale", help="Multiplies every split's size (1.0: about 8,000 images).", rich_help_panel="Corpus"),
+    scale: float = typer.Option(
+        None, "--scale", help="Multiplies every split's size (1.0: about 8,000 images).", rich_help_panel="Corpus"
+    ),
     seed: int = SEED,
     overwrite: bool = OVERWRITE,
     quiet: bool = QUIET,

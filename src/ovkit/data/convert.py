@@ -24,9 +24,10 @@ import base64
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -83,7 +84,9 @@ MAX_RECORD_CHARS = 256 << 20  # one JSON record larger than this is treated as m
 
 @dataclass
 class ConvertConfig:
-    input: str | None = None  # a JSON / JSON-lines / parquet file, a directory of parquet files, or a `datasets` source (Hub id, card dir, saved dir)
+    input: str | None = (
+        None  # a JSON / JSON-lines / parquet file, a directory of parquet files, or a `datasets` source (Hub id, card dir, saved dir)
+    )
     from_format: str = "auto"  # one of FORMATS (or an alias); auto = detect from the keys/columns
     to_format: str = "ovkit"  # ovkit: the sample table; trl: TRL's conversational VLM format (images + content parts)
     out: Path | None = None  # dataset directory written (with --shard: OUT/part-I-of-N/)
@@ -101,7 +104,10 @@ class ConvertConfig:
             raise OvkitError("INPUT is required: the file or directory to convert")
         if self.out is None:
             raise OvkitError("--out is required")
-        self.input, self.out = str(self.input), Path(self.out)  # the input stays text: `./org/name` must not become a Hub id
+        self.input, self.out = (
+            str(self.input),
+            Path(self.out),
+        )  # the input stays text: `./org/name` must not become a Hub id
         self.image_root = Path(self.image_root) if self.image_root is not None else None
         self.from_format = ALIASES.get(str(self.from_format), str(self.from_format))
         if self.from_format != "auto" and self.from_format not in FORMATS:
@@ -289,7 +295,9 @@ def _json_array(path: Path) -> Iterator[tuple[int, Any, None]]:
             pos = _skip_ws(buf, pos)
             if pos >= len(buf):
                 if eof:
-                    raise OvkitError(f"{where(path, f'index {index}')}: the file ends before the closing ']' (truncated?)")
+                    raise OvkitError(
+                        f"{where(path, f'index {index}')}: the file ends before the closing ']' (truncated?)"
+                    )
                 buf, pos, eof = _refill(f, buf, pos)
                 continue
             if buf[pos] == "]":
@@ -415,7 +423,9 @@ def detect_format(keys: list[str], parts: bool = False) -> tuple[str, str]:
     if "reward_model" not in k and "conversations" not in k and chat is not None:
         has_images = bool(k & {"images", "image"})
         if parts:  # ovkit's own messages are text; typed parts are TRL's (and what `--to trl` writes)
-            return "trl", f"{chat} with content parts" + (" + images" if "images" in k else " + image" if "image" in k else "")
+            return "trl", f"{chat} with content parts" + (
+                " + images" if "images" in k else " + image" if "image" in k else ""
+            )
         if {"prompt", "completion"} <= k and has_images:
             return "trl", "prompt + completion + " + ("images" if "images" in k else "image")
         if chat == "messages" and "image" in k and "images" not in k:
@@ -510,7 +520,10 @@ class Converter:
         path = Path(value.removeprefix("file://"))
         full = path if path.is_absolute() else self.root / path
         try:
-            return {"bytes": read_image_file(full), "path": value}  # a regular file under the size limit, never a device or FIFO
+            return {
+                "bytes": read_image_file(full),
+                "path": value,
+            }  # a regular file under the size limit, never a device or FIFO
         except FileNotFoundError:
             hint = "set --image-root to the folder the paths are relative to"
             raise BadRecord(field, f"image file not found: {full} ({hint})") from None
@@ -680,7 +693,9 @@ def from_chat(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
         field, turns = "messages", raw["messages"]
     else:
         field = "prompt"
-        turns = _as_turns(raw.get("prompt"), "user", "prompt") + _as_turns(raw.get("completion"), "assistant", "completion")
+        turns = _as_turns(raw.get("prompt"), "user", "prompt") + _as_turns(
+            raw.get("completion"), "assistant", "completion"
+        )
     messages = _turns(turns, field)
     given = raw["images"] if raw.get("images") is not None else [raw["image"]] if raw.get("image") is not None else []
     images = c.images(_inline_images(turns, given if isinstance(given, list) else [given]), "images")
@@ -710,7 +725,9 @@ def _inline_images(turns: list[Any], given: list[Any]) -> list[Any]:
         elif queue:
             out.append(queue.pop(0))
         else:
-            raise BadRecord("images", f"{len(image_parts)} image parts but only {len(given)} image(s) in `images` to fill them")
+            raise BadRecord(
+                "images", f"{len(image_parts)} image parts but only {len(given)} image(s) in `images` to fill them"
+            )
     return out + queue
 
 
@@ -781,7 +798,9 @@ class Parts:
     def flush(self) -> None:
         if self.pending:
             table = pa.concat_tables(self.pending)
-            self.written.append(write_table(self.layout(table), self.out_dir / f".chunk-{len(self.written):05d}.parquet"))
+            self.written.append(
+                write_table(self.layout(table), self.out_dir / f".chunk-{len(self.written):05d}.parquet")
+            )
         self.pending, self.rows, self.bytes = [], 0, 0
 
     def finish(self, empty: pa.Table) -> list[Path]:
@@ -814,7 +833,14 @@ class Reject:
         # The record as JSON (binary values as {"base64": ...}); a JSON line that did not parse, as it was.
         rec = self.rec
         record = rec.raw if rec.unparsed is not None else json.dumps(rec.raw, ensure_ascii=False, default=_jsonable)
-        return {"file": str(rec.file), "index": rec.index, "id": self.id, "field": self.field, "reason": self.reason, "record": record}
+        return {
+            "file": str(rec.file),
+            "index": rec.index,
+            "id": self.id,
+            "field": self.field,
+            "reason": self.reason,
+            "record": record,
+        }
 
     def message(self) -> str:
         row = f"{self.id!r} (index {self.rec.index})" if self.id else f"index {self.rec.index}"
@@ -822,8 +848,14 @@ class Reject:
 
 
 REJECT_SCHEMA = pa.schema(
-    [("file", pa.string()), ("index", pa.int64()), ("id", pa.string()), ("field", pa.string()), ("reason", pa.string()),
-     ("record", pa.string())]
+    [
+        ("file", pa.string()),
+        ("index", pa.int64()),
+        ("id", pa.string()),
+        ("field", pa.string()),
+        ("reason", pa.string()),
+        ("record", pa.string()),
+    ]
 )
 
 
@@ -852,7 +884,9 @@ def convert_batch(records: list[Record], conv: Converter) -> tuple[pa.Table, lis
     return (table if not bad else table.take(pa.array(keep, pa.int64()))), rejects
 
 
-def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None = None, inp: Input | None = None) -> dict[str, Any]:
+def convert(
+    cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None = None, inp: Input | None = None
+) -> dict[str, Any]:
     """Convert `cfg.input` (or the already opened `inp`) into the dataset directory `out_dir` (part files +
     rejects.parquet), in ovkit's layout or, with `to_format='trl'`, TRL's; returns the metrics."""
     log = log or (lambda msg: None if cfg.quiet else print(msg, file=sys.stderr))
@@ -871,7 +905,12 @@ def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None
     shard = parse_shard(cfg.shard)
     total = inp.count() if shard or inp.kind == "parquet" else None
     lo, hi = shard_bounds(total, shard) if shard else (0, total)
-    parts, rejects, rows_in, rows_out = Parts(out_dir, cfg.rows_per_file, to_trl if cfg.to_format == "trl" else conform), [], 0, 0
+    parts, rejects, rows_in, rows_out = (
+        Parts(out_dir, cfg.rows_per_file, to_trl if cfg.to_format == "trl" else conform),
+        [],
+        0,
+        0,
+    )
     for batch in _batches(_progress(inp.records(lo, hi), None if hi is None else hi - lo, cfg.quiet)):
         good, bad = convert_batch(batch, conv)
         if bad and cfg.on_error == "fail":
@@ -886,8 +925,11 @@ def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None
     if rows_in != rows_out + len(rejects):  # the promise of every data stage; a mismatch is a bug
         raise RuntimeError(f"rows in {rows_in} != rows out {rows_out} + rejects {len(rejects)}")
     if conv.counts["renamed_ids"]:  # said even with --quiet: the output's ids are not the input's
-        print(f"warning: {conv.counts['renamed_ids']} record(s) repeat an earlier id and were renamed (ids are unique in a sample "
-              f"table); e.g. {conv.first_rename}", file=sys.stderr)
+        print(
+            f"warning: {conv.counts['renamed_ids']} record(s) repeat an earlier id and were renamed (ids are unique in a sample "
+            f"table); e.g. {conv.first_rename}",
+            file=sys.stderr,
+        )
     return {
         "format": fmt,
         "detected": detected,
@@ -903,7 +945,9 @@ def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None
         "answers_cut_to_first": conv.counts["answers_cut_to_first"],
         "kept_columns": extras,
         "dropped_columns": dropped,
-        "null_non_string_values": {k.removeprefix("non-string "): n for k, n in conv.counts.items() if k.startswith("non-string ")},
+        "null_non_string_values": {
+            k.removeprefix("non-string "): n for k, n in conv.counts.items() if k.startswith("non-string ")
+        },
     }
 
 

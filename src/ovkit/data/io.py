@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -66,7 +66,9 @@ def check_parts(path: Path) -> None:
         missing = sorted(set(range(n)) - done)
         if missing:
             shards = ", ".join(f"--shard {i}/{n}" for i in missing[:4]) + (" ..." if len(missing) > 4 else "")
-            raise OvkitError(f"{path}: {len(missing)} of its {n} parts are missing or unfinished ({shards}); run them first")
+            raise OvkitError(
+                f"{path}: {len(missing)} of its {n} parts are missing or unfinished ({shards}); run them first"
+            )
 
 
 def read_table(path: Path | str, columns: Sequence[str] | None = None) -> pa.Table:
@@ -83,7 +85,10 @@ def read_table(path: Path | str, columns: Sequence[str] | None = None) -> pa.Tab
 def _read_file(f: Path, columns: Sequence[str] | None = None) -> pa.Table:
     try:
         t = pq.read_table(f, columns=list(columns) if columns else None)
-    except (pa.ArrowException, OSError) as e:  # a zero-byte, truncated or corrupt file (ArrowInvalid, ArrowIOError, ...)
+    except (
+        pa.ArrowException,
+        OSError,
+    ) as e:  # a zero-byte, truncated or corrupt file (ArrowInvalid, ArrowIOError, ...)
         raise OvkitError(f"{where(f)}: not a readable parquet file ({e})") from None
     return t.replace_schema_metadata(None)
 
@@ -161,7 +166,9 @@ def read_samples(
         if problems and on_error != "skip":
             p = problems[0]
             rid = t.column("id")[p.index].as_py()
-            index = f"{rid!r} (index {a + p.index})" if shown(f, path) == where(f) else repr(rid)  # a converted copy's index is not the input's
+            index = (
+                f"{rid!r} (index {a + p.index})" if shown(f, path) == where(f) else repr(rid)
+            )  # a converted copy's index is not the input's
             raise OvkitError(f"{shown(f, path, index, p.column)}: {p.reason} ({skip_hint(path, on_error)})")
         bad_idx = {p.index: p for p in problems}
         keep = [i for i in range(t.num_rows) if i not in bad_idx]
@@ -169,10 +176,14 @@ def read_samples(
         rows.extend(offset - n + a + i for i in keep)
         if bad_idx:
             rej = t.take(pa.array(sorted(bad_idx), pa.int64()))
-            reasons = [f"{f.name} row {a + i}, column '{bad_idx[i].column}': {bad_idx[i].reason}" for i in sorted(bad_idx)]
+            reasons = [
+                f"{f.name} row {a + i}, column '{bad_idx[i].column}': {bad_idx[i].reason}" for i in sorted(bad_idx)
+            ]
             bad.append(rej.append_column("reason", pa.array(reasons, pa.string())))
     if not good:
-        raise OvkitError(f"{path}: dataset is empty" + (f" (shard {shard[0]}/{shard[1]} of {total} rows)" if shard else ""))
+        raise OvkitError(
+            f"{path}: dataset is empty" + (f" (shard {shard[0]}/{shard[1]} of {total} rows)" if shard else "")
+        )
     table = pa.concat_tables(good, promote_options="default")
     rejects = pa.concat_tables(bad, promote_options="default") if bad else None
     return Samples(table, rejects, files, rows, counts)
@@ -200,9 +211,11 @@ def no_answer(columns: list[str]) -> str:
     shown_columns = ", ".join(columns[:20])
     for name in ("solution", "ground_truth", "gold", "label", "answers"):
         if name in columns:  # TRL's GRPO datasets call it `solution`
-            return (f"RL and eval rows need a gold answer in column 'answer' (columns: {shown_columns}); this input keeps it in "
-                    f"'{name}': rename that column to 'answer' (e.g. `Dataset.rename_column(\"{name}\", \"answer\")`) and give "
-                    f"'answer_type' (the scorer) where the default does not fit")
+            return (
+                f"RL and eval rows need a gold answer in column 'answer' (columns: {shown_columns}); this input keeps it in "
+                f"'{name}': rename that column to 'answer' (e.g. `Dataset.rename_column(\"{name}\", \"answer\")`) and give "
+                f"'answer_type' (the scorer) where the default does not fit"
+            )
     return f"RL and eval rows need a gold answer in column 'answer' (columns: {shown_columns}); this looks like a training split"
 
 

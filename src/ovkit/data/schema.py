@@ -71,8 +71,19 @@ def hf_feature(typ: pa.DataType) -> dict[str, Any] | None:
         return None if any(v is None for v in fields.values()) else fields
     if pa.types.is_list(typ) or pa.types.is_large_list(typ):
         inner = hf_feature(typ.value_type)
-        return None if inner is None else {"feature": inner, "_type": "LargeList" if pa.types.is_large_list(typ) else "List"}
-    if pa.types.is_primitive(typ) or pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_binary(typ) or pa.types.is_large_binary(typ) or pa.types.is_null(typ):
+        return (
+            None
+            if inner is None
+            else {"feature": inner, "_type": "LargeList" if pa.types.is_large_list(typ) else "List"}
+        )
+    if (
+        pa.types.is_primitive(typ)
+        or pa.types.is_string(typ)
+        or pa.types.is_large_string(typ)
+        or pa.types.is_binary(typ)
+        or pa.types.is_large_binary(typ)
+        or pa.types.is_null(typ)
+    ):
         if pa.types.is_timestamp(typ) or pa.types.is_date(typ) or pa.types.is_time(typ) or pa.types.is_decimal(typ):
             return None
         return {"dtype": _VALUE_DTYPES.get(str(typ), str(typ)), "_type": "Value"}
@@ -87,7 +98,11 @@ def hf_metadata(schema: pa.Schema) -> dict[bytes, bytes]:
     features = {}
     for name in schema.names:
         typ = schema.field(name).type
-        if name == "images" and (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and _is_image_struct(typ.value_type):
+        if (
+            name == "images"
+            and (pa.types.is_list(typ) or pa.types.is_large_list(typ))
+            and _is_image_struct(typ.value_type)
+        ):
             features[name] = IMAGE_COLUMNS[name]
         elif name == "image" and _is_image_struct(typ):
             features[name] = IMAGE_COLUMNS[name]
@@ -103,13 +118,17 @@ def check_columns(schema: pa.Schema, path: Path | str) -> None:
     compared all the way down (the role and content of `messages`, the bytes and path of `images`)."""
     for name, typ in REQUIRED.items():
         if name not in schema.names:
-            raise OvkitError(f"{where(path, column=name)}: required column is missing (columns: {', '.join(schema.names)})")
+            raise OvkitError(
+                f"{where(path, column=name)}: required column is missing (columns: {', '.join(schema.names)})"
+            )
         got = schema.field(name).type
         if not compatible(got, typ):
             raise OvkitError(f"{where(path, 'every row', name)}: type is {got}, expected {typ}")
     for name, typ in OPTIONAL.items():
         if name in schema.names and not compatible(schema.field(name).type, typ):
-            raise OvkitError(f"{where(path, 'every row', name)}: type is {schema.field(name).type}, expected {typ} or null")
+            raise OvkitError(
+                f"{where(path, 'every row', name)}: type is {schema.field(name).type}, expected {typ} or null"
+            )
 
 
 def compatible(got: pa.DataType, want: pa.DataType) -> bool:
@@ -127,7 +146,10 @@ def compatible(got: pa.DataType, want: pa.DataType) -> bool:
         if not pa.types.is_struct(got):
             return False
         fields = {got.field(i).name: got.field(i).type for i in range(got.num_fields)}
-        return all(want.field(i).name in fields and compatible(fields[want.field(i).name], want.field(i).type) for i in range(want.num_fields))
+        return all(
+            want.field(i).name in fields and compatible(fields[want.field(i).name], want.field(i).type)
+            for i in range(want.num_fields)
+        )
     return False
 
 
@@ -268,7 +290,13 @@ def read_image_file(path: Path, limit: int = MAX_IMAGE_BYTES) -> bytes:
     try:
         st = os.fstat(fd)  # of what was opened, not of what the name pointed to a moment earlier
         if not stat.S_ISREG(st.st_mode):
-            kind = "directory" if stat.S_ISDIR(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode) else "device or special file"
+            kind = (
+                "directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "device or special file"
+            )
             raise OSError(errno.EINVAL, f"not a regular file (a {kind})")
         if st.st_size > limit:
             raise OSError(errno.EFBIG, f"{st.st_size:,} bytes, over the limit of {limit:,}")

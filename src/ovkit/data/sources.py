@@ -111,7 +111,9 @@ def locate(text: str | Path) -> Located:
     if local.exists():
         if local.is_file():
             if spec.selects:
-                raise OvkitError(f"{spec.text}: ':CONFIG' / '@SPLIT' choose from a directory with a dataset card, a saved dataset or a Hub dataset, not from a file")
+                raise OvkitError(
+                    f"{spec.text}: ':CONFIG' / '@SPLIT' choose from a directory with a dataset card, a saved dataset or a Hub dataset, not from a file"
+                )
             return Located(spec, files=[local])
         if is_saved_dataset(local):
             return Located(spec, dataset=_load(spec, lambda: _load_saved(local, spec)))
@@ -125,7 +127,9 @@ def locate(text: str | Path) -> Located:
                 return Located(spec, files=files)
             return Located(spec, dataset=_load(spec, lambda: _load_with_datasets(str(local), spec, hub=False)))
         if spec.selects:
-            raise OvkitError(f"{spec.base}: no dataset card (README.md with `configs:`) to choose {spec.text[len(spec.base):]!r} from")
+            raise OvkitError(
+                f"{spec.base}: no dataset card (README.md with `configs:`) to choose {spec.text[len(spec.base) :]!r} from"
+            )
         from ovkit.data.io import local_parquet_files
 
         return Located(spec, files=local_parquet_files(local))
@@ -142,7 +146,9 @@ def sample_files(text: str | Path) -> list[Path]:
     if loc.dataset is None:
         fmt = _parquet_layout(loc.files)
         if fmt is None or fmt == "ovkit":
-            return loc.files  # parquet in ovkit's layout, or not parquet / not a known layout: the reader says what is wrong
+            return (
+                loc.files
+            )  # parquet in ovkit's layout, or not parquet / not a known layout: the reader says what is wrong
     return materialize(loc)
 
 
@@ -152,7 +158,11 @@ def describe(text: str | Path) -> dict[str, Any]:
     if str(text) in _described:
         return _described[str(text)]
     loaded = _loaded.get(str(text))
-    return {"path": str(text), "hub": parse_spec(text).base, **({"source_fingerprint": loaded._fingerprint} if loaded is not None else {})}
+    return {
+        "path": str(text),
+        "hub": parse_spec(text).base,
+        **({"source_fingerprint": loaded._fingerprint} if loaded is not None else {}),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ dataset cards
@@ -196,7 +206,9 @@ def pick_config(configs: list[dict[str, Any]], name: str | None, where: str) -> 
     defaults = [c for c, n in zip(configs, names) if n == "default" or c.get("default")]
     if len(configs) == 1 or len(defaults) == 1:
         return configs[0] if len(configs) == 1 else defaults[0]
-    raise OvkitError(f"{where}: its dataset card has configs {', '.join(names)} and no default; choose one with {where}:CONFIG")
+    raise OvkitError(
+        f"{where}: its dataset card has configs {', '.join(names)} and no default; choose one with {where}:CONFIG"
+    )
 
 
 def split_patterns(config: dict[str, Any]) -> dict[str, list[str]] | None:
@@ -211,7 +223,9 @@ def split_patterns(config: dict[str, Any]) -> dict[str, list[str]] | None:
     splits: dict[str, list[str]] = {}
     for d in data_files:
         path = d.get("path") if isinstance(d, dict) else None
-        splits.setdefault(str(d.get("split", "train")), []).extend([path] if isinstance(path, str) else list(path or []))
+        splits.setdefault(str(d.get("split", "train")), []).extend(
+            [path] if isinstance(path, str) else list(path or [])
+        )
     return splits
 
 
@@ -219,7 +233,9 @@ def _empty_subset(directory: Path, configs: list[dict[str, Any]], spec: Spec) ->
     """`DIR:NAME` / `DIR@NAME` where the card has no NAME but DIR/NAME is a subset of ovkit part files: a subset
     without rows, which an ovkit card leaves out because `datasets` cannot load an empty split."""
     name = spec.config if spec.split is None else spec.split if spec.config is None else None
-    names = {str(c.get("config_name", "default")) for c in configs} | {s for c in configs for s in (split_patterns(c) or {})}
+    names = {str(c.get("config_name", "default")) for c in configs} | {
+        s for c in configs for s in (split_patterns(c) or {})
+    }
     if name is None or name in names or not (directory / name).is_dir():
         return None
     from ovkit.data.io import local_parquet_files
@@ -227,7 +243,9 @@ def _empty_subset(directory: Path, configs: list[dict[str, Any]], spec: Spec) ->
     return local_parquet_files(directory / name)
 
 
-def card_files(directory: Path, configs: list[dict[str, Any]], config: str | None, split: str | None) -> list[Path] | None:
+def card_files(
+    directory: Path, configs: list[dict[str, Any]], config: str | None, split: str | None
+) -> list[Path] | None:
     """The local parquet files of one config (and split) of a card, in order; None where `datasets` must read them
     (no data_files, split slicing such as `train[:10]`, or files that are not parquet)."""
     where = str(directory)
@@ -238,15 +256,21 @@ def card_files(directory: Path, configs: list[dict[str, Any]], config: str | Non
     if split is not None and split not in splits:
         if "[" in split:
             return None
-        raise OvkitError(f"{where}: no split {split!r} in config {cfg.get('config_name', 'default')!r} (splits: {', '.join(splits)})")
+        raise OvkitError(
+            f"{where}: no split {split!r} in config {cfg.get('config_name', 'default')!r} (splits: {', '.join(splits)})"
+        )
     chosen = [split] if split is not None else list(splits)
     if len(chosen) > 1:
         name = cfg.get("config_name", "default")
-        raise OvkitError(f"{where}: config {name!r} has splits {', '.join(chosen)}; choose one with {where}@SPLIT (or {where}:CONFIG)")
+        raise OvkitError(
+            f"{where}: config {name!r} has splits {', '.join(chosen)}; choose one with {where}@SPLIT (or {where}:CONFIG)"
+        )
     root = directory / cfg["data_dir"] if cfg.get("data_dir") else directory
     files = glob_data_files(root, splits[chosen[0]])
     if not files:
-        raise OvkitError(f"{where}: no files match {', '.join(splits[chosen[0]])} (split {chosen[0]!r} of its dataset card)")
+        raise OvkitError(
+            f"{where}: no files match {', '.join(splits[chosen[0]])} (split {chosen[0]!r} of its dataset card)"
+        )
     return files if all(f.suffix == ".parquet" for f in files) else None
 
 
@@ -315,7 +339,10 @@ def _load_with_datasets(path: str, spec: Spec, *, hub: bool) -> Any:
         _probe_hub(spec)
     try:
         ds = datasets.load_dataset(path, spec.config, split=spec.split)
-    except (OSError, ValueError) as e:  # ConnectionError / DatasetNotFoundError are OSErrors; unknown config/split ValueErrors
+    except (
+        OSError,
+        ValueError,
+    ) as e:  # ConnectionError / DatasetNotFoundError are OSErrors; unknown config/split ValueErrors
         if not hub:
             raise OvkitError(f"{spec.text}: `datasets` cannot load it ({type(e).__name__}: {e})") from None
         if offline and not isinstance(e, ValueError):
@@ -323,7 +350,9 @@ def _load_with_datasets(path: str, spec: Spec, *, hub: bool) -> Any:
                 f"{spec.text}: no local file or directory of that name, and the Hub dataset {spec.base!r} is not in the "
                 f"HF cache ({datasets.config.HF_DATASETS_CACHE}) while HF_HUB_OFFLINE=1; load it once online to cache it"
             ) from None
-        raise OvkitError(f"{spec.text}: no local file or directory of that name, and the Hub cannot give it ({type(e).__name__}: {e})") from None
+        raise OvkitError(
+            f"{spec.text}: no local file or directory of that name, and the Hub cannot give it ({type(e).__name__}: {e})"
+        ) from None
     return _one_split(ds, spec)
 
 
@@ -402,7 +431,7 @@ def not_convertible(where: str) -> OvkitError:
     return OvkitError(
         f"file {where}: not a sample table: stages read parquet (a file, or a directory of shards), and `ovkit convert` turns "
         f"parquet, JSON and JSON lines in the layouts {', '.join(FORMATS)} into one; a {kind} file: write it as JSON lines or "
-        f"parquet first (e.g. `datasets.load_dataset(\"csv\", data_files=...)[\"train\"].to_json(\"data.jsonl\")`), then "
+        f'parquet first (e.g. `datasets.load_dataset("csv", data_files=...)["train"].to_json("data.jsonl")`), then '
         f"`ovkit convert data.jsonl --from FORMAT --out DIR`"
     )
 
@@ -415,8 +444,7 @@ def materialize(loc: Located) -> list[Path]:
     """Convert a source in ovkit's or TRL's layout into the cache (once per content) and return its part files."""
     from ovkit import __version__
     from ovkit.data.convert import ConvertConfig, convert, detect_format, input_of
-    from ovkit.data.io import REJECTS
-    from ovkit.data.io import local_parquet_files
+    from ovkit.data.io import REJECTS, local_parquet_files
     from ovkit.runs import fingerprint, is_complete, write_json
 
     spec = loc.spec
@@ -446,16 +474,32 @@ def materialize(loc: Located) -> list[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
             # the reading command may have no --on-error of its own: the way past bad rows is convert's
             reason = str(e).replace(f" (use --on-error skip to move bad records to {REJECTS})", "")
-            raise OvkitError(f"{reason}; to read the rows that are good, convert it first: `ovkit convert {spec.text} --on-error skip --out DIR`") from None
+            raise OvkitError(
+                f"{reason}; to read the rows that are good, convert it first: `ovkit convert {spec.text} --on-error skip --out DIR`"
+            ) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        write_json(tmp / "ovkit.json", {"command": "read", "source": spec.text, "source_fingerprint": inp.fingerprint(), "ovkit_version": __version__, "metrics": metrics})
+        write_json(
+            tmp / "ovkit.json",
+            {
+                "command": "read",
+                "source": spec.text,
+                "source_fingerprint": inp.fingerprint(),
+                "ovkit_version": __version__,
+                "metrics": metrics,
+            },
+        )
         try:
             tmp.rename(out)
         except OSError:  # another process converted the same source first: theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
-    _described[spec.text] = {"path": spec.text, "format": fmt, "source_fingerprint": inp.fingerprint(), "converted": fingerprint(out)}
+    _described[spec.text] = {
+        "path": spec.text,
+        "format": fmt,
+        "source_fingerprint": inp.fingerprint(),
+        "converted": fingerprint(out),
+    }
     if is_hub_id(spec.base) and not Path(spec.base).exists():
         _described[spec.text]["hub"] = spec.base
     return local_parquet_files(out)

@@ -26,9 +26,10 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ovkit.data.synth_tasks import (
     ANSWER_TYPES,

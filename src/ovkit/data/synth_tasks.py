@@ -17,9 +17,10 @@ import hashlib
 import io
 import json
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from math import cos, hypot, pi, sin
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 

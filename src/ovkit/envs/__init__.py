@@ -26,12 +26,13 @@ row: id, images (PIL, capped as the model sees them), answer, answer_type, sourc
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from ovkit.errors import OvkitError
 from ovkit.envs.verifier import VerifierEnv
 from ovkit.envs.zoom import ZoomEnv
+from ovkit.errors import OvkitError
 
 ENVIRONMENTS: dict[str, Callable[..., Any]] = {
     "zoom": ZoomEnv,
@@ -74,7 +75,9 @@ def load_env(spec: str, args: dict[str, Any] | None = None) -> EnvSpec:
     if spec in ENVIRONMENTS:
         return EnvSpec(spec, ENVIRONMENTS[spec], dict(args or {}))
     if ":" not in spec:
-        raise OvkitError(f"--env {spec!r}: not one of {', '.join(ENVIRONMENTS)} and not an import path package.module:factory")
+        raise OvkitError(
+            f"--env {spec!r}: not one of {', '.join(ENVIRONMENTS)} and not an import path package.module:factory"
+        )
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)

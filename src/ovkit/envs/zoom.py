@@ -21,10 +21,17 @@ class ZoomEnv:
 
     instruction = "To see a region of the image enlarged, reply only with <zoom>[x1,y1,x2,y2]</zoom> in pixels."
 
-    def __init__(self, task: dict[str, Any], scale: float = 2.0, max_side: int = 448, min_side: int = 28, max_zooms: int = 3):
+    def __init__(
+        self, task: dict[str, Any], scale: float = 2.0, max_side: int = 448, min_side: int = 28, max_zooms: int = 3
+    ):
         images = task.get("images") or []
         self.image = images[0] if images else None
-        self.scale, self.max_side, self.min_side, self.max_zooms = float(scale), int(max_side), int(min_side), int(max_zooms)
+        self.scale, self.max_side, self.min_side, self.max_zooms = (
+            float(scale),
+            int(max_side),
+            int(min_side),
+            int(max_zooms),
+        )
         self.zooms = 0
 
     def reset(self) -> None:
@@ -37,18 +44,34 @@ class ZoomEnv:
         if self.image is None:
             return {"text": "There is no image to zoom into. Give your final answer."}, False, {"zoom": "no_image"}
         if found is None:
-            return {"text": "Write the region as <zoom>[x1,y1,x2,y2]</zoom> with four numbers."}, False, {"zoom": "unparsed"}
+            return (
+                {"text": "Write the region as <zoom>[x1,y1,x2,y2]</zoom> with four numbers."},
+                False,
+                {"zoom": "unparsed"},
+            )
         if self.zooms >= self.max_zooms:
             return {"text": "No zooms left. Give your final answer."}, False, {"zoom": "exhausted"}
         box = self._clamp([float(v) for v in found.groups()])
         if box is None:
-            return {"text": "That region is empty or outside the image. Try another region or answer."}, False, {"zoom": "empty"}
+            return (
+                {"text": "That region is empty or outside the image. Try another region or answer."},
+                False,
+                {"zoom": "empty"},
+            )
         self.zooms += 1
-        return {"text": f"Region [{box[0]},{box[1]},{box[2]},{box[3]}] enlarged:", "image": self._crop(box)}, False, {"zoom": "ok"}
+        return (
+            {"text": f"Region [{box[0]},{box[1]},{box[2]},{box[3]}] enlarged:", "image": self._crop(box)},
+            False,
+            {"zoom": "ok"},
+        )
 
     def format_observation(self, observation: dict[str, Any]) -> dict[str, Any]:
         if "image" in observation:
-            return {"role": "user", "content": f"{observation['text']}\n{IMAGE_TOKEN}", "images": [observation["image"]]}
+            return {
+                "role": "user",
+                "content": f"{observation['text']}\n{IMAGE_TOKEN}",
+                "images": [observation["image"]],
+            }
         return {"role": "user", "content": observation["text"], "images": []}
 
     def close(self) -> None:

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from ovkit.errors import OvkitError
 
@@ -44,7 +45,9 @@ def check_options(cfg: Any) -> None:
     if cfg.eval_max_new_tokens is not None and cfg.eval_max_new_tokens < 1:
         raise OvkitError(f"--eval-max-new-tokens must be >= 1, got {cfg.eval_max_new_tokens}")
     if cfg.eval_data:
-        cfg.eval_data = [Path(p) for p in (cfg.eval_data if isinstance(cfg.eval_data, (list, tuple)) else [cfg.eval_data])]
+        cfg.eval_data = [
+            Path(p) for p in (cfg.eval_data if isinstance(cfg.eval_data, (list, tuple)) else [cfg.eval_data])
+        ]
     elif cfg.eval_every:
         raise OvkitError("--eval-every needs --eval-data (the held-out rows to evaluate on)")
 
@@ -53,7 +56,9 @@ def never(step: int, scorer: Any) -> dict[str, float]:
     return {}
 
 
-def evaluator(cfg: Any, rt: Any, processor: Any, n_steps: int, *, prompt: str, loss: bool, batch_size: int) -> Callable[[int, Any], dict[str, float]]:
+def evaluator(
+    cfg: Any, rt: Any, processor: Any, n_steps: int, *, prompt: str, loss: bool, batch_size: int
+) -> Callable[[int, Any], dict[str, float]]:
     """`evaluate(step, scorer)`: the eval metrics at the steps that are due (every `cfg.eval_every`, and `n_steps`),
     else {}; the loops merge them into the step's metrics. Without `cfg.eval_data`, always {}."""
     if not cfg.eval_data:
@@ -74,13 +79,15 @@ class HeldOut:
 
     def __init__(self, paths: Sequence[Path], processor: Any, unwrap: Callable[[Any], Any], rt: Any, *, prompt: str, loss: bool,
                  limit: int | None, max_new_tokens: int | None, batch_size: int, seed: int):  # fmt: skip
-        from ovkit.evaluate.run import EvalConfig, UNCATEGORIZED, token_budgets
+        from ovkit.evaluate.run import UNCATEGORIZED, EvalConfig, token_budgets
 
         self.rt, self.unwrap, self.processor = rt, unwrap, processor
         rows = _read(paths, limit)
         scored = [r for r in rows if r.get("answer") is not None]
         if not loss and len(scored) < len(rows):
-            raise OvkitError(f"--eval-data {', '.join(map(str, paths))}: rl-train scores eval rows against a gold answer; {len(rows) - len(scored)} rows have none")
+            raise OvkitError(
+                f"--eval-data {', '.join(map(str, paths))}: rl-train scores eval rows against a gold answer; {len(rows) - len(scored)} rows have none"
+            )
         for r in scored:
             r["category"] = r.get("category") or UNCATEGORIZED
         self.rows = scored
@@ -92,7 +99,9 @@ class HeldOut:
         self.targets = [_target(r) for r in rows] if loss else []
         self.targets = [t for t in self.targets if t is not None]
         if not self.rows and not self.targets:
-            raise OvkitError(f"--eval-data {', '.join(map(str, paths))}: no row to evaluate (rows need a gold `answer` or an assistant turn)")
+            raise OvkitError(
+                f"--eval-data {', '.join(map(str, paths))}: no row to evaluate (rows need a gold `answer` or an assistant turn)"
+            )
         self._encoded: tuple | None = None
 
     def __call__(self, scorer: Any) -> dict[str, float]:
@@ -118,7 +127,9 @@ class HeldOut:
         from ovkit.train.data import collate_padded, target_tokens
         from ovkit.train.loop import _on, model_inputs
 
-        bare = self.unwrap(scorer)  # the TokenScorer without DDP's wrapper: no collective per forward, shares may differ
+        bare = self.unwrap(
+            scorer
+        )  # the TokenScorer without DDP's wrapper: no collective per forward, shares may differ
         device = self.rt.accelerator.device
         if self._encoded is None:
             self._encoded = tuple(_encode(self.processor, t) for t in self.targets)
@@ -129,7 +140,13 @@ class HeldOut:
         for s in range(0, len(mine), self.batch_size):
             batch = collate_padded([self._encoded[i] for i in mine[s : s + self.batch_size]], pad_id, layout)
             with self.rt.autocast():
-                nll += float(bare(model_inputs(batch, device), labels=_on(batch["labels"], device), target_index=_on(batch.get("target_index"), device)))
+                nll += float(
+                    bare(
+                        model_inputs(batch, device),
+                        labels=_on(batch["labels"], device),
+                        target_index=_on(batch.get("target_index"), device),
+                    )
+                )
             count += target_tokens(batch)
         every = gather([(nll, count)])
         return sum(n for n, _ in every) / max(sum(c for _, c in every), 1)
@@ -146,7 +163,14 @@ class HeldOut:
         engine = HFEngine(model, self.processor, batch_size=self.batch_size)  # the learner's weights, not a copy
         mine = share(len(self.rows))
         with self.rt.autocast():
-            done = score_rows(self.eval_cfg, engine, self.processor, [self.rows[i] for i in mine], self.budgets, [self.eval_cfg.seed * 1_000_003 + i for i in mine])
+            done = score_rows(
+                self.eval_cfg,
+                engine,
+                self.processor,
+                [self.rows[i] for i in mine],
+                self.budgets,
+                [self.eval_cfg.seed * 1_000_003 + i for i in mine],
+            )
         every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
         scored = [every[i] for i in range(len(self.rows))]
         records = make_records(self.rows, [s[0] for s in scored], [s[2] for s in scored], [s[3] for s in scored])
@@ -182,7 +206,10 @@ def _target(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list] | None:
         return messages, row["images"]
     if row.get("answer") is None:
         return None
-    return [*with_instruction(messages, "answer"), {"role": "assistant", "content": f"<answer>{row['answer']}</answer>"}], row["images"]
+    return [
+        *with_instruction(messages, "answer"),
+        {"role": "assistant", "content": f"<answer>{row['answer']}</answer>"},
+    ], row["images"]
 
 
 def _encode(processor: Any, target: tuple[list[dict[str, Any]], list]) -> Any:
@@ -199,7 +226,12 @@ def _untouched(module: Any) -> Iterator[None]:
     import torch
 
     modes = [(m, m.training) for m in module.modules()]
-    states = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, random.getstate(), np.random.get_state())
+    states = (
+        torch.get_rng_state(),
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        random.getstate(),
+        np.random.get_state(),
+    )
     module.eval()
     try:
         yield

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 CORRECT = 0.5  # a completion with reward >= CORRECT counts as correct (accuracy, pass@k)
 Z95 = 1.959964  # two-sided 95% normal quantile
@@ -96,7 +97,9 @@ def aggregate(rows: Iterable[Mapping[str, float]]) -> dict[str, float]:
     for k, vs in values.items():
         mean = sum(vs) / len(vs)
         out[k] = mean
-        out[f"{k}_stderr"] = math.sqrt(sum((v - mean) ** 2 for v in vs) / (len(vs) - 1) / len(vs)) if len(vs) > 1 else 0.0
+        out[f"{k}_stderr"] = (
+            math.sqrt(sum((v - mean) ** 2 for v in vs) / (len(vs) - 1) / len(vs)) if len(vs) > 1 else 0.0
+        )
     out["rows"] = count
     return out
 

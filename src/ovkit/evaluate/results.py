@@ -14,8 +14,9 @@ import json
 import math
 import re
 import subprocess
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ovkit.errors import OvkitError
 from ovkit.runs import write_json
@@ -69,7 +70,9 @@ def write_results(
         "versions": {t: version for t in tasks},
         "n-shot": {t: 0 for t in tasks},
         "higher_is_better": {t: {m: m != "truncated" for m in metric_names} for t in tasks},
-        "n-samples": {t: {"original": int(n_original.get(t, m["rows"])), "effective": int(m["rows"])} for t, m in tasks.items()},
+        "n-samples": {
+            t: {"original": int(n_original.get(t, m["rows"])), "effective": int(m["rows"])} for t, m in tasks.items()
+        },
         "config": dict(run_config),
         "git_hash": _git_hash(),
         "date": timestamp,
@@ -122,7 +125,9 @@ def load_run(spec: str | Path) -> tuple[str, dict[str, Any]]:
     if path.is_dir():
         path = path / SUMMARY
         if not path.is_file():
-            raise OvkitError(f"{path.parent}: not an eval output (no {SUMMARY}); run `ovkit eval --model ... --out {path.parent}`")
+            raise OvkitError(
+                f"{path.parent}: not an eval output (no {SUMMARY}); run `ovkit eval --model ... --out {path.parent}`"
+            )
     if not path.is_file():
         raise OvkitError(f"{path_text}: no such eval output")
     try:
@@ -146,7 +151,7 @@ def _summary_from_lmms(doc: Mapping[str, Any], path: Path) -> dict[str, Any]:
 
     def metrics(entry: Any) -> dict[str, float]:
         found: dict[str, tuple[bool, float]] = {}
-        for key, value in (entry.items() if isinstance(entry, Mapping) else ()):
+        for key, value in entry.items() if isinstance(entry, Mapping) else ():
             name, _, filt = str(key).partition(",")
             if name.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
@@ -186,8 +191,14 @@ def unmapped(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str) -> list
         for task, found in s.get("detail", {}).get("categories", {}).items():
             names = sorted(k for k in found if k != "rows")
             if metric not in found and headline(s, metric, task) is None:
-                offer = f"it reports {', '.join(names)}: pass --metric with one of them" if names else "it reports no number"
-                notes.append(f"{label}: lmms-eval task {task!r} has no {metric!r} and no single metric to show instead; {offer}")
+                offer = (
+                    f"it reports {', '.join(names)}: pass --metric with one of them"
+                    if names
+                    else "it reports no number"
+                )
+                notes.append(
+                    f"{label}: lmms-eval task {task!r} has no {metric!r} and no single metric to show instead; {offer}"
+                )
     return notes
 
 
@@ -246,7 +257,7 @@ def row_values(summary: Mapping[str, Any], metric: str = "reward") -> dict[str, 
             if line.strip():
                 rec = json.loads(line)
                 if metric in rec:
-                    out[str(rec["id"])] = (f.stem[len(prefix) + len("_samples_"):], float(rec[metric]))
+                    out[str(rec["id"])] = (f.stem[len(prefix) + len("_samples_") :], float(rec[metric]))
     return out or None
 
 
@@ -260,7 +271,9 @@ def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "
         raise OvkitError("--compare needs at least one eval output")
     categories = sorted({c for _, s in runs for c in _categories(s)})
     if not any(metric_value(s, metric, c) is not None for _, s in runs for c in [None, *categories]):
-        raise OvkitError(f"--metric {metric}: no run reports it (reward and accuracy always exist; pass@k needs --n > 1)")
+        raise OvkitError(
+            f"--metric {metric}: no run reports it (reward and accuracy always exist; pass@k needs --n > 1)"
+        )
     header = ["category", *[label for label, _ in runs]]
 
     def cell(s: Mapping[str, Any], c: str | None) -> str:
@@ -289,8 +302,10 @@ def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "
     if deltas:
         note += " change vs left: overall minus the column to its left, paired over the same rows, +- its 95% interval."
     if any(s.get("harness") == "lmms-eval" for _, s in runs):
-        note += (f" lmms-eval results: a task without {metric!r} shows its only metric (named in the cell); values"
-                 " outside [0, 1] (scores, percentages) are shown as the harness reports them, without an interval.")
+        note += (
+            f" lmms-eval results: a task without {metric!r} shows its only metric (named in the cell); values"
+            " outside [0, 1] (scores, percentages) are shown as the harness reports them, without an interval."
+        )
     counts = {label: _rows(s, None) for label, s in runs}
     if len(set(counts.values())) > 1:  # e.g. one run used --limit: its numbers are not comparable row for row
         note += " Runs scored different rows: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + "."

@@ -5,9 +5,10 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ovkit.errors import OvkitError, where
 
@@ -20,7 +21,9 @@ THINK_EXTRA_TOKENS = 256  # room for the reasoning with --prompt think
 class EvalConfig:
     """Options of `ovkit eval` (evaluate a model) and `ovkit eval --compare` (tabulate finished evals)."""
 
-    data: list[Path] | None = None  # eval datasets; with --compare: eval outputs (summary.json dirs), LABEL=PATH allowed
+    data: list[Path] | None = (
+        None  # eval datasets; with --compare: eval outputs (summary.json dirs), LABEL=PATH allowed
+    )
     model: Path | None = None  # model directory (save_pretrained) or hub id
     out: Path | None = None  # output directory; with --compare: a markdown file to write the table to (optional)
     compare: bool = False  # tabulate finished evals instead of running one
@@ -33,10 +36,16 @@ class EvalConfig:
     temperature: float | None = None  # default: 0 (greedy) for --n 1, 1.0 for --n > 1
     top_p: float = 1.0
     limit: int | None = None  # at most this many rows per category (the first ones), like lmms-eval's --limit
-    shuffle_images: bool = False  # each row gets another row's images (same category): how much the score needs the image
+    shuffle_images: bool = (
+        False  # each row gets another row's images (same category): how much the score needs the image
+    )
     save_logprobs: bool = False  # also write OUT/rollouts.parquet (token ids, sampler logprobs, rewards)
-    precision: str = "auto"  # the weights' compute precision (ovkit.runtime.precision): auto | fp32 | bf16-true | bf16-mixed
-    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    precision: str = (
+        "auto"  # the weights' compute precision (ovkit.runtime.precision): auto | fp32 | bf16-true | bf16-mixed
+    )
+    attn_implementation: str = (
+        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    )
     env: str | None = None  # multi-turn: evaluate under an environment's loop (ovkit.envs)
     env_arg: Any = None
     max_turns: int = 3
@@ -56,7 +65,11 @@ class EvalConfig:
         check_env_options(self)
 
         if not self.data:
-            raise OvkitError("give the eval outputs to compare (ovkit eval --compare RUN...)" if self.compare else "give at least one eval dataset (ovkit eval --model DIR DATA... --out DIR)")
+            raise OvkitError(
+                "give the eval outputs to compare (ovkit eval --compare RUN...)"
+                if self.compare
+                else "give at least one eval dataset (ovkit eval --model DIR DATA... --out DIR)"
+            )
         self.data = [Path(p) if not isinstance(p, Path) else p for p in self.data]
         if self.compare:
             return
@@ -68,7 +81,9 @@ class EvalConfig:
         if self.prompt not in (*INSTRUCTIONS, "auto"):
             raise OvkitError(f"--prompt must be one of {', '.join(INSTRUCTIONS)} or auto, got {self.prompt!r}")
         if self.prompt == "auto" and self.env:
-            raise OvkitError("--prompt auto asks rows in different modes; with --env give one: --prompt answer or think")
+            raise OvkitError(
+                "--prompt auto asks rows in different modes; with --env give one: --prompt answer or think"
+            )
         if self.engine not in ENGINES:
             raise OvkitError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         for name in ("batch_size", "n"):
@@ -100,7 +115,9 @@ def load_rows(paths: Sequence[Path], limit: int | None = None) -> tuple[list[dic
     for path in paths:
         table = read_samples(path, answers=True).table
         if "answer" not in table.column_names:
-            raise OvkitError(f"{where(path, column='answer')}: eval rows need a gold answer (this looks like a training split)")
+            raise OvkitError(
+                f"{where(path, column='answer')}: eval rows need a gold answer (this looks like a training split)"
+            )
         for i, row in enumerate(table.to_pylist()):
             if row.get("answer") is None:
                 rid = row["id"]
@@ -138,7 +155,9 @@ def shuffle_images(rows: list[dict[str, Any]], seed: int) -> list[dict[str, Any]
 # -- the run --------------------------------------------------------------------------------------------------------
 
 
-def run_eval(cfg: EvalConfig, out_dir: Path | None, *, engine: Any = None, processor: Any = None) -> dict[str, Any] | None:
+def run_eval(
+    cfg: EvalConfig, out_dir: Path | None, *, engine: Any = None, processor: Any = None
+) -> dict[str, Any] | None:
     """Evaluate `cfg.model` on `cfg.data`, writing the results into `out_dir`. Returns headline metrics.
 
     `engine`/`processor` may be given (tests, or a caller that already holds the model); otherwise they are built
@@ -157,21 +176,35 @@ def run_eval(cfg: EvalConfig, out_dir: Path | None, *, engine: Any = None, proce
     clock["load"] = time.perf_counter()
     mine = share(len(rows))
     budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)  # from every row: the same on each process
-    done = score_rows(cfg, engine, processor, [rows[i] for i in mine], budgets, [cfg.seed * 1_000_003 + i for i in mine], clock)
+    done = score_rows(
+        cfg, engine, processor, [rows[i] for i in mine], budgets, [cfg.seed * 1_000_003 + i for i in mine], clock
+    )
     every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
     if out_dir is None:
         return None
     tokenizer = getattr(processor, "tokenizer", processor)
-    return _write(cfg, out_dir, rows, n_original, [every[i] for i in range(len(rows))], budgets, tokenizer, clock, timestamp)
+    return _write(
+        cfg, out_dir, rows, n_original, [every[i] for i in range(len(rows))], budgets, tokenizer, clock, timestamp
+    )
 
 
-def score_rows(cfg: EvalConfig, engine: Any, processor: Any, rows: Sequence[dict[str, Any]], budgets: dict[str, int], seeds: Sequence[int], clock: dict[str, float] | None = None) -> list[tuple]:
+def score_rows(
+    cfg: EvalConfig,
+    engine: Any,
+    processor: Any,
+    rows: Sequence[dict[str, Any]],
+    budgets: dict[str, int],
+    seeds: Sequence[int],
+    clock: dict[str, float] | None = None,
+) -> list[tuple]:
     """(prompt text, prompt token ids, completions, rewards) per row: encoded, generated (row i sampled from
     `seeds[i]`) and scored. The part of an eval that the processes share; `clock` gets each phase's end."""
     from ovkit.rollouts.episodes import env_instruction, env_tools
 
     clock = {} if clock is None else clock
-    prompts, images, inputs = encode_rows(rows, processor, cfg.prompt, progress=not cfg.quiet, extra=env_instruction(cfg), tools=env_tools(cfg))
+    prompts, images, inputs = encode_rows(
+        rows, processor, cfg.prompt, progress=not cfg.quiet, extra=env_instruction(cfg), tools=env_tools(cfg)
+    )
     clock["encode"] = time.perf_counter()
     completions = generate_rows(engine, cfg, rows, prompts, images, budgets, processor, seeds)
     clock["generate"] = time.perf_counter()
@@ -180,7 +213,9 @@ def score_rows(cfg: EvalConfig, engine: Any, processor: Any, rows: Sequence[dict
     return [(text, [int(t) for t in p.input_ids], c, r) for text, p, c, r in zip(inputs, prompts, completions, rewards)]
 
 
-def _write(cfg: EvalConfig, out_dir: Path, rows, n_original, scored: Sequence[tuple], budgets, tokenizer, clock, timestamp) -> dict[str, Any]:
+def _write(
+    cfg: EvalConfig, out_dir: Path, rows, n_original, scored: Sequence[tuple], budgets, tokenizer, clock, timestamp
+) -> dict[str, Any]:
     """The results files, summary.json and (--save-logprobs) the rollouts of every row (`scored`: score_rows' tuple
     per row); the headline metrics."""
     from ovkit import __version__
@@ -241,7 +276,15 @@ def row_mode(row: dict[str, Any], prompt: str) -> str:
     return mode_of(stage_of(row, STAGE2_CATEGORIES), "auto")
 
 
-def encode_rows(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, *, progress: bool = False, extra: str = "", tools: Any = None) -> tuple[list, list, list[str]]:
+def encode_rows(
+    rows: Sequence[dict[str, Any]],
+    processor: Any,
+    prompt: str,
+    *,
+    progress: bool = False,
+    extra: str = "",
+    tools: Any = None,
+) -> tuple[list, list, list[str]]:
     """(encoded prompts, PIL images, prompt text) per row, the stage instruction (`row_mode`; then an
     environment's, `extra`) added to the last user turn."""
     from tqdm.auto import tqdm
@@ -276,10 +319,22 @@ def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, f
         longest[r["category"]] = max(longest.get(r["category"], 0), n)
         if row_mode(r, prompt) == "think":
             think.add(r["category"])
-    return {c: max(MIN_NEW_TOKENS, math.ceil(1.25 * longest[c])) + (THINK_EXTRA_TOKENS if c in think else 0) for c in categories}
+    return {
+        c: max(MIN_NEW_TOKENS, math.ceil(1.25 * longest[c])) + (THINK_EXTRA_TOKENS if c in think else 0)
+        for c in categories
+    }
 
 
-def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: dict[str, int], processor: Any = None, seeds: Sequence[int] | None = None) -> list[list[Any]]:
+def generate_rows(
+    engine: Any,
+    cfg: EvalConfig,
+    rows,
+    prompts,
+    images,
+    budgets: dict[str, int],
+    processor: Any = None,
+    seeds: Sequence[int] | None = None,
+) -> list[list[Any]]:
     """Completions per row; rows that share a token budget are generated together (one engine call each, or one
     multi-turn rollout with --env). Row i samples from `seeds[i]` (default: its position), whatever rows share its
     call; multi-turn rollouts seed per call."""
@@ -295,7 +350,9 @@ def generate_rows(engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: 
     for g, (budget, idx) in enumerate(sorted(groups.items())):
         if episodes is not None:
             tasks = [_as_prompt(rows[i], prompts[i], images[i]) for i in idx]
-            done = episodes.run(tasks, n=cfg.n, max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + g)
+            done = episodes.run(
+                tasks, n=cfg.n, max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + g
+            )
             for i, completions in zip(idx, done):
                 out[i] = completions
             continue
@@ -343,7 +400,14 @@ def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:
                 "answer": row["answer"],
                 "input": text,
                 "completions": [
-                    {"text": c.text, "reward": r.reward, "parts": r.parts, "finish_reason": c.finish_reason, **_turns(c)} for c, r in zip(outs, rs)
+                    {
+                        "text": c.text,
+                        "reward": r.reward,
+                        "parts": r.parts,
+                        "finish_reason": c.finish_reason,
+                        **_turns(c),
+                    }
+                    for c, r in zip(outs, rs)
                 ],
                 "metrics": row_metrics([r.reward for r in rs], [c.finish_reason for c in outs]),
             }
@@ -355,8 +419,16 @@ def build_engine(cfg: EvalConfig) -> tuple[Any, Any]:
     """(engine, processor) for `cfg.model` (ovkit.runtime.engines: one device rule, one precision vocabulary)."""
     from ovkit.runtime.engines import build_engine as build
 
-    engine = build(cfg.engine, model_dir=cfg.model, precision=cfg.precision, batch_size=cfg.batch_size, seed=cfg.seed,
-                   progress=not cfg.quiet, trust_remote_code=cfg.trust_remote_code, attn_implementation=cfg.attn_implementation)
+    engine = build(
+        cfg.engine,
+        model_dir=cfg.model,
+        precision=cfg.precision,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        progress=not cfg.quiet,
+        trust_remote_code=cfg.trust_remote_code,
+        attn_implementation=cfg.attn_implementation,
+    )
     return engine, engine.processor
 
 
@@ -379,7 +451,9 @@ def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], 
         for c in outs
     ]
     flat = score_batch(items)
-    flat = [Reward(*episode_reward(r.reward, r.parts, c)) for r, c in zip(flat, (c for outs in completions for c in outs))]
+    flat = [
+        Reward(*episode_reward(r.reward, r.parts, c)) for r, c in zip(flat, (c for outs in completions for c in outs))
+    ]
     grouped, i = [], 0
     for outs in completions:
         grouped.append(flat[i : i + len(outs)])
@@ -389,7 +463,11 @@ def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], 
 
 def _turns(c: Any) -> dict[str, Any]:
     """Multi-turn fields of a completion record (none for single-turn)."""
-    return {} if c.termination is None else {"turns": c.turns, "termination": c.termination, "turn_texts": list(c.turn_texts)}
+    return (
+        {}
+        if c.termination is None
+        else {"turns": c.turns, "termination": c.termination, "turn_texts": list(c.turn_texts)}
+    )
 
 
 def write_eval_rollouts(path: Path, rows, prompts, completions, rewards, tokenizer: Any = None) -> None:
@@ -397,8 +475,8 @@ def write_eval_rollouts(path: Path, rows, prompts, completions, rewards, tokeniz
     row's prompt token ids, or its encoded prompt). The prompt
     rows' image cells are copied as they are (then any observation images), so the file is self-contained."""
     from ovkit.data import image_cell
-    from ovkit.rollouts.table import write_rollouts
     from ovkit.rollouts.episodes import transcript
+    from ovkit.rollouts.table import write_rollouts
 
     out = []
     for group, (row, prompt_ids, outs, rs) in enumerate(zip(rows, prompts, completions, rewards)):
@@ -426,7 +504,11 @@ def write_eval_rollouts(path: Path, rows, prompts, completions, rewards, tokeniz
                 }
             )
             if c.termination is not None:
-                out[-1].update(turn_ids=list(c.turn_ids), termination=c.termination, completion=transcript(tokenizer, c.token_ids) if tokenizer else c.text)
+                out[-1].update(
+                    turn_ids=list(c.turn_ids),
+                    termination=c.termination,
+                    completion=transcript(tokenizer, c.token_ids) if tokenizer else c.text,
+                )
     write_rollouts(out, path)
 
 
@@ -442,7 +524,9 @@ def _task_configs(cfg: EvalConfig, budgets: dict[str, int]) -> dict[str, Any]:
             "output_type": "generate_until",
             "instruction": instruction(row_mode({"category": t}, cfg.prompt)),
             "generation_kwargs": {"max_new_tokens": budgets[t], **gen},
-            "metric_list": [{"metric": m, "higher_is_better": m != "truncated"} for m in ("reward", "accuracy", "truncated")],
+            "metric_list": [
+                {"metric": m, "higher_is_better": m != "truncated"} for m in ("reward", "accuracy", "truncated")
+            ],
             "scorer": "ovkit.rewards (per-row answer_type)",
         }
         for t in sorted(budgets)
@@ -462,7 +546,9 @@ def _run_config(cfg: EvalConfig) -> dict[str, Any]:
     }
 
 
-def _summary_doc(cfg: EvalConfig, summary: dict[str, Any], budgets: dict[str, int], results_file: Path) -> dict[str, Any]:
+def _summary_doc(
+    cfg: EvalConfig, summary: dict[str, Any], budgets: dict[str, int], results_file: Path
+) -> dict[str, Any]:
     """summary.json: headline numbers the pipeline table reads (mean reward), accuracy, and every metric in detail."""
     return {
         "model": str(cfg.model),

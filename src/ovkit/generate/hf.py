@@ -36,8 +36,9 @@ import copy
 import dataclasses
 import inspect
 import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -76,7 +77,13 @@ class _SampledDistribution(LogitsProcessor):
     """The only logits processor in play: returns `sampling_logprobs` as the scores `generate` samples from, and
     records the log-prob of each sampled token (gathered one step later, when the token is in `input_ids`)."""
 
-    def __init__(self, temperature: float, top_p: float, suppress_ids: Sequence[int] = (), streams: Sequence[torch.Generator] | None = None):
+    def __init__(
+        self,
+        temperature: float,
+        top_p: float,
+        suppress_ids: Sequence[int] = (),
+        streams: Sequence[torch.Generator] | None = None,
+    ):
         self.temperature = temperature
         self.top_p = top_p
         self.suppress = list(suppress_ids)
@@ -94,7 +101,9 @@ class _SampledDistribution(LogitsProcessor):
             return self.previous
         # argmax(log p + Gumbel noise) is a draw from p (the Gumbel-max trick); each row's noise comes from its own
         # stream, so a sequence's tokens do not depend on which other sequences share its batch (or its process).
-        u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=g.device) for g in self.streams]).to(scores.device)
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=g.device) for g in self.streams]).to(
+            scores.device
+        )
         return self.previous - torch.log(-torch.log(u.clamp_min(1e-20)))
 
     def logprobs(self, new_tokens: torch.Tensor) -> torch.Tensor:
@@ -129,7 +138,9 @@ def collate_prompts(prompts: Sequence[Any], pad_id: int) -> dict[str, Any]:
         try:
             out[key] = torch.cat(parts, dim=0)
         except RuntimeError as e:
-            raise OvkitError(f"cannot batch the processor output {key!r} of different shapes ({e}); use --batch-size 1") from None
+            raise OvkitError(
+                f"cannot batch the processor output {key!r} of different shapes ({e}); use --batch-size 1"
+            ) from None
     return out
 
 
@@ -240,7 +251,9 @@ class HFEngine:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name not in mine:
-                    raise OvkitError(f"update_weights: the sampler has no parameter {name!r}; was it built from another model?")
+                    raise OvkitError(
+                        f"update_weights: the sampler has no parameter {name!r}; was it built from another model?"
+                    )
                 mine[name].copy_(p.detach())
 
     # -- generation ------------------------------------------------------------------------------------------------
@@ -276,7 +289,9 @@ class HFEngine:
         bar = _progress(len(seqs), self.progress)
         for c, chunk in enumerate(chunks):
             batch = [prompts[i] for i, _ in chunk]
-            streams = None if seeds is None or temperature == 0 else [_stream(seeds[i], k, self.model) for i, k in chunk]
+            streams = (
+                None if seeds is None or temperature == 0 else [_stream(seeds[i], k, self.model) for i, k in chunk]
+            )
             with _seeded(seed * 1_000_003 + c, self.model):
                 done = self._generate_batch(batch, max_new_tokens, temperature, top_p, suppress_ids, streams)
             for (i, k), completion in zip(chunk, done):
@@ -285,10 +300,21 @@ class HFEngine:
         bar.close()
         if copies == n:
             return results  # type: ignore[return-value]
-        return [[dataclasses.replace(r[0], token_ids=list(r[0].token_ids), logprobs=list(r[0].logprobs)) for _ in range(n)] for r in results]
+        return [
+            [dataclasses.replace(r[0], token_ids=list(r[0].token_ids), logprobs=list(r[0].logprobs)) for _ in range(n)]
+            for r in results
+        ]
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Any], max_new_tokens: int, temperature: float, top_p: float, suppress_ids: Sequence[int] = (), streams: Any = None) -> list[Completion]:
+    def _generate_batch(
+        self,
+        prompts: Sequence[Any],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        suppress_ids: Sequence[int] = (),
+        streams: Any = None,
+    ) -> list[Completion]:
         model = self.model
         device = next(model.parameters()).device
         if self._shares_prefill(prompts):
@@ -325,8 +351,13 @@ class HFEngine:
         """Shared prefill pays when a prompt repeats in the batch (n > 1) and needs a KV cache to copy; a prompt of
         one token has nothing to prefill before the step that `generate` runs."""
         distinct = {id(p) for p in prompts}
-        return (self.prefill == "shared" and self.use_cache and len(distinct) < len(prompts)
-                and min(p.length for p in prompts) > 1 and _continues_from_a_cache(self.model))
+        return (
+            self.prefill == "shared"
+            and self.use_cache
+            and len(distinct) < len(prompts)
+            and min(p.length for p in prompts) > 1
+            and _continues_from_a_cache(self.model)
+        )
 
     def _shared_prefill(self, prompts: Sequence[Any], device: torch.device) -> dict[str, Any]:
         """Run the vision encoder and the prompt through the model once per distinct prompt, copy the KV cache to each
@@ -345,7 +376,11 @@ class HFEngine:
                 distinct.append(p)
         index = torch.tensor([slot[id(p)] for p in prompts], device=device)
         inputs = self._inputs(distinct, device)
-        per_token = [k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == inputs["input_ids"].shape]
+        per_token = [
+            k
+            for k, v in inputs.items()
+            if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == inputs["input_ids"].shape
+        ]
         head = {k: (v[:, :-1] if k in per_token else v) for k, v in inputs.items()}
         if "position_ids" in _forward_parameters(self.model):
             # The positions `generate` would give this prefill (counted from each prompt's first real token, Qwen-VL's
@@ -370,7 +405,9 @@ class HFEngine:
         else:
             ids, reason, text_ids = tokens[: end + 1], "stop", tokens[:end]
         text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
-        return Completion(token_ids=ids, text=text, logprobs=[float(x) for x in logprobs[: len(ids)]], finish_reason=reason)
+        return Completion(
+            token_ids=ids, text=text, logprobs=[float(x) for x in logprobs[: len(ids)]], finish_reason=reason
+        )
 
 
 def _forward_parameters(model: Any) -> Any:
@@ -388,7 +425,10 @@ def cast_copy(model: Any, dtype: torch.dtype) -> Any:
     """A copy of `model` whose parameters are `dtype`, built without an intermediate copy in the original dtype
     (deepcopy's memo gets each parameter already cast; tied parameters stay tied). The sampler of an asynchronous
     run, or one in another precision, costs its own weights in its own dtype and nothing more."""
-    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype=dtype, copy=True), requires_grad=False) for p in model.parameters()}
+    memo = {
+        id(p): torch.nn.Parameter(p.detach().to(dtype=dtype, copy=True), requires_grad=False)
+        for p in model.parameters()
+    }
     return copy.deepcopy(model, memo)
 
 

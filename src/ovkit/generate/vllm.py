@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ovkit.errors import OvkitError
 from ovkit.generate import Completion
@@ -52,7 +53,9 @@ class VLLMEngine:
         try:
             import vllm
         except ImportError:
-            raise OvkitError("--engine vllm needs vLLM, which needs a CUDA GPU: pip install 'ovkit[vllm]' (or use --engine hf)") from None
+            raise OvkitError(
+                "--engine vllm needs vLLM, which needs a CUDA GPU: pip install 'ovkit[vllm]' (or use --engine hf)"
+            ) from None
         _single_process_env()
         kwargs = dict(
             model=str(path),
@@ -72,13 +75,17 @@ class VLLMEngine:
             self.llm = vllm.LLM(**kwargs)
         except TypeError as e:
             if "logprobs_mode" in str(e):
-                raise OvkitError(f"vLLM {vllm.__version__} cannot report sampled log-probs (logprobs_mode); install vllm>=0.10.2") from None
+                raise OvkitError(
+                    f"vLLM {vllm.__version__} cannot report sampled log-probs (logprobs_mode); install vllm>=0.10.2"
+                ) from None
             raise
         self._vllm = vllm
         self.sleep, self.asleep = sleep, False
         self.progress = progress
         self.processor = processor
-        self.tokenizer = getattr(processor, "tokenizer", processor) if processor is not None else self.llm.get_tokenizer()
+        self.tokenizer = (
+            getattr(processor, "tokenizer", processor) if processor is not None else self.llm.get_tokenizer()
+        )
         from ovkit.generate.hf import stop_token_ids
 
         self.stop_ids = stop_token_ids(self.tokenizer)
@@ -109,7 +116,9 @@ class VLLMEngine:
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_new_tokens,
-                seed=seed * 1_000_003 + i * n if seeds is None else int(seeds[i]),  # one seed per prompt: reproducible, not shared across prompts
+                seed=seed * 1_000_003 + i * n
+                if seeds is None
+                else int(seeds[i]),  # one seed per prompt: reproducible, not shared across prompts
                 logprobs=0,  # the sampled token's log-prob only
                 stop_token_ids=self.stop_ids,
                 skip_special_tokens=True,
@@ -192,4 +201,6 @@ def _single_process_env() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )

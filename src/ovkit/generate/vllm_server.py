@@ -23,7 +23,8 @@ The group needs CUDA on the learner's side; generation alone works from any devi
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ovkit.errors import OvkitError
 from ovkit.generate import Completion
@@ -40,14 +41,26 @@ def _client_class():
 
 
 class VLLMServerEngine:
-    def __init__(self, url: str = DEFAULT_URL, processor: Any = None, *, timeout: float = 240.0, group_port: int = 51216,
-                 seed: int = 0, progress: bool = False, client: Any = None, **_: Any):
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        processor: Any = None,
+        *,
+        timeout: float = 240.0,
+        group_port: int = 51216,
+        seed: int = 0,
+        progress: bool = False,
+        client: Any = None,
+        **_: Any,
+    ):
         try:
             self.client = client or _client_class()(base_url=url, group_port=group_port, connection_timeout=timeout)
         except ImportError as e:
             raise OvkitError(f"--engine vllm-server: {e} (pip install 'ovkit[vllm]')") from None
         except Exception as e:  # requests' ConnectionError and friends: the server is not there
-            raise OvkitError(f"--engine vllm-server: no vLLM server at {url} ({type(e).__name__}: {e}); start one with `vllm serve MODEL_DIR` (module docstring of ovkit.generate.vllm_server)") from None
+            raise OvkitError(
+                f"--engine vllm-server: no vLLM server at {url} ({type(e).__name__}: {e}); start one with `vllm serve MODEL_DIR` (module docstring of ovkit.generate.vllm_server)"
+            ) from None
         self.url, self.seed, self.progress = url, seed, progress
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -102,21 +115,37 @@ class VLLMServerEngine:
         features = None
         if any(p.mm for p in prompts):
             if images is None:
-                raise OvkitError("VLLMServerEngine.generate: a prompt has images; pass them as images=[[PIL images], ...]")
+                raise OvkitError(
+                    "VLLMServerEngine.generate: a prompt has images; pass them as images=[[PIL images], ...]"
+                )
             features = self.client.image_features([list(im) if im else None for im in images])
         extra = {"seed": seed, "stop_token_ids": list(self.stop_ids), "skip_special_tokens": True}
         if suppress_ids:
             extra["logit_bias"] = {str(int(t)): -100.0 for t in suppress_ids}
-        out = self.client.generate(ids, features=features, n=n, temperature=temperature, top_p=top_p,
-                                   max_tokens=max_new_tokens, logprobs=0, generation_kwargs=extra)
+        out = self.client.generate(
+            ids,
+            features=features,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_new_tokens,
+            logprobs=0,
+            generation_kwargs=extra,
+        )
         seqs = out["completion_ids"]
         if len(seqs) != len(prompts) * n:
-            raise OvkitError(f"the vLLM server at {self.url} returned {len(seqs)} completions for {len(prompts)} prompts x {n}")
-        completions = [self._completion(seqs[j], out["logprobs"][j], out["logprob_token_ids"][j], max_new_tokens)
-                       for j in range(len(seqs))]
-        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+            raise OvkitError(
+                f"the vLLM server at {self.url} returned {len(seqs)} completions for {len(prompts)} prompts x {n}"
+            )
+        completions = [
+            self._completion(seqs[j], out["logprobs"][j], out["logprob_token_ids"][j], max_new_tokens)
+            for j in range(len(seqs))
+        ]
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _completion(self, ids: list[int], logprobs: list[list[float]], logprob_ids: list[list[int]], limit: int) -> Completion:
+    def _completion(
+        self, ids: list[int], logprobs: list[list[float]], logprob_ids: list[list[int]], limit: int
+    ) -> Completion:
         """One sequence: the sampled token's own log-prob at each position (found by id among the returned ones)."""
         ids = [int(t) for t in ids]
         if len(logprobs) != len(ids):
@@ -145,7 +174,9 @@ class VLLMServerEngine:
             try:
                 self.client.init_communicator(device=device)
             except NotImplementedError as e:
-                raise OvkitError(f"--engine vllm-server: weights reach the server over NCCL, which needs the learner on CUDA ({e})") from None
+                raise OvkitError(
+                    f"--engine vllm-server: weights reach the server over NCCL, which needs the learner on CUDA ({e})"
+                ) from None
         metadata = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in named]
         self.client.update_named_params(metadata, iter(named))
         self.client.reset_prefix_cache()

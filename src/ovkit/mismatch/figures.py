@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import io
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from matplotlib.ticker import NullFormatter
@@ -41,18 +42,31 @@ def _sample(n: int, max_points: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, size=max_points, replace=False))
 
 
-def prob_vs_logratio(scores: Scores, bins: Sequence[dict[str, Any]], *, max_points: int = 20000, seed: int = 0) -> bytes:
+def prob_vs_logratio(
+    scores: Scores, bins: Sequence[dict[str, Any]], *, max_points: int = 20000, seed: int = 0
+) -> bytes:
     idx = _sample(scores.tokens, max_points, seed)
     p_s = np.exp(scores.sampler[idx])
     r = np.clip(scores.learner[idx] - scores.sampler[idx], -SAFETY_BOUND, SAFETY_BOUND)
     fig = _figure()
     ax = fig.add_subplot()
     ax.scatter(np.maximum(p_s, 1e-8), r, s=4, alpha=0.35, color=FIRST, linewidths=0, label="token")
-    ax.plot([b["mean_sampler_prob"] for b in bins], [b["mean_log_ratio"] for b in bins], "o-", color="black", ms=4, label="bin mean")
+    ax.plot(
+        [b["mean_sampler_prob"] for b in bins],
+        [b["mean_log_ratio"] for b in bins],
+        "o-",
+        color="black",
+        ms=4,
+        label="bin mean",
+    )
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(NullFormatter())  # minor-tick labels of a narrow log range overlap
-    ax.set(xlabel="sampler probability p_s", ylabel="log p_learner - log p_sampler", title=f"mismatch vs sampler probability ({scores.tokens} tokens)")
+    ax.set(
+        xlabel="sampler probability p_s",
+        ylabel="log p_learner - log p_sampler",
+        title=f"mismatch vs sampler probability ({scores.tokens} tokens)",
+    )
     ax.legend(loc="lower right", fontsize=8)
     return _png(fig)
 
@@ -81,7 +95,11 @@ def max_mismatch_by_length(scores: Scores) -> bytes:
         values = values_all[lows == lo]
         ax.hist(values, bins=edges, histtype="step", lw=1.4, label=f"{lo}-{2 * lo - 1} tokens ({values.size})")
     ax.set_xscale("log")
-    ax.set(xlabel="per-response max |p_sampler - p_learner| (log scale)", ylabel="responses", title="max mismatch by response length")
+    ax.set(
+        xlabel="per-response max |p_sampler - p_learner| (log scale)",
+        ylabel="responses",
+        title="max mismatch by response length",
+    )
     ax.legend(fontsize=8)
     return _png(fig)
 
@@ -97,7 +115,15 @@ def turns(scores: Scores, turn_rows: Sequence[dict[str, Any]]) -> bytes:
     left, right = fig.subplots(1, 2)
     for name, sel, colour in (("first turn", seg_turn == 0, FIRST), ("later turns", seg_turn > 0, LATER)):
         if sel.any():
-            left.scatter(log_ppl_s[sel], log_ppl_l[sel], s=8, alpha=0.5, color=colour, linewidths=0, label=f"{name} ({int(sel.sum())})")
+            left.scatter(
+                log_ppl_s[sel],
+                log_ppl_l[sel],
+                s=8,
+                alpha=0.5,
+                color=colour,
+                linewidths=0,
+                label=f"{name} ({int(sel.sum())})",
+            )
     lo = float(min(log_ppl_s.min(), log_ppl_l.min()))
     hi = float(max(log_ppl_s.max(), log_ppl_l.max()))
     pad = max(hi - lo, 1e-3) * 0.05
@@ -107,7 +133,11 @@ def turns(scores: Scores, turn_rows: Sequence[dict[str, Any]]) -> bytes:
     left.legend(fontsize=8)
     names = [row["turn"] for row in turn_rows]
     right.bar(names, [row["k3_kl"] for row in turn_rows], color=[FIRST if n == "first" else LATER for n in names])
-    right.set(xlabel="assistant turn", ylabel="K3 (vllm-kl)", title="K3 by turn" + ("" if len(names) > 1 else " (single-turn rollouts)"))
+    right.set(
+        xlabel="assistant turn",
+        ylabel="K3 (vllm-kl)",
+        title="K3 by turn" + ("" if len(names) > 1 else " (single-turn rollouts)"),
+    )
     return _png(fig)
 
 

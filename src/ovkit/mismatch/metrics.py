@@ -26,15 +26,18 @@ ESS = (sum w)^2 / (n sum w^2), in (0, 1]: 1 when every weight is equal. Log-rati
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from ovkit.errors import OvkitError
 
 SAFETY_BOUND = 20.0  # verl / ovkit.rl.correction: |log ratio| is clamped to this before exp
-HIGH_MISMATCH = 0.5  # a response whose max abs(p_s - p_l) exceeds this is "high max mismatch" (Yao et al. 2025, fig. 7-8)
+HIGH_MISMATCH = (
+    0.5  # a response whose max abs(p_s - p_l) exceeds this is "high max mismatch" (Yao et al. 2025, fig. 7-8)
+)
 QUANTILES = (0.01, 0.05, 0.5, 0.95, 0.99)
 EMPTY_MESSAGE = "no sampled response tokens to compare: the rollouts are empty or every loss_mask is 0"
 
@@ -58,7 +61,7 @@ class Scores:
         mask: Sequence[Sequence[int]] | None = None,
         turns: Sequence[Sequence[int]] | None = None,
         meta: dict[str, Sequence[Any]] | None = None,
-    ) -> "Scores":
+    ) -> Scores:
         """Per-rollout lists aligned with the response tokens; `mask` (default all ones) picks the compared
         tokens, `turns` gives each token's assistant turn (default 0). Rollouts without a compared token drop out."""
         lp, sp, resp, turn = [], [], [], []
@@ -91,7 +94,7 @@ class Scores:
     def tokens(self) -> int:
         return int(self.learner.size)
 
-    def select(self, tokens: np.ndarray) -> "Scores":
+    def select(self, tokens: np.ndarray) -> Scores:
         """The compared tokens where `tokens` (bool [M]) is true; rollouts left without a token drop out."""
         tokens = np.asarray(tokens, dtype=bool)
         kept = np.unique(self.response[tokens])
@@ -106,7 +109,7 @@ class Scores:
             meta={key: [values[i] for i in kept] for key, values in self.meta.items()},
         )
 
-    def select_responses(self, responses: np.ndarray) -> "Scores":
+    def select_responses(self, responses: np.ndarray) -> Scores:
         """The rollouts where `responses` (bool [N]) is true."""
         return self.select(np.asarray(responses, dtype=bool)[self.response])
 
@@ -272,7 +275,14 @@ def correction_fractions(scores: Scores, th: Thresholds) -> dict[str, dict[str, 
     ratios = {"token": d.exp(), "sequence": d.sum(-1, keepdim=True).clamp(-RL_BOUND, RL_BOUND).exp().expand_as(d)}
     rows: dict[str, dict[str, Any]] = {}
     for mode in CORRECTION_MODES:
-        corr = Correction(mode=mode, upper=th.correction_threshold, lower=th.correction_lower, geo_lower=th.geo_lower, geo_upper=th.geo_upper, behave_cap=None)
+        corr = Correction(
+            mode=mode,
+            upper=th.correction_threshold,
+            lower=th.correction_lower,
+            geo_lower=th.geo_lower,
+            geo_upper=th.geo_upper,
+            behave_cap=None,
+        )
         opw = off_policy_weights(learner, sampler, mask, corr)
         if mode.endswith("tis"):
             ratio = ratios["token" if mode == "token-tis" else "sequence"]
@@ -283,7 +293,9 @@ def correction_fractions(scores: Scores, th: Thresholds) -> dict[str, dict[str, 
             action = "mask"
         rows[mode] = _fractions(hit, mask, action, _bounds(mode, th))
     if th.behave_cap is not None:
-        opw = off_policy_weights(learner, sampler, mask, Correction(mode="none", behave_cap=th.behave_cap, behave_action="mask"))
+        opw = off_policy_weights(
+            learner, sampler, mask, Correction(mode="none", behave_cap=th.behave_cap, behave_action="mask")
+        )
         rows["behave-cap"] = _fractions(mask & ~opw.keep, mask, "mask", f"token ratio > {th.behave_cap:g}")
     if th.veto_threshold is not None:
         corr = Correction(mode="none", behave_cap=None, veto=th.veto_threshold)

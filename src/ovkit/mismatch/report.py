@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 # metric -> what it is (the rows of the headline table, in order)
 HEADLINE = {
@@ -85,41 +86,94 @@ class Table:
 def run_tables(run: dict[str, Any]) -> list[Table]:
     m = run["metrics"]
     weights = [
-        {"weights": level, **{k: m[f"{prefix}_{k}"] for k in ("mean", "std", "min", "p01", "p50", "p99", "max", "eff_sample_size")}}
+        {
+            "weights": level,
+            **{k: m[f"{prefix}_{k}"] for k in ("mean", "std", "min", "p01", "p50", "p99", "max", "eff_sample_size")},
+        }
         for level, prefix in (("token w = p_l / p_s", "token_is"), ("sequence prod w", "seq_is"))
     ]
     corrections = [{"mode": mode, **row} for mode, row in run["corrections"].items()]
     return [
-        Table("Headline metrics", [("metric", "metric"), ("value", "value"), ("meaning", "meaning")], [{"metric": k, "value": m[k], "meaning": v} for k, v in HEADLINE.items()]),
+        Table(
+            "Headline metrics",
+            [("metric", "metric"), ("value", "value"), ("meaning", "meaning")],
+            [{"metric": k, "value": m[k], "meaning": v} for k, v in HEADLINE.items()],
+        ),
         Table(
             "Importance weights",
-            [("weights", "weights"), ("mean", "mean"), ("std", "std"), ("min", "min"), ("p01", "p1"), ("p50", "median"), ("p99", "p99"), ("max", "max"), ("eff_sample_size", "ESS")],
+            [
+                ("weights", "weights"),
+                ("mean", "mean"),
+                ("std", "std"),
+                ("min", "min"),
+                ("p01", "p1"),
+                ("p50", "median"),
+                ("p99", "p99"),
+                ("max", "max"),
+                ("eff_sample_size", "ESS"),
+            ],
             weights,
             "Raw weights (log-ratio clamped to +-20), before any correction.",
         ),
         Table(
             "What rl-train's corrections would do",
-            [("mode", "mode"), ("action", "action"), ("rule", "rule"), ("token_frac", "tokens"), ("seq_frac", "responses")],
+            [
+                ("mode", "mode"),
+                ("action", "action"),
+                ("rule", "rule"),
+                ("token_frac", "tokens"),
+                ("seq_frac", "responses"),
+            ],
             corrections,
             "Share of compared tokens (and of responses with at least one such token) each mode would clip (TIS) or mask (MIS, geo-rs, behaviour cap, veto), computed with ovkit.rl.correction.",
             {"token_frac": pct, "seq_frac": pct},
         ),
         Table(
             "Mismatch by sampler probability",
-            [("bin", "p_sampler"), ("tokens", "tokens"), ("share", "share"), ("mean_log_ratio", "mean log ratio"), ("mean_abs_log_ratio", "mean |log ratio|"), ("k3_kl", "K3"), ("mean_abs_prob_diff", "mean |dp|"), ("learner_lower_frac", "learner lower")],
+            [
+                ("bin", "p_sampler"),
+                ("tokens", "tokens"),
+                ("share", "share"),
+                ("mean_log_ratio", "mean log ratio"),
+                ("mean_abs_log_ratio", "mean |log ratio|"),
+                ("k3_kl", "K3"),
+                ("mean_abs_prob_diff", "mean |dp|"),
+                ("learner_lower_frac", "learner lower"),
+            ],
             run["by_sampler_prob"],
             "log ratio = log p_learner - log p_sampler. The low-probability-token trap [2, section 3.3]: the gap concentrates where the sampler's probability is small.",
             {"share": pct, "learner_lower_frac": pct},
         ),
         Table(
             "First turn vs later turns",
-            [("turn", "turn"), ("segments", "turn outputs"), ("tokens", "tokens"), ("k3_kl", "K3"), ("kl", "k1"), ("rollout_log_ppl", "sampler log-PPL"), ("training_log_ppl", "learner log-PPL"), ("log_ppl_abs_diff", "mean |log-PPL diff|"), ("mean_abs_prob_diff", "mean |dp|"), ("pearson", "Pearson")],
+            [
+                ("turn", "turn"),
+                ("segments", "turn outputs"),
+                ("tokens", "tokens"),
+                ("k3_kl", "K3"),
+                ("kl", "k1"),
+                ("rollout_log_ppl", "sampler log-PPL"),
+                ("training_log_ppl", "learner log-PPL"),
+                ("log_ppl_abs_diff", "mean |log-PPL diff|"),
+                ("mean_abs_prob_diff", "mean |dp|"),
+                ("pearson", "Pearson"),
+            ],
             run["by_turn"],
-            "Later turns of multi-turn rollouts mismatch more [2, section 3.4.1]." + ("" if len(run["by_turn"]) > 1 else " These rollouts are single-turn: only the first turn exists."),
+            "Later turns of multi-turn rollouts mismatch more [2, section 3.4.1]."
+            + ("" if len(run["by_turn"]) > 1 else " These rollouts are single-turn: only the first turn exists."),
         ),
         Table(
             "Max mismatch by response length",
-            [("bucket", "compared tokens"), ("responses", "responses"), ("mean_length", "mean length"), ("max_mismatch_mean", "mean max |dp|"), ("max_mismatch_p90", "p90 max |dp|"), ("max_mismatch_frac_high", "max |dp| > 0.5"), ("mean_mismatch_mean", "mean mean |dp|"), ("k3_kl", "K3")],
+            [
+                ("bucket", "compared tokens"),
+                ("responses", "responses"),
+                ("mean_length", "mean length"),
+                ("max_mismatch_mean", "mean max |dp|"),
+                ("max_mismatch_p90", "p90 max |dp|"),
+                ("max_mismatch_frac_high", "max |dp| > 0.5"),
+                ("mean_mismatch_mean", "mean mean |dp|"),
+                ("k3_kl", "K3"),
+            ],
             run["by_length"],
             "Longer responses have larger max mismatch while the mean mismatch barely moves [1].",
             {"max_mismatch_frac_high": pct},
@@ -130,7 +184,19 @@ def run_tables(run: dict[str, Any]) -> list[Table]:
 
 
 def _group_table(title: str, key: str, rows: Sequence[dict[str, Any]]) -> Table:
-    columns = [(key, key), ("responses", "responses"), ("tokens", "tokens"), ("k3_kl", "K3"), ("kl", "k1"), ("training_ppl", "learner PPL"), ("rollout_ppl", "sampler PPL"), ("chi2_token", "chi2 token"), ("max_mismatch_mean", "mean max |dp|"), ("mean_mismatch_mean", "mean mean |dp|"), ("reward_mean", "reward")]
+    columns = [
+        (key, key),
+        ("responses", "responses"),
+        ("tokens", "tokens"),
+        ("k3_kl", "K3"),
+        ("kl", "k1"),
+        ("training_ppl", "learner PPL"),
+        ("rollout_ppl", "sampler PPL"),
+        ("chi2_token", "chi2 token"),
+        ("max_mismatch_mean", "mean max |dp|"),
+        ("mean_mismatch_mean", "mean mean |dp|"),
+        ("reward_mean", "reward"),
+    ]
     return Table(title, columns, rows)
 
 
@@ -138,13 +204,46 @@ def comparison_table(runs: dict[str, dict[str, Any]]) -> Table:
     rows = []
     for name, run in runs.items():
         m = run["metrics"]
-        row = {"run": name, **{k: m[k] for k in ("responses", "tokens", "k3_kl", "kl", "training_ppl", "rollout_ppl", "chi2_token", "max_mismatch_mean", "mean_mismatch_mean")}}
+        row = {
+            "run": name,
+            **{
+                k: m[k]
+                for k in (
+                    "responses",
+                    "tokens",
+                    "k3_kl",
+                    "kl",
+                    "training_ppl",
+                    "rollout_ppl",
+                    "chi2_token",
+                    "max_mismatch_mean",
+                    "mean_mismatch_mean",
+                )
+            },
+        }
         row.update({f"{mode}": c["token_frac"] for mode, c in run["corrections"].items()})
         rows.append(row)
     modes = list(next(iter(runs.values()))["corrections"])
-    columns = [("run", "run"), ("responses", "responses"), ("tokens", "tokens"), ("k3_kl", "K3 (vllm-kl)"), ("kl", "k1"), ("training_ppl", "learner PPL"), ("rollout_ppl", "sampler PPL"), ("chi2_token", "chi2 token"), ("max_mismatch_mean", "mean max |dp|"), ("mean_mismatch_mean", "mean mean |dp|")]
+    columns = [
+        ("run", "run"),
+        ("responses", "responses"),
+        ("tokens", "tokens"),
+        ("k3_kl", "K3 (vllm-kl)"),
+        ("kl", "k1"),
+        ("training_ppl", "learner PPL"),
+        ("rollout_ppl", "sampler PPL"),
+        ("chi2_token", "chi2 token"),
+        ("max_mismatch_mean", "mean max |dp|"),
+        ("mean_mismatch_mean", "mean mean |dp|"),
+    ]
     columns += [(mode, f"{mode} tokens") for mode in modes]
-    return Table("Comparison", columns, rows, "Same prompts and seed for every sampler; the learner is the same forward pass each time.", {mode: pct for mode in modes})
+    return Table(
+        "Comparison",
+        columns,
+        rows,
+        "Same prompts and seed for every sampler; the learner is the same forward pass each time.",
+        {mode: pct for mode in modes},
+    )
 
 
 # The write-ups the notes cite as [1] and [2] (shared/reference/003 and 004).
@@ -160,7 +259,9 @@ def header_lines(doc: dict[str, Any]) -> list[str]:
         f"temperature: {doc['temperature']:g} ({doc['temperature_from']}); the learner divides its logits by it, as rl-train does",
     ]
     if doc.get("top_p") is not None and doc["top_p"] < 1:
-        lines.append(f"top-p {doc['top_p']:g}: the sampler's log-probs are renormalised over the nucleus and the learner's are not, so part of the gap is the truncation (as in rl-train)")
+        lines.append(
+            f"top-p {doc['top_p']:g}: the sampler's log-probs are renormalised over the nucleus and the learner's are not, so part of the gap is the truncation (as in rl-train)"
+        )
     th = doc["thresholds"]
     lines.append("correction thresholds: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in th.items()))
     return lines
@@ -204,8 +305,14 @@ def _img(png: bytes, alt: str) -> str:
 
 
 def html_page(doc: dict[str, Any], figures: dict[str, dict[str, bytes]], compare_png: bytes | None) -> str:
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>mismatch report</title><style>{CSS}</style></head><body>"]
-    parts.append("<h1>Sampler/learner mismatch report</h1><ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in header_lines(doc)) + "</ul>")
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>mismatch report</title><style>{CSS}</style></head><body>"
+    ]
+    parts.append(
+        "<h1>Sampler/learner mismatch report</h1><ul>"
+        + "".join(f"<li>{html.escape(line)}</li>" for line in header_lines(doc))
+        + "</ul>"
+    )
     runs = doc["runs"]
     if len(runs) > 1:
         parts.append(comparison_table(runs).html())

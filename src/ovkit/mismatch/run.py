@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ovkit.errors import OvkitError
 from ovkit.mismatch.metrics import EMPTY_MESSAGE, Scores, Thresholds
@@ -21,7 +22,9 @@ class MismatchConfig:
     model: Path | None = None  # the learner: a model directory
     out: Path | None = None
     generate: Path | None = None  # sample fresh rollouts from these prompt rows instead of reading ROLLOUTS
-    sampler: list[str] = field(default_factory=list)  # with --generate: fp32 | bf16 | fp16 | int8 | vllm (repeatable; default bf16)
+    sampler: list[str] = field(
+        default_factory=list
+    )  # with --generate: fp32 | bf16 | fp16 | int8 | vllm (repeatable; default bf16)
     data: Path | None = None  # prompt rows for the images of rollout tables that carry none (matched by prompt_id)
     temperature: float | None = None  # default: the rollouts' producer's (its config.yaml), else 1.0
     top_p: float | None = None  # --generate: nucleus mass (default 1.0); ROLLOUTS: read from the producer for the note
@@ -33,7 +36,9 @@ class MismatchConfig:
     max_pixels: int = 512 * 512  # images downscaled to at most this many pixels, as rl-curate / rl-train do (0: never)
     batch_size: int = 16  # rollouts per learner forward pass (and sequences per generate call)
     precision: str = "fp32"  # the learner's compute precision (ovkit.runtime.precision); fp32 is the reference
-    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    attn_implementation: str = (
+        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    )
     correction_threshold: float = 2.0  # rl-train's C (TIS truncation / MIS rejection)
     correction_lower: float | None = None
     geo_lower: float = 0.999
@@ -65,13 +70,19 @@ class MismatchConfig:
         if self.out is None:
             raise OvkitError("--out is required")
         if (self.rollouts is None) == (self.generate is None):
-            raise OvkitError("give either ROLLOUTS (a saved rollout table) or --generate DATA, not both" if self.rollouts else "give ROLLOUTS (a saved rollout table) or --generate DATA --sampler ...")
+            raise OvkitError(
+                "give either ROLLOUTS (a saved rollout table) or --generate DATA, not both"
+                if self.rollouts
+                else "give ROLLOUTS (a saved rollout table) or --generate DATA --sampler ..."
+            )
         for name in ("rollouts", "model", "out", "generate", "data"):
             if getattr(self, name) is not None:
                 setattr(self, name, Path(getattr(self, name)))
         if self.sampler and self.generate is None:
             raise OvkitError("--sampler goes with --generate (ROLLOUTS were already sampled)")
-        self.sampler = list(dict.fromkeys(canonical_sampler(s) for s in (self.sampler or (["bf16"] if self.generate else []))))
+        self.sampler = list(
+            dict.fromkeys(canonical_sampler(s) for s in (self.sampler or (["bf16"] if self.generate else [])))
+        )
         checks = [
             (self.temperature is None or self.temperature >= 0, "--temperature must be >= 0 (0 = greedy)"),
             (self.top_p is None or 0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
@@ -82,7 +93,10 @@ class MismatchConfig:
             (self.max_pixels >= 0, "--max-pixels must be >= 0 (0: no downscaling)"),
             (self.batch_size >= 1, "--batch-size must be >= 1"),
             (self.correction_threshold > 0, "--correction-threshold must be > 0"),
-            (self.correction_lower is None or 0 <= self.correction_lower <= self.correction_threshold, "--correction-lower must be in [0, --correction-threshold]"),
+            (
+                self.correction_lower is None or 0 <= self.correction_lower <= self.correction_threshold,
+                "--correction-lower must be in [0, --correction-threshold]",
+            ),
             (self.geo_lower <= self.geo_upper, "need --geo-lower <= --geo-upper"),
             (self.behave_cap >= 0, "--behave-cap must be >= 0 (0: not reported)"),
             (self.max_points >= 1, "--max-points must be >= 1"),
@@ -94,7 +108,14 @@ class MismatchConfig:
 
     @property
     def thresholds(self) -> Thresholds:
-        return Thresholds(self.correction_threshold, self.correction_lower, self.geo_lower, self.geo_upper, self.behave_cap or None, self.veto_threshold)
+        return Thresholds(
+            self.correction_threshold,
+            self.correction_lower,
+            self.geo_lower,
+            self.geo_upper,
+            self.behave_cap or None,
+            self.veto_threshold,
+        )
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -110,7 +131,11 @@ def producer_sampling(rollouts: Path) -> dict[str, Any] | None:
         prov = read_provenance(d)
         config = (prov or {}).get("config") or {}
         if config.get("temperature") is not None:
-            return {"temperature": config["temperature"], "top_p": config.get("top_p"), "from": f"{prov.get('command')} config in {d}"}
+            return {
+                "temperature": config["temperature"],
+                "top_p": config.get("top_p"),
+                "from": f"{prov.get('command')} config in {d}",
+            }
     return None
 
 
@@ -146,7 +171,12 @@ def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
         inputs.append(("rollouts", rows, str(cfg.rollouts)))
     prompt_rows = _prompt_rows(cfg) if cfg.generate is not None else None
     images_for = data_images(cfg.data)
-    model, processor = load_for_inference(cfg.model, precision=cfg.precision, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code)
+    model, processor = load_for_inference(
+        cfg.model,
+        precision=cfg.precision,
+        attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+    )
     device = str(next(model.parameters()).device)
     temperature, temperature_from, top_p = _sampling(cfg)
     if prompt_rows is not None:
@@ -170,7 +200,13 @@ def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
         "runs": runs,
     }
     _write(out_dir, doc, figures, logprob_rows)
-    return {name: {k: run["metrics"][k] for k in ("tokens", "k3_kl", "kl", "training_ppl", "rollout_ppl", "chi2_token", "max_mismatch_mean")} for name, run in runs.items()}
+    return {
+        name: {
+            k: run["metrics"][k]
+            for k in ("tokens", "k3_kl", "kl", "training_ppl", "rollout_ppl", "chi2_token", "max_mismatch_mean")
+        }
+        for name, run in runs.items()
+    }
 
 
 def _sampling(cfg: MismatchConfig) -> tuple[float, str, float | None]:
@@ -195,19 +231,41 @@ def _prompt_rows(cfg: MismatchConfig) -> Any:
     return first_per_category(read_samples(cfg.generate, answers=True).table, cfg.limit)
 
 
-def _generate_all(cfg: MismatchConfig, table: Any, model, processor, out_dir: Path, temperature: float, top_p: float) -> list:
-    from ovkit.rollouts.table import write_rollouts
+def _generate_all(
+    cfg: MismatchConfig, table: Any, model, processor, out_dir: Path, temperature: float, top_p: float
+) -> list:
     from ovkit.mismatch.sample import generate_rollouts, make_sampler
     from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
     from ovkit.rollouts.prompts import encode_prompts
+    from ovkit.rollouts.table import write_rollouts
 
-    prompts = encode_prompts(table, processor, mode=cfg.prompt, system=cfg.system_prompt, max_pixels=cfg.max_pixels or None, extra=env_instruction(cfg), tools=env_tools(cfg))
+    prompts = encode_prompts(
+        table,
+        processor,
+        mode=cfg.prompt,
+        system=cfg.system_prompt,
+        max_pixels=cfg.max_pixels or None,
+        extra=env_instruction(cfg),
+        tools=env_tools(cfg),
+    )
     mode = "answer" if cfg.prompt == "none" else cfg.prompt
     out = []
     for name in cfg.sampler:
-        engine = make_sampler(name, model, processor, model_dir=cfg.model, batch_size=cfg.batch_size, seed=cfg.seed, quiet=cfg.quiet)
+        engine = make_sampler(
+            name, model, processor, model_dir=cfg.model, batch_size=cfg.batch_size, seed=cfg.seed, quiet=cfg.quiet
+        )
         episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels or None, model=model)
-        rollouts = generate_rollouts(engine, prompts, n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=top_p, seed=cfg.seed, prompt_mode=mode, episodes=episodes)
+        rollouts = generate_rollouts(
+            engine,
+            prompts,
+            n=cfg.n,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=cfg.seed,
+            prompt_mode=mode,
+            episodes=episodes,
+        )
         del engine
         path = write_rollouts(rollouts, out_dir / "rollouts" / f"{name}.parquet")
         rows = rollouts.to_pylist()
@@ -220,14 +278,31 @@ def _one_run(cfg: MismatchConfig, model, processor, rows, source: str, name: str
     from ovkit.mismatch.analyses import analyse
     from ovkit.mismatch.score import rescore
 
-    res = rescore(model, processor, rows, temperature=temperature, batch_size=cfg.batch_size, max_pixels=cfg.max_pixels or None, images_for=images_for, progress=not cfg.quiet)
+    res = rescore(
+        model,
+        processor,
+        rows,
+        temperature=temperature,
+        batch_size=cfg.batch_size,
+        max_pixels=cfg.max_pixels or None,
+        images_for=images_for,
+        progress=not cfg.quiet,
+    )
     meta = {key: [r.get(key) for r in rows] for key in ("prompt_id", "category", "source", "reward")}
     scores = Scores.from_lists(res.learner, [r["behave_logprobs"] for r in rows], res.compared, res.turns, meta)
     if scores.tokens == 0:
-        raise OvkitError(f"{source}: {EMPTY_MESSAGE}" + (" (every sampled token follows a multimodal placeholder)" if res.cut_tokens else ""))
+        raise OvkitError(
+            f"{source}: {EMPTY_MESSAGE}"
+            + (" (every sampled token follows a multimodal placeholder)" if res.cut_tokens else "")
+        )
     run = {
         "rollouts": source,
-        "counts": {"rollouts": len(rows), "responses": scores.n, "compared_tokens": scores.tokens, "cut_tokens": res.cut_tokens},
+        "counts": {
+            "rollouts": len(rows),
+            "responses": scores.n,
+            "compared_tokens": scores.tokens,
+            "cut_tokens": res.cut_tokens,
+        },
         **analyse(scores, cfg.thresholds),
     }
     table_rows = [
@@ -252,7 +327,9 @@ def _figures(cfg: MismatchConfig, scores: Scores, run: dict[str, Any]) -> dict[s
     return run_figures(scores, run, max_points=cfg.max_points, seed=cfg.seed)
 
 
-def _write(out_dir: Path, doc: dict[str, Any], figures: dict[str, dict[str, bytes]], logprob_rows: list[dict[str, Any]]) -> None:
+def _write(
+    out_dir: Path, doc: dict[str, Any], figures: dict[str, dict[str, bytes]], logprob_rows: list[dict[str, Any]]
+) -> None:
     import pyarrow as pa
 
     from ovkit.data.io import write_table

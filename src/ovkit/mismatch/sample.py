@@ -47,16 +47,31 @@ def make_sampler(name: str, model: Any, processor: Any, *, model_dir: Any, batch
 
     if name == "vllm":
         return build_engine("vllm", model_dir=model_dir, processor=processor, seed=seed, progress=not quiet)
-    return build_engine("hf", model=model, processor=processor, batch_size=batch_size, progress=not quiet, **SAMPLERS[name])
+    return build_engine(
+        "hf", model=model, processor=processor, batch_size=batch_size, progress=not quiet, **SAMPLERS[name]
+    )
 
 
-def generate_rollouts(engine: Any, prompts: list, *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int, prompt_mode: str, episodes: Any = None) -> Any:
+def generate_rollouts(
+    engine: Any,
+    prompts: list,
+    *,
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    prompt_mode: str,
+    episodes: Any = None,
+) -> Any:
     """`n` scored completions per prompt -> a rollout table (with the prompt images); multi-turn trajectories with
     `episodes` (an ovkit.rollouts.episodes.EpisodeRunner over `engine`)."""
     from ovkit.rollouts.groups import Group, groups_table, score_groups
 
     if episodes is not None:
-        outs = episodes.run(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        outs = episodes.run(
+            prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
     else:
         outs = engine.generate(
             [p.encoded for p in prompts], n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

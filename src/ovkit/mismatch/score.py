@@ -21,9 +21,10 @@ of later turns are the rollout's `images` after the prompt's, in order.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ovkit.errors import OvkitError
 

@@ -39,12 +39,20 @@ def load(
     except (*_load_errors(), ValueError) as e:  # missing or damaged tokenizer / processor files
         raise OvkitError(f"--model {path}: cannot load its processor ({_one_line(e)})") from None
     try:
-        quant = {} if quantization_config is None else {"quantization_config": quantization_config, "device_map": {"": str(device or "cpu")}}
-        model = AutoModelForImageTextToText.from_pretrained(where, dtype=dtype, trust_remote_code=trust_remote_code, **quant)
+        quant = (
+            {}
+            if quantization_config is None
+            else {"quantization_config": quantization_config, "device_map": {"": str(device or "cpu")}}
+        )
+        model = AutoModelForImageTextToText.from_pretrained(
+            where, dtype=dtype, trust_remote_code=trust_remote_code, **quant
+        )
     except _load_errors() as e:  # missing or damaged files, a hub id not in the cache while offline
         raise OvkitError(f"--model {path}: cannot load ({_one_line(e)})") from None
     except ValueError as e:  # an architecture without an image-text-to-text class, or custom code not trusted
-        raise OvkitError(f"--model {path}: not a vision-language model transformers can load ({_one_line(e)})") from None
+        raise OvkitError(
+            f"--model {path}: not a vision-language model transformers can load ({_one_line(e)})"
+        ) from None
     if device is not None and quantization_config is None:  # a quantised model is placed by device_map
         model = model.to(device)
     return model, processor
@@ -80,7 +88,9 @@ def locate(path: Path | str, flag: str = "--model", *, weights: bool = True) -> 
         from huggingface_hub import try_to_load_from_cache
 
         if not isinstance(try_to_load_from_cache(text, "config.json"), str):
-            raise OvkitError(f"{flag} {text}: no such directory, and the Hub model {text!r} is not in the HF cache while HF_HUB_OFFLINE=1")
+            raise OvkitError(
+                f"{flag} {text}: no such directory, and the Hub model {text!r} is not in the HF cache while HF_HUB_OFFLINE=1"
+            )
         return text
     from ovkit.data.sources import probe_hub
 
@@ -97,7 +107,9 @@ def check_exists(path: Path | str, flag: str = "--model") -> None:
     if Path(text).expanduser().exists():
         return
     if text.startswith((".", "/", "~")) or text.count("/") != 1 or not HUB_ID.fullmatch(text):
-        raise OvkitError(f"{flag} {text}: no such directory (expected a model saved with save_pretrained, e.g. by `ovkit init-model`)")
+        raise OvkitError(
+            f"{flag} {text}: no such directory (expected a model saved with save_pretrained, e.g. by `ovkit init-model`)"
+        )
 
 
 def _offline() -> bool:
@@ -150,7 +162,9 @@ def _safetensors_files(d: Path, flag: str) -> list[Path]:
         raise OvkitError(f"{flag} {d}: model.safetensors.index.json is not a weight index ({_one_line(e)})") from None
     missing = [s for s in shards if not (d / s).is_file()]
     if missing:
-        raise OvkitError(f"{flag} {d}: {len(missing)} of {len(shards)} weight shards are missing ({', '.join(missing[:3])})")
+        raise OvkitError(
+            f"{flag} {d}: {len(missing)} of {len(shards)} weight shards are missing ({', '.join(missing[:3])})"
+        )
     return [d / s for s in shards]
 
 
@@ -195,7 +209,11 @@ def pad_token_id(processor: Any, model: Any = None) -> int:
     """The id that pads batches: the tokenizer's pad, else the model's, else end-of-sequence, else 0."""
     tokenizer = getattr(processor, "tokenizer", processor)
     config = getattr(model, "config", None)
-    for pid in (getattr(tokenizer, "pad_token_id", None), getattr(config, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    for pid in (
+        getattr(tokenizer, "pad_token_id", None),
+        getattr(config, "pad_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
         if pid is not None:
             return int(pid)
     return 0

@@ -121,18 +121,24 @@ def _vision_parts(path: Path):
     try:
         cfg = AutoConfig.from_pretrained(path)
     except ValueError as e:
-        raise OvkitError(f"--vision {path}: transformers does not know this encoder without custom code ({e}); "
-                         "compose needs an encoder AutoModel builds (CLIP, SigLIP, SigLIP2, DINOv2, ...)") from None
+        raise OvkitError(
+            f"--vision {path}: transformers does not know this encoder without custom code ({e}); "
+            "compose needs an encoder AutoModel builds (CLIP, SigLIP, SigLIP2, DINOv2, ...)"
+        ) from None
     vision_config = getattr(cfg, "vision_config", None) or cfg
     tower_cls = MODEL_MAPPING.get(type(vision_config), None)
     if tower_cls is None or not hasattr(vision_config, "patch_size"):
-        raise OvkitError(f"--vision {path}: '{vision_config.model_type}' is not a vision encoder AutoModel can build "
-                         "(use e.g. a CLIP or SigLIP vision model directory)")
+        raise OvkitError(
+            f"--vision {path}: '{vision_config.model_type}' is not a vision encoder AutoModel can build "
+            "(use e.g. a CLIP or SigLIP vision model directory)"
+        )
     try:
         image_processor = AutoImageProcessor.from_pretrained(path)
     except (OSError, ValueError):
-        raise OvkitError(f"--vision {path}: no image processor (preprocessor_config.json); save the encoder's "
-                         "image processor into the directory") from None
+        raise OvkitError(
+            f"--vision {path}: no image processor (preprocessor_config.json); save the encoder's "
+            "image processor into the directory"
+        ) from None
     return tower_cls, image_processor
 
 
@@ -188,8 +194,10 @@ def _extra_tokens(tower, image_processor) -> tuple[int, int]:
     with torch.no_grad():
         n = tower(pixel_values=pixels.to(tower.dtype)).last_hidden_state.shape[1]
     if n - patches not in (0, 1):
-        raise OvkitError(f"vision encoder gives {n} tokens for {patches} patches; compose supports encoders that "
-                         "output one token per patch, optionally with one CLS token")
+        raise OvkitError(
+            f"vision encoder gives {n} tokens for {patches} patches; compose supports encoders that "
+            "output one token per patch, optionally with one CLS token"
+        )
     return n - patches, patches
 
 

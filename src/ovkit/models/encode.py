@@ -10,9 +10,10 @@ generation prompt of that turn: the prompt's tokens must be a prefix of the full
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ovkit.data.schema import IMAGE_TOKEN
 from ovkit.errors import OvkitError
@@ -84,7 +85,9 @@ def decode_images(cells: Sequence[dict[str, Any]] | None) -> list:
         try:
             img = Image.open(io.BytesIO(data if data is not None else read_image_file(Path(path))))
             if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise OvkitError(f"image {k}: image is {img.width}x{img.height}, over the limit of {MAX_IMAGE_PIXELS} pixels")
+                raise OvkitError(
+                    f"image {k}: image is {img.width}x{img.height}, over the limit of {MAX_IMAGE_PIXELS} pixels"
+                )
             images.append(img.convert("RGB"))
         except OvkitError:
             raise
@@ -119,7 +122,9 @@ def encode_sample(processor, messages: Sequence[dict[str, Any]], images: Sequenc
     return full
 
 
-def encode_prompt(processor, messages: Sequence[dict[str, Any]], images: Sequence = (), *, tools: Sequence[dict] | None = None) -> Encoded:
+def encode_prompt(
+    processor, messages: Sequence[dict[str, Any]], images: Sequence = (), *, tools: Sequence[dict] | None = None
+) -> Encoded:
     """Tokenize a prompt for generation (the generation prompt appended; labels all IGNORE). If the messages end
     with an assistant turn (an SFT row), the prompt is everything before it, so that
     `encode_prompt(m).input_ids + answer tokens == encode_sample(m).input_ids`. `tools` (JSON schemas) go to the
@@ -130,7 +135,14 @@ def encode_prompt(processor, messages: Sequence[dict[str, Any]], images: Sequenc
     return _tokenize(processor, msgs, images, generation_prompt=True, tools=tools)
 
 
-def encode_messages(processor, messages: Sequence[dict[str, Any]], images: Sequence = (), *, generation_prompt: bool, tools: Sequence[dict] | None = None) -> Encoded:
+def encode_messages(
+    processor,
+    messages: Sequence[dict[str, Any]],
+    images: Sequence = (),
+    *,
+    generation_prompt: bool,
+    tools: Sequence[dict] | None = None,
+) -> Encoded:
     """Tokenize `messages` exactly as rendered by the chat template (labels all IGNORE)."""
     return _tokenize(processor, messages, images, generation_prompt=generation_prompt, tools=tools)
 
@@ -149,7 +161,12 @@ def image_token_count(processor, width: int, height: int) -> int:
     from PIL import Image
 
     image_id = _image_token_id(processor)
-    enc = _tokenize(processor, [{"role": "user", "content": IMAGE_TOKEN}], [Image.new("RGB", (width, height))], generation_prompt=False)
+    enc = _tokenize(
+        processor,
+        [{"role": "user", "content": IMAGE_TOKEN}],
+        [Image.new("RGB", (width, height))],
+        generation_prompt=False,
+    )
     return sum(1 for t in enc.input_ids if t == image_id)
 
 
@@ -167,13 +184,22 @@ def _last_assistant(messages: Sequence[dict[str, Any]]) -> int:
     raise OvkitError("the conversation has no assistant turn to train on")
 
 
-def _tokenize(processor, messages: Sequence[dict[str, Any]], images: Sequence, *, generation_prompt: bool, tools: Sequence[dict] | None = None) -> Encoded:
+def _tokenize(
+    processor,
+    messages: Sequence[dict[str, Any]],
+    images: Sequence,
+    *,
+    generation_prompt: bool,
+    tools: Sequence[dict] | None = None,
+) -> Encoded:
     hf = to_hf_messages(messages)
     n_images = sum(1 for m in hf for p in m["content"] if p["type"] == "image")
     if n_images > len(images):
         raise OvkitError(f"the messages have {n_images} {IMAGE_TOKEN} markers but the row has {len(images)} images")
     if getattr(processor, "chat_template", None) is None:
-        raise OvkitError(f"{type(processor).__name__} has no chat template; give the model directory one (chat_template.jinja)")
+        raise OvkitError(
+            f"{type(processor).__name__} has no chat template; give the model directory one (chat_template.jinja)"
+        )
     extra = {"tools": list(tools)} if tools else {}
     text = processor.apply_chat_template(hf, tokenize=False, add_generation_prompt=generation_prompt, **extra)
     kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}

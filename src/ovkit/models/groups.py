@@ -19,7 +19,7 @@ A parameter belongs to the first group whose pattern matches (projector before v
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 from ovkit.errors import OvkitError
 
@@ -85,7 +85,9 @@ def trainable_names(model, preset_or_patterns: str | Iterable[str], *, freeze_vi
             try:
                 rx = re.compile(item)
             except re.error as e:
-                raise OvkitError(f"--trainable {item!r} is neither a group ({', '.join(GROUPS)}, all) nor a valid regular expression: {e}") from None
+                raise OvkitError(
+                    f"--trainable {item!r} is neither a group ({', '.join(GROUPS)}, all) nor a valid regular expression: {e}"
+                ) from None
             hit = {n for n in names if rx.search(n)}
         if not hit:
             arch = type(model).__name__

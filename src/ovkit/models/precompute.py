@@ -32,8 +32,14 @@ LOSS_KEYS = ("labels", "num_tokens", "num_targets", "target_index")
 # Sequence boundaries the attention kernels take; `to_device` tells the CPU-path kernel their host values.
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "image_cu_seqlens", "image_cu_window_seqlens")
 # Inputs of the vision tower's own forward, under the names transformers' precomputed-kwargs interface strips.
-VISION_KEYS = ("image_cu_seqlens", "image_max_seqlen", "image_position_ids", "image_window_index", "image_cu_window_seqlens",
-               "image_max_window_seqlen")
+VISION_KEYS = (
+    "image_cu_seqlens",
+    "image_max_seqlen",
+    "image_position_ids",
+    "image_window_index",
+    "image_cu_window_seqlens",
+    "image_max_window_seqlen",
+)
 
 
 def to_device(batch: dict[str, Any], device: Any, skip: tuple[str, ...] = LOSS_KEYS) -> dict[str, Any]:

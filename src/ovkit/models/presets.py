@@ -10,9 +10,10 @@ smoke-test a cluster without a download.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ovkit.errors import OvkitError
 
@@ -39,13 +40,30 @@ _RICE_NOTE = (
 
 # Qwen2.5-VL's vision tower (every published size shares it: 32 blocks of 1280, full attention every 8th block,
 # 112-pixel windows) and the text dimensions of the published sizes (their config.json files).
-QWEN25_VIT = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+QWEN25_VIT = dict(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+)
 
 
 def _qwen25(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, tie: bool) -> dict:
-    text = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                intermediate_size=intermediate, vocab_size=vocab, rope_theta=1_000_000.0, max_position_embeddings=128000)
+    text = dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=128000,
+    )
     return {"text": text, "vision": {**QWEN25_VIT, "out_hidden_size": hidden}, "tie": tie}
 
 
@@ -180,7 +198,9 @@ class InitModelConfig:
         elif kind == "compose":
             self._check_compose()
         elif composing:
-            raise OvkitError(f"--preset {self.preset} is not composed; drop --vision/--llm, or drop --preset to compose them")
+            raise OvkitError(
+                f"--preset {self.preset} is not composed; drop --vision/--llm, or drop --preset to compose them"
+            )
         elif kind == "hub":
             p = PRESETS[self.preset]
             raise OvkitError(
@@ -189,16 +209,22 @@ class InitModelConfig:
                 "as --model to the stages"
             )
         elif not self.corpus:
-            raise OvkitError(f"--corpus is required for --preset {self.preset}: a dataset whose text trains the tokenizer (e.g. the "
-                             "directory `ovkit synth --out data/` wrote)")
+            raise OvkitError(
+                f"--corpus is required for --preset {self.preset}: a dataset whose text trains the tokenizer (e.g. the "
+                "directory `ovkit synth --out data/` wrote)"
+            )
 
     def _check_random(self) -> None:
         p = PRESETS.get(self.preset)
         if p is None or p.arch is None:
             buildable = ", ".join(n for n, q in PRESETS.items() if q.arch)
-            raise OvkitError(f"--random-init builds the architecture of a preset with known dimensions ({buildable}); {self.preset} has none")
+            raise OvkitError(
+                f"--random-init builds the architecture of a preset with known dimensions ({buildable}); {self.preset} has none"
+            )
         if not self.random_init:
-            raise OvkitError(f"--preset {p.name} has no published weights: add --random-init to build it with random weights")
+            raise OvkitError(
+                f"--preset {p.name} has no published weights: add --random-init to build it with random weights"
+            )
         if self.vision is not None or self.llm is not None:
             raise OvkitError("--random-init builds from the preset's dimensions: drop --vision/--llm")
         self.processor = Path(self.processor) if self.processor is not None else None
@@ -263,19 +289,32 @@ def random_config(name: str, tokenizer: Any):
     arch = PRESETS[name].arch
     text = dict(arch["text"])
     if len(tokenizer) > text["vocab_size"]:
-        raise OvkitError(f"--processor: its tokenizer has {len(tokenizer)} tokens, more than {name}'s vocabulary ({text['vocab_size']})")
+        raise OvkitError(
+            f"--processor: its tokenizer has {len(tokenizer)} tokens, more than {name}'s vocabulary ({text['vocab_size']})"
+        )
     ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (
         ("image", "<|image_pad|>"), ("video", "<|video_pad|>"), ("start", "<|vision_start|>"), ("end", "<|vision_end|>"),
         ("eos", "<|im_end|>"), ("pad", "<|endoftext|>"))}  # fmt: skip
     missing = [k for k, v in ids.items() if v is None or v == getattr(tokenizer, "unk_token_id", -1)]
     if missing:
-        raise OvkitError(f"--processor: the tokenizer lacks Qwen-VL's special tokens ({', '.join(missing)}); use a Qwen2.5-VL processor or none")
+        raise OvkitError(
+            f"--processor: the tokenizer lacks Qwen-VL's special tokens ({', '.join(missing)}); use a Qwen2.5-VL processor or none"
+        )
     head_dim = text["hidden_size"] // text["num_attention_heads"]
-    rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"), "mrope_section": [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": text.pop("rope_theta"),
+        "mrope_section": [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16],
+    }
     text.update(rope_parameters=rope, eos_token_id=ids["eos"], pad_token_id=ids["pad"], bos_token_id=ids["pad"])
     return Qwen2_5_VLConfig(
-        text_config=text, vision_config=dict(arch["vision"]), image_token_id=ids["image"], video_token_id=ids["video"],
-        vision_start_token_id=ids["start"], vision_end_token_id=ids["end"], tie_word_embeddings=arch["tie"],
+        text_config=text,
+        vision_config=dict(arch["vision"]),
+        image_token_id=ids["image"],
+        video_token_id=ids["video"],
+        vision_start_token_id=ids["start"],
+        vision_end_token_id=ids["end"],
+        tie_word_embeddings=arch["tie"],
     )
 
 
@@ -296,10 +335,14 @@ def _random(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
         texts += [SYSTEM_PROMPT, ANSWER_PROMPT, THINK_PROMPT, "user", "assistant"] * 20
         processor = tiny_processor(train_tokenizer(texts, TINY.vocab_size))
     config = random_config(cfg.preset, processor.tokenizer)
-    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        cfg.dtype
+    ]
     torch.manual_seed(cfg.seed)
     model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype)
-    model.generation_config = GenerationConfig(eos_token_id=config.text_config.eos_token_id, pad_token_id=config.text_config.pad_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.text_config.eos_token_id, pad_token_id=config.text_config.pad_token_id
+    )
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     return {
@@ -335,7 +378,9 @@ def _compose(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
                 f"--llm {cfg.llm}: hidden size {got}, but --preset {cfg.preset} uses {PRESETS[cfg.preset].llm} "
                 f"(hidden size {want}); drop --preset to compose any vision encoder with any LLM"
             )
-    metrics = compose(cfg.vision, cfg.llm, out_dir, seed=cfg.seed, dtype=cfg.dtype, vision_feature_layer=cfg.vision_feature_layer)
+    metrics = compose(
+        cfg.vision, cfg.llm, out_dir, seed=cfg.seed, dtype=cfg.dtype, vision_feature_layer=cfg.vision_feature_layer
+    )
     return {"preset": cfg.preset, **metrics}
 
 

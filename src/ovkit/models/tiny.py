@@ -8,9 +8,9 @@ The sizes below were checked to learn count/colour/shape on 84x84 images within 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 # Qwen2-VL's special tokens, so real Qwen checkpoints and the tiny model share one chat format.
 PAD = "<|endoftext|>"
@@ -56,15 +56,15 @@ def chatml_template(image: str, video: str | None = None) -> str:
     """A Qwen2-VL style chat template: `<|im_start|>role\\n...<|im_end|>\\n` per turn, `image` where each image part
     goes. Content may be a string or a list of parts ({"type": "text", "text": ...}, {"type": "image"}). No default
     system prompt: a stage that wants one adds it (ovkit.prompts.with_instruction(..., system=True))."""
-    video_branch = (
-        "{%- elif part['type'] == 'video' or 'video' in part -%}{{- '" + video + "' -}}" if video else ""
-    )
+    video_branch = "{%- elif part['type'] == 'video' or 'video' in part -%}{{- '" + video + "' -}}" if video else ""
     return (
         "{%- for message in messages -%}"
         "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
         "{%- if message['content'] is string -%}{{- message['content'] -}}"
         "{%- else -%}{%- for part in message['content'] -%}"
-        "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}{{- '" + image + "' -}}"
+        "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}{{- '"
+        + image
+        + "' -}}"
         + video_branch
         + "{%- elif 'text' in part -%}{{- part['text'] -}}"
         "{%- endif -%}{%- endfor -%}{%- endif -%}"
@@ -122,7 +122,11 @@ def tiny_config(tokenizer, spec: TinySpec = TINY):
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": list(spec.mrope_section)},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": spec.rope_theta,
+            "mrope_section": list(spec.mrope_section),
+        },
         bos_token_id=ids[PAD],
         eos_token_id=ids[IM_END],
         pad_token_id=ids[PAD],

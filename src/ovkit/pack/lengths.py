@@ -20,9 +20,10 @@ import json
 import multiprocessing as mp
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -83,7 +84,7 @@ def length_by_sizes(processor, messages: Sequence[dict], images: Sequence[dict],
     total = len(ids) - n_markers
     for cell in images[:n_markers]:
         data = cell.get("bytes")
-        with (Image.open(io.BytesIO(data)) if data is not None else Image.open(cell["path"])) as im:
+        with Image.open(io.BytesIO(data)) if data is not None else Image.open(cell["path"]) as im:
             size = im.size
         if size not in counts:
             counts[size] = image_token_count(processor, *size)
@@ -193,7 +194,10 @@ def _check_sizes(model_dir: Path, rows: list) -> tuple[str, str]:
         except Exception:  # noqa: BLE001
             continue
         if fast != ref:
-            return "processor", f"sizes method gave {fast} where the processor gives {ref}; every row was encoded by the processor"
+            return (
+                "processor",
+                f"sizes method gave {fast} where the processor gives {ref}; every row was encoded by the processor",
+            )
         checked += 1
     return "sizes", f"sizes method matched the processor on {checked} checked rows"
 
@@ -228,7 +232,11 @@ def cache_key(data_fingerprint: dict, model_dir: Path, method: str, shard: tuple
     """Changes when the input, the processor's files, the method or the shard change; not with --max-len."""
     h = hashlib.sha256()
     # "images": what the pass checks of each image; rows measured before it decoded them whole must be measured again
-    h.update(json.dumps({"data": data_fingerprint, "method": method, "shard": shard, "images": "decode"}, sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            {"data": data_fingerprint, "method": method, "shard": shard, "images": "decode"}, sort_keys=True
+        ).encode()
+    )
     for f in sorted(Path(model_dir).rglob("*")):
         if f.is_file() and not f.name.endswith(_NOT_PROCESSOR) and f.name not in _NOT_PROCESSOR_NAMES:
             h.update(f.name.encode())
@@ -263,7 +271,11 @@ def read_cached(path: Path, ids: list[str]) -> Lengths | None:
 def write_cached(path: Path, ids: list[str], result: Lengths) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.table(
-        {"id": pa.array(ids, pa.string()), "length": pa.array(result.lengths, pa.int64()), "error": pa.array(result.errors, pa.string())}
+        {
+            "id": pa.array(ids, pa.string()),
+            "length": pa.array(result.lengths, pa.int64()),
+            "error": pa.array(result.errors, pa.string()),
+        }
     ).replace_schema_metadata({"ovkit": json.dumps({"method": result.method, "note": result.note})})
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp)

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import collections
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ class PackLayout:
     _rope_module: Any = None
 
     @classmethod
-    def for_model(cls, model_or_config, attention: str | None = None) -> "PackLayout":
+    def for_model(cls, model_or_config, attention: str | None = None) -> PackLayout:
         config = getattr(model_or_config, "config", model_or_config)
         if attention is None:
             from ovkit.runtime.attention import text_implementation
@@ -244,7 +245,9 @@ class _Rows:
 
     def __getitem__(self, row: int) -> dict[str, Any]:
         if not 0 <= row < self.n_rows:
-            raise OvkitError(f"the plan refers to row {row} but the dataset has {self.n_rows} rows; was it packed from this data?")
+            raise OvkitError(
+                f"the plan refers to row {row} but the dataset has {self.n_rows} rows; was it packed from this data?"
+            )
         g = int(np.searchsorted(self.starts, row, side="right")) - 1
         key = (os.getpid(), g)
         table = self.cache.get(key)
@@ -302,11 +305,15 @@ class PackedDataset(torch.utils.data.Dataset):
         for j in self.members(i):
             row = self.data[int(self.rows[j])]
             if row["id"] != self.ids[j]:
-                raise OvkitError(f"plan row {j}: id {self.ids[j]!r} is {row['id']!r} in the data; the plan was made from other data")
+                raise OvkitError(
+                    f"plan row {j}: id {self.ids[j]!r} is {row['id']!r} in the data; the plan was made from other data"
+                )
             try:
                 images = decode_images(row["images"])
             except OvkitError as e:  # the plan's pack pass decoded it; the data changed since
-                raise OvkitError(f"{where(self.data.path, f'{self.ids[j]!r} (index {int(self.rows[j])})', 'images')}: {e}") from None
+                raise OvkitError(
+                    f"{where(self.data.path, f'{self.ids[j]!r} (index {int(self.rows[j])})', 'images')}: {e}"
+                ) from None
             enc = encode_sample(self.processor, row["messages"], images)
             if enc.length != int(self.sample_lengths[j]):
                 raise OvkitError(

@@ -96,7 +96,9 @@ def build_plan(cfg: PackConfig, out_dir: Path) -> dict:
     started = time.perf_counter()
     shard = cfg.shard_tuple
     shard_index = shard[0] if shard else 0
-    samples = read_samples(cfg.data, shard=shard, on_error=cfg.on_error, images="header")  # the length pass decodes them
+    samples = read_samples(
+        cfg.data, shard=shard, on_error=cfg.on_error, images="header"
+    )  # the length pass decodes them
     table = samples.table
     ids = table.column("id").to_pylist()
     rows = samples.rows  # each kept row's index in the whole input (its id may repeat a rejected row's)
@@ -130,7 +132,11 @@ def build_plan(cfg: PackConfig, out_dir: Path) -> dict:
         length_method=measured.method,
         length_note=measured.note,
         lengths_cached=measured.cached,
-        seconds={"lengths": round(measured.seconds, 3), "pack": round(pack_seconds, 3), "total": round(time.perf_counter() - started, 3)},
+        seconds={
+            "lengths": round(measured.seconds, 3),
+            "pack": round(pack_seconds, 3),
+            "total": round(time.perf_counter() - started, 3),
+        },
     )
     write_json(out_dir / STATS, stats)
     fill_histogram(pack_loads(packs, lengths[keep]), cfg.max_len, out_dir / FILL)
@@ -152,7 +158,9 @@ def _plan_table(ids, rows, lengths, keep, packs, shard, max_len: int) -> pa.Tabl
         },
         schema=PLAN_SCHEMA,
     )
-    return table.replace_schema_metadata({"ovkit": json.dumps({"max_len": max_len, "shard": list(shard) if shard else None})})
+    return table.replace_schema_metadata(
+        {"ovkit": json.dumps({"max_len": max_len, "shard": list(shard) if shard else None})}
+    )
 
 
 def _lengths(cfg: PackConfig, table: pa.Table, ids: list[str], shard):
@@ -178,7 +186,9 @@ def _error_column(error: str) -> str:
     return "images" if error.startswith("image ") else "messages"
 
 
-def _rejects(invalid: pa.Table | None, ids, rows, lengths, errors, too_long, max_len: int, shard_index: int) -> pa.Table:
+def _rejects(
+    invalid: pa.Table | None, ids, rows, lengths, errors, too_long, max_len: int, shard_index: int
+) -> pa.Table:
     out = {name: [] for name in REJECT_SCHEMA.names}
 
     def add(rid, row, length, reason):
@@ -212,12 +222,16 @@ def plan_files(plan_dir: Path | str) -> list[Path]:
         raise OvkitError(f"{plan_dir}: not a pack plan (no {PLAN}, no part-*-of-*/{PLAN}); run `ovkit pack` first")
     totals = {int(named[p].group(2)) for p in parts}
     if len(totals) != 1:
-        raise OvkitError(f"{plan_dir}: parts of different --shard splits ({', '.join(map(str, sorted(totals)))}) are mixed")
+        raise OvkitError(
+            f"{plan_dir}: parts of different --shard splits ({', '.join(map(str, sorted(totals)))}) are mixed"
+        )
     n = totals.pop()
     have = {int(named[p].group(1)) for p in parts}
     missing = sorted(set(range(n)) - have)
     if missing:
-        raise OvkitError(f"{plan_dir}: parts {', '.join(map(str, missing))} of {n} are missing; run `ovkit pack --shard I/{n}` for them")
+        raise OvkitError(
+            f"{plan_dir}: parts {', '.join(map(str, missing))} of {n} are missing; run `ovkit pack --shard I/{n}` for them"
+        )
     return parts
 
 

@@ -80,7 +80,9 @@ DEFAULT_TIMEOUT = 10.0
 RESERVED_KWARGS = ("format_weight",)  # consumed by score() itself, not passed to the scorer
 
 
-def resolve_scorer(answer_type: str | None, source: str | None = None, source_map: Mapping[str, str] | None = None) -> str:
+def resolve_scorer(
+    answer_type: str | None, source: str | None = None, source_map: Mapping[str, str] | None = None
+) -> str:
     """Canonical scorer name for a row: its `answer_type` (name or alias, case-insensitive); for a row without one,
     the scorer of the longest `source_map` tag contained in its `source` (ROLL's `tag_included` rule)."""
     if answer_type is not None and str(answer_type).strip():
@@ -115,7 +117,7 @@ def _kwargs(reward_kwargs: dict | str | None) -> dict[str, Any]:
     return dict(reward_kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _accepted(func: Callable) -> frozenset[str] | None:
     """Keyword names a scorer takes beyond (completion, answer); None if it takes any (**kwargs)."""
     params = list(inspect.signature(func).parameters.values())
@@ -154,8 +156,13 @@ def check_gold(item: Mapping[str, Any], source_map: Mapping[str, str] | None = N
     kwargs first; the sandboxed ones only have their cheap gold parsers run (math-verify and SVG rendering are not)."""
     if item.get("answer_type") is None and not source_map:
         known = ", ".join(sorted({*SCORERS, *ALIASES}))
-        raise OvkitError(f"column 'answer_type': is null; RL and eval rows name the scorer of their answer (known: {known})")
-    if item.get("answer") is None and resolve_scorer(item.get("answer_type"), item.get("source"), source_map) != "format":
+        raise OvkitError(
+            f"column 'answer_type': is null; RL and eval rows name the scorer of their answer (known: {known})"
+        )
+    if (
+        item.get("answer") is None
+        and resolve_scorer(item.get("answer_type"), item.get("source"), source_map) != "format"
+    ):
         raise OvkitError("column 'answer': the gold answer is null")
     name, func, _, answer, kwargs, _, _ = _prepare({**item, "completion": ""}, source_map)
     if name != "format" and not answer.strip():
@@ -168,9 +175,14 @@ def check_gold(item: Mapping[str, Any], source_map: Mapping[str, str] | None = N
         func("", answer, **kwargs)
     except (TypeError, ValueError) as e:  # a reward_kwargs value of the wrong type reaches the scorer's arithmetic
         raise OvkitError(f"column 'reward_kwargs': scorer {name!r} cannot use them ({type(e).__name__}: {e})") from None
-    unreadable = {"boolean": text._yes_no(answer) is None, "multiple_choice": not any(text._choice_letter(a) for a in alternatives(answer))}
+    unreadable = {
+        "boolean": text._yes_no(answer) is None,
+        "multiple_choice": not any(text._choice_letter(a) for a in alternatives(answer)),
+    }
     if unreadable.get(name):
-        raise OvkitError(f"column 'answer': {answer[:80]!r} is not a gold answer for {name!r} (expected {'yes/no' if name == 'boolean' else 'a choice letter'})")
+        raise OvkitError(
+            f"column 'answer': {answer[:80]!r} is not a gold answer for {name!r} (expected {'yes/no' if name == 'boolean' else 'a choice letter'})"
+        )
 
 
 def _finish(raw: Reward, completion: str, mode: str, format_weight: float) -> Reward:
@@ -243,4 +255,6 @@ def score(
         "reward_kwargs": reward_kwargs,
         "prompt_type": prompt_type,
     }
-    return score_batch([item], workers=1, timeout=DEFAULT_TIMEOUT if timeout is None else timeout, source_map=source_map)[0]
+    return score_batch(
+        [item], workers=1, timeout=DEFAULT_TIMEOUT if timeout is None else timeout, source_map=source_map
+    )[0]

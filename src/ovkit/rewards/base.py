@@ -33,7 +33,9 @@ def gold_json(answer: str, what: str) -> Any:
     try:
         return json.loads(answer)
     except (TypeError, ValueError) as e:
-        raise OvkitError(f"column 'answer': expected JSON {what}, got {str(answer)[:80]!r} ({e}); fix the data") from None
+        raise OvkitError(
+            f"column 'answer': expected JSON {what}, got {str(answer)[:80]!r} ({e}); fix the data"
+        ) from None
 
 
 def alternatives(answer: str) -> list[str]:

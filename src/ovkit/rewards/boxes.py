@@ -62,7 +62,7 @@ def _converter(coords: str | None, pred_coords: str | None, image_size: Any):
     if pred_coords is None or pred_coords == coords:
         return lambda box: box
     if coords is None:
-        raise OvkitError("column 'reward_kwargs': \"pred_coords\" needs \"coords\" (the gold convention) as well")
+        raise OvkitError('column \'reward_kwargs\': "pred_coords" needs "coords" (the gold convention) as well')
     pw, ph = _scale(pred_coords, image_size)
     gw, gh = _scale(coords, image_size)
     return lambda b: (b[0] / pw * gw, b[1] / ph * gh, b[2] / pw * gw, b[3] / ph * gh)
@@ -254,7 +254,9 @@ def _mean_ap(pred: list[Det], gold: list[Det], ious: list[list[float]], threshol
     pred = [d for d in pred if d[0] in labels]  # ROLL drops predictions of classes absent from the gold
     if not pred:
         return 0.0
-    values = [ap for t in thresholds for lab in labels if (ap := _average_precision(pred, gold, ious, t, lab)) is not None]
+    values = [
+        ap for t in thresholds for lab in labels if (ap := _average_precision(pred, gold, ious, t, lab)) is not None
+    ]
     return sum(values) / len(values) if values else 0.0
 
 

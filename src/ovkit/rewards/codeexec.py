@@ -266,10 +266,17 @@ def run_sandboxed(
         tmp = os.path.realpath(tmp)
         if iso.drop_to_nobody:
             os.chown(tmp, sandbox.NOBODY, sandbox.NOBODY)
-        payload = json.dumps({
-            "code": source, "entry": entry, "calls": calls, "tmp": tmp, "read_roots": [*_read_roots(), tmp],
-            "seccomp": iso.seccomp.hex() if iso.seccomp else None, "hook": audit_hook,
-        }).encode()
+        payload = json.dumps(
+            {
+                "code": source,
+                "entry": entry,
+                "calls": calls,
+                "tmp": tmp,
+                "read_roots": [*_read_roots(), tmp],
+                "seccomp": iso.seccomp.hex() if iso.seccomp else None,
+                "hook": audit_hook,
+            }
+        ).encode()
         _prctl()
         info_r = info_w = None
         if iso.level == "bwrap":  # bwrap reports the sandbox's pid there: the parent waits for it to be gone
@@ -384,11 +391,11 @@ def _tests(answer: str) -> tuple[str, list[list[Any]], list[Any]]:
     tests = spec.get("tests") if isinstance(spec, dict) else None
     entry = spec.get("entry", "solution") if isinstance(spec, dict) else None
     if not isinstance(entry, str) or not entry.isidentifier() or not isinstance(tests, list) or not tests:
-        raise OvkitError("column 'answer': code answers are {\"entry\": name, \"tests\": [{\"input\"|\"args\", \"output\"}]}")
+        raise OvkitError('column \'answer\': code answers are {"entry": name, "tests": [{"input"|"args", "output"}]}')
     calls, expected = [], []
     for test in tests:
         if not isinstance(test, dict) or "output" not in test or ("input" in test) == ("args" in test):
-            raise OvkitError(f"column 'answer': each code test needs \"output\" and one of \"input\"/\"args\": {test!r}")
+            raise OvkitError(f'column \'answer\': each code test needs "output" and one of "input"/"args": {test!r}')
         args = test["args"] if "args" in test else [test["input"]]
         if not isinstance(args, list):
             raise OvkitError(f"column 'answer': \"args\" must be a list: {test!r}")

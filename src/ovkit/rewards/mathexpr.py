@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+
 from ovkit.rewards.base import Reward
 from ovkit.rewards.extract import extract_answer
 from ovkit.rewards.number import last_number

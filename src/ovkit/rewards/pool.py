@@ -32,8 +32,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 from ovkit.errors import OvkitError
 from ovkit.rewards.base import Reward
@@ -118,7 +119,10 @@ def _warm_up() -> None:
         pass  # an impossible OVKIT_SANDBOX request: reported by the first code item, in the caller
 
     shape = '<svg xmlns="http://www.w3.org/2000/svg" width="8" height="8"><rect width="4" height="4"/></svg>'
-    for warm in (lambda: mathexpr.math("<answer>\\frac{1}{2}</answer>", "0.5"), lambda: markup.svg(shape, shape.replace('"4"', '"5"'))):
+    for warm in (
+        lambda: mathexpr.math("<answer>\\frac{1}{2}</answer>", "0.5"),
+        lambda: markup.svg(shape, shape.replace('"4"', '"5"')),
+    ):
         try:
             warm()
         except Exception:

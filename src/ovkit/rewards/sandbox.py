@@ -40,25 +40,96 @@ CLONE_THREAD = 0x00010000
 # is 0) rather than a kill, which would look like a crash. Names a kernel or architecture lacks are skipped.
 DENIED = (
     # new processes and programs (threads, i.e. clone with CLONE_THREAD, stay allowed; clone3 gets ENOSYS below)
-    "fork", "vfork", "execve", "execveat",
+    "fork",
+    "vfork",
+    "execve",
+    "execveat",
     # other processes: signals, pidfds, tracing, memory
-    "kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open", "pidfd_send_signal",
-    "pidfd_getfd", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+    "kill",
+    "tkill",
+    "tgkill",
+    "rt_sigqueueinfo",
+    "rt_tgsigqueueinfo",
+    "pidfd_open",
+    "pidfd_send_signal",
+    "pidfd_getfd",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
     # the wall-clock backstop that the parent arms before exec, and our own death signal
-    "alarm", "setitimer", "prctl", "setrlimit", "prlimit64",
+    "alarm",
+    "setitimer",
+    "prctl",
+    "setrlimit",
+    "prlimit64",
     # the network
-    "socket", "socketpair",
+    "socket",
+    "socketpair",
     # identity, namespaces, mounts
-    "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setgroups", "setfsuid", "setfsgid",
-    "capset", "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount", "fsopen",
-    "fsmount", "fspick", "mount_setattr",
+    "setuid",
+    "setgid",
+    "setreuid",
+    "setregid",
+    "setresuid",
+    "setresgid",
+    "setgroups",
+    "setfsuid",
+    "setfsgid",
+    "capset",
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
     # kernel surfaces a pure-Python function has no use for (io_uring would also bypass this filter)
-    "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf", "perf_event_open", "userfaultfd", "keyctl",
-    "add_key", "request_key", "personality", "mknod", "mknodat", "open_by_handle_at", "name_to_handle_at",
-    "fanotify_init", "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
-    "swapon", "swapoff", "acct", "syslog", "quotactl", "vhangup", "iopl", "ioperm", "modify_ldt", "move_pages",
-    "migrate_pages", "mbind", "set_mempolicy", "clock_settime", "settimeofday", "adjtimex", "clock_adjtime",
-    "sethostname", "setdomainname",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "personality",
+    "mknod",
+    "mknodat",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "fanotify_init",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "kexec_load",
+    "kexec_file_load",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "syslog",
+    "quotactl",
+    "vhangup",
+    "iopl",
+    "ioperm",
+    "modify_ldt",
+    "move_pages",
+    "migrate_pages",
+    "mbind",
+    "set_mempolicy",
+    "clock_settime",
+    "settimeofday",
+    "adjtimex",
+    "clock_adjtime",
+    "sethostname",
+    "setdomainname",
 )
 
 
@@ -150,9 +221,21 @@ def bwrap_argv(bwrap: str, scratch: str, info_fd: int | None = None) -> list[str
     read-only root holding the libraries and the interpreter, `scratch` read-write and the working directory;
     `info_fd`: where bwrap writes the sandbox's pid (JSON)."""
     argv = [
-        bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-        "--unshare-cgroup-try", "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL",
-        "--die-with-parent", "--new-session",
+        bwrap,
+        "--unshare-user",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--uid",
+        str(NOBODY),
+        "--gid",
+        str(NOBODY),
+        "--cap-drop",
+        "ALL",
+        "--die-with-parent",
+        "--new-session",
     ]
     for path in ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32"):
         if os.path.islink(path):  # merged /usr: /lib -> usr/lib
@@ -171,13 +254,23 @@ def bwrap_argv(bwrap: str, scratch: str, info_fd: int | None = None) -> list[str
 def _starts(argv: list[str], preexec=None) -> str | None:
     """None if `argv + [python, -c, pass]` runs, else why not."""
     try:
-        done = subprocess.run([*argv, interpreter(), "-I", "-S", "-c", "pass"], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=20, preexec_fn=preexec,
-                              env={"LC_ALL": "C.UTF-8"})
+        done = subprocess.run(
+            [*argv, interpreter(), "-I", "-S", "-c", "pass"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=20,
+            preexec_fn=preexec,
+            env={"LC_ALL": "C.UTF-8"},
+        )
     except (OSError, subprocess.SubprocessError) as e:
         return str(e)
     if done.returncode != 0:
-        return done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:][0] if done.stderr else f"exit {done.returncode}"
+        return (
+            done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:][0]
+            if done.stderr
+            else f"exit {done.returncode}"
+        )
     return None
 
 
@@ -195,7 +288,7 @@ def _nobody_refusal() -> str | None:
     return _starts([], preexec=drop_privileges)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def isolation(requested: str | None = None) -> Isolation:
     """The isolation this process uses: `requested`, else OVKIT_SANDBOX, else (`auto`) the strongest available. A
     fallback from `bwrap` is reported once on stderr; an explicitly requested level that is unavailable is an error."""

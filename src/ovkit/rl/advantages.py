@@ -15,7 +15,9 @@ def transform_rewards(rewards: torch.Tensor, bias: float = -0.5, scale: float = 
     return (rewards + bias) * scale
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, std: bool = True) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, std: bool = True
+) -> torch.Tensor:
     """One advantage per trajectory: its reward minus the mean of its group, over the group's std (+ eps).
 
     `group_ids` labels each trajectory with its prompt's group (any integers; groups may differ in size). The std is

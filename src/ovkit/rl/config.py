@@ -12,8 +12,17 @@ from ovkit.evaluate.during import check_options as check_eval_options
 from ovkit.generate import RL_ENGINES
 from ovkit.runtime.log import check_trackers
 from ovkit.runtime.options import (  # torch-free: a bad option fails before torch imports (#29)
-    AGGREGATIONS, ATTENTION, KL_ESTIMATORS, canonical_correction as canonical_mode, canonical_precision, check_checkpointing,
-    check_kernels, check_optim, sampler_dtype,
+    AGGREGATIONS,
+    ATTENTION,
+    KL_ESTIMATORS,
+    canonical_precision,
+    check_checkpointing,
+    check_kernels,
+    check_optim,
+    sampler_dtype,
+)
+from ovkit.runtime.options import (
+    canonical_correction as canonical_mode,
 )
 
 if TYPE_CHECKING:
@@ -30,12 +39,32 @@ STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 # activation checkpointing). Every other option shapes the trajectory (sampling, rewards, the loss, its corrections,
 # the optimiser), so a resumed run must keep it: TRAJECTORY is derived below, and an option added later is covered
 # without being listed (Runtime.resume exits 2 naming it).
-RUN_CONTROL = frozenset({
-    "out", "resume", "overwrite", "quiet", "report_to", "save_every", "keep_checkpoints", "save_rollouts", "reward_workers",
-    "trust_remote_code", "vllm_server_url", "vllm_server_timeout", "micro_batch_size", "activation_checkpointing",
-    "gradient_checkpointing", "compile", "kernels", "use_liger_kernel",
-    "eval_data", "eval_every", "eval_limit", "eval_max_new_tokens",  # evaluation restores the RNG: same trajectory
-})
+RUN_CONTROL = frozenset(
+    {
+        "out",
+        "resume",
+        "overwrite",
+        "quiet",
+        "report_to",
+        "save_every",
+        "keep_checkpoints",
+        "save_rollouts",
+        "reward_workers",
+        "trust_remote_code",
+        "vllm_server_url",
+        "vllm_server_timeout",
+        "micro_batch_size",
+        "activation_checkpointing",
+        "gradient_checkpointing",
+        "compile",
+        "kernels",
+        "use_liger_kernel",
+        "eval_data",
+        "eval_every",
+        "eval_limit",
+        "eval_max_new_tokens",  # evaluation restores the RNG: same trajectory
+    }
+)
 
 
 @dataclass
@@ -100,7 +129,9 @@ class RLTrainConfig:
     system_prompt: bool = True  # prepend "You are a helpful AI assistant." (the recipe's system prompt)
     max_pixels: int = 512 * 512  # images are downscaled to at most this many pixels (the recipe's 512x512 cap)
     freeze_vision: bool = False
-    lora_r: int = 0  # LoRA rank (0: full fine-tuning); adapters on the selection's attention/MLP projections (ovkit.runtime.lora)
+    lora_r: int = (
+        0  # LoRA rank (0: full fine-tuning); adapters on the selection's attention/MLP projections (ovkit.runtime.lora)
+    )
     lora_alpha: float = 16.0  # LoRA scale alpha (the update is alpha / r * B A)
     lora_dropout: float = 0.0
     lora_targets: list[str] | None = None  # regexes over module names to adapt instead of the per-architecture default
@@ -109,10 +140,14 @@ class RLTrainConfig:
     save_rollouts: bool = False  # write every step's trajectories to OUT/rollouts/
     resume: bool = False  # continue the run in OUT.partial/ from its last checkpoint
     report_to: list[str] = field(default_factory=list)  # experiment trackers: tensorboard, wandb, mlflow, trackio
-    eval_data: list[Path] | None = None  # held-out tables scored while training (ovkit.evaluate.during): eval/reward, eval/accuracy, ...
+    eval_data: list[Path] | None = (
+        None  # held-out tables scored while training (ovkit.evaluate.during): eval/reward, eval/accuracy, ...
+    )
     eval_every: int = 0  # evaluate on --eval-data every N steps, and after the last (0: only after the last)
     eval_limit: int | None = None  # at most this many eval rows per category (the first ones, as `ovkit eval --limit`)
-    eval_max_new_tokens: int | None = None  # the eval's generation budget; default: per category (`ovkit eval`'s token_budgets)
+    eval_max_new_tokens: int | None = (
+        None  # the eval's generation budget; default: per category (`ovkit eval`'s token_budgets)
+    )
     reward_workers: int = 2
     env: str | None = None  # multi-turn: an environment (ovkit.envs: zoom, verifier, or package.module:factory)
     env_arg: Any = None  # its arguments: key=value strings (--env-arg, repeatable) or a mapping (YAML)
@@ -155,7 +190,16 @@ class RLTrainConfig:
         self._check()
 
     def _check(self) -> None:
-        positive = ("prompts_per_step", "group_size", "max_new_tokens", "ppo_minibatches", "micro_batch_size", "rollout_batch_size", "keep_checkpoints", "reward_workers")
+        positive = (
+            "prompts_per_step",
+            "group_size",
+            "max_new_tokens",
+            "ppo_minibatches",
+            "micro_batch_size",
+            "rollout_batch_size",
+            "keep_checkpoints",
+            "reward_workers",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise OvkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -164,10 +208,15 @@ class RLTrainConfig:
         if (self.max_steps is not None and self.max_steps < 1) or (self.epochs is not None and self.epochs <= 0):
             raise OvkitError("--max-steps must be >= 1 and --epochs > 0")
         if self.ppo_minibatches > self.prompts_per_step * self.group_size:
-            raise OvkitError("--ppo-minibatches cannot exceed the trajectories per step (prompts-per-step x group-size)")
+            raise OvkitError(
+                "--ppo-minibatches cannot exceed the trajectories per step (prompts-per-step x group-size)"
+            )
         checks = [
             (self.max_staleness >= 0, "--max-staleness must be >= 0 (0 = synchronous on-policy)"),
-            (self.lr > 0 and self.weight_decay >= 0 and self.max_grad_norm >= 0, "need --lr > 0, --weight-decay >= 0, --max-grad-norm >= 0"),
+            (
+                self.lr > 0 and self.weight_decay >= 0 and self.max_grad_norm >= 0,
+                "need --lr > 0, --weight-decay >= 0, --max-grad-norm >= 0",
+            ),
             (0 <= self.warmup_ratio < 1, "--warmup-ratio must be in [0, 1)"),
             (0 <= self.eps_clip < 1 and self.eps_clip_high >= 0, "need 0 <= --eps-clip < 1 and --eps-clip-high >= 0"),
             (self.behave_cap >= 0, "--behave-cap must be >= 0 (0 = no cap)"),
@@ -178,10 +227,16 @@ class RLTrainConfig:
             (self.kl_coef >= 0, "--kl-coef must be >= 0"),
             (0 <= self.format_weight <= 1, "--format-weight must be in [0, 1]"),
             (self.correction_threshold > 0, "--correction-threshold must be > 0"),
-            (self.correction_lower is None or 0 <= self.correction_lower <= self.correction_threshold, "need 0 <= --correction-lower <= --correction-threshold"),
+            (
+                self.correction_lower is None or 0 <= self.correction_lower <= self.correction_threshold,
+                "need 0 <= --correction-lower <= --correction-threshold",
+            ),
             (self.geo_lower <= self.geo_upper, "need --geo-lower <= --geo-upper"),
             (self.engine in RL_ENGINES, f"--engine must be one of {', '.join(RL_ENGINES)}"),
-            (self.lora_r >= 0 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1, "need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1"),
+            (
+                self.lora_r >= 0 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1,
+                "need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1",
+            ),
             (self.attn_implementation in ATTENTION, f"--attn-implementation must be one of {', '.join(ATTENTION)}"),
             (self.save_every >= 0, "--save-every must be >= 0"),
         ]

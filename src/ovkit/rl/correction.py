@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ovkit.runtime.options import CORRECTIONS as MODES, VERL_ALIASES  # noqa: F401 (re-exported: one definition, torch-free)
+from ovkit.runtime.options import CORRECTIONS as MODES  # noqa: F401 (re-exported: one definition, torch-free)
 from ovkit.runtime.options import canonical_correction as canonical_mode  # noqa: F401
 
 SAFETY_BOUND = 20.0
@@ -55,7 +55,9 @@ class Correction:
         if self.behave_level not in ("token", "sequence"):
             raise ValueError(f"behaviour-weight level must be token or sequence, got {self.behave_level!r}")
         if self.upper <= 0 or (self.lower is not None and self.lower > self.upper):
-            raise ValueError(f"correction thresholds need 0 <= lower <= upper, got lower={self.lower} upper={self.upper}")
+            raise ValueError(
+                f"correction thresholds need 0 <= lower <= upper, got lower={self.lower} upper={self.upper}"
+            )
         if self.geo_lower > self.geo_upper:
             raise ValueError(f"geometric bounds need lower <= upper, got {self.geo_lower} > {self.geo_upper}")
 
@@ -91,7 +93,9 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_seq.expand_as(mask).to(torch.float32)
 
 
-def off_policy_weights(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor, corr: Correction, stats: bool = True) -> OffPolicyWeights:
+def off_policy_weights(
+    prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor, corr: Correction, stats: bool = True
+) -> OffPolicyWeights:
     """Weights for the policy-gradient loss, one per token of the [N, T] layout (`mask` = response tokens), and
     their statistics (`stats=False`: none, for a micro-batch of the gradient pass). No device-to-host read."""
     mask = mask.bool()

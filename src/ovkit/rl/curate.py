@@ -25,9 +25,10 @@ other row to stage 1.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ovkit.errors import OvkitError
 
@@ -52,10 +53,14 @@ class CurateConfig:
     keep_sources: list[str] = field(default_factory=list)  # sources kept whatever their difficulty
     stage2_categories: list[str] = field(default_factory=lambda: list(STAGE2_CATEGORIES))
     exclude_categories: list[str] = field(default_factory=list)  # categories left out of RL (not sampled)
-    prompt: str = "auto"  # instruction the rollouts are sampled with: auto (the row's stage: 1 answer, 2 think) | answer | think
+    prompt: str = (
+        "auto"  # instruction the rollouts are sampled with: auto (the row's stage: 1 answer, 2 think) | answer | think
+    )
     engine: str = "hf"
     precision: str = "auto"  # the sampler's compute precision (ovkit.runtime.precision)
-    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    attn_implementation: str = (
+        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    )
     batch_size: int = 64  # sequences per generate call (prompts x n)
     max_new_tokens: int = 1024
     temperature: float = 1.0
@@ -146,7 +151,18 @@ def prompt_stats(groups, rows: Sequence[dict[str, Any]], cfg: CurateConfig) -> l
         pass1, passn = sum(rewards) / len(rewards), max(rewards)
         acc = sum(p.get("accuracy", 0.0) >= 1.0 for p in g.parts) / len(g.parts)
         kept = select(pass1, passn, g.prompt.source, cfg)
-        out.append(PromptStats(g.prompt.id, g.prompt.category, g.prompt.source, pass1, passn, acc, kept, stage_of(row, cfg.stage2_categories)))
+        out.append(
+            PromptStats(
+                g.prompt.id,
+                g.prompt.category,
+                g.prompt.source,
+                pass1,
+                passn,
+                acc,
+                kept,
+                stage_of(row, cfg.stage2_categories),
+            )
+        )
     return out
 
 
@@ -159,7 +175,13 @@ def sample_groups(cfg: CurateConfig, engine, prompts, mode: str, bar, episodes=N
     groups: list = []
     for start in range(0, len(prompts), per_call):
         chunk = prompts[start : start + per_call]
-        sampling = dict(n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed * 7919 + start)
+        sampling = dict(
+            n=cfg.n,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            seed=cfg.seed * 7919 + start,
+        )
         if episodes is not None:
             outs = episodes.run(chunk, **sampling)
         else:
@@ -184,7 +206,15 @@ def rollout_all(cfg: CurateConfig, engine, processor, table, stages: Sequence[in
         rows = [i for i, st in enumerate(stages) if mode_of(st, cfg.prompt) == mode]
         if not rows:
             continue
-        prompts = encode_prompts(table.take(rows), processor, mode=mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels, extra=env_instruction(cfg), tools=env_tools(cfg))
+        prompts = encode_prompts(
+            table.take(rows),
+            processor,
+            mode=mode,
+            system=cfg.system_prompt,
+            max_pixels=cfg.max_pixels,
+            extra=env_instruction(cfg),
+            tools=env_tools(cfg),
+        )
         episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels)
         for i, g in zip(rows, sample_groups(cfg, engine, prompts, mode, bar, episodes)):
             g.index = i
@@ -199,14 +229,20 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
 
     from ovkit.data import read_samples, write_samples, write_table
     from ovkit.rollouts.groups import groups_table
-    from ovkit.runtime.engines import build_engine
-
     from ovkit.rollouts.prompts import limit_per_category
+    from ovkit.runtime.engines import build_engine
 
     table = limit_per_category(read_samples(cfg.data, shard=shard, answers=True).table, cfg.limit)
     table, excluded = exclude_categories(table, cfg.exclude_categories, cfg.data)
-    engine = build_engine(cfg.engine, model_dir=cfg.model, precision=cfg.precision, batch_size=cfg.batch_size, seed=cfg.seed,
-                          trust_remote_code=cfg.trust_remote_code, attn_implementation=cfg.attn_implementation)
+    engine = build_engine(
+        cfg.engine,
+        model_dir=cfg.model,
+        precision=cfg.precision,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        trust_remote_code=cfg.trust_remote_code,
+        attn_implementation=cfg.attn_implementation,
+    )
     processor = engine.processor
     rows = table.to_pylist()
     groups = rollout_all(cfg, engine, processor, table, [stage_of(r, cfg.stage2_categories) for r in rows])
@@ -217,7 +253,10 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
     for stage in (1, 2):
         keep = [i for i, s in enumerate(stats) if s.kept and s.stage == stage]
         write_samples(annotated.take(pa.array(keep, pa.int64())), out_dir / f"stage{stage}", shard)
-    write_table(groups_table(groups, with_images=cfg.rollout_images, tokenizer=getattr(processor, "tokenizer", processor)), out_dir / "rollouts" / _part(shard))
+    write_table(
+        groups_table(groups, with_images=cfg.rollout_images, tokenizer=getattr(processor, "tokenizer", processor)),
+        out_dir / "rollouts" / _part(shard),
+    )
     write_table(pa.Table.from_pylist([vars(s) for s in stats]), out_dir / "curation.parquet")
     summary = {**summarise(stats, cfg), "excluded": excluded}
     (out_dir / "stats.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -251,6 +290,7 @@ def _part(shard: tuple[int, int] | None) -> str:
 
 def summarise(stats: Sequence[PromptStats], cfg: CurateConfig) -> dict[str, Any]:
     """Counts and mean pass@1 / pass@N, overall and per category (deterministic: no timings)."""
+
     def block(items: Sequence[PromptStats]) -> dict[str, Any]:
         n = max(len(items), 1)
         return {
@@ -294,14 +334,33 @@ def plot_difficulty(stats: Sequence[PromptStats], cfg: CurateConfig, path: Path)
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     bins = [i / 20 for i in range(21)]
-    left.hist([[s.pass_at_1 for s in stats if s.kept], [s.pass_at_1 for s in stats if not s.kept]], bins=bins, stacked=True, label=["kept", "dropped"], color=["tab:green", "tab:gray"])
+    left.hist(
+        [[s.pass_at_1 for s in stats if s.kept], [s.pass_at_1 for s in stats if not s.kept]],
+        bins=bins,
+        stacked=True,
+        label=["kept", "dropped"],
+        color=["tab:green", "tab:gray"],
+    )
     if cfg.select == "mean":
         left.axvspan(cfg.min_reward, cfg.max_reward, color="tab:green", alpha=0.08)
-    left.set(xlabel="pass@1 (mean reward over rollouts)", ylabel="prompts", title=f"difficulty ({cfg.n} rollouts per prompt)")
+    left.set(
+        xlabel="pass@1 (mean reward over rollouts)", ylabel="prompts", title=f"difficulty ({cfg.n} rollouts per prompt)"
+    )
     left.legend()
-    right.scatter([s.pass_at_1 for s in stats], [s.pass_at_n for s in stats], c=["tab:green" if s.kept else "tab:gray" for s in stats], s=12)
+    right.scatter(
+        [s.pass_at_1 for s in stats],
+        [s.pass_at_n for s in stats],
+        c=["tab:green" if s.kept else "tab:gray" for s in stats],
+        s=12,
+    )
     right.plot([0, 1], [0, 1], color="black", lw=0.5)
-    right.set(xlabel="pass@1", ylabel=f"pass@{cfg.n}", title="latent capability: pass@N - pass@1", xlim=(-0.02, 1.02), ylim=(-0.02, 1.02))
+    right.set(
+        xlabel="pass@1",
+        ylabel=f"pass@{cfg.n}",
+        title="latent capability: pass@N - pass@1",
+        xlim=(-0.02, 1.02),
+        ylim=(-0.02, 1.02),
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})
     plt.close(fig)

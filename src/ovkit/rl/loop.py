@@ -26,8 +26,9 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -42,7 +43,6 @@ from ovkit.rollouts.groups import Group, Sampling, score_groups
 from ovkit.runs import is_complete
 from ovkit.runtime import Runtime
 from ovkit.runtime.optim import constant_factor
-
 
 # A rollout table's row per token at most: token id, sampler log-prob, loss mask (before parquet's compression).
 ROLLOUT_BYTES_PER_TOKEN = 9
@@ -59,21 +59,34 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     params = trainable(model, cfg, rt)
     prompts = _prompts(cfg, tables, processor)
     if cfg.prompts_per_step % rt.processes:
-        raise OvkitError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of the {rt.processes} processes (each samples an equal share)")
+        raise OvkitError(
+            f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of the {rt.processes} processes (each samples an equal share)"
+        )
     warn_few_prompts(cfg, len(prompts), rt.is_main)
     n_steps = total_steps(cfg, len(prompts))
     response = cfg.max_response_tokens or cfg.max_new_tokens
     longest = max(p.encoded.length for p in prompts) + response
-    rollout_bytes = n_steps * cfg.prompts_per_step * cfg.group_size * longest * ROLLOUT_BYTES_PER_TOKEN if cfg.save_rollouts else 0
+    rollout_bytes = (
+        n_steps * cfg.prompts_per_step * cfg.group_size * longest * ROLLOUT_BYTES_PER_TOKEN if cfg.save_rollouts else 0
+    )
     rt.check_space(model, n_steps=n_steps, save_every=cfg.save_every, keep=cfg.keep_checkpoints, extra=rollout_bytes,
                    what=", --save-rollouts tables" if cfg.save_rollouts else "")  # fmt: skip
-    evaluate = evaluator(cfg, rt, processor, n_steps, prompt=cfg.mode, loss=False, batch_size=cfg.rollout_batch_size)  # --eval-data
+    evaluate = evaluator(
+        cfg, rt, processor, n_steps, prompt=cfg.mode, loss=False, batch_size=cfg.rollout_batch_size
+    )  # --eval-data
     rt.make_run_dir()  # only now: bad inputs leave nothing behind
-    optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: constant_factor(s, n_steps, cfg.warmup_ratio))
+    optimizer, scheduler = rt.optimizer(
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        schedule=lambda s: constant_factor(s, n_steps, cfg.warmup_ratio),
+    )
     rt.checkpointing(model, tokens=cfg.micro_batch_size * longest)  # before the sampler copies it
     rt.compile(model)  # after checkpointing; the sampler's generation (KV cache) and its deep copy run eager
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
-    state = rt.resume({"step": 0, "elapsed_s": 0.0, "samples": 0, "tokens": 0})  # a resumed run's weights are back in `model`
+    state = rt.resume(
+        {"step": 0, "elapsed_s": 0.0, "samples": 0, "tokens": 0}
+    )  # a resumed run's weights are back in `model`
     ref_model = _reference(rt, cfg) if cfg.kl_coef else None
     pad_id = pad_token_id(processor, model)
     rollouts = _rollouts(cfg, model, processor, prompts, rt.accelerator.process_index, rt.processes)
@@ -110,15 +123,21 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
                 "samples": state["samples"],
                 "elapsed_s": state["elapsed_s"],
             })  # fmt: skip
-            state["tokens"] = state.get("tokens", 0) + metrics.pop("step_tokens")  # a checkpoint from before #29 has none
+            state["tokens"] = state.get("tokens", 0) + metrics.pop(
+                "step_tokens"
+            )  # a checkpoint from before #29 has none
             # TRL's names: num_tokens (prompt + completion, cumulative), epoch (passes over DATA, fractional)
             metrics.update(tokens=state["tokens"], epoch=(step + 1) * cfg.prompts_per_step / len(prompts))
-            metrics.update(evaluate(step + 1, scorer))  # every --eval-every steps and at the end; the trajectory is untouched
+            metrics.update(
+                evaluate(step + 1, scorer)
+            )  # every --eval-every steps and at the end; the trajectory is untouched
             logger.log(step + 1, metrics)
             state["last"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < n_steps:
                 rt.save_checkpoint(scorer, processor, state, cfg.keep_checkpoints)
-            rt.stop_if_asked(scorer, processor, state, cfg.keep_checkpoints, n_steps)  # SIGINT/SIGTERM: checkpoint, exit
+            rt.stop_if_asked(
+                scorer, processor, state, cfg.keep_checkpoints, n_steps
+            )  # SIGINT/SIGTERM: checkpoint, exit
     except torch.cuda.OutOfMemoryError as e:  # one message, exit 3; the last checkpoint stays
         raise rt.out_of_memory(e, state) from e
     except OSError as e:  # disk full while logging or writing rollouts: one line, exit 2; the last checkpoint stays
@@ -142,7 +161,9 @@ def _summary(cfg: RLTrainConfig, rt: Runtime, state: dict[str, Any], n_steps: in
     import json
 
     path = rt.run_dir / "metrics.jsonl"  # the main process's (the one that writes OUT)
-    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if rt.is_main and path.is_file() else []
+    rows = (
+        [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if rt.is_main and path.is_file() else []
+    )
     first, last = (rows[0], rows[-1]) if rows else ({}, {})
     return {
         "steps": n_steps,
@@ -162,9 +183,13 @@ def warn_few_prompts(cfg: RLTrainConfig, n_prompts: int, main: bool = True) -> N
     """One stderr line when a step needs more groups than DATA has prompts: the stream then runs through the set
     more than once per step (ovkit.rollouts.groups.prompt_order), so the same prompt is several groups of one step."""
     if n_prompts < cfg.prompts_per_step and main:
-        print(f"warning: DATA has {n_prompts} prompt(s), fewer than --prompts-per-step {cfg.prompts_per_step}: prompts repeat "
-              f"within a step (each about {cfg.prompts_per_step / n_prompts:.3g} times, as separate groups); "
-              f"give more prompts or a --prompts-per-step of at most {n_prompts}", file=sys.stderr, flush=True)
+        print(
+            f"warning: DATA has {n_prompts} prompt(s), fewer than --prompts-per-step {cfg.prompts_per_step}: prompts repeat "
+            f"within a step (each about {cfg.prompts_per_step / n_prompts:.3g} times, as separate groups); "
+            f"give more prompts or a --prompts-per-step of at most {n_prompts}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def total_steps(cfg: RLTrainConfig, n_prompts: int) -> int:
@@ -204,9 +229,19 @@ def _prompts(cfg: RLTrainConfig, tables: list, processor) -> list:
 
     prompts = []
     for table in tables:
-        prompts += encode_prompts(table, processor, mode=cfg.mode, system=cfg.system_prompt, max_pixels=cfg.max_pixels, extra=env_instruction(cfg), tools=env_tools(cfg))
+        prompts += encode_prompts(
+            table,
+            processor,
+            mode=cfg.mode,
+            system=cfg.system_prompt,
+            max_pixels=cfg.max_pixels,
+            extra=env_instruction(cfg),
+            tools=env_tools(cfg),
+        )
     if not prompts:
-        raise OvkitError(f"DATA {', '.join(map(str, cfg.data))}: no RL prompts (an rl-curate stage set can be empty when the model solves all or none of the prompts)")
+        raise OvkitError(
+            f"DATA {', '.join(map(str, cfg.data))}: no RL prompts (an rl-curate stage set can be empty when the model solves all or none of the prompts)"
+        )
     return prompts
 
 
@@ -218,20 +253,46 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
 
     if cfg.engine == "vllm-server":  # its own process: weights pushed over NCCL every step
         if cfg.sampler_precision is not None:
-            raise OvkitError("--sampler-precision with --engine vllm-server: the server samples in the dtype it was started with (vllm serve --dtype)")
-        return build_engine("vllm-server", model=model, processor=processor, quant=cfg.sampler_quant, seed=cfg.seed,
-                            server_url=cfg.vllm_server_url, server_timeout=cfg.vllm_server_timeout)
+            raise OvkitError(
+                "--sampler-precision with --engine vllm-server: the server samples in the dtype it was started with (vllm serve --dtype)"
+            )
+        return build_engine(
+            "vllm-server",
+            model=model,
+            processor=processor,
+            quant=cfg.sampler_quant,
+            seed=cfg.seed,
+            server_url=cfg.vllm_server_url,
+            server_timeout=cfg.vllm_server_timeout,
+        )
     if cfg.engine == "vllm":
         if cfg.sampler_quant not in (None, "fp8"):
-            raise OvkitError(f"--sampler-quant {cfg.sampler_quant} with --engine vllm: vLLM quantises a bf16 checkpoint on the fly to fp8 only (use --engine hf for int8)")
+            raise OvkitError(
+                f"--sampler-quant {cfg.sampler_quant} with --engine vllm: vLLM quantises a bf16 checkpoint on the fly to fp8 only (use --engine hf for int8)"
+            )
         # colocated: vLLM sleeps while the learner updates (synchronous runs), weights written in place every step
-        return build_engine("vllm", model_dir=cfg.model, processor=processor, precision=cfg.sampler_precision or "auto", seed=cfg.seed, quant=cfg.sampler_quant,
-                            sleep=cfg.max_staleness == 0, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
+        return build_engine(
+            "vllm",
+            model_dir=cfg.model,
+            processor=processor,
+            precision=cfg.sampler_precision or "auto",
+            seed=cfg.seed,
+            quant=cfg.sampler_quant,
+            sleep=cfg.max_staleness == 0,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        )
     # An own copy (asynchronous runs) is held in the learner's compute dtype: bf16 under bf16-mixed also where the
     # learner keeps fp32 weights under autocast (DDP, adamw_8bit), 2 bytes per parameter, not 4 (#26)
     own = cfg.sampler_precision or ("bf16" if prec.resolve(cfg.precision, device()).dtype == torch.bfloat16 else None)
-    return build_engine("hf", model=model, processor=processor, precision=own if cfg.max_staleness > 0 else cfg.sampler_precision,
-                        quant=cfg.sampler_quant, separate=cfg.max_staleness > 0, batch_size=cfg.rollout_batch_size)
+    return build_engine(
+        "hf",
+        model=model,
+        processor=processor,
+        precision=own if cfg.max_staleness > 0 else cfg.sampler_precision,
+        quant=cfg.sampler_quant,
+        separate=cfg.max_staleness > 0,
+        batch_size=cfg.rollout_batch_size,
+    )
 
 
 def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, world: int = 1):
@@ -245,7 +306,17 @@ def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, worl
     per_process = cfg.prompts_per_step // world
     if cfg.max_staleness == 0:
         return SyncRollouts(engine, prompts, per_process, sampling, score, rank=rank, world=world)
-    return AsyncRollouts(engine, prompts, per_process, sampling, score, cfg.max_staleness, groups_per_call=per_process, rank=rank, world=world)
+    return AsyncRollouts(
+        engine,
+        prompts,
+        per_process,
+        sampling,
+        score,
+        cfg.max_staleness,
+        groups_per_call=per_process,
+        rank=rank,
+        world=world,
+    )
 
 
 def _save_rollouts(rt: Runtime, step: int, groups: Sequence[Group], tokenizer: Any = None) -> None:

@@ -11,15 +11,17 @@ masked by the behaviour cap or a correction, so masking never inflates the other
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from ovkit.runtime.options import AGGREGATIONS, KL_ESTIMATORS  # noqa: F401 (re-exported: one definition, torch-free)
 
 
-def aggregation_weights(mask: torch.Tensor, mode: str = "token-mean", constant: float | None = None, totals: Sequence[float] | None = None) -> torch.Tensor:
+def aggregation_weights(
+    mask: torch.Tensor, mode: str = "token-mean", constant: float | None = None, totals: Sequence[float] | None = None
+) -> torch.Tensor:
     """Per-token weights whose masked sum of a per-token loss is the aggregated loss (verl's `loss_agg_mode`).
 
     token-mean: every response token of the batch counts once (AReaL, DAPO).

@@ -9,7 +9,8 @@ d = prox_logprobs - behave_logprobs, and |delta logp| is |d| (max and mean over 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,7 +27,9 @@ def mismatch_stats(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, m
     return read(mismatch_tensors(prox_logprobs, behave_logprobs, mask)) if mask.bool().any() else {}
 
 
-def mismatch_tensors(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def mismatch_tensors(
+    prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """`mismatch_stats` as 0-dim device tensors, by masked reductions (no device-to-host read); the caller knows
     that `mask` selects at least one token."""
     mask = mask.bool()
@@ -130,17 +133,29 @@ def turn_mismatch_tensors(prox, behave, mask, turn_ids, turn_tokens: tuple[int, 
     if turn_ids is None or not turn_tokens[1]:
         return {}
     out = {}
-    for name, where, n in (("first_turn", turn_ids == 0, turn_tokens[0]), ("later_turns", turn_ids > 0, turn_tokens[1])):
+    for name, where, n in (
+        ("first_turn", turn_ids == 0, turn_tokens[0]),
+        ("later_turns", turn_ids > 0, turn_tokens[1]),
+    ):
         if n:
             stats = mismatch_tensors(prox, behave, mask & where)
-            out.update({f"mismatch/{name}/{k}": stats[f"mismatch/{k}"] for k in ("vllm_kl", "delta_logp_mean", "log_ppl_abs_diff")})
+            out.update(
+                {
+                    f"mismatch/{name}/{k}": stats[f"mismatch/{k}"]
+                    for k in ("vllm_kl", "delta_logp_mean", "log_ppl_abs_diff")
+                }
+            )
     return out
 
 
 def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
     trajectories = [(g, i) for g in groups for i in range(len(g.completions))]
     task = [g.task_rewards[i] for g, i in trajectories]
-    out: dict[str, Any] = reward_stats(task, [g.prompt.category for g, _ in trajectories], [g.parts[i].get("accuracy", 0.0) >= 1.0 for g, i in trajectories])
+    out: dict[str, Any] = reward_stats(
+        task,
+        [g.prompt.category for g, _ in trajectories],
+        [g.parts[i].get("accuracy", 0.0) >= 1.0 for g, i in trajectories],
+    )
     # The task reward alone (the answer's score before --format-weight mixes in the format reward): TRL logs each
     # reward function as rewards/<name>/mean and /std, so this is rewards/task/*, beside rewards/format/mean.
     out["task_reward/mean"], out["task_reward/std"] = out["reward/mean"], out["reward/std"]

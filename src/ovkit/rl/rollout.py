@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -21,8 +22,23 @@ from ovkit.rollouts.prompts import Prompt
 class SyncRollouts:
     """max_staleness = 0: each step's batch is generated at the learner's current version, in the caller's thread."""
 
-    def __init__(self, engine: Any, prompts: Sequence[Prompt], groups_per_step: int, sampling: Sampling, score: Callable, rank: int = 0, world: int = 1):
-        self.engine, self.prompts, self.per_step, self.sampling, self.score = engine, prompts, groups_per_step, sampling, score
+    def __init__(
+        self,
+        engine: Any,
+        prompts: Sequence[Prompt],
+        groups_per_step: int,
+        sampling: Sampling,
+        score: Callable,
+        rank: int = 0,
+        world: int = 1,
+    ):
+        self.engine, self.prompts, self.per_step, self.sampling, self.score = (
+            engine,
+            prompts,
+            groups_per_step,
+            sampling,
+            score,
+        )
         self.rank, self.world = rank, world
         self.version = 0
 
@@ -51,10 +67,27 @@ class AsyncRollouts:
     the admission bound hold at consumption (ovkit.rl.staleness).
     """
 
-    def __init__(self, engine: Any, prompts: Sequence[Prompt], groups_per_step: int, sampling: Sampling, score: Callable, max_staleness: int, groups_per_call: int, rank: int = 0, world: int = 1):
+    def __init__(
+        self,
+        engine: Any,
+        prompts: Sequence[Prompt],
+        groups_per_step: int,
+        sampling: Sampling,
+        score: Callable,
+        max_staleness: int,
+        groups_per_call: int,
+        rank: int = 0,
+        world: int = 1,
+    ):
         from ovkit.rl.staleness import StalenessController
 
-        self.engine, self.prompts, self.per_step, self.sampling, self.score = engine, prompts, groups_per_step, sampling, score
+        self.engine, self.prompts, self.per_step, self.sampling, self.score = (
+            engine,
+            prompts,
+            groups_per_step,
+            sampling,
+            score,
+        )
         self.rank, self.world = rank, world
         self.max_staleness = max_staleness
         self.groups_per_call = max(1, groups_per_call)

@@ -20,9 +20,10 @@ image split sizes), as for `ovkit sft`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -31,9 +32,16 @@ from ovkit.rl.correction import Correction, off_policy_weights
 from ovkit.rl.loss import aggregation_weights, decoupled_ppo_loss
 from ovkit.rl.metrics import mismatch_tensors, staleness_metrics, turn_mismatch_tensors
 from ovkit.rollouts.groups import Group
+from ovkit.rollouts.trajectories import (
+    MicroBatch,
+    Trajectories,
+    build_trajectories,
+    chunks,
+    forward_all,
+    multimodal_token_ids,
+    sequence_logprobs,
+)
 from ovkit.runtime.optim import clip_grad_norm
-from ovkit.rollouts.trajectories import MicroBatch, Trajectories, build_trajectories, chunks, forward_all, multimodal_token_ids, sequence_logprobs
-
 
 _LAYOUTS: dict[int, Any] = {}
 
@@ -55,7 +63,9 @@ class StepBatch:
     advantages: torch.Tensor  # [N] host
     minibatches: list[list[MicroBatch]]  # each optimiser step's micro-batches
     totals: list[list[float]]  # each minibatch's (response tokens, sequences), this process's
-    whole: list[MicroBatch]  # the no-grad passes over the whole batch (proximal log-probs with several minibatches, reference)
+    whole: list[
+        MicroBatch
+    ]  # the no-grad passes over the whole batch (proximal log-probs with several minibatches, reference)
     n_tokens: int  # response tokens of the step (this process's)
     metrics: dict[str, Any]  # what the host knows without the model
 
@@ -69,9 +79,19 @@ def prepare_step(groups: Sequence[Group], step: int, pad_id: int, config: Any, c
     advantages = group_advantages(rewards, batch.group_ids, eps=cfg.adv_eps, std=cfg.adv_std)
     minibatches, totals = [], []
     for mb in chunks(range(batch.size), math.ceil(batch.size / cfg.ppo_minibatches)):
-        minibatches.append([batch.micro_batch(idx, layout) for idx in chunks(batch.by_length(mb), cfg.micro_batch_size)])
-        totals.append([float(sum(len(batch.mask_cols[i]) for i in mb)), float(sum(1 for i in mb if batch.mask_cols[i]))])
-    whole = minibatches[0] if len(minibatches) == 1 else [batch.micro_batch(idx, layout) for idx in chunks(batch.by_length(range(batch.size)), cfg.micro_batch_size)]
+        minibatches.append(
+            [batch.micro_batch(idx, layout) for idx in chunks(batch.by_length(mb), cfg.micro_batch_size)]
+        )
+        totals.append(
+            [float(sum(len(batch.mask_cols[i]) for i in mb)), float(sum(1 for i in mb if batch.mask_cols[i]))]
+        )
+    whole = (
+        minibatches[0]
+        if len(minibatches) == 1
+        else [
+            batch.micro_batch(idx, layout) for idx in chunks(batch.by_length(range(batch.size)), cfg.micro_batch_size)
+        ]
+    )
     metrics = {
         "advantage/abs_mean": float(advantages.abs().mean()),
         "frac_reward_zero_std": zero_std_fraction(batch.rewards, batch.group_ids),
@@ -90,14 +110,26 @@ class OnDevice:
     turn_ids: torch.Tensor | None
 
     @classmethod
-    def of(cls, sb: StepBatch, device: Any) -> "OnDevice":
+    def of(cls, sb: StepBatch, device: Any) -> OnDevice:
         t = sb.traj
         move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
         mask = move(t.mask)
         return cls(mask, move(t.behave_logprobs), move(sb.advantages)[:, None].expand_as(mask), move(t.turn_ids))
 
 
-def ppo_update(model, optimizer, params, sb: StepBatch, dev: OnDevice, ref, corr: Correction, cfg: Any, prox=None, entropy=None, rt: Any = None):
+def ppo_update(
+    model,
+    optimizer,
+    params,
+    sb: StepBatch,
+    dev: OnDevice,
+    ref,
+    corr: Correction,
+    cfg: Any,
+    prox=None,
+    entropy=None,
+    rt: Any = None,
+):
     """Decoupled-PPO optimizer steps over `ppo_minibatches` slices of the batch -> the step's learner metrics.
     `model` is the prepared TokenScorer (or a bare model); `rt` the runtime whose backward and clipping to use (the
     fp32 master gradients with bf16-mixed; none: plain autograd).
@@ -128,14 +160,20 @@ def ppo_update(model, optimizer, params, sb: StepBatch, dev: OnDevice, ref, corr
             rows = plan.row_index.to(dev.behave.device, non_blocking=True)
             cols = slice(0, plan.width - 1)
             mask = dev.mask[rows]
-            agg = aggregation_weights(mask, cfg.loss_agg, constant=cfg.max_new_tokens, totals=totals[k])[:, cols] * world
+            agg = (
+                aggregation_weights(mask, cfg.loss_agg, constant=cfg.max_new_tokens, totals=totals[k])[:, cols] * world
+            )
             # gradients are all-reduced once per optimiser step, after the last micro-batch (DDP's no_sync)
             with rt.no_sync(model, sync=j == len(micro) - 1) if rt is not None else nullcontext():
                 with rt.autocast() if rt is not None else nullcontext():
-                    logp, ent, width = sequence_logprobs(model, sb.traj, plan.rows, cfg.temperature, entropy=fused, plan=plan)
+                    logp, ent, width = sequence_logprobs(
+                        model, sb.traj, plan.rows, cfg.temperature, entropy=fused, plan=plan
+                    )
                 if fused:
                     prox[rows, cols], entropy[rows, cols] = logp.detach(), ent
-                weights = off_policy_weights(prox[rows, cols], dev.behave[rows, cols], mask[:, cols], corr, stats=False).weights
+                weights = off_policy_weights(
+                    prox[rows, cols], dev.behave[rows, cols], mask[:, cols], corr, stats=False
+                ).weights
                 parts = decoupled_ppo_loss(
                     logp, prox[rows, cols], dev.adv[rows, cols], weights, agg,
                     eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
@@ -150,11 +188,17 @@ def ppo_update(model, optimizer, params, sb: StepBatch, dev: OnDevice, ref, corr
             kept += parts.tokens.float()
         if world > 1:
             kept = rt.accelerator.reduce(kept, "sum")  # every process skips the step together or none does
-        norm = rt.clip(params, optimizer, cfg.max_grad_norm) if rt is not None else clip_grad_norm(optimizer, params, cfg.max_grad_norm)
+        norm = (
+            rt.clip(params, optimizer, cfg.max_grad_norm)
+            if rt is not None
+            else clip_grad_norm(optimizer, params, cfg.max_grad_norm)
+        )
         # the host's one read of this optimiser step: the skip guard needs `kept` before optimizer.step; the last
         # minibatch's read carries every metric of the step (all final by now)
         pending = step_tensors(sb, dev, prox, entropy, parts_sum, corr, cfg) if k == len(sb.minibatches) - 1 else {}
-        values = torch.stack([kept.double(), norm.detach().to(kept.device).double(), *(v.double() for v in pending.values())]).tolist()
+        values = torch.stack(
+            [kept.double(), norm.detach().to(kept.device).double(), *(v.double() for v in pending.values())]
+        ).tolist()
         metrics = dict(zip(pending, values[2:]))
         if values[0] == 0:
             skipped += 1  # everything masked: train nothing (no optimizer step), but log it
@@ -167,7 +211,9 @@ def ppo_update(model, optimizer, params, sb: StepBatch, dev: OnDevice, ref, corr
     return _finish(metrics, grad_norms, skipped, cfg)
 
 
-def step_tensors(sb: StepBatch, dev: OnDevice, prox, entropy, parts_sum: dict[str, torch.Tensor], corr: Correction, cfg: Any) -> dict[str, torch.Tensor]:
+def step_tensors(
+    sb: StepBatch, dev: OnDevice, prox, entropy, parts_sum: dict[str, torch.Tensor], corr: Correction, cfg: Any
+) -> dict[str, torch.Tensor]:
     """The step's learner metrics as 0-dim device tensors (read once, by ppo_update)."""
     out = {f"sum/{k}": v for k, v in parts_sum.items()}
     if sb.n_tokens:
@@ -175,7 +221,9 @@ def step_tensors(sb: StepBatch, dev: OnDevice, prox, entropy, parts_sum: dict[st
         out["entropy"] = (entropy * m).sum() / sb.n_tokens
         out.update(mismatch_tensors(prox, dev.behave, dev.mask))
         out.update(turn_mismatch_tensors(prox, dev.behave, dev.mask, dev.turn_ids, sb.traj.turn_tokens))
-    out.update(off_policy_weights(prox, dev.behave, dev.mask, corr).stat_tensors)  # the same weights, for the batch's stats
+    out.update(
+        off_policy_weights(prox, dev.behave, dev.mask, corr).stat_tensors
+    )  # the same weights, for the batch's stats
     return out
 
 
@@ -205,21 +253,51 @@ def _global(rt: Any, values: list[float]) -> list[float]:
     return [float(v) for v in acc.reduce(torch.tensor(values, dtype=torch.float64, device=acc.device), "sum").tolist()]
 
 
-def train_step(model, optimizer, params, groups: Sequence[Group], step: int, pad_id: int, corr: Correction, ref_model, cfg: Any, rt: Any = None) -> dict[str, float]:
+def train_step(
+    model,
+    optimizer,
+    params,
+    groups: Sequence[Group],
+    step: int,
+    pad_id: int,
+    corr: Correction,
+    ref_model,
+    cfg: Any,
+    rt: Any = None,
+) -> dict[str, float]:
     """One GRPO step on already-scored groups; returns its metrics (rollout-side ones are added by the caller)."""
     config = getattr(model, "module", model).config  # a bare model, a TokenScorer, or either under DDP
     return learn(model, optimizer, params, prepare_step(groups, step, pad_id, config, cfg), corr, ref_model, cfg, rt=rt)
 
 
-def learn(model, optimizer, params, sb: StepBatch, corr: Correction, ref_model, cfg: Any, rt: Any = None) -> dict[str, Any]:
+def learn(
+    model, optimizer, params, sb: StepBatch, corr: Correction, ref_model, cfg: Any, rt: Any = None
+) -> dict[str, Any]:
     """The device side of a step (module docstring)."""
     device = next(model.parameters()).device
     dev = OnDevice.of(sb, device)
-    ref = forward_all(ref_model, sb.traj, cfg.micro_batch_size, cfg.temperature, plans=sb.whole, device=device)[0] if ref_model is not None else None
+    ref = (
+        forward_all(ref_model, sb.traj, cfg.micro_batch_size, cfg.temperature, plans=sb.whole, device=device)[0]
+        if ref_model is not None
+        else None
+    )
     prox = entropy = None
     if cfg.ppo_minibatches > 1:
-        prox, entropy = forward_all(model, sb.traj, cfg.micro_batch_size, cfg.temperature, entropy=True, plans=sb.whole, device=device)
+        prox, entropy = forward_all(
+            model, sb.traj, cfg.micro_batch_size, cfg.temperature, entropy=True, plans=sb.whole, device=device
+        )
     learner = ppo_update(model, optimizer, params, sb, dev, ref, corr, cfg, prox, entropy, rt=rt)
     metrics = {**learner, **sb.metrics}
-    order = ("pg_loss", "clip/low_frac", "clip/high_frac", "clip/frac", "entropy", "grad_norm", "skipped_updates", "advantage/abs_mean", "frac_reward_zero_std", "kl")
+    order = (
+        "pg_loss",
+        "clip/low_frac",
+        "clip/high_frac",
+        "clip/frac",
+        "entropy",
+        "grad_norm",
+        "skipped_updates",
+        "advantage/abs_mean",
+        "frac_reward_zero_std",
+        "kl",
+    )
     return {**{k: metrics[k] for k in order if k in metrics}, **metrics}

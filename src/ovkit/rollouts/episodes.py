@@ -31,8 +31,9 @@ from __future__ import annotations
 import inspect
 import re
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ovkit.errors import OvkitError
 from ovkit.rollouts.table import TERMINATIONS  # completed, env_done, max_turns, truncated, env_error
@@ -76,7 +77,9 @@ class ObservationEncoder:
         base = encode_messages(processor, DUMMY, [], generation_prompt=False, tools=tools).input_ids
         ends = [i for i, t in enumerate(base) if t in set(stop_ids)]
         if not ends:
-            raise OvkitError(f"the chat template of {type(processor).__name__} writes no end-of-turn token after an assistant turn; multi-turn rollouts need one")
+            raise OvkitError(
+                f"the chat template of {type(processor).__name__} writes no end-of-turn token after an assistant turn; multi-turn rollouts need one"
+            )
         self.trim = ends[-1] + 1  # everything up to and including the dummy assistant turn's end-of-turn token
         self.prefix = base[: self.trim]
         self.end_of_turn = base[ends[-1]]
@@ -86,11 +89,24 @@ class ObservationEncoder:
         from ovkit.models.encode import Encoded, encode_messages
 
         role = str(message.get("role", "user"))
-        full = encode_messages(self.processor, [*DUMMY, {"role": role, "content": str(message.get("content", ""))}], images, generation_prompt=True, tools=self.tools)
+        full = encode_messages(
+            self.processor,
+            [*DUMMY, {"role": role, "content": str(message.get("content", ""))}],
+            images,
+            generation_prompt=True,
+            tools=self.tools,
+        )
         if full.input_ids[: self.trim] != self.prefix:
-            raise OvkitError(f"the chat template renders the conversation before a {role!r} observation differently from the conversation alone; the observation cannot be appended as a delta")
+            raise OvkitError(
+                f"the chat template renders the conversation before a {role!r} observation differently from the conversation alone; the observation cannot be appended as a delta"
+            )
         ids = full.input_ids[self.trim :]
-        return Encoded(input_ids=ids, labels=[-100] * len(ids), mm=full.mm, per_token={k: v[self.trim :] for k, v in full.per_token.items()})
+        return Encoded(
+            input_ids=ids,
+            labels=[-100] * len(ids),
+            mm=full.mm,
+            per_token={k: v[self.trim :] for k, v in full.per_token.items()},
+        )
 
 
 def merge_mm(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -127,7 +143,14 @@ class Episode:
     def __post_init__(self) -> None:
         self.per_token = {k: [] for k in self.prompt.encoded.per_token}
 
-    def append(self, ids: Sequence[int], logprobs: Sequence[float], mask: int, turn: int, per_token: dict[str, Sequence[int]] | None = None) -> None:
+    def append(
+        self,
+        ids: Sequence[int],
+        logprobs: Sequence[float],
+        mask: int,
+        turn: int,
+        per_token: dict[str, Sequence[int]] | None = None,
+    ) -> None:
         n = len(ids)
         self.token_ids += list(ids)
         self.logprobs += list(logprobs) if mask else [0.0] * n
@@ -205,7 +228,9 @@ def call_env(fn: Callable, *args: Any, timeout: float, retries: int) -> Any:
     return result
 
 
-def call_env_all(calls: Sequence[tuple[Callable, tuple]], *, timeout: float, retries: int, workers: int = 16) -> list[Any]:
+def call_env_all(
+    calls: Sequence[tuple[Callable, tuple]], *, timeout: float, retries: int, workers: int = 16
+) -> list[Any]:
     """Every fn(*args) in its own worker thread, at most `workers` at once, `timeout` s per try, `retries` extra
     tries of the calls that raised or timed out; a call that never succeeded returns an EnvFailure (not raised).
     The environments of different trajectories are different objects, so their calls run concurrently (a slow tool
@@ -221,7 +246,10 @@ def call_env_all(calls: Sequence[tuple[Callable, tuple]], *, timeout: float, ret
         for first in range(0, len(pending), max(1, workers)):
             chunk = pending[first : first + max(1, workers)]
             boxes = {i: {} for i in chunk}
-            threads = {i: threading.Thread(target=_into, args=(boxes[i], *calls[i]), name="ovkit-env", daemon=True) for i in chunk}
+            threads = {
+                i: threading.Thread(target=_into, args=(boxes[i], *calls[i]), name="ovkit-env", daemon=True)
+                for i in chunk
+            }
             for t in threads.values():
                 t.start()
             deadline = time.monotonic() + timeout
@@ -268,11 +296,17 @@ class EpisodeRunner:
         model = model if model is not None else getattr(engine, "model", None)
         has_config = model is not None and hasattr(model, "config")
         self.suppress = sorted(multimodal_token_ids(model) if has_config else _placeholder_ids(processor))
-        limits = [cfg.max_context, _max_positions(model) if has_config else None, getattr(engine, "max_model_len", None)]
+        limits = [
+            cfg.max_context,
+            _max_positions(model) if has_config else None,
+            getattr(engine, "max_model_len", None),
+        ]
         self.max_context = cfg.max_context or min((x for x in limits if x), default=None)
         self.failures: list[str] = []  # environment failures of the last run, for the log
 
-    def run(self, prompts: Sequence[Any], *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[list[Any]]:
+    def run(
+        self, prompts: Sequence[Any], *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[list[Any]]:
         """Per prompt, `n` multi-turn trajectories as Completions (token_ids after the prompt, loss_mask, turn_ids)."""
         self.failures = []
         episodes = [self._episode(p) for p in prompts for _ in range(n)]
@@ -311,7 +345,9 @@ class EpisodeRunner:
         return e
 
     def _call(self, calls: Sequence[tuple[Callable, tuple]]) -> list[Any]:
-        return call_env_all(calls, timeout=self.cfg.env_timeout, retries=self.cfg.env_retries, workers=self.cfg.env_workers)
+        return call_env_all(
+            calls, timeout=self.cfg.env_timeout, retries=self.cfg.env_retries, workers=self.cfg.env_workers
+        )
 
     def _budget(self, e: Episode) -> int:
         """Tokens the trajectory may still add."""
@@ -320,7 +356,9 @@ class EpisodeRunner:
             left = min(left, self.cfg.max_response_tokens - len(e.token_ids))
         return left
 
-    def _generate(self, running: list[Episode], turn: int, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> list[Episode]:
+    def _generate(
+        self, running: list[Episode], turn: int, max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[Episode]:
         """One assistant turn for every running trajectory; returns those whose turn ended with a stop token."""
         ready = []
         for e in running:
@@ -375,7 +413,9 @@ class EpisodeRunner:
             e.termination = "max_turns"
             return
         try:
-            message = call_env(e.env.format_observation, obs, timeout=self.cfg.env_timeout, retries=self.cfg.env_retries)
+            message = call_env(
+                e.env.format_observation, obs, timeout=self.cfg.env_timeout, retries=self.cfg.env_retries
+            )
             delta, images = self._encode(message)
         except (EnvFailure, OvkitError) as err:
             return self._fail(e, f"observation: {err}")
@@ -392,7 +432,9 @@ class EpisodeRunner:
         from ovkit.rollouts.prompts import cap_pixels
 
         if not isinstance(message, dict) or "content" not in message:
-            raise OvkitError(f"format_observation must return a dict with role, content and images, got {type(message).__name__}")
+            raise OvkitError(
+                f"format_observation must return a dict with role, content and images, got {type(message).__name__}"
+            )
         images = [cap_pixels(im.convert("RGB"), self.cfg.max_pixels) for im in message.get("images") or []]
         markers = str(message["content"]).count(IMAGE_TOKEN)
         if markers != len(images):
@@ -418,7 +460,10 @@ def _placeholder_ids(processor: Any) -> set[int]:
     """Image/video placeholder tokens from the processor, for engines without a transformers model (vLLM)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    names = [getattr(processor, a, None) for a in ("image_token", "video_token")] + ["<|vision_start|>", "<|vision_end|>"]
+    names = [getattr(processor, a, None) for a in ("image_token", "video_token")] + [
+        "<|vision_start|>",
+        "<|vision_end|>",
+    ]
     return {vocab[n] for n in names if isinstance(n, str) and n in vocab}
 
 
@@ -469,7 +514,13 @@ def check_env_options(cfg: Any) -> None:
         raise OvkitError(f"--env {cfg.env}: --env-arg {', '.join(spec.args) or '(none)'}: {e}") from None
     except ValueError:
         pass  # a builtin without a signature
-    MultiTurn(env=None, max_turns=cfg.max_turns, max_response_tokens=cfg.max_response_tokens, env_retries=cfg.env_retries, env_timeout=cfg.env_timeout)
+    MultiTurn(
+        env=None,
+        max_turns=cfg.max_turns,
+        max_response_tokens=cfg.max_response_tokens,
+        env_retries=cfg.env_retries,
+        env_timeout=cfg.env_timeout,
+    )
 
 
 def env_instruction(cfg: Any) -> str:
@@ -486,7 +537,9 @@ def env_tools(cfg: Any) -> list[dict] | None:
     return load_env(cfg.env, cfg.env_arg).tools if cfg.env else None
 
 
-def make_runner(cfg: Any, engine: Any, processor: Any, *, mode: str, max_pixels: int | None, model: Any = None) -> EpisodeRunner | None:
+def make_runner(
+    cfg: Any, engine: Any, processor: Any, *, mode: str, max_pixels: int | None, model: Any = None
+) -> EpisodeRunner | None:
     """The EpisodeRunner of a stage config with --env, else None (single-turn)."""
     from ovkit.envs import load_env
 

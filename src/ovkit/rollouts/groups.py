@@ -8,8 +8,9 @@ Every group carries the sampler version that generated it (`version`) and its po
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ovkit.rollouts.prompts import Prompt
 
@@ -26,7 +27,9 @@ class Group:
     parts: list[dict] = field(default_factory=list)
 
 
-def score_groups(groups: Sequence[Group], *, mode: str, format_weight: float, workers: int = 2, timeout: float = 10.0) -> None:
+def score_groups(
+    groups: Sequence[Group], *, mode: str, format_weight: float, workers: int = 2, timeout: float = 10.0
+) -> None:
     """Fill each group's rewards: the task reward from ovkit.rewards (scorer by answer_type / source; `parts` has
     `accuracy` and the `format` reward of the stage's mode), mixed as (1 - format_weight) * task + format_weight *
     format for GRPO."""
@@ -77,14 +80,23 @@ class Sampling:
     episodes: Any = None  # an ovkit.rollouts.episodes.EpisodeRunner: multi-turn rollouts with an environment
 
 
-def generate_groups(engine: Any, prompts: Sequence[Prompt], indices: Sequence[int], version: int, s: Sampling) -> list[Group]:
+def generate_groups(
+    engine: Any, prompts: Sequence[Prompt], indices: Sequence[int], version: int, s: Sampling
+) -> list[Group]:
     """Sample `group_size` completions for the prompts at stream positions `indices` (one generate call, or one
     multi-turn rollout of all of them). Each group is seeded by its stream position, not by the call, so the groups
     of a step split over N processes get the completions one process samples (multi-turn rollouts still seed per
     call)."""
     chosen = [prompts[prompt_order(len(prompts), k, s.seed)] for k in indices]
     if s.episodes is not None:
-        outs = s.episodes.run(chosen, n=s.group_size, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed * 7919 + indices[0])
+        outs = s.episodes.run(
+            chosen,
+            n=s.group_size,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed * 7919 + indices[0],
+        )
         return [Group(p, k, version, list(cs)) for p, k, cs in zip(chosen, indices, outs)]
     outs = engine.generate(
         [p.encoded for p in chosen],
@@ -105,8 +117,8 @@ def groups_table(groups: Sequence[Group], *, with_images: bool = False, tokenize
     `turn_ids` and `termination`, their `completion` is the whole transcript (with `tokenizer`), and the `images`
     column (the prompt's images, then the observations') is always written when an environment returned images."""
     from ovkit.data import image_cell
-    from ovkit.rollouts.table import rollouts_table
     from ovkit.rollouts.episodes import transcript
+    from ovkit.rollouts.table import rollouts_table
 
     multiturn = any(c.termination is not None for g in groups for c in g.completions)
     with_images = with_images or any(c.images for g in groups for c in g.completions)

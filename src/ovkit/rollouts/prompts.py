@@ -46,7 +46,16 @@ def _reward_kwargs(value: Any, rid: str) -> Any:
         raise OvkitError(f"row {rid!r}, column 'reward_kwargs': not JSON ({e})") from None
 
 
-def encode_prompts(table: Any, processor: Any, *, mode: str, system: bool, max_pixels: int | None = None, extra: str = "", tools: Any = None) -> list[Prompt]:
+def encode_prompts(
+    table: Any,
+    processor: Any,
+    *,
+    mode: str,
+    system: bool,
+    max_pixels: int | None = None,
+    extra: str = "",
+    tools: Any = None,
+) -> list[Prompt]:
     """Encode every row of an RL sample table: the stage instruction appended (ovkit.prompts), then `extra` (an
     environment's instruction, e.g. the zoom tool's syntax), images capped; `tools`: an environment's tool schemas
     for the chat template."""
@@ -60,7 +69,9 @@ def encode_prompts(table: Any, processor: Any, *, mode: str, system: bool, max_p
     for row in rows:
         messages = [m for m in row["messages"] if m["role"] != "assistant"]
         images = [cap_pixels(im, max_pixels) for im in decode_images(row.get("images"))]
-        encoded = encode_prompt(processor, with_extra(with_instruction(messages, mode, system=system), extra), images, tools=tools)
+        encoded = encode_prompt(
+            processor, with_extra(with_instruction(messages, mode, system=system), extra), images, tools=tools
+        )
         out.append(
             Prompt(
                 id=str(row["id"]),

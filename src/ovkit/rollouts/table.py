@@ -27,8 +27,9 @@ env_done, max_turns, truncated, env_error). Any other column is kept.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -100,7 +101,9 @@ def check_rollouts(table: pa.Table, path: Path | str = "<rollouts>") -> None:
     """Every required column with its type, and per row: one mask value and one log-prob per response token."""
     for f in ROLLOUT_SCHEMA:
         if f.name not in table.column_names:
-            raise OvkitError(f"{where(path, column=f.name)}: required rollout column is missing (columns: {', '.join(table.column_names)})")
+            raise OvkitError(
+                f"{where(path, column=f.name)}: required rollout column is missing (columns: {', '.join(table.column_names)})"
+            )
         got = table.schema.field(f.name).type
         if not got.equals(f.type) and not pa.types.is_null(got):
             raise OvkitError(f"{where(path, 'every row', f.name)}: type is {got}, expected {f.type}")
@@ -112,19 +115,29 @@ def check_rollouts(table: pa.Table, path: Path | str = "<rollouts>") -> None:
     for i, (rid, r, m, lp, fr) in enumerate(zip(ids, resp, masks, logps, reasons)):
         n = len(r or [])
         if len(m or []) != n:
-            raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'loss_mask')}: {len(m or [])} values for {n} response tokens")
+            raise OvkitError(
+                f"{where(path, f'{rid!r} (index {i})', 'loss_mask')}: {len(m or [])} values for {n} response tokens"
+            )
         if len(lp or []) != n:
-            raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'behave_logprobs')}: {len(lp or [])} values for {n} response tokens")
+            raise OvkitError(
+                f"{where(path, f'{rid!r} (index {i})', 'behave_logprobs')}: {len(lp or [])} values for {n} response tokens"
+            )
         if fr not in FINISH_REASONS:
-            raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'finish_reason')}: {fr!r} is not one of {', '.join(sorted(FINISH_REASONS))}")
+            raise OvkitError(
+                f"{where(path, f'{rid!r} (index {i})', 'finish_reason')}: {fr!r} is not one of {', '.join(sorted(FINISH_REASONS))}"
+            )
     if "turn_ids" in table.column_names:
         for i, (rid, r, t) in enumerate(zip(ids, resp, table.column("turn_ids").to_pylist())):
             if t is not None and len(t) != len(r or []):
-                raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'turn_ids')}: {len(t)} values for {len(r or [])} response tokens")
+                raise OvkitError(
+                    f"{where(path, f'{rid!r} (index {i})', 'turn_ids')}: {len(t)} values for {len(r or [])} response tokens"
+                )
     if "termination" in table.column_names:
         for i, (rid, t) in enumerate(zip(ids, table.column("termination").to_pylist())):
             if t is not None and t not in TERMINATIONS:
-                raise OvkitError(f"{where(path, f'{rid!r} (index {i})', 'termination')}: {t!r} is not one of {', '.join(TERMINATIONS)}")
+                raise OvkitError(
+                    f"{where(path, f'{rid!r} (index {i})', 'termination')}: {t!r} is not one of {', '.join(TERMINATIONS)}"
+                )
 
 
 def write_rollouts(rows: pa.Table | Iterable[Mapping[str, Any]], path: Path | str) -> Path:
@@ -160,7 +173,9 @@ def check_rollout_values(table: pa.Table, path: Path | str, vocab_size: int | No
 
     for name, typ in OPTIONAL_COLUMNS.items():
         if name in table.column_names and not compatible(table.schema.field(name).type, typ):
-            raise OvkitError(f"{where(path, 'every row', name)}: type is {table.schema.field(name).type}, expected {typ}")
+            raise OvkitError(
+                f"{where(path, 'every row', name)}: type is {table.schema.field(name).type}, expected {typ}"
+            )
     for column in ("prompt_ids", "response_ids", "behave_logprobs"):
         if pa.types.is_null(table.schema.field(column).type):
             raise OvkitError(f"{where(path, 'every row', column)}: every value is null")
@@ -169,17 +184,31 @@ def check_rollout_values(table: pa.Table, path: Path | str, vocab_size: int | No
         fail(pc.index(empty, True).as_py(), "prompt_ids", "no prompt tokens")
     for column in ("prompt_ids", "response_ids"):
         values = pc.list_flatten(table.column(column))
-        bad = pc.less(values, 0) if vocab_size is None else pc.or_(pc.less(values, 0), pc.greater_equal(values, vocab_size))
+        bad = (
+            pc.less(values, 0)
+            if vocab_size is None
+            else pc.or_(pc.less(values, 0), pc.greater_equal(values, vocab_size))
+        )
         if pc.any(bad).as_py():
             k = pc.index(bad, True).as_py()
             row = pc.list_parent_indices(table.column(column))[k].as_py()
             v = values[k].as_py()
-            fail(row, column, f"token id {v} is negative" if v < 0 else f"token id {v} is outside the model's vocabulary [0, {vocab_size})")
+            fail(
+                row,
+                column,
+                f"token id {v} is negative"
+                if v < 0
+                else f"token id {v} is outside the model's vocabulary [0, {vocab_size})",
+            )
     logprobs = table.column("behave_logprobs")
     finite = pc.is_finite(pc.list_flatten(logprobs))
     if not pc.all(finite, min_count=0).as_py():
         k = pc.index(finite, False).as_py()
-        fail(pc.list_parent_indices(logprobs)[k].as_py(), "behave_logprobs", f"log-prob {pc.list_flatten(logprobs)[k].as_py()} is not finite")
+        fail(
+            pc.list_parent_indices(logprobs)[k].as_py(),
+            "behave_logprobs",
+            f"log-prob {pc.list_flatten(logprobs)[k].as_py()} is not finite",
+        )
     if "images" in table.column_names:
         from ovkit.data.schema import image_problem
 

@@ -14,9 +14,10 @@ Python lists. The log-probs then stay on the model's device: no device-to-host r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ class Trajectories:
         plan = self.micro_batch(idx)
         return to_device(plan.inputs, device, skip=()), plan.width
 
-    def micro_batch(self, idx: Sequence[int], layout: Any = None) -> "MicroBatch":
+    def micro_batch(self, idx: Sequence[int], layout: Any = None) -> MicroBatch:
         """The host side of one learner forward over trajectories `idx` (module docstring). With the model's
         `layout` (ovkit.pack.PackLayout), the inputs carry its rope positions and vision layout."""
         from ovkit.models import precompute
@@ -87,7 +88,9 @@ class Trajectories:
             if all(self.lengths[i] == width for i in rows):
                 del inputs["attention_mask"]  # no padding: plain causal attention, no mask for the kernel to inspect
             if layout.has_rope_index:
-                inputs["position_ids"] = precompute.padded_positions([layout.sample_positions(self._sample(i)) for i in rows], width)
+                inputs["position_ids"] = precompute.padded_positions(
+                    [layout.sample_positions(self._sample(i)) for i in rows], width
+                )
             inputs.update(precompute.vision_inputs(layout.config, inputs.get("image_grid_thw"), inputs["input_ids"]))
         index = [k * (width - 1) + j for k, i in enumerate(rows) for j in self.mask_cols[i] if j < width - 1]
         return MicroBatch(rows, width, inputs, torch.tensor(index, dtype=torch.long), r)
@@ -105,7 +108,9 @@ class MicroBatch:
 
     rows: list[int]
     width: int
-    inputs: dict[str, Any]  # host model inputs (with what the forward would compute from ids and grids, when planned so)
+    inputs: dict[
+        str, Any
+    ]  # host model inputs (with what the forward would compute from ids and grids, when planned so)
     index: torch.Tensor  # flat positions (row-major in [len(rows), width - 1]) of the response tokens
     row_index: torch.Tensor  # `rows` as a tensor
 
@@ -118,7 +123,9 @@ def multimodal_token_ids(model) -> set[int]:
     found = set()
     for cfg in (config, getattr(config, "text_config", None)):
         for name, value in vars(cfg or object()).items():
-            if isinstance(value, int) and any(w in name for w in ("image_token", "video_token", "vision_start", "vision_end")):
+            if isinstance(value, int) and any(
+                w in name for w in ("image_token", "video_token", "vision_start", "vision_end")
+            ):
                 found.add(value)
     return found
 
@@ -190,7 +197,15 @@ def build_trajectories(groups: Sequence[Group], pad_id: int, forbidden: set[int]
     )
 
 
-def sequence_logprobs(model, batch: Trajectories, idx: Sequence[int], temperature: float, *, entropy: bool = False, plan: MicroBatch | None = None):
+def sequence_logprobs(
+    model,
+    batch: Trajectories,
+    idx: Sequence[int],
+    temperature: float,
+    *,
+    entropy: bool = False,
+    plan: MicroBatch | None = None,
+):
     """Log-probs of the sampled tokens under `model` (logits / temperature, as the sampler drew them): [len(idx), W-1],
     at the trained positions (`batch.mask`; zero elsewhere), and the per-token entropy of that distribution when asked,
     on the model's device. `model` is a bare transformers model or a prepared ovkit.runtime.loss.TokenScorer

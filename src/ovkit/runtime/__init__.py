@@ -10,9 +10,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_CORE = frozenset({
-    "Runtime", "Result", "CHECKPOINTS", "STATE", "RUN_STATE", "PROVENANCE", "step_dir", "list_checkpoints", "latest_checkpoint",
-})
+_CORE = frozenset(
+    {
+        "Runtime",
+        "Result",
+        "CHECKPOINTS",
+        "STATE",
+        "RUN_STATE",
+        "PROVENANCE",
+        "step_dir",
+        "list_checkpoints",
+        "latest_checkpoint",
+    }
+)
 
 __all__ = sorted(_CORE)
 

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from ovkit.errors import OvkitError
-
 from ovkit.runtime.options import ATTENTION  # noqa: F401 (re-exported: one definition, torch-free)
 
 VARLEN = "ovkit_varlen_flash"
@@ -52,7 +51,12 @@ class Attention:
     note: str = ""
 
     def as_dict(self) -> dict[str, str]:
-        return {"requested": self.requested, "text": self.text, "vision": self.vision, **({"note": self.note} if self.note else {})}
+        return {
+            "requested": self.requested,
+            "text": self.text,
+            "vision": self.vision,
+            **({"note": self.note} if self.note else {}),
+        }
 
 
 def flash_attn_available() -> bool:
@@ -68,7 +72,11 @@ def resolve(requested: str, device: torch.device | str, *, train: bool = False) 
     cuda = torch.device(device).type == "cuda"
     sdpa_text = VARLEN if train else "sdpa"
     if requested == "auto":
-        return Attention("auto", "flash_attention_2", "flash_attention_2") if cuda and flash_attn_available() else Attention("auto", sdpa_text, VARLEN)
+        return (
+            Attention("auto", "flash_attention_2", "flash_attention_2")
+            if cuda and flash_attn_available()
+            else Attention("auto", sdpa_text, VARLEN)
+        )
     if requested == "flash_attention_2" and not (cuda and flash_attn_available()):
         why = "no CUDA device" if not cuda else "the flash-attn package is not installed (pip install flash-attn)"
         note = f"flash_attention_2 unavailable ({why}); using sdpa"
@@ -81,7 +89,7 @@ def resolve(requested: str, device: torch.device | str, *, train: bool = False) 
     return Attention(requested, sdpa_text if requested == "sdpa" else requested, VARLEN)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_once(message: str) -> None:
     print(f"ovkit: warning: {message}", file=sys.stderr, flush=True)
 
@@ -97,7 +105,9 @@ def apply(model: Any, attention: Attention) -> Attention:
         return attention
     except (ValueError, KeyError, ImportError) as e:
         if attention.text in ("sdpa", VARLEN):
-            raise OvkitError(f"--attn-implementation {attention.requested}: {type(model).__name__} cannot use it ({e})") from None
+            raise OvkitError(
+                f"--attn-implementation {attention.requested}: {type(model).__name__} cannot use it ({e})"
+            ) from None
         note = f"{type(model).__name__} does not support {attention.text}; using sdpa"
         _warn_once(note)
         fallback = Attention(attention.requested, "sdpa", VARLEN, note)
@@ -190,12 +200,16 @@ def varlen_attention(
 # from the boundaries' values on the host (data-dependent group count and widths, a cache keyed by the tensor's
 # identity), which Dynamo would otherwise specialise on and recompile for every new set of image sizes.
 @torch.compiler.disable
-def _grouped_sdpa(query, key, value, cu: torch.Tensor, causal: bool, dropout: float, scaling: float | None) -> torch.Tensor:
+def _grouped_sdpa(
+    query, key, value, cu: torch.Tensor, causal: bool, dropout: float, scaling: float | None
+) -> torch.Tensor:
     out = torch.empty_like(query)
     for flat, mask, keep, n, width in _gather_plan(cu, causal):
         q, k, v = (t[0][:, flat].reshape(t.shape[1], n, width, -1).transpose(0, 1) for t in (query, key, value))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
-        out[0][:, flat.index_select(0, keep)] = o.transpose(0, 1).reshape(o.shape[1], -1, o.shape[-1]).index_select(1, keep)
+        out[0][:, flat.index_select(0, keep)] = (
+            o.transpose(0, 1).reshape(o.shape[1], -1, o.shape[-1]).index_select(1, keep)
+        )
     return out.transpose(1, 2)
 
 
@@ -250,9 +264,16 @@ def _forget_dead(table: dict) -> None:
         table.pop(k, None)
 
 
-def _packed_boundaries(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+def _packed_boundaries(
+    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, query: torch.Tensor
+) -> torch.Tensor | None:
     """cu_seqlens of a packed row (one row whose positions restart at 0), else None."""
-    if attention_mask is not None or position_ids is None or query.shape[0] != 1 or position_ids.shape[-1] != query.shape[2]:
+    if (
+        attention_mask is not None
+        or position_ids is None
+        or query.shape[0] != 1
+        or position_ids.shape[-1] != query.shape[2]
+    ):
         return None
     return _restarts(position_ids)
 

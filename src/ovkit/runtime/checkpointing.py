@@ -30,7 +30,8 @@ the plain forward, so a KV cache is never updated twice.
 from __future__ import annotations
 
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,7 +81,10 @@ def targets(model: nn.Module, mode: str) -> list[tuple[str, nn.Module]]:
         for name, blocks in stacks:
             for i, block in enumerate(blocks):
                 if mode == "mlp":
-                    mlp = next(((n, getattr(block, n)) for n in MLP_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+                    mlp = next(
+                        ((n, getattr(block, n)) for n in MLP_NAMES if isinstance(getattr(block, n, None), nn.Module)),
+                        None,
+                    )
                     if mlp is not None:
                         out.append((f"{name}.{i}.{mlp[0]}", mlp[1]))
                 elif mode == "full" or (i + 1) % int(mode.split("-")[1]) == 0:
@@ -167,8 +171,14 @@ def choose(mode: str, device: torch.device, needed: int | None = None, free: int
     gib = 1 << 30
     budget = free * (1 - HEADROOM)
     if needed > budget:
-        return "full", f"auto: activations ~{needed / gib:.1f} GiB > {budget / gib:.1f} GiB free after weights and optimiser state"
-    return "off", f"auto: activations ~{needed / gib:.1f} GiB fit in {budget / gib:.1f} GiB free after weights and optimiser state"
+        return (
+            "full",
+            f"auto: activations ~{needed / gib:.1f} GiB > {budget / gib:.1f} GiB free after weights and optimiser state",
+        )
+    return (
+        "off",
+        f"auto: activations ~{needed / gib:.1f} GiB fit in {budget / gib:.1f} GiB free after weights and optimiser state",
+    )
 
 
 def free_cuda_bytes(device: torch.device) -> int | None:

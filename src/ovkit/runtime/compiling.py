@@ -49,7 +49,7 @@ def _run_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return block._ovkit_eager_forward(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(backend: str):
     return torch.compile(_run_block, backend=backend, dynamic=True)
 

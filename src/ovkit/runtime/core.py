@@ -46,24 +46,22 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from ovkit import __version__
+from ovkit import __version__, faults
 from ovkit.config import option_default, to_plain, to_plain_values
 from ovkit.errors import OutOfMemory, OvkitError
-from ovkit import faults
 from ovkit.faults import hold
 from ovkit.runtime import attention as attn
 from ovkit.runtime import checkpointing as ac
-from ovkit.runtime import compiling
-from ovkit.runtime import integrity
+from ovkit.runtime import compiling, integrity, lora
 from ovkit.runtime import kernels as kern
-from ovkit.runtime import lora
 from ovkit.runtime import precision as prec
 from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
 from ovkit.runtime.loss import TokenScorer
@@ -152,7 +150,11 @@ class Runtime:
         self.bytes_per_param: dict[str, Any] | None = None  # measured after the first optimiser step (rt.measure)
         self.activation_checkpointing: dict[str, Any] = {"mode": "off", "why": "not applied"}
         self.kernel_choice, why = kern.resolve(getattr(cfg, "kernels", "torch"), self.device)
-        self.kernels: dict[str, Any] = {"kernels": self.kernel_choice, "requested": getattr(cfg, "kernels", "torch"), "why": why}
+        self.kernels: dict[str, Any] = {
+            "kernels": self.kernel_choice,
+            "requested": getattr(cfg, "kernels", "torch"),
+            "why": why,
+        }
         self.compiled: dict[str, Any] = {"enabled": False}
         self.checkpoint_bytes: int | None = None  # the estimate check_space makes, named when a save fails
 
@@ -197,7 +199,9 @@ class Runtime:
         ckpt = latest_checkpoint(run_dir)
         if not self.cfg.resume:
             at = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
-            raise OvkitError(f"{run_dir} holds an unfinished run ({at}); pass --resume to continue it or --overwrite to start over")
+            raise OvkitError(
+                f"{run_dir} holds an unfinished run ({at}); pass --resume to continue it or --overwrite to start over"
+            )
         self.resume_from = ckpt = self._sound_checkpoint(run_dir)
         return ckpt
 
@@ -216,7 +220,10 @@ class Runtime:
                 aside = ckpt.with_name(f"{ckpt.name}.damaged")
                 shutil.rmtree(aside, ignore_errors=True)
                 ckpt.rename(aside)
-                print(f"warning: --resume: checkpoint {ckpt} is damaged ({why}); moved it to {aside.name}, resuming from the one before", file=sys.stderr)
+                print(
+                    f"warning: --resume: checkpoint {ckpt} is damaged ({why}); moved it to {aside.name}, resuming from the one before",
+                    file=sys.stderr,
+                )
         if self.processes > 1:
             from accelerate.utils import broadcast_object_list
 
@@ -226,7 +233,9 @@ class Runtime:
                              f"--overwrite starts over")  # fmt: skip
         return choice
 
-    def check_space(self, model: Any, *, n_steps: int, save_every: int, keep: int, extra: int = 0, what: str = "") -> None:
+    def check_space(
+        self, model: Any, *, n_steps: int, save_every: int, keep: int, extra: int = 0, what: str = ""
+    ) -> None:
         """Before the run directory is made: exit 2 when a rough size of what the run will write does not fit in the
         free space of OUT's filesystem. A checkpoint holds the model in fp32 (model.safetensors) and in its training
         dtype (the state), the AdamW moments of the trainable parameters (2 x element; 8-bit: 2 bytes) and their fp32
@@ -275,10 +284,14 @@ class Runtime:
         changed = [k for k in keys if saved.get(k, defaults[k]) != now.get(k)]
         if changed:
             diffs = ", ".join(f"--{k} {saved.get(k, defaults[k])!r} -> {now.get(k)!r}" for k in changed)
-            raise OvkitError(f"--resume: {ckpt} was trained with different options ({diffs}); use the same ones, or --overwrite to start over")
+            raise OvkitError(
+                f"--resume: {ckpt} was trained with different options ({diffs}); use the same ones, or --overwrite to start over"
+            )
         loaded = json.loads((ckpt / RUN_STATE).read_text())
         if loaded.get("processes", 1) != self.processes:
-            raise OvkitError(f"--resume: {ckpt} ran on {loaded['processes']} processes, this run has {self.processes}; the global batch would change")
+            raise OvkitError(
+                f"--resume: {ckpt} ran on {loaded['processes']} processes, this run has {self.processes}; the global batch would change"
+            )
         try:
             self.accelerator.load_state(str(ckpt / STATE))
         except torch.cuda.OutOfMemoryError:
@@ -301,13 +314,26 @@ class Runtime:
         from ovkit.models import load
 
         quant = lora.four_bit_config(self.precision.dtype) if getattr(self.cfg, "load_in_4bit", False) else None
-        model, processor = load(path, dtype=torch.float32, trust_remote_code=self.cfg.trust_remote_code, quantization_config=quant,
-                                device=self.device if quant is not None else None)
+        model, processor = load(
+            path,
+            dtype=torch.float32,
+            trust_remote_code=self.cfg.trust_remote_code,
+            quantization_config=quant,
+            device=self.device if quant is not None else None,
+        )
         self.attention = attn.apply(model, self.attention)
         self.kernels = {**self.kernels, **kern.apply(model, self.kernel_choice)}
         return (model if quant is not None else model.to(self.device)), processor
 
-    def optimizer(self, model: Any, *, lr: float, weight_decay: float, schedule: Callable[[int], float], lrs: dict[int, float] | None = None):
+    def optimizer(
+        self,
+        model: Any,
+        *,
+        lr: float,
+        weight_decay: float,
+        schedule: Callable[[int], float],
+        lrs: dict[int, float] | None = None,
+    ):
         """The --optim AdamW over the trainable parameters and a LambdaLR `schedule` (multiplier of lr per 0-based
         step). With bf16-mixed (single process, not adamw_8bit) the model's floating parameters become bf16 and the
         optimiser keeps fp32 masters; with bf16-true they become bf16 and so does the optimiser state (8-bit with
@@ -315,7 +341,9 @@ class Runtime:
         params = [p for p in model.parameters() if p.requires_grad]
         kw = dict(lr=lr, weight_decay=weight_decay, lrs=lrs, optim=self.optim)
         if self.master_weights or self.precision.name == "bf16-true":
-            masters = adamw(params, master_weights=True, **kw) if self.master_weights else None  # fp32 copies, made before the cast
+            masters = (
+                adamw(params, master_weights=True, **kw) if self.master_weights else None
+            )  # fp32 copies, made before the cast
             for p in model.parameters():  # parameters only: buffers (rotary inv_freq) stay fp32
                 if p.is_floating_point():
                     p.data = p.data.to(torch.bfloat16)
@@ -335,7 +363,9 @@ class Runtime:
         if asked == "auto" and self.device.type == "cuda":
             element = 2 if self.precision.dtype == torch.bfloat16 else 4
             needed = ac.activation_bytes(model, tokens, element_bytes=element)
-            free = ac.free_cuda_bytes(self.device) - ac.optimiser_bytes(model, state_element_bytes=2 if self.precision.name == "bf16-true" else 4)
+            free = ac.free_cuda_bytes(self.device) - ac.optimiser_bytes(
+                model, state_element_bytes=2 if self.precision.name == "bf16-true" else 4
+            )
         mode, why = ac.choose(asked, self.device, needed, free)
         blocks = ac.apply(model, mode)
         model.config.use_cache = False
@@ -356,7 +386,9 @@ class Runtime:
     def prepare(self, model: Any, optimizer: Any, scheduler: Any) -> tuple[Any, Any]:
         """(scorer, optimizer) ready for the loop: the model inside a TokenScorer (its forward computes the chunked
         loss or log-probs), both through accelerate; the scheduler is replayed to the step on resume."""
-        scorer, optimizer = self.accelerator.prepare(TokenScorer(model, fused_ce=self.kernel_choice == "liger"), optimizer)
+        scorer, optimizer = self.accelerator.prepare(
+            TokenScorer(model, fused_ce=self.kernel_choice == "liger"), optimizer
+        )
         # The schedule is not saved with the state: it is a function of the step (resume() replays it), so every
         # state file loads with torch.load(weights_only=True) and no pickled object is ever unpickled.
         self.scheduler, self._optimizer = scheduler, optimizer
@@ -390,8 +422,19 @@ class Runtime:
     def logger(self, total: int, start: int, *, console: Callable[[int, dict], str], desc: str) -> Logger:
         trackers = None
         if self.cfg.report_to:
-            trackers = TrackerSink(self.accelerator, self.run_dir, project=f"ovkit-{self.command}", config=to_plain(self.cfg))
-        return make_logger(self.run_dir, main=self.is_main, quiet=self.cfg.quiet, total=total, start=start, desc=desc, line=console, trackers=trackers)
+            trackers = TrackerSink(
+                self.accelerator, self.run_dir, project=f"ovkit-{self.command}", config=to_plain(self.cfg)
+            )
+        return make_logger(
+            self.run_dir,
+            main=self.is_main,
+            quiet=self.cfg.quiet,
+            total=total,
+            start=start,
+            desc=desc,
+            line=console,
+            trackers=trackers,
+        )
 
     # -- checkpoints and the end -----------------------------------------------------------------------------------
 
@@ -419,8 +462,12 @@ class Runtime:
         if not r:
             return None
         if self.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
-            raise OvkitError("--lora-r with FSDP or DeepSpeed is not supported here; use DDP (plain accelerate launch / torchrun)")
-        spec = lora.LoraSpec(r=r, alpha=self.cfg.lora_alpha, dropout=self.cfg.lora_dropout, targets=tuple(self.cfg.lora_targets or ()))
+            raise OvkitError(
+                "--lora-r with FSDP or DeepSpeed is not supported here; use DDP (plain accelerate launch / torchrun)"
+            )
+        spec = lora.LoraSpec(
+            r=r, alpha=self.cfg.lora_alpha, dropout=self.cfg.lora_dropout, targets=tuple(self.cfg.lora_targets or ())
+        )
         if getattr(self.cfg, "load_in_4bit", False):
             # --activation-checkpointing does the recomputing (non-reentrant: no input gradients needed), not peft
             lora.prepare_four_bit(model, gradient_checkpointing=False)
@@ -467,7 +514,9 @@ class Runtime:
         ckpt = latest_checkpoint(self.run_dir)
         then = (f"then run the same command with --resume: it continues from {ckpt}" if ckpt else
                 "no checkpoint was written yet: then run the same command with --overwrite")  # fmt: skip
-        return faults.write_failure(e, path, needed=self.checkpoint_bytes, then=then, saving=saving, within=self.run_dir)
+        return faults.write_failure(
+            e, path, needed=self.checkpoint_bytes, then=then, saving=saving, within=self.run_dir
+        )
 
     def stop_if_asked(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int, n_steps: int) -> None:
         """At a step boundary: when a SIGINT/SIGTERM came during the step (ovkit.faults), write a checkpoint (unless
@@ -494,10 +543,16 @@ class Runtime:
         cfg = self.cfg
         options = ["--micro-batch-size" if hasattr(cfg, "micro_batch_size") else "--batch-size (with --grad-accum for the same global batch)",
                    "--activation-checkpointing full", "--precision bf16-true or --optim adamw_8bit"]  # fmt: skip
-        options += ["--max-len"] if hasattr(cfg, "max_len") else ["--max-new-tokens"] if hasattr(cfg, "max_new_tokens") else []
+        options += (
+            ["--max-len"] if hasattr(cfg, "max_len") else ["--max-new-tokens"] if hasattr(cfg, "max_new_tokens") else []
+        )
         tokens = self.activation_checkpointing.get("tokens_per_micro_batch")
         ckpt = latest_checkpoint(self.run_dir)
-        after = f"--resume continues from {ckpt}" if ckpt else "no checkpoint was written yet: the run starts over with --overwrite"
+        after = (
+            f"--resume continues from {ckpt}"
+            if ckpt
+            else "no checkpoint was written yet: the run starts over with --overwrite"
+        )
         reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         return OutOfMemory(f"{self.command}: out of GPU memory at step {state['step'] + 1}"
                            f"{f' ({tokens} tokens per micro-batch, padded)' if tokens else ''}{faults.memory_note()}; lower it with "
@@ -516,7 +571,9 @@ class Runtime:
             "metrics": state.get("last", {}),
         }
 
-    def finish(self, scorer: Any, processor: Any, state: dict[str, Any], summary: dict[str, Any], *, inputs: Sequence[Path]) -> Result:
+    def finish(
+        self, scorer: Any, processor: Any, state: dict[str, Any], summary: dict[str, Any], *, inputs: Sequence[Path]
+    ) -> Result:
         """Save the final model into OUT.partial and, on the main process once every process is done, turn it into
         OUT (config.yaml and ovkit.json with `summary` and the runtime)."""
         from ovkit.runs import Stage
@@ -533,7 +590,15 @@ class Runtime:
         if not self.is_main:
             return Result("worker", summary)
         _write_json(self.run_dir / RUN_STATE, state)
-        stage = Stage(self.command, self.cfg, self.cfg.out, inputs=inputs, overwrite=self.cfg.overwrite, seed=self.cfg.seed, parent=self.parent)
+        stage = Stage(
+            self.command,
+            self.cfg,
+            self.cfg.out,
+            inputs=inputs,
+            overwrite=self.cfg.overwrite,
+            seed=self.cfg.seed,
+            parent=self.parent,
+        )
         with stage:  # OUT.partial becomes the stage's temp dir; the Stage writes config.yaml + ovkit.json and renames
             stage.metrics.update(summary)
             stage.extra["runtime"] = self.info()

@@ -28,10 +28,13 @@ def device() -> torch.device:
     return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}")
 
 
-def load_for_inference(path: Path | str, *, precision: str = "auto", attn_implementation: str = "auto", trust_remote_code: bool = False) -> tuple[Any, Any]:
+def load_for_inference(
+    path: Path | str, *, precision: str = "auto", attn_implementation: str = "auto", trust_remote_code: bool = False
+) -> tuple[Any, Any]:
     """(model, processor) in eval mode on the device, its weights in the precision's compute dtype, attention set."""
     from ovkit.models import load
-    from ovkit.runtime import attention, precision as prec
+    from ovkit.runtime import attention
+    from ovkit.runtime import precision as prec
 
     dev = device()
     model, processor = load(path, dtype=prec.resolve(precision, dev).dtype, trust_remote_code=trust_remote_code)
@@ -67,9 +70,22 @@ def build_engine(
         if model is None:
             if model_dir is None:
                 raise ValueError("build_engine('hf') needs a model or a model directory")
-            model, processor = load_for_inference(model_dir, precision=precision or "auto", attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+            model, processor = load_for_inference(
+                model_dir,
+                precision=precision or "auto",
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+            )
             return HFEngine(model, processor, quant=quant, batch_size=batch_size, progress=progress)
-        return HFEngine(model, processor, dtype=sampler_dtype(precision), quant=quant, separate=separate, batch_size=batch_size, progress=progress)
+        return HFEngine(
+            model,
+            processor,
+            dtype=sampler_dtype(precision),
+            quant=quant,
+            separate=separate,
+            batch_size=batch_size,
+            progress=progress,
+        )
     if kind == "vllm":
         if model_dir is None:
             model_dir = model.config.name_or_path
@@ -77,16 +93,29 @@ def build_engine(
             processor = _processor(model_dir, trust_remote_code)
         dtype = sampler_dtype(precision) if precision not in (None, "auto") else "auto"
         extra = {"quantization": "fp8"} if quant == "fp8" else {}  # vLLM's online fp8 quantisation of the checkpoint
-        return VLLMEngine(model_dir, processor=processor, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, progress=progress,
-                          sleep=sleep, gpu_memory_utilization=gpu_memory_utilization, **extra)
+        return VLLMEngine(
+            model_dir,
+            processor=processor,
+            dtype=dtype,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+            progress=progress,
+            sleep=sleep,
+            gpu_memory_utilization=gpu_memory_utilization,
+            **extra,
+        )
     if kind == "vllm-server":
         from ovkit.generate import VLLMServerEngine
 
         if quant is not None:
-            raise OvkitError("--engine vllm-server samples with the server's own weights and quantisation (vllm serve --quantization ...); drop --sampler-quant")
+            raise OvkitError(
+                "--engine vllm-server samples with the server's own weights and quantisation (vllm serve --quantization ...); drop --sampler-quant"
+            )
         if processor is None:
             processor = _processor(model_dir or model.config.name_or_path, trust_remote_code)
-        return VLLMServerEngine(server_url or DEFAULT_SERVER_URL, processor, timeout=server_timeout, seed=seed, progress=progress)
+        return VLLMServerEngine(
+            server_url or DEFAULT_SERVER_URL, processor, timeout=server_timeout, seed=seed, progress=progress
+        )
     raise OvkitError(f"--engine must be one of hf, vllm, vllm-server, got {kind!r}")
 
 

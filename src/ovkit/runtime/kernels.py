@@ -52,6 +52,8 @@ def apply(model: Any, choice: str) -> dict[str, Any]:
     patched = model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
     if patched:
         # the loss is ovkit's (from the last hidden state): Liger's loss patches of the model's forward stay off
-        _apply_liger_kernel_to_instance(model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+        _apply_liger_kernel_to_instance(
+            model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+        )
     return {"kernels": "liger", "model_type": model_type, "patched": ["rope", "rms_norm", "swiglu"] if patched else [],
             "fused_linear_cross_entropy": True, **({} if patched else {"note": f"Liger-Kernel has no patches for {model_type}"})}  # fmt: skip

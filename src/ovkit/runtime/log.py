@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
-
+from typing import Any, Protocol
 
 # metrics.jsonl and the trackers name a metric as TRL (and the HF Trainer) does where they log the same quantity, so
 # dashboards and scripts carry over; ovkit's own metrics go under "ovkit/". The loops and the console line keep
@@ -86,7 +86,9 @@ class JsonlSink:
     def __init__(self, path: Path, *, resume_step: int = 0):
         self.path = Path(path)
         if self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            kept = [
+                ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step
+            ]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         self.fh = open(self.path, "a", buffering=1)
 
@@ -110,7 +112,9 @@ def check_trackers(names: list[str]) -> None:
         if name not in TRACKERS:
             raise OvkitError(f"--report-to must be one of {', '.join(TRACKERS)} (or none), got {name!r}")
         if importlib.util.find_spec(TRACKERS[name]) is None:
-            raise OvkitError(f"--report-to {name}: the {TRACKERS[name]} package is not installed (pip install {TRACKERS[name]})")
+            raise OvkitError(
+                f"--report-to {name}: the {TRACKERS[name]} package is not installed (pip install {TRACKERS[name]})"
+            )
 
 
 class TrackerSink:
@@ -152,7 +156,14 @@ class Logger:
 
 
 def make_logger(
-    run_dir: Path, *, main: bool, quiet: bool, total: int, start: int, desc: str, line: Callable[[int, dict[str, Any]], str],
+    run_dir: Path,
+    *,
+    main: bool,
+    quiet: bool,
+    total: int,
+    start: int,
+    desc: str,
+    line: Callable[[int, dict[str, Any]], str],
     trackers: Sink | None = None,
 ) -> Logger:
     if not main:

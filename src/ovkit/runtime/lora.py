@@ -26,9 +26,10 @@ OUT/adapter/ applies to the 4-bit base as to the full one. bitsandbytes runs 4-b
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -36,7 +37,9 @@ from ovkit.errors import OvkitError
 from ovkit.models.groups import group_of
 
 # Linear modules that get adapters, by the last part of their name (the projections of attention and MLP blocks).
-LINEAR_TARGETS = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv|proj|out_proj|fc1|fc2|linear_fc1|linear_fc2)$")
+LINEAR_TARGETS = re.compile(
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv|proj|out_proj|fc1|fc2|linear_fc1|linear_fc2)$"
+)
 ADAPTER = "default"
 
 
@@ -65,7 +68,8 @@ def target_modules(model: Any, trainable: Iterable[str], spec: LoraSpec) -> list
     if not found:
         raise OvkitError(
             f"--lora-r {spec.r}: no Linear module of {type(model).__name__} to adapt in the --trainable selection"
-            + (f" matching --lora-targets {list(spec.targets)}" if spec.targets else "") + "; train the llm or vision group, or name modules with --lora-targets"
+            + (f" matching --lora-targets {list(spec.targets)}" if spec.targets else "")
+            + "; train the llm or vision group, or name modules with --lora-targets"
         )
     return found
 
@@ -105,8 +109,13 @@ def four_bit_config(compute_dtype: torch.dtype) -> Any:
         raise OvkitError("--load-in-4bit needs bitsandbytes: pip install bitsandbytes") from None
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=NOT_QUANTISED)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+        llm_int8_skip_modules=NOT_QUANTISED,
+    )
 
 
 def prepare_four_bit(model: Any, gradient_checkpointing: bool) -> None:
@@ -152,7 +161,9 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
 
     out: dict[str, torch.Tensor] = {}
     lora_modules = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
-    four_bit = {name.replace(".base_layer", ""): w for name, m in model.named_modules() if (w := _dequantised(m)) is not None}
+    four_bit = {
+        name.replace(".base_layer", ""): w for name, m in model.named_modules() if (w := _dequantised(m)) is not None
+    }
     for name, tensor in model.state_dict().items():
         if "lora_" in name:
             continue
@@ -175,7 +186,10 @@ def save_adapter(model: Any, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     # PeftModel wraps the base as base_model.model: its adapter files name weights under that prefix
-    state = {f"base_model.model.{k}": v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
+    state = {
+        f"base_model.model.{k}": v.detach().contiguous().cpu()
+        for k, v in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()
+    }
     save_file(state, str(out / "adapter_model.safetensors"))
     config = model._ovkit_lora_config
     config.base_model_name_or_path = getattr(model.config, "_name_or_path", None)

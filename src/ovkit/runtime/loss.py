@@ -44,7 +44,9 @@ def _head(model: Any) -> tuple[nn.Module, Any]:
 
 def _unsupported(model: Any) -> str | None:
     for cfg in (model.config, getattr(model.config, "text_config", None)):
-        if cfg is not None and (getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0)):
+        if cfg is not None and (
+            getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0)
+        ):
             return "final logit soft-capping / scaling"
     return None
 
@@ -66,15 +68,23 @@ def _embedded(base: Any, inputs: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in inputs.items() if k != "image_token_index"}
     from ovkit.models.precompute import VISION_KEYS
 
-    rest = {k: v for k, v in inputs.items() if k not in ("image_token_index", "pixel_values", "image_grid_thw", *VISION_KEYS)}
+    rest = {
+        k: v
+        for k, v in inputs.items()
+        if k not in ("image_token_index", "pixel_values", "image_grid_thw", *VISION_KEYS)
+    }
     vision = {k.removeprefix("image_"): inputs[k] for k in VISION_KEYS if k in inputs}
-    features = base.visual(inputs["pixel_values"].type(base.visual.dtype), grid_thw=inputs["image_grid_thw"], **vision).pooler_output
+    features = base.visual(
+        inputs["pixel_values"].type(base.visual.dtype), grid_thw=inputs["image_grid_thw"], **vision
+    ).pooler_output
     embeds = base.get_input_embeddings()(rest.pop("input_ids"))
     flat = embeds.reshape(-1, embeds.shape[-1]).index_copy(0, index, features.to(embeds.dtype))
     return {**rest, "inputs_embeds": flat.view_as(embeds)}
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias).float()
     return logits / temperature if temperature > 0 and temperature != 1.0 else logits
 
@@ -114,18 +124,32 @@ class ChunkedHeadLogprob(torch.autograd.Function):
                 grad_w.addmm_(d.t(), h.float())
             if grad_b is not None:
                 grad_b.add_(d.sum(0))
-        return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
-                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
+            grad_b.to(bias.dtype) if grad_b is not None else None,
+            None,
+            None,
+            None,
+        )
 
 
 @torch.no_grad()
-def _chunk_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+def _chunk_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
     logp = torch.log_softmax(_chunk_logits(hidden, weight, bias, temperature), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 
 def head_logprobs(
-    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *, temperature: float = 1.0, entropy: bool = False, chunk: int | None = None
+    hidden: torch.Tensor,
+    head: nn.Module,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) [N] (differentiable) for hidden rows [N, H], and their entropies [N] when asked (no grad)."""
     weight, bias = head.weight, getattr(head, "bias", None)
@@ -139,8 +163,15 @@ def head_logprobs(
 
 
 def score(
-    model: Any, inputs: dict[str, Any], targets: torch.Tensor, where: torch.Tensor, *, temperature: float = 1.0,
-    entropy: bool = False, chunk: int | None = None, index: torch.Tensor | None = None,
+    model: Any,
+    inputs: dict[str, Any],
+    targets: torch.Tensor,
+    where: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk: int | None = None,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position log-probs [B, T-1] of `targets` [B, T-1] (column j: the token after position j) at the positions
     `where` [B, T-1] (bool), zero elsewhere; entropies likewise when asked. `index`: the flat positions of `where`
@@ -151,13 +182,17 @@ def score(
     _, head = _head(model)
     hidden = hidden_states(model, inputs)[:, :-1]
     if index is None:
-        picked, ent = head_logprobs(hidden[where], head, targets[where], temperature=temperature, entropy=entropy, chunk=chunk)
+        picked, ent = head_logprobs(
+            hidden[where], head, targets[where], temperature=temperature, entropy=entropy, chunk=chunk
+        )
         out = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device).masked_scatter(where, picked)
         if entropy:
             ent = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device).masked_scatter(where, ent)
         return out, ent
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
-    picked, ent = head_logprobs(rows, head, targets.reshape(-1).index_select(0, index), temperature=temperature, entropy=entropy, chunk=chunk)
+    picked, ent = head_logprobs(
+        rows, head, targets.reshape(-1).index_select(0, index), temperature=temperature, entropy=entropy, chunk=chunk
+    )
     flat = torch.zeros(where.numel(), dtype=torch.float32, device=hidden.device)
     out = flat.index_copy(0, index, picked).view(where.shape)
     return out, (flat.index_copy(0, index, ent).view(where.shape) if entropy else None)
@@ -165,7 +200,9 @@ def score(
 
 def _score_full(model, inputs, targets, where, *, temperature, entropy):
     """The plain path (every position's logits) for heads the chunked path cannot reproduce."""
-    logits = model(**{k: v for k, v in inputs.items() if k != "image_token_index"}, use_cache=False).logits[:, :-1].float()
+    logits = (
+        model(**{k: v for k, v in inputs.items() if k != "image_token_index"}, use_cache=False).logits[:, :-1].float()
+    )
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
@@ -174,8 +211,14 @@ def _score_full(model, inputs, targets, where, *, temperature, entropy):
     return out, ent
 
 
-def nll_sum(model: Any, inputs: dict[str, Any], labels: torch.Tensor, ignore_index: int = -100, index: torch.Tensor | None = None,
-            fused: bool = False) -> torch.Tensor:
+def nll_sum(
+    model: Any,
+    inputs: dict[str, Any],
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    index: torch.Tensor | None = None,
+    fused: bool = False,
+) -> torch.Tensor:
     """Sum of next-token NLLs over the target tokens (labels != ignore_index), the supervised loss's numerator.
     `index`: the flat positions of those targets in labels[:, 1:] when the caller has them (computed on the host,
     ovkit.models.precompute.target_index): gathered with index_select, the step never reads a count back from the
@@ -194,7 +237,9 @@ def nll_sum(model: Any, inputs: dict[str, Any], labels: torch.Tensor, ignore_ind
     if fused and _liger_ok(model, labels):
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        return liger_fused_linear_cross_entropy(hidden, head.weight, targets, getattr(head, "bias", None), reduction="sum")
+        return liger_fused_linear_cross_entropy(
+            hidden, head.weight, targets, getattr(head, "bias", None), reduction="sum"
+        )
     logp, _ = head_logprobs(hidden, head, targets)
     return -logp.sum()
 
@@ -216,7 +261,13 @@ class TokenScorer(nn.Module):
     def config(self) -> Any:
         return self.model.config
 
-    def forward(self, inputs: dict[str, Any], labels: torch.Tensor | None = None, target_index: torch.Tensor | None = None, **kw: Any):
+    def forward(
+        self,
+        inputs: dict[str, Any],
+        labels: torch.Tensor | None = None,
+        target_index: torch.Tensor | None = None,
+        **kw: Any,
+    ):
         if labels is not None:
             return nll_sum(self.model, inputs, labels, index=target_index, fused=self.fused_ce)
         return score(self.model, inputs, **kw)

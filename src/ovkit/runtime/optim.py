@@ -16,19 +16,22 @@ fewer than 4,096 elements in 32-bit state, so a tiny model's 8-bit figure is hig
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
 from ovkit.errors import OvkitError
+from ovkit.runtime.options import OPTIMS, check_optim  # noqa: F401 (re-exported: one definition, torch-free)
 
 ADAM_EPS = 1e-5  # LLaVA-OneVision-1.5 (and its RL stage)
 BETAS = (0.9, 0.999)
-from ovkit.runtime.options import OPTIMS, check_optim  # noqa: F401 (re-exported: one definition, torch-free)
 
 
-def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float, lrs: dict[int, float] | None = None) -> list[dict[str, Any]]:
+def param_groups(
+    params: Iterable[torch.nn.Parameter], weight_decay: float, lrs: dict[int, float] | None = None
+) -> list[dict[str, Any]]:
     """Weight decay on matrices only: biases, norms and other 1-D parameters are not decayed (Megatron / HF).
     `lrs`: {id(parameter): lr} for parameters with their own learning rate (e.g. the vision encoder's)."""
     params = [p for p in params if p.requires_grad]
@@ -37,12 +40,23 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float, lrs:
     for lr in [None, *sorted(set(lrs.values()))]:
         own = [p for p in params if lrs.get(id(p)) == lr]
         extra = {} if lr is None else {"lr": lr}
-        groups += [{"params": [p for p in own if p.dim() >= 2], "weight_decay": weight_decay, **extra}, {"params": [p for p in own if p.dim() < 2], "weight_decay": 0.0, **extra}]
+        groups += [
+            {"params": [p for p in own if p.dim() >= 2], "weight_decay": weight_decay, **extra},
+            {"params": [p for p in own if p.dim() < 2], "weight_decay": 0.0, **extra},
+        ]
     return [g for g in groups if g["params"]]
 
 
-def adamw(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float, master_weights: bool = False, fused: bool = True,
-          lrs: dict[int, float] | None = None, optim: str = "adamw_torch_fused") -> torch.optim.Optimizer:
+def adamw(
+    params: Iterable[torch.nn.Parameter],
+    *,
+    lr: float,
+    weight_decay: float,
+    master_weights: bool = False,
+    fused: bool = True,
+    lrs: dict[int, float] | None = None,
+    optim: str = "adamw_torch_fused",
+) -> torch.optim.Optimizer:
     """AdamW (eps 1e-5) as `optim` names it (module docstring). `master_weights`: the parameters are bf16 and the
     optimiser keeps fp32 copies (MixedPrecisionAdamW; torch's AdamW only). `fused`: whether the run allows torch's fused
     kernel (CPU and CUDA; ~4x the per-tensor loop on small models, the default of transformers' Trainer); where the
@@ -50,7 +64,9 @@ def adamw(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: floa
     groups = param_groups(params, weight_decay, lrs)
     if optim == "adamw_8bit":
         if master_weights:
-            raise OvkitError("--optim adamw_8bit keeps no fp32 master weights (bf16-mixed runs it over fp32 weights under autocast)")
+            raise OvkitError(
+                "--optim adamw_8bit keeps no fp32 master weights (bf16-mixed runs it over fp32 weights under autocast)"
+            )
         return _adamw_8bit(groups, lr)
     if optim == "adamw_bf16":
         return KahanAdamW(groups, lr=lr, eps=ADAM_EPS, betas=BETAS)
@@ -71,7 +87,9 @@ def _adamw_8bit(groups: list[dict[str, Any]], lr: float) -> torch.optim.Optimize
     try:
         import bitsandbytes as bnb
     except ImportError:
-        raise OvkitError("--optim adamw_8bit needs bitsandbytes: pip install 'ovkit[qlora]' (or pip install 'bitsandbytes>=0.46')") from None
+        raise OvkitError(
+            "--optim adamw_8bit needs bitsandbytes: pip install 'ovkit[qlora]' (or pip install 'bitsandbytes>=0.46')"
+        ) from None
     return bnb.optim.AdamW8bit(groups, lr=lr, eps=ADAM_EPS, betas=BETAS)
 
 
@@ -89,7 +107,15 @@ class KahanAdamW(torch.optim.Optimizer):
     bf16 would round away just the same. Every step is a handful of torch._foreach_* ops over each group's tensors.
     """
 
-    def __init__(self, params: Any, *, lr: float, betas: tuple[float, float] = BETAS, eps: float = ADAM_EPS, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        params: Any,
+        *,
+        lr: float,
+        betas: tuple[float, float] = BETAS,
+        eps: float = ADAM_EPS,
+        weight_decay: float = 0.0,
+    ):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -246,7 +272,9 @@ def _into_master(master: torch.Tensor, param: torch.Tensor) -> None:
     param.grad = None
 
 
-def clip_grad_norm(optimizer: Any, params: list[torch.nn.Parameter], max_norm: float, accelerator: Any = None) -> torch.Tensor:
+def clip_grad_norm(
+    optimizer: Any, params: list[torch.nn.Parameter], max_norm: float, accelerator: Any = None
+) -> torch.Tensor:
     """Clip the gradient (global L2 norm; max_norm 0: measure only) and return its norm before clipping, wherever
     the gradient lives (the fp32 masters, or the parameters, through accelerate under DDP/FSDP). The norm stays a
     device tensor (reading it is a device-to-host sync: the loop reads it with the step's other metrics), and the
@@ -254,7 +282,9 @@ def clip_grad_norm(optimizer: Any, params: list[torch.nn.Parameter], max_norm: f
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
     if isinstance(inner, MixedPrecisionAdamW):
         return inner.clip_grad_norm_(max_norm)
-    engine = accelerator is not None and (accelerator.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU") or accelerator.scaler is not None)
+    engine = accelerator is not None and (
+        accelerator.distributed_type.value not in ("NO", "MULTI_CPU", "MULTI_GPU") or accelerator.scaler is not None
+    )
     if engine and max_norm > 0:
         return accelerator.clip_grad_norm_(params, max_norm)  # FSDP / DeepSpeed's sharded norm, fp16's unscaling
     return _clip(params, max_norm)

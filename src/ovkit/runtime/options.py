@@ -82,7 +82,9 @@ def check_checkpointing(mode: str, gradient_checkpointing: bool = False) -> str:
         raise OvkitError(f"--activation-checkpointing {e}") from None
     if gradient_checkpointing:
         if mode not in ("auto", "full"):
-            raise OvkitError(f"--gradient-checkpointing means --activation-checkpointing full; drop one of them (got {mode})")
+            raise OvkitError(
+                f"--gradient-checkpointing means --activation-checkpointing full; drop one of them (got {mode})"
+            )
         mode = "full"
     return mode
 
@@ -112,16 +114,28 @@ def check_kernels(kernels: str, use_liger_kernel: bool = False, cuda: bool | Non
 
             cuda = torch.cuda.is_available()
         if not cuda:
-            raise OvkitError("--kernels liger needs a CUDA device (Liger-Kernel's kernels are Triton); use --kernels torch or auto on CPU")
+            raise OvkitError(
+                "--kernels liger needs a CUDA device (Liger-Kernel's kernels are Triton); use --kernels torch or auto on CPU"
+            )
         if not liger_installed():
-            raise OvkitError(f"--kernels liger: liger-kernel is not installed ({LIGER_INSTALL}); or use --kernels torch")
+            raise OvkitError(
+                f"--kernels liger: liger-kernel is not installed ({LIGER_INSTALL}); or use --kernels torch"
+            )
     return kernels
 
 
 # A sampler's own precision (rl-train --sampler-precision, mismatch-report's samplers): the dtype of its weights
 # (ovkit.runtime.engines).
 SAMPLER_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-SAMPLER_ALIASES = {"float32": "fp32", "32": "fp32", "bfloat16": "bf16", "bf16-true": "bf16", "bf16-mixed": "bf16", "float16": "fp16", "16": "fp16"}
+SAMPLER_ALIASES = {
+    "float32": "fp32",
+    "32": "fp32",
+    "bfloat16": "bf16",
+    "bf16-true": "bf16",
+    "bf16-mixed": "bf16",
+    "float16": "fp16",
+    "16": "fp16",
+}
 
 
 def sampler_dtype(name: str | None) -> str | None:
@@ -160,7 +174,9 @@ def canonical_correction(name: str) -> str:
     name = str(name).strip().lower()
     mode = VERL_ALIASES.get(name, name.replace("_", "-"))
     if mode not in CORRECTIONS:
-        raise ValueError(f"unknown correction {name!r}; choose one of {', '.join(CORRECTIONS)} (verl names: {', '.join(VERL_ALIASES)})")
+        raise ValueError(
+            f"unknown correction {name!r}; choose one of {', '.join(CORRECTIONS)} (verl names: {', '.join(VERL_ALIASES)})"
+        )
     return mode
 
 

@@ -63,7 +63,11 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _record(self, what: str) -> None:
-        frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and not f.filename.endswith("syncs.py")]
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-2]
+            if "/torch/" not in f.filename and not f.filename.endswith("syncs.py")
+        ]
         site = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}:{frames[-1].name}" if frames else "?"
         self.total += 1
         self.where[f"{site} ({what})"] += 1

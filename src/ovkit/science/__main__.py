@@ -11,7 +11,9 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ovkit.science", description=__doc__)
     parser.add_argument("run", type=Path, help="the pipeline's run directory (make full-pipeline RUN=...)")
-    parser.add_argument("--science", type=Path, default=None, help="where make science wrote its runs (default RUN/science)")
+    parser.add_argument(
+        "--science", type=Path, default=None, help="where make science wrote its runs (default RUN/science)"
+    )
     args = parser.parse_args(argv)
     if not args.run.is_dir():
         print(f"error: {args.run}: no such run directory", file=sys.stderr)

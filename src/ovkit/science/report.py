@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ovkit.science.stats import gini, head_tail_ratio, matched_positions, mean_sd, seed_band, spikes
 
@@ -32,7 +33,10 @@ SOURCES = {
     "004": 'Jiacai Liu, Yingru Li, Yuqian Fu, Jiawei Wang, Qian Liu, Yu Shen, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch" (2025)',
     "ov": '"LLaVA-OneVision-1.5" and "LLaVA-OneVision-1.5-RL" project pages (offline packing, concept balancing)',
 }
-SHORT = {"003": "Yao et al., Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", "004": "Liu, Li et al., When Speed Kills Stability"}
+SHORT = {
+    "003": "Yao et al., Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+    "004": "Liu, Li et al., When Speed Kills Stability",
+}
 
 # Variant directory name -> (sampler, correction) as passed to rl-train.
 VARIANTS = {
@@ -164,10 +168,29 @@ def rl_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> None:
         "sampler/learner gap averaged over steps; masked is the share of response tokens a correction or the "
         "behaviour cap removed; spikes counts steps whose gradient norm exceeds 3x that run's median.\n\n"
     )
-    body += _table(["variant", "sampler", "correction", "seeds", "training reward", "held-out", "vllm-kl", "masked", "grad-norm spikes"], rows)
-    rep.figures["reward_curves"] = _plot_curves(runs, "reward/mean", "task reward (rollouts of the step)", out / "reward_curves.png")
-    rep.figures["mismatch_curves"] = _plot_curves(runs, "mismatch/vllm_kl", "vllm-kl (K3) per step", out / "mismatch_curves.png", log=True)
-    rep.figures["grad_norms"] = _plot_curves(runs, "grad_norm", "gradient norm (before clipping)", out / "grad_norms.png", log=True)
+    body += _table(
+        [
+            "variant",
+            "sampler",
+            "correction",
+            "seeds",
+            "training reward",
+            "held-out",
+            "vllm-kl",
+            "masked",
+            "grad-norm spikes",
+        ],
+        rows,
+    )
+    rep.figures["reward_curves"] = _plot_curves(
+        runs, "reward/mean", "task reward (rollouts of the step)", out / "reward_curves.png"
+    )
+    rep.figures["mismatch_curves"] = _plot_curves(
+        runs, "mismatch/vllm_kl", "vllm-kl (K3) per step", out / "mismatch_curves.png", log=True
+    )
+    rep.figures["grad_norms"] = _plot_curves(
+        runs, "grad_norm", "gradient norm (before clipping)", out / "grad_norms.png", log=True
+    )
     body += "\n![reward](figures/reward_curves.png)\n\n![mismatch](figures/mismatch_curves.png)\n\n![grad](figures/grad_norms.png)\n"
     rep.sections.append(("RL with mismatched samplers: reward, held-out score, mismatch per step", body))
 
@@ -178,7 +201,10 @@ def _plot_curves(runs: dict[str, list[Run]], key: str, ylabel: str, path: Path, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [("int8", [v for v in runs if v == "fp32" or v.startswith("int8")]), ("int4", [v for v in runs if v == "fp32" or v.startswith("int4")])]
+    groups = [
+        ("int8", [v for v in runs if v == "fp32" or v.startswith("int8")]),
+        ("int4", [v for v in runs if v == "fp32" or v.startswith("int4")]),
+    ]
     groups = [(name, vs) for name, vs in groups if any(v != "fp32" for v in vs)] or [("runs", list(runs))]
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
     for ax, (name, variants) in zip(axes[0], groups):
@@ -230,13 +256,32 @@ def bucket_section(rep: Report, report_json: Path, out: Path) -> None:
         high = [b for b in bins if b["lo"] >= 0.9]
         low_v = _weighted(low, "mean_abs_log_ratio")
         high_v = _weighted(high, "mean_abs_log_ratio")
-        rows.append([name, sum(b["tokens"] for b in bins), sum(b["tokens"] for b in low), _fmt(low_v), _fmt(high_v), _fmt(low_v / high_v if high_v else float("nan"))])
+        rows.append(
+            [
+                name,
+                sum(b["tokens"] for b in bins),
+                sum(b["tokens"] for b in low),
+                _fmt(low_v),
+                _fmt(high_v),
+                _fmt(low_v / high_v if high_v else float("nan")),
+            ]
+        )
         rep.numbers.setdefault("low_high_ratio", {})[name] = low_v / high_v if high_v else float("nan")
     body = (
         f"`mismatch-report --generate` from the SFT model, {', '.join(runs)} samplers against the fp32 learner, "
         f"tokens binned by the sampler's own probability (report: {report_json.parent.name}/report.html).\n\n"
     )
-    body += _table(["sampler", "tokens", "tokens with p_s < 0.1", "mean abs log-ratio, p_s < 0.1", "same, p_s >= 0.9", "low / high"], rows)
+    body += _table(
+        [
+            "sampler",
+            "tokens",
+            "tokens with p_s < 0.1",
+            "mean abs log-ratio, p_s < 0.1",
+            "same, p_s >= 0.9",
+            "low / high",
+        ],
+        rows,
+    )
     body += "\n![buckets](figures/mismatch_by_prob.png)\n"
     rep.sections.append(("Mismatch by sampler probability (the low-probability-token trap)", body))
 
@@ -262,13 +307,20 @@ def turn_tokens(report_dir: Path, sampler: str) -> dict[str, Any] | None:
         if row["run"] != sampler:
             continue
         start = len(ro[row["index"]]["prompt_ids"])
-        for j, (a, b, c, t) in enumerate(zip(row["learner_logprobs"], row["behave_logprobs"], row["compared"], row["turn_ids"] or [])):
+        for j, (a, b, c, t) in enumerate(
+            zip(row["learner_logprobs"], row["behave_logprobs"], row["compared"], row["turn_ids"] or [])
+        ):
             if c:
                 pos.append(start + j)
                 turn.append(t)
                 lrn.append(a)
                 smp.append(b)
-    return {"position": np.asarray(pos), "turn": np.asarray(turn), "learner": np.asarray(lrn), "sampler": np.asarray(smp)}
+    return {
+        "position": np.asarray(pos),
+        "turn": np.asarray(turn),
+        "learner": np.asarray(lrn),
+        "sampler": np.asarray(smp),
+    }
 
 
 def turns_section(rep: Report, report_dir: Path, samplers: Sequence[str] = ("bf16", "int8", "int4")) -> None:
@@ -279,7 +331,18 @@ def turns_section(rep: Report, report_dir: Path, samplers: Sequence[str] = ("bf1
             continue
         m = matched_positions(tokens)
         found[s] = m
-        rows.append([s, str(m["first_tokens"]), str(m["later_tokens"]), _fmt(m["first_k3"]), _fmt(m["later_k3"]), _fmt(m["ratio"]), _fmt(m["pooled_first_k3"]), _fmt(m["pooled_later_k3"])])
+        rows.append(
+            [
+                s,
+                str(m["first_tokens"]),
+                str(m["later_tokens"]),
+                _fmt(m["first_k3"]),
+                _fmt(m["later_k3"]),
+                _fmt(m["ratio"]),
+                _fmt(m["pooled_first_k3"]),
+                _fmt(m["pooled_later_k3"]),
+            ]
+        )
     if not found:
         rep.sections.append(("First vs later turns", f"absent: no mismatch-report with --env under {report_dir}.\n"))
         return
@@ -290,7 +353,19 @@ def turns_section(rep: Report, report_dir: Path, samplers: Sequence[str] = ("bf1
         "matched positions: context positions in bands of 40 tokens, only bands holding both, each band weighted by "
         "its smaller token count. Pooled = all tokens of each side, positions not matched.\n\n"
     )
-    body += _table(["sampler", "first-turn tokens (matched bands)", "later-turn tokens", "K3 first", "K3 later", "later / first", "pooled K3 first", "pooled K3 later"], rows)
+    body += _table(
+        [
+            "sampler",
+            "first-turn tokens (matched bands)",
+            "later-turn tokens",
+            "K3 first",
+            "K3 later",
+            "later / first",
+            "pooled K3 first",
+            "pooled K3 later",
+        ],
+        rows,
+    )
     rep.sections.append(("First vs later turns at matched context positions", body))
 
 
@@ -309,10 +384,28 @@ def packing_section(rep: Report, stats_path: Path) -> None:
     }  # fmt: skip
     rep.numbers["packing"] = numbers
     body = _table(
-        ["samples", "packs (lower bound)", "efficiency", "samples per pack", "padding compression vs padding to L", "vs padding random batches to their longest"],
-        [[str(numbers["samples"]), f"{numbers['packs']} ({numbers['lower_bound']})", f"{numbers['efficiency']:.4f}", f"{numbers['samples_per_pack']:.1f}", f"{numbers['compression_vs_max_len']:.0f}x", f"{numbers['compression_vs_random_batches']:.1f}x (batch {numbers['random_batch']})"]],
+        [
+            "samples",
+            "packs (lower bound)",
+            "efficiency",
+            "samples per pack",
+            "padding compression vs padding to L",
+            "vs padding random batches to their longest",
+        ],
+        [
+            [
+                str(numbers["samples"]),
+                f"{numbers['packs']} ({numbers['lower_bound']})",
+                f"{numbers['efficiency']:.4f}",
+                f"{numbers['samples_per_pack']:.1f}",
+                f"{numbers['compression_vs_max_len']:.0f}x",
+                f"{numbers['compression_vs_random_batches']:.1f}x (batch {numbers['random_batch']})",
+            ]
+        ],
     )
-    rep.sections.append(("Offline packing", f"`ovkit pack` of the pipeline's balanced pretraining split ({stats_path}).\n\n" + body))
+    rep.sections.append(
+        ("Offline packing", f"`ovkit pack` of the pipeline's balanced pretraining split ({stats_path}).\n\n" + body)
+    )
 
 
 def balance_section(rep: Report, before_dir: Path, after_dir: Path, out: Path) -> None:
@@ -341,7 +434,10 @@ def balance_section(rep: Report, before_dir: Path, after_dir: Path, out: Path) -
     ax.bar([x - 0.2 for x in xs], b, width=0.4, label=f"before (Gini {numbers['gini_before']:.2f})")
     ax.bar([x + 0.2 for x in xs], a, width=0.4, label=f"after balance (Gini {numbers['gini_after']:.2f})")
     ax.set_xticks(list(xs), concepts, rotation=90, fontsize=7)
-    ax.set(ylabel="rows showing the concept", title="Ground-truth concept frequency of the pretraining split, by rank before balancing")
+    ax.set(
+        ylabel="rows showing the concept",
+        title="Ground-truth concept frequency of the pretraining split, by rank before balancing",
+    )
     ax.legend()
     fig.tight_layout()
     path = out / "long_tail.png"
@@ -353,7 +449,18 @@ def balance_section(rep: Report, before_dir: Path, after_dir: Path, out: Path) -
         "before and after `ovkit balance`. Gini: 0 = every concept equally frequent; head/tail: mean count of the "
         "most frequent fifth of concepts over the least frequent fifth.\n\n"
     )
-    body += _table(["concepts", "Gini before", "Gini after", "head/tail before", "head/tail after"], [[str(numbers["concepts"]), numbers["gini_before"], numbers["gini_after"], numbers["head_tail_before"], numbers["head_tail_after"]]])
+    body += _table(
+        ["concepts", "Gini before", "Gini after", "head/tail before", "head/tail after"],
+        [
+            [
+                str(numbers["concepts"]),
+                numbers["gini_before"],
+                numbers["gini_after"],
+                numbers["head_tail_before"],
+                numbers["head_tail_after"],
+            ]
+        ],
+    )
     body += "\n![long tail](figures/long_tail.png)\n"
     rep.sections.append(("Concept balancing: the long tail", body))
 
@@ -373,7 +480,7 @@ def findings(rep: Report) -> None:
 
     for q in ("int8", "int4"):
         if q in rl and "fp32" in rl:
-            gap_r, gap_h = reward(q) - reward("fp32"), held(q) - held("fp32")
+            gap_r = reward(q) - reward("fp32")
             sd = max(rl[q]["final_reward"][1], rl["fp32"]["final_reward"][1])
             degraded = gap_r < -sd
             add({
@@ -408,12 +515,14 @@ def findings(rep: Report) -> None:
             })  # fmt: skip
             break
     for name, ratio in rep.numbers.get("low_high_ratio", {}).items():
-        add({
-            "source": "004",
-            "claim": "the mismatch concentrates on tokens the sampler gave a low probability",
-            "measured": f"{name}: mean |log-ratio| on tokens with p_s < 0.1 is {ratio:.1f}x that on p_s >= 0.9",
-            "verdict": "agree" if ratio > 1 else "disagree",
-        })
+        add(
+            {
+                "source": "004",
+                "claim": "the mismatch concentrates on tokens the sampler gave a low probability",
+                "measured": f"{name}: mean |log-ratio| on tokens with p_s < 0.1 is {ratio:.1f}x that on p_s >= 0.9",
+                "verdict": "agree" if ratio > 1 else "disagree",
+            }
+        )
     for name, m in rep.numbers.get("turns", {}).items():
         enough = min(m["first_tokens"], m["later_tokens"]) >= 1000
         add({
@@ -445,7 +554,12 @@ def findings(rep: Report) -> None:
 
 def render_markdown(rep: Report, header: str) -> str:
     parts = [header, "## Findings, one line each\n"]
-    parts.append(_table(["source", "what the source reports", "what ovkit measured", "agree?"], [[f"[{f['source']}]", f["claim"], f["measured"], f["verdict"]] for f in rep.findings]))
+    parts.append(
+        _table(
+            ["source", "what the source reports", "what ovkit measured", "agree?"],
+            [[f"[{f['source']}]", f["claim"], f["measured"], f["verdict"]] for f in rep.findings],
+        )
+    )
     for title, body in rep.sections:
         parts.append(f"\n## {title}\n\n{body}")
     parts.append("\n## References\n\n" + "\n".join(f"- [{k}] {v}" for k, v in SOURCES.items()) + "\n")
@@ -461,9 +575,19 @@ def render_html(markdown: str, figures: dict[str, Path]) -> str:
 
     def flush() -> None:
         if table:
-            cells = [[c.strip() for c in row.strip().strip("|").split(" | ")] for row in table if not set(row.replace("|", "").strip()) <= {"-"}]
+            cells = [
+                [c.strip() for c in row.strip().strip("|").split(" | ")]
+                for row in table
+                if not set(row.replace("|", "").strip()) <= {"-"}
+            ]
             head, *body = cells
-            out.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr>" + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in body) + "</table>")
+            out.append(
+                "<table><tr>"
+                + "".join(f"<th>{html.escape(c)}</th>" for c in head)
+                + "</tr>"
+                + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in body)
+                + "</table>"
+            )
             table.clear()
 
     by_file = {f"figures/{p.name}": p for p in figures.values()}
@@ -510,7 +634,9 @@ def build_report(run: Path, science: Path | None = None) -> Report:
     markdown = render_markdown(rep, header)
     (science / "report.md").write_text(markdown)
     (science / "report.html").write_text(render_html(markdown, rep.figures))
-    (science / "report.json").write_text(json.dumps({"findings": rep.findings, "numbers": rep.numbers}, indent=1, default=_plain) + "\n")
+    (science / "report.json").write_text(
+        json.dumps({"findings": rep.findings, "numbers": rep.numbers}, indent=1, default=_plain) + "\n"
+    )
     return rep
 
 

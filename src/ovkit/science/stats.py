@@ -10,7 +10,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -102,7 +103,15 @@ def matched_positions(tokens: Mapping[str, np.ndarray], band: int = 40) -> dict[
         acc_later += w * kl
         n_first += nf
         n_later += nl
-        rows.append({"band": f"{int(b) * band}-{int(b + 1) * band - 1}", "first_tokens": nf, "later_tokens": nl, "first_k3": kf, "later_k3": kl})
+        rows.append(
+            {
+                "band": f"{int(b) * band}-{int(b + 1) * band - 1}",
+                "first_tokens": nf,
+                "later_tokens": nl,
+                "first_k3": kf,
+                "later_k3": kl,
+            }
+        )
     first_k3 = acc_first / w_sum if w_sum else float("nan")
     later_k3 = acc_later / w_sum if w_sum else float("nan")
     return {

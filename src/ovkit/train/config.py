@@ -18,8 +18,13 @@ from ovkit.errors import OvkitError
 from ovkit.evaluate.during import check_options as check_eval_options
 from ovkit.models.groups import STAGE_TRAINABLE
 from ovkit.runtime.log import check_trackers
-from ovkit.runtime.options import ATTENTION, canonical_precision, check_checkpointing, check_kernels, check_optim  # torch-free (#29)
-
+from ovkit.runtime.options import (
+    ATTENTION,
+    canonical_precision,
+    check_checkpointing,
+    check_kernels,
+    check_optim,
+)  # torch-free (#29)
 
 # Stage presets: the recipe's published values (lr, weight decay). Cosine to a minimum lr of 1e-6, warmup 0.2% of
 # the steps, Adam eps 1e-5 and gradient clipping at 1.0 are shared by all three stages.
@@ -31,11 +36,27 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
 # Options a resumed run may change: where it writes and reports, how it checkpoints, and how the same numbers are
 # computed (memory and speed). Every other option shapes the trajectory, so a resumed run must keep it: TRAJECTORY is
 # derived below, and an option added later is covered without being listed (Runtime.resume exits 2 naming it).
-RUN_CONTROL = frozenset({
-    "out", "resume", "overwrite", "quiet", "report_to", "save_every", "keep_checkpoints", "trust_remote_code",
-    "activation_checkpointing", "gradient_checkpointing", "compile", "kernels", "use_liger_kernel",
-    "eval_data", "eval_every", "eval_limit", "eval_max_new_tokens",  # evaluation restores the RNG: same trajectory
-})
+RUN_CONTROL = frozenset(
+    {
+        "out",
+        "resume",
+        "overwrite",
+        "quiet",
+        "report_to",
+        "save_every",
+        "keep_checkpoints",
+        "trust_remote_code",
+        "activation_checkpointing",
+        "gradient_checkpointing",
+        "compile",
+        "kernels",
+        "use_liger_kernel",
+        "eval_data",
+        "eval_every",
+        "eval_limit",
+        "eval_max_new_tokens",  # evaluation restores the RNG: same trajectory
+    }
+)
 
 
 @dataclass
@@ -46,14 +67,18 @@ class TrainConfig:
     # Options that exclude each other: one given on the command line drops the config file's other (flags override the file)
     exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
 
-    data: list[Path] | None = None  # sample tables (parquet files or dirs of shards), read as one; the last assistant turn is the target
+    data: list[Path] | None = (
+        None  # sample tables (parquet files or dirs of shards), read as one; the last assistant turn is the target
+    )
     model: Path | None = None  # HF model directory (save_pretrained layout) to start from
     out: Path | None = None  # final model directory; checkpoints live in OUT.partial/ until the run completes
     plan: Path | None = None  # pack plan of DATA (`ovkit pack`): train on packed rows instead of padded batches
     trainable: list[str] | None = None  # groups (projector, vision, llm, all) or regexes; None = the stage's preset
     freeze_vision: bool = False  # drop the vision encoder from the trainable set
     lr: float | None = None  # peak learning rate; None = the stage's preset
-    vision_lr: float | None = None  # peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr); None = --lr
+    vision_lr: float | None = (
+        None  # peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr); None = --lr
+    )
     min_lr: float = 1e-6  # the cosine schedule ends here
     warmup_ratio: float = 0.002  # fraction of the steps spent warming up linearly from 0
     weight_decay: float | None = None  # AdamW decoupled weight decay on matrices (not on biases/norms)
@@ -65,13 +90,21 @@ class TrainConfig:
     max_len: int = 8192  # samples longer than this many tokens are skipped (counted in the summary)
     precision: str = "auto"  # auto | fp32 | bf16-mixed | bf16-true (ovkit.runtime.precision)
     optim: str = "adamw_torch_fused"  # adamw_torch_fused | adamw_torch | adamw_8bit | adamw_bf16 (x --precision: ovkit.runtime.optim)
-    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
-    lora_r: int = 0  # LoRA rank (0: full fine-tuning); adapters on the selection's attention/MLP projections (ovkit.runtime.lora)
+    attn_implementation: str = (
+        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    )
+    lora_r: int = (
+        0  # LoRA rank (0: full fine-tuning); adapters on the selection's attention/MLP projections (ovkit.runtime.lora)
+    )
     lora_alpha: float = 16.0  # LoRA scale alpha (the update is alpha / r * B A)
     lora_dropout: float = 0.0
     lora_targets: list[str] | None = None  # regexes over module names to adapt instead of the per-architecture default
-    load_in_4bit: bool = False  # QLoRA: the language model's Linear weights in 4-bit NF4 (bitsandbytes), adapters on top
-    activation_checkpointing: str = "auto"  # auto | off | full | mlp | every-K: blocks recomputed in backward (ovkit.runtime.checkpointing)
+    load_in_4bit: bool = (
+        False  # QLoRA: the language model's Linear weights in 4-bit NF4 (bitsandbytes), adapters on top
+    )
+    activation_checkpointing: str = (
+        "auto"  # auto | off | full | mlp | every-K: blocks recomputed in backward (ovkit.runtime.checkpointing)
+    )
     gradient_checkpointing: bool = False  # TRL/HF's spelling of --activation-checkpointing full
     compile: bool = False  # torch.compile each decoder layer and vision block (ovkit.runtime.compiling); run control, not trajectory
     kernels: str = "auto"  # auto | liger | torch: Liger-Kernel's fused RMSNorm/SwiGLU/RoPE and linear cross-entropy on CUDA (ovkit.runtime.kernels)
@@ -80,10 +113,14 @@ class TrainConfig:
     keep_checkpoints: int = 2  # how many intermediate checkpoints to keep (oldest deleted first)
     resume: bool = False  # continue the run found in OUT.partial/ from its last checkpoint
     report_to: list[str] = field(default_factory=list)  # experiment trackers: tensorboard, wandb, mlflow, trackio
-    eval_data: list[Path] | None = None  # held-out tables scored while training (ovkit.evaluate.during): eval/loss, eval/reward, ...
+    eval_data: list[Path] | None = (
+        None  # held-out tables scored while training (ovkit.evaluate.during): eval/loss, eval/reward, ...
+    )
     eval_every: int = 0  # evaluate on --eval-data every N steps, and after the last (0: only after the last)
     eval_limit: int | None = None  # at most this many eval rows per category (the first ones, as `ovkit eval --limit`)
-    eval_max_new_tokens: int | None = None  # the eval's generation budget; default: per category (`ovkit eval`'s token_budgets)
+    eval_max_new_tokens: int | None = (
+        None  # the eval's generation budget; default: per category (`ovkit eval`'s token_budgets)
+    )
     trust_remote_code: bool = False
     seed: int = 0
     overwrite: bool = False
@@ -132,7 +169,9 @@ class TrainConfig:
             raise OvkitError("--weight-decay and --max-grad-norm must be >= 0")
         self.precision = check_optim(self.optim, canonical_precision(self.precision))  # adamw_bf16: auto -> bf16-true
         if self.attn_implementation not in ATTENTION:
-            raise OvkitError(f"--attn-implementation must be one of {', '.join(ATTENTION)}, got {self.attn_implementation!r}")
+            raise OvkitError(
+                f"--attn-implementation must be one of {', '.join(ATTENTION)}, got {self.attn_implementation!r}"
+            )
         if self.load_in_4bit and self.lora_r <= 0:
             raise OvkitError("--load-in-4bit trains LoRA adapters on a frozen 4-bit base: give --lora-r > 0")
         if self.lora_r < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:

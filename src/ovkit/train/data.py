@@ -18,9 +18,10 @@ from __future__ import annotations
 import math
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -78,14 +79,15 @@ class SampleSource:
     def __init__(self, data: Path | Sequence[Path], processor, *, max_len: int, quiet: bool = True, model: Any = None):
         import pyarrow as pa
 
-        from ovkit.pack.packed import PackLayout
-
         from ovkit.data.io import read_samples
+        from ovkit.pack.packed import PackLayout
 
         paths = [Path(data)] if isinstance(data, (str, Path)) else [Path(p) for p in data]
         # images="header": the encoding pass below decodes every picture before the first step, and names a bad one
         samples = [read_samples(p, images="header") for p in paths]
-        table = pa.concat_tables([s.table.select(["id", "messages", "images"]) for s in samples], promote_options="default")
+        table = pa.concat_tables(
+            [s.table.select(["id", "messages", "images"]) for s in samples], promote_options="default"
+        )
         self.origin = [(s, i) for s in samples for i in range(s.table.num_rows)]  # where each row came from, for errors
         self.processor = processor
         # the model (or its config), for the inputs computed on the host (ovkit.models.precompute); None: none
@@ -121,7 +123,9 @@ class SampleSource:
             raise OvkitError(f"{samples.where(i, column)}: {e}") from None
         except Exception as e:  # noqa: BLE001 -- the processor raises many types for a row it cannot encode (pack rejects those)
             samples, i = self.origin[row]
-            raise OvkitError(f"{samples.where(i, column)}: the processor cannot encode this row ({type(e).__name__}: {' '.join(str(e).split())})") from None
+            raise OvkitError(
+                f"{samples.where(i, column)}: the processor cannot encode this row ({type(e).__name__}: {' '.join(str(e).split())})"
+            ) from None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -147,7 +151,9 @@ class PackedSource:
         self.lengths = [int(n) for n in self.dataset.lengths]
         self.skipped = 0
         if self.lengths and max(self.lengths) > max_len:
-            raise OvkitError(f"--plan {plan} has packs of {max(self.lengths)} tokens, above --max-len {max_len}; re-pack with a smaller --max-len or raise it")
+            raise OvkitError(
+                f"--plan {plan} has packs of {max(self.lengths)} tokens, above --max-len {max_len}; re-pack with a smaller --max-len or raise it"
+            )
 
     def _pack(self, i: int) -> dict[str, Any]:
         item = dict(self.dataset[i])
@@ -281,7 +287,9 @@ class Schedule:
     def micro_batches(self, step_batch: list[int], rank: int) -> list[list[int]]:
         """This process's `grad_accum` micro-batches of one global batch (sorted by length, dealt round-robin)."""
         ordered = sorted(step_batch, key=lambda i: (self.lengths[i], i))
-        micro = [ordered[m * self.batch_size : (m + 1) * self.batch_size] for m in range(self.grad_accum * self.processes)]
+        micro = [
+            ordered[m * self.batch_size : (m + 1) * self.batch_size] for m in range(self.grad_accum * self.processes)
+        ]
         return micro[rank :: self.processes]
 
     def steps(self, start_step: int, total_steps: int, rank: int):

@@ -20,22 +20,22 @@ device does not wait on the processor (the order is the Schedule's either way: n
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
 from ovkit.models import pad_token_id
-from ovkit.models.precompute import to_device
 from ovkit.models.groups import set_trainable, trainable_names
+from ovkit.models.precompute import to_device
 from ovkit.runs import is_complete
 from ovkit.runtime import Result, Runtime
 from ovkit.runtime.optim import cosine_factor
 from ovkit.train.config import TRAJECTORY, TrainConfig
 from ovkit.train.data import PackedSource, SampleSource, Schedule, real_tokens, target_tokens, total_steps
-
 
 
 def train(cfg: TrainConfig) -> Result:
@@ -56,13 +56,19 @@ def train(cfg: TrainConfig) -> Result:
             f"({schedule.global_batch} = --batch-size x --grad-accum x processes); lower them"
         )
     n_steps = total_steps(cfg.max_steps, cfg.epochs, schedule.steps_per_epoch)
-    rt.check_space(model, n_steps=n_steps, save_every=cfg.save_every, keep=cfg.keep_checkpoints)  # the disk, before any write
-    evaluate = evaluator(cfg, rt, processor, n_steps, prompt="answer", loss=True, batch_size=cfg.batch_size)  # --eval-data
+    rt.check_space(
+        model, n_steps=n_steps, save_every=cfg.save_every, keep=cfg.keep_checkpoints
+    )  # the disk, before any write
+    evaluate = evaluator(
+        cfg, rt, processor, n_steps, prompt="answer", loss=True, batch_size=cfg.batch_size
+    )  # --eval-data
     rt.make_run_dir()  # only now: bad inputs leave nothing behind
 
     pad_id = pad_token_id(processor, model)
     lrs = vision_lrs(model, cfg.vision_lr)
-    optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: lr_factor(s, n_steps, cfg), lrs=lrs)
+    optimizer, scheduler = rt.optimizer(
+        model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: lr_factor(s, n_steps, cfg), lrs=lrs
+    )
     rt.checkpointing(model, tokens=cfg.batch_size * max(source.lengths))  # the longest micro-batch, padded
     rt.compile(model)  # after checkpointing: each block compiled with its checkpoint inside
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
@@ -72,7 +78,12 @@ def train(cfg: TrainConfig) -> Result:
     t0 = time.perf_counter() - state["elapsed_s"]
     scorer.train()
     try:
-        for step, epoch, batches in _prefetched(schedule.steps(state["step"], n_steps, rt.accelerator.process_index), source, pad_id, pin=rt.device.type == "cuda"):
+        for step, epoch, batches in _prefetched(
+            schedule.steps(state["step"], n_steps, rt.accelerator.process_index),
+            source,
+            pad_id,
+            pin=rt.device.type == "cuda",
+        ):
             t_step = time.perf_counter()
             nll, n_target, n_real, n_positions = _step(rt, scorer, batches)
             grad_norm = rt.clip(params, optimizer, cfg.max_grad_norm)
@@ -98,13 +109,17 @@ def train(cfg: TrainConfig) -> Result:
                 "epoch": epoch,
                 "elapsed_s": state["elapsed_s"],
             }
-            metrics.update(evaluate(step, scorer))  # every --eval-every steps and at the end; the trajectory is untouched
+            metrics.update(
+                evaluate(step, scorer)
+            )  # every --eval-every steps and at the end; the trajectory is untouched
             logger.log(step, metrics)
             state.setdefault("first_loss", loss)
             state["last"] = {"loss": loss, "lr": lr}
             if cfg.save_every and step % cfg.save_every == 0 and step < n_steps:
                 rt.save_checkpoint(scorer, processor, state, cfg.keep_checkpoints)
-            rt.stop_if_asked(scorer, processor, state, cfg.keep_checkpoints, n_steps)  # SIGINT/SIGTERM: checkpoint, exit
+            rt.stop_if_asked(
+                scorer, processor, state, cfg.keep_checkpoints, n_steps
+            )  # SIGINT/SIGTERM: checkpoint, exit
     except torch.cuda.OutOfMemoryError as e:  # one message, exit 3; the last checkpoint stays
         raise rt.out_of_memory(e, state) from e
     except OSError as e:  # disk full while logging: one line, exit 2; the last checkpoint stays
@@ -134,7 +149,9 @@ def train(cfg: TrainConfig) -> Result:
     return rt.finish(scorer, processor, state, summary, inputs=[*cfg.data, *([cfg.plan] if cfg.plan else [])])
 
 
-def _prefetched(steps: Iterator, source: Any, pad_id: int, pin: bool = False) -> Iterator[tuple[int, int, list[dict[str, Any]]]]:
+def _prefetched(
+    steps: Iterator, source: Any, pad_id: int, pin: bool = False
+) -> Iterator[tuple[int, int, list[dict[str, Any]]]]:
     """(step, epoch, collated micro-batches), the next step's prepared on a background thread during this one. `pin`:
     the batches' tensors in page-locked memory (CUDA), so the step's non-blocking copies to the device really are."""
 
@@ -161,7 +178,11 @@ def _step(rt: Runtime, scorer, batches: list[dict[str, Any]]):
     other metrics, after the optimiser step) and the global counts of target, non-padding and all tokens (host
     values from the collate function; one all-reduce when there are several processes)."""
     acc = rt.accelerator
-    counts = [sum(target_tokens(b) for b in batches), sum(real_tokens(b) for b in batches), sum(b["input_ids"].numel() for b in batches)]
+    counts = [
+        sum(target_tokens(b) for b in batches),
+        sum(real_tokens(b) for b in batches),
+        sum(b["input_ids"].numel() for b in batches),
+    ]
     if acc.num_processes > 1:
         counts = acc.reduce(torch.tensor(counts, device=acc.device), "sum").tolist()
     n_target, n_real, n_positions = (int(x) for x in counts)
@@ -169,7 +190,11 @@ def _step(rt: Runtime, scorer, batches: list[dict[str, Any]]):
     nll_sum = torch.zeros((), device=acc.device)
     for j, batch in enumerate(batches):
         with rt.no_sync(scorer, sync=j == len(batches) - 1), rt.autocast():
-            nll = scorer(model_inputs(batch, acc.device), labels=_on(batch["labels"], acc.device), target_index=_on(batch.get("target_index"), acc.device))
+            nll = scorer(
+                model_inputs(batch, acc.device),
+                labels=_on(batch["labels"], acc.device),
+                target_index=_on(batch.get("target_index"), acc.device),
+            )
         rt.backward(nll * scale)
         nll_sum += nll.detach().float()
     return acc.reduce(nll_sum, "sum") if acc.num_processes > 1 else nll_sum, n_target, n_real, n_positions
@@ -187,7 +212,9 @@ def token_nll_sum(model, batch: dict[str, Any], device) -> torch.Tensor:
     """Sum of next-token NLLs over the target tokens of one micro-batch of a bare model (labels IGNORE elsewhere)."""
     from ovkit.runtime.loss import nll_sum
 
-    return nll_sum(model, model_inputs(batch, device), batch["labels"].to(device), index=_on(batch.get("target_index"), device))
+    return nll_sum(
+        model, model_inputs(batch, device), batch["labels"].to(device), index=_on(batch.get("target_index"), device)
+    )
 
 
 def step_line(step: int, m: dict[str, Any]) -> str:
