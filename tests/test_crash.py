@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ovkit.runs import is_complete
+from ovkit.files import is_complete
 
 ENV = {
     **os.environ,

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ovkit.files import read_provenance
+
 CARD = "README.md"
 PART_DIR = re.compile(r"part-(\d{5})-of-(\d{5})")
 PART_GLOB = "part-*.parquet"
@@ -587,7 +589,6 @@ def _model_summary(arch: str, config: dict[str, Any], prov: dict[str, Any], base
 
 def _lineage_lines(prov: dict[str, Any]) -> list[str]:
     """The chain of ovkit stages behind this model, read from each parent's ovkit.json."""
-    from ovkit.runs import read_provenance
 
     chain, seen = [f"this model (`{prov.get('command')}`)"], set()
     parent = prov.get("parent")

@@ -4,7 +4,8 @@ A stage writes into `OUT.tmp-<pid>` beside its target and renames it to `OUT` at
 resolved options), `ovkit.json` (provenance: command, version, config, input fingerprints, parent checkpoint, seed,
 times, headline metrics) and, for a data or model output, a `README.md` card generated from it (ovkit.cards). A part
 of a sharded output (`OUT/part-I-of-N`) also writes `OUT/README.md`, covering every part. A complete `OUT` (one with
-`ovkit.json`) is left alone unless `overwrite`.
+`ovkit.json`) is left alone unless `overwrite`. The file utilities the stage uses (provenance, fingerprints,
+atomic JSON) are the leaf module ovkit.files, which the lower layers import without this orchestrator.
 
 A run killed without a chance to clean up (kill -9, a lost node) leaves its `OUT.tmp-<pid>` (or, mid-swap, the
 replaced `OUT.old-<pid>`). The next run of the same `OUT` removes those whose pid is no live process on this machine;
@@ -19,8 +20,6 @@ A second run of the same `OUT` (or `OUT/part-I-of-N`) does not get that far: eve
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -35,45 +34,7 @@ from ovkit.config import dump_yaml, to_plain
 from ovkit.data.sources import describe, is_remote, parse_spec
 from ovkit.errors import OvkitError
 from ovkit.faults import Interrupted, hold, write_failure
-
-PROVENANCE = "ovkit.json"
-
-
-def is_complete(out: Path) -> bool:
-    return (Path(out) / PROVENANCE).is_file()
-
-
-def fingerprint(path: Path) -> dict[str, Any]:
-    """Size + mtime of every file under `path`, and a hash of parquet footers (cheap, changes with the content)."""
-    path = Path(path)
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    h = hashlib.sha256()
-    size = 0
-    for f in files:
-        st = f.stat()
-        size += st.st_size
-        h.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{st.st_size}".encode())
-        if f.suffix == ".parquet" and st.st_size >= 8:
-            with open(f, "rb") as fh:
-                fh.seek(-8, os.SEEK_END)
-                footer_len = int.from_bytes(fh.read(4), "little")
-                fh.seek(max(0, st.st_size - 8 - footer_len))
-                h.update(fh.read())
-        elif st.st_size <= 1 << 20:
-            h.update(f.read_bytes())
-        else:
-            h.update(str(st.st_mtime_ns).encode())
-    return {"path": str(path), "files": len(files), "bytes": size, "sha256": h.hexdigest()[:16]}
-
-
-def read_provenance(path: Path) -> dict[str, Any] | None:
-    p = Path(path) / PROVENANCE
-    if not p.is_file():
-        return None
-    try:
-        return json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+from ovkit.files import PROVENANCE, fingerprint, is_complete, read_provenance, write_json
 
 
 def _now() -> str:
@@ -251,11 +212,3 @@ def _card(write, *args) -> None:
         write(*args)
     except Exception as e:  # noqa: BLE001
         print(f"warning: {args[0]}: could not write its README.md card ({type(e).__name__}: {e})", file=sys.stderr)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
-    tmp.replace(path)

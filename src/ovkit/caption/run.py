@@ -43,6 +43,7 @@ from ovkit.caption.filter import CaptionFilter, rule
 from ovkit.caption.quality import has_cjk, mean_recall, parse_concepts
 from ovkit.data import IMAGE_TOKEN, MESSAGE, parse_shard, read_samples, write_rejects, write_samples, write_table
 from ovkit.errors import OvkitError
+from ovkit.files import fingerprint, write_json
 
 DEFAULT_PROMPTS = {"en": "Describe this image in detail.", "zh": "请详细描述这张图片。"}
 DEFAULT_SHARES = {"en": 0.75, "zh": 0.25}  # the recipe's recaptions: ~65M English, ~20M Chinese
@@ -252,7 +253,6 @@ def work_dir(out: Path) -> Path:
 
 def work_key(cfg: CaptionConfig, shard: tuple[int, int] | None) -> dict[str, Any]:
     """Everything that shapes the generations: chunks made under another key are not reused."""
-    from ovkit.runs import fingerprint
 
     model = Path(str(cfg.model))
     key = {
@@ -278,7 +278,6 @@ def work_key(cfg: CaptionConfig, shard: tuple[int, int] | None) -> dict[str, Any
 
 def prepare_work(work: Path, key: dict[str, Any], *, fresh: bool) -> None:
     """Start or continue the work directory: kept when its key matches (and not `fresh`), else emptied."""
-    from ovkit.runs import write_json
 
     meta = work / "work.json"
     if work.exists():

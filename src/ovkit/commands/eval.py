@@ -117,8 +117,9 @@ def evaluate(
     """Evaluate a model on held-out rows: mean reward and accuracy per category, per source and overall."""
     from ovkit.evaluate import compare_table, load_run, run_eval
     from ovkit.evaluate.results import unmapped
+    from ovkit.files import is_complete
     from ovkit.launch import processes
-    from ovkit.runs import Stage, is_complete
+    from ovkit.runs import Stage
 
     cfg = resolve(ctx)
     if cfg.compare:

@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from ovkit.data.io import REJECTS, parse_shard, part_name, shard_bounds, write_table
 from ovkit.data.schema import IMAGE_TOKEN, OPTIONAL, REQUIRED, conform, read_image_file, row_problems
 from ovkit.errors import OvkitError, where
+from ovkit.files import fingerprint
 
 FORMATS = {
     "llava": "LLaVA-1.5 JSON: id, image (path or list of paths), conversations [{from: human|gpt, value}]",
@@ -208,7 +209,6 @@ class Input:
         """Changes with the content: the `datasets` fingerprint, or ovkit's file fingerprint."""
         if self.kind == "arrow":
             return str(getattr(self.dataset, "_fingerprint", "")) or repr(self.dataset)
-        from ovkit.runs import fingerprint
 
         return "+".join(fingerprint(f)["sha256"] for f in self.files)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
+from ovkit.files import fingerprint, is_complete, write_json
 
 CARD = "README.md"
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -445,7 +446,6 @@ def materialize(loc: Located) -> list[Path]:
     from ovkit import __version__
     from ovkit.data.convert import ConvertConfig, convert, detect_format, input_of
     from ovkit.data.io import REJECTS, local_parquet_files
-    from ovkit.runs import fingerprint, is_complete, write_json
 
     spec = loc.spec
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
-from ovkit.runs import write_json
+from ovkit.files import write_json
 
 SUMMARY = "summary.json"
 FILTER = "none"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError, where
+from ovkit.files import write_json
 
 UNCATEGORIZED = "uncategorized"  # the task of rows without a `category`
 MIN_NEW_TOKENS = 32  # the smallest per-category token budget when --max-new-tokens is not given
@@ -221,7 +222,6 @@ def _write(
     from ovkit import __version__
     from ovkit.evaluate.metrics import summarize
     from ovkit.evaluate.results import write_results
-    from ovkit.runs import write_json
 
     inputs, prompt_ids, completions, rewards = ([x[k] for x in scored] for k in range(4))
     records = make_records(rows, inputs, completions, rewards)

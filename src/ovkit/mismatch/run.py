@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
+from ovkit.files import read_provenance, write_json
 from ovkit.mismatch.metrics import EMPTY_MESSAGE, Scores, Thresholds
 
 PROMPT_MODES = ("answer", "think", "none")
@@ -124,7 +125,6 @@ class MismatchConfig:
 def producer_sampling(rollouts: Path) -> dict[str, Any] | None:
     """Temperature and top-p from the config of the command that wrote `rollouts` (its OUT/ovkit.json, found at the
     rollout path or up to two directories above it: eval OUT/rollouts.parquet, rl-curate / rl-train OUT/rollouts/)."""
-    from ovkit.runs import read_provenance
 
     start = rollouts if rollouts.is_dir() else rollouts.parent
     for d in [start, *list(start.parents)[:2]]:
@@ -335,7 +335,6 @@ def _write(
     from ovkit.data.io import write_table
     from ovkit.mismatch import figures as figs
     from ovkit.mismatch.report import html_page, markdown
-    from ovkit.runs import write_json
 
     paths: dict[str, dict[str, str]] = {}
     for name, pngs in figures.items():

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ovkit.errors import OvkitError
+from ovkit.files import fingerprint, write_json
 
 PLAN = "plan.parquet"
 STATS = "stats.json"
@@ -91,7 +92,6 @@ def build_plan(cfg: PackConfig, out_dir: Path) -> dict:
     from ovkit.data import read_samples
     from ovkit.pack.binpack import best_fit_decreasing, pack_loads
     from ovkit.pack.stats import fill_histogram, pack_stats
-    from ovkit.runs import write_json
 
     started = time.perf_counter()
     shard = cfg.shard_tuple
@@ -165,7 +165,6 @@ def _plan_table(ids, rows, lengths, keep, packs, shard, max_len: int) -> pa.Tabl
 
 def _lengths(cfg: PackConfig, table: pa.Table, ids: list[str], shard):
     from ovkit.pack.lengths import cache_key, compute_lengths, default_cache_dir, read_cached, write_cached
-    from ovkit.runs import fingerprint
 
     method = "processor" if cfg.exact_lengths else "sizes"
     key = cache_key(fingerprint(cfg.data), cfg.model, method, shard)

@@ -34,13 +34,13 @@ import torch
 
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
+from ovkit.files import is_complete
 from ovkit.models import pad_token_id
 from ovkit.rl.config import TRAJECTORY, RLTrainConfig
 from ovkit.rl.metrics import console_line, rollout_metrics
 from ovkit.rl.rollout import AsyncRollouts, SyncRollouts
 from ovkit.rl.update import train_step
 from ovkit.rollouts.groups import Group, Sampling, score_groups
-from ovkit.runs import is_complete
 from ovkit.runtime import Runtime
 from ovkit.runtime.optim import constant_factor
 

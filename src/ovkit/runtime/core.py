@@ -58,6 +58,8 @@ from ovkit import __version__, faults
 from ovkit.config import option_default, to_plain, to_plain_values
 from ovkit.errors import OutOfMemory, OvkitError
 from ovkit.faults import hold
+from ovkit.files import PROVENANCE, write_json
+from ovkit.runs import Stage
 from ovkit.runtime import attention as attn
 from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import compiling, integrity, lora
@@ -70,7 +72,6 @@ from ovkit.runtime.optim import adamw, bytes_per_param, clip_grad_norm
 CHECKPOINTS = "checkpoints"
 STATE = "state"
 RUN_STATE = "ovkit_state.json"
-PROVENANCE = "ovkit.json"
 
 
 @dataclass
@@ -503,9 +504,9 @@ class Runtime:
         self.save_model(scorer, processor, tmp)
         self.accelerator.wait_for_everyone()  # every process's RNG file is written before the directory is renamed
         if self.is_main:
-            _write_json(tmp / RUN_STATE, state)
+            write_json(tmp / RUN_STATE, state)
             integrity.write_manifest(tmp, last=PROVENANCE)  # sizes and checksums, checked by --resume
-            _write_json(tmp / PROVENANCE, self.provenance(state))
+            write_json(tmp / PROVENANCE, self.provenance(state))
             integrity.fsync_tree(tmp)  # on disk before the name says complete: a crash never leaves a damaged step-N
 
     def write_failure(self, e: BaseException, path: Path, *, saving: bool = True) -> OvkitError | None:
@@ -576,8 +577,6 @@ class Runtime:
     ) -> Result:
         """Save the final model into OUT.partial and, on the main process once every process is done, turn it into
         OUT (config.yaml and ovkit.json with `summary` and the runtime)."""
-        from ovkit.runs import Stage
-
         faults.defer(False)  # the loop is over: a signal now stops at once (OUT.partial keeps its checkpoints)
         try:
             self.save_model(scorer, processor, self.run_dir)
@@ -589,7 +588,7 @@ class Runtime:
         self.accelerator.wait_for_everyone()
         if not self.is_main:
             return Result("worker", summary)
-        _write_json(self.run_dir / RUN_STATE, state)
+        write_json(self.run_dir / RUN_STATE, state)
         stage = Stage(
             self.command,
             self.cfg,
@@ -618,9 +617,3 @@ def _master_values(optimizer: Any, model: Any) -> dict[str, torch.Tensor]:
         return {}
     by_id = {id(p): m for p, m in inner.pairs}
     return {n: by_id[id(p)] for n, p in model.named_parameters() if id(p) in by_id}
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    from ovkit.runs import write_json
-
-    write_json(path, obj)

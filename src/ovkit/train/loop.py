@@ -28,10 +28,10 @@ import torch
 
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
+from ovkit.files import is_complete
 from ovkit.models import pad_token_id
 from ovkit.models.groups import set_trainable, trainable_names
 from ovkit.models.precompute import to_device
-from ovkit.runs import is_complete
 from ovkit.runtime import Result, Runtime
 from ovkit.runtime.optim import cosine_factor
 from ovkit.train.config import TRAJECTORY, TrainConfig
