@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from ovkit.data.io import write_samples
+    from ovkit.data.parts import write_samples
     from ovkit.data.schema import samples_table
     from ovkit.models.tiny import build_tiny
     from ovkit.train import SFTConfig, train

@@ -59,7 +59,8 @@ def ovkit(*args: str) -> None:
 
 def prepare(args, work: Path) -> tuple[Path, Path]:
     """A dataset of the first --rows rows, and the model (given or freshly built)."""
-    from ovkit.data.io import read_table, write_table
+    from ovkit.data.io import read_table
+    from ovkit.data.parts import write_table
 
     data = args.data
     if data is None:

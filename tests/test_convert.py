@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from ovkit.data import convert as conv_mod
-from ovkit.data import read_samples
+from ovkit.data import formats, read_samples
 
 HF_IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 
@@ -421,7 +420,7 @@ def test_duplicate_ids_are_renamed_and_said_so(tmp_path, images, cli):
 
 
 def test_auto_detection(tmp_path):
-    k = conv_mod.detect_format
+    k = formats.detect_format
     assert k(["id", "image", "conversations"])[0] == "llava"
     assert k(["id", "conversations"])[0] == "llava"
     assert k(["messages", "images"])[0] == "sharegpt"
@@ -432,9 +431,9 @@ def test_auto_detection(tmp_path):
         k(["id", "images", "problem", "answer", "answer_type", "problem_type", "source", "prompt_type"])[0] == "ov-rl"
     )
     assert k(["data_source", "images", "prompt", "ability", "reward_model", "extra_info"])[0] == "verl"
-    with pytest.raises(conv_mod.OvkitError, match="--from"):
+    with pytest.raises(formats.OvkitError, match="--from"):
         k(["conversations", "image", "images"])  # LLaVA's image and ShareGPT's images: ambiguous
-    with pytest.raises(conv_mod.OvkitError, match="--from"):
+    with pytest.raises(formats.OvkitError, match="--from"):
         k(["text", "label"])
     # ovkit's own table (e.g. from the Hub) and TRL's layouts are formats too
     assert k(["id", "images", "messages", "source", "category"])[0] == "ovkit"
@@ -535,11 +534,11 @@ def test_json_list_is_streamed_in_small_chunks(tmp_path, monkeypatch):
     ]
     path = tmp_path / "r.json"
     path.write_text(json.dumps(records, indent=2, ensure_ascii=False))
-    monkeypatch.setattr(conv_mod, "CHUNK", 7)  # every record spans several reads
-    assert [r for _, r, _ in conv_mod._json_array(path)] == records
+    monkeypatch.setattr(formats, "CHUNK", 7)  # every record spans several reads
+    assert [r for _, r, _ in formats._json_array(path)] == records
     path.write_text(json.dumps(records)[:-40])
-    with pytest.raises(conv_mod.OvkitError, match="index"):
-        list(conv_mod._json_array(path))
+    with pytest.raises(formats.OvkitError, match="index"):
+        list(formats._json_array(path))
 
 
 def test_every_option_is_on_the_page(cli):

@@ -22,8 +22,9 @@ from ovkit.cards import CARD
 from ovkit.data import read_samples, sources
 from ovkit.data.convert import content_parts
 from ovkit.data.schema import image_cell, samples_table
-from ovkit.data.sources import front_matter, is_hub_id, parse_spec
+from ovkit.data.sources import front_matter
 from ovkit.errors import OvkitError
+from ovkit.hub import is_hub_id, parse_spec
 
 datasets = pytest.importorskip("datasets")
 

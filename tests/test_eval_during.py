@@ -22,7 +22,7 @@ def _metrics(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def eval_data(assets):  # noqa: F811
     """8 held-out rows of the train table's kind (other seed), with the gold answer and category `ovkit eval` reads."""
-    from ovkit.data.io import write_samples
+    from ovkit.data.parts import write_samples
     from ovkit.data.schema import samples_table
 
     rows = make_rows(8, seed=1)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def deep(tmp_path_factory):
     """The tiny default's depth (4 LLM layers, a 4-block ViT), small widths, and a 16-sample table with a pack plan
     of two rows."""
-    from ovkit.data.io import write_samples
+    from ovkit.data.parts import write_samples
     from ovkit.data.schema import samples_table
     from ovkit.models.tiny import TinySpec, build_tiny
 

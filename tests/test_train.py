@@ -67,7 +67,7 @@ def make_rows(n: int, seed: int = 0) -> list[dict]:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A micro model (Qwen2.5-VL architecture, ~90K parameters) and a 16-sample table."""
-    from ovkit.data.io import write_samples
+    from ovkit.data.parts import write_samples
     from ovkit.data.schema import samples_table
     from ovkit.models.tiny import TinySpec, build_tiny
 

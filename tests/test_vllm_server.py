@@ -123,7 +123,7 @@ def test_rl_train_runs_on_the_server_and_pushes_weights_every_step(server, tiny,
     import fake_vllm_server
     from test_rl_train import _rows
 
-    from ovkit.data.io import write_samples
+    from ovkit.data.parts import write_samples
     from ovkit.data.schema import samples_table
     from ovkit.generate import vllm_server
     from ovkit.rl.config import RLTrainConfig

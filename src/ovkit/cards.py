@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.files import read_provenance
+from ovkit.hub import is_hub_id, is_remote, parse_spec
 
 CARD = "README.md"
 PART_DIR = re.compile(r"part-(\d{5})-of-(\d{5})")
@@ -136,7 +137,7 @@ def _table_files(directory: Path) -> list[Path]:
 def _table(config: str, split: str, pattern: str, files: list[Path]) -> Table:
     import pyarrow.parquet as pq
 
-    from ovkit.data.convert import schema_has_parts
+    from ovkit.data.formats import schema_has_parts
 
     schema = pq.read_schema(files[0])
     rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
@@ -566,7 +567,6 @@ def _base_model_id(text: Any) -> str | None:
     """HF's `base_model` names a Hub id; a local model is named by its absolute path, never the relative one typed on
     the command line (which means nothing to whoever reads the card elsewhere). A relative path that is no longer
     here and is no Hub id: unknown, left out."""
-    from ovkit.data.sources import is_hub_id
 
     text = str(text)
     local = Path(text).expanduser()
@@ -614,13 +614,11 @@ def _as_list(v: Any) -> list[str]:
 
 
 def _is_hub(text: str) -> bool:
-    from ovkit.data.sources import is_remote
 
     return is_remote(text)
 
 
 def _hub_base(text: str) -> str:
-    from ovkit.data.sources import parse_spec
 
     return parse_spec(text).base
 

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from ovkit.errors import OvkitError
+from ovkit.hub import check_exists, check_model
 
 # Options that steer the CLI itself rather than the stage; never part of a stage config or of config.yaml.
 CLI_ONLY = frozenset({"config"})
@@ -296,8 +297,5 @@ def check_inputs(cfg: Any) -> None:
     """A learner's DATA and --model exist (or name a Hub dataset / model): checked with the options, so a typo is
     reported in a fraction of a second instead of after torch and transformers import (#29). The Hub is asked only
     when the stage loads them."""
-    from ovkit.data.sources import check_exists
-    from ovkit.models import check_exists as check_model
-
     check_exists(cfg.data, "DATA")
     check_model(cfg.model, "--model")

@@ -31,10 +31,11 @@ from typing import Any
 from ovkit import __version__
 from ovkit.cards import PART_DIR, write_card, write_parts_card
 from ovkit.config import dump_yaml, to_plain
-from ovkit.data.sources import describe, is_remote, parse_spec
+from ovkit.data.sources import describe
 from ovkit.errors import OvkitError
 from ovkit.faults import Interrupted, hold, write_failure
 from ovkit.files import PROVENANCE, fingerprint, is_complete, read_provenance, write_json
+from ovkit.hub import is_remote, parse_spec
 
 
 def _now() -> str:

@@ -1,14 +1,10 @@
 """The sample table: schema and validation, sharded parquet I/O, converters, the synthetic corpus."""
 
-from ovkit.data.io import (
+from ovkit.data.io import Samples, count_rows, parquet_files, read_samples, read_table
+from ovkit.data.parts import (
     REJECTS,
-    Samples,
-    count_rows,
-    parquet_files,
     parse_shard,
     part_name,
-    read_samples,
-    read_table,
     shard_bounds,
     shard_out,
     write_rejects,

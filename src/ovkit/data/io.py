@@ -1,13 +1,16 @@
-"""Reading and writing datasets: a parquet file or a directory of parquet shards, read as one table.
+"""Reading a dataset as one table: whatever ovkit.data.sources locates (a parquet file or directory of shards, a
+dataset card, a saved `datasets` directory, a Hub id), converted once into the cache when it is not ovkit parquet.
 
-Shards are named `part-I-of-N.parquet` (zero-padded) so that a directory written by N machines with `--shard I/N`
-sorts into the same row order as a single-machine run.
+This is the top of the data package: it reads through sources and the converter; writing part files and the
+`--shard I/N` names are ovkit.data.parts, below all of them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,59 +19,22 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ovkit.data.schema import check_columns, conform, hf_metadata, row_problems
+from ovkit import __version__
+from ovkit.data.convert import ConvertConfig, convert
+from ovkit.data.formats import FORMATS, detect_format, input_of, schema_has_parts
+from ovkit.data.parts import REJECTS, local_parquet_files, shard_bounds
+from ovkit.data.schema import check_columns, conform, row_problems
+from ovkit.data.sources import Located, locate, note_converted
 from ovkit.errors import OvkitError, where
-
-REJECTS = "rejects.parquet"
+from ovkit.files import fingerprint, is_complete, write_json
+from ovkit.hub import is_hub_id
 
 
 def parquet_files(path: Path | str) -> list[Path]:
     """The parquet files that make up a sample table, in row order. `path` is anything `ovkit.data.sources` reads: a
     parquet file or directory, a directory with a dataset card (`DIR:CONFIG@SPLIT`), a `datasets` saved directory or
     a Hub dataset id; sources that are not ovkit parquet are converted once into the cache and read from there."""
-    from ovkit.data.sources import sample_files
-
     return sample_files(path)
-
-
-def local_parquet_files(path: Path | str) -> list[Path]:
-    """The parquet files of a local file or directory (no dataset card). In a directory written by ovkit only the
-    `part-*.parquet` files are data (side tables such as rejects.parquet or a plan sit beside them); in any other
-    directory every parquet file is, except rejects and hidden files."""
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(
-            p
-            for p in path.rglob("*.parquet")
-            if p.name != REJECTS and not any(s.startswith(".") or ".tmp-" in s for s in p.relative_to(path).parts)
-        )
-        parts = [p for p in files if p.name.startswith("part-")]
-        if parts or files:
-            return parts or files
-        raise OvkitError(f"{path}: directory holds no parquet files")
-    raise OvkitError(f"{path}: no such file or directory")
-
-
-PART_DIR = re.compile(r"part-(\d+)-of-(\d+)")
-
-
-def check_parts(path: Path) -> None:
-    """A sharded output (OUT/part-I-of-N/ directories) is one dataset only when all N parts are there and complete
-    (each has its ovkit.json): a missing or unfinished part is an error naming it, never a silently smaller dataset."""
-    found: dict[int, set[int]] = {}
-    for d in path.iterdir():
-        m = PART_DIR.fullmatch(d.name)
-        if m and d.is_dir():
-            found.setdefault(int(m.group(2)), set()).update([int(m.group(1))] if (d / "ovkit.json").is_file() else [])
-    for n, done in found.items():
-        missing = sorted(set(range(n)) - done)
-        if missing:
-            shards = ", ".join(f"--shard {i}/{n}" for i in missing[:4]) + (" ..." if len(missing) > 4 else "")
-            raise OvkitError(
-                f"{path}: {len(missing)} of its {n} parts are missing or unfinished ({shards}); run them first"
-            )
 
 
 def read_table(path: Path | str, columns: Sequence[str] | None = None) -> pa.Table:
@@ -192,8 +158,6 @@ def read_samples(
 def shown(f: Path, path: Path | str, row: object = None, column: str | None = None) -> str:
     """`where` for a row of file `f` of the input `path`, naming the user's input when `f` is ovkit's converted copy
     of it in the cache (a TRL / JSON / Hub source), never the internal cache path."""
-    from ovkit.data.sources import cache_dir
-
     if Path(f).resolve().is_relative_to(cache_dir().resolve()):
         return where(f"{path} (read through its converted copy)", row, column)
     return where(f, row, column)
@@ -260,58 +224,137 @@ def _ids_before(files: list[Path], counts: list[int], lo: int, hi: int) -> dict[
     return seen
 
 
-def parse_shard(text: str | None) -> tuple[int, int] | None:
-    """'3/8' -> (3, 8): the 4th of 8 parts (0-based, like a rank)."""
-    if text is None or text == "":
+# ------------------------------------------------------------------------------------------------ any source, as parquet
+
+
+def sample_files(text: str | Path) -> list[Path]:
+    """The parquet files of the sample table named by `text`, in row order (converted into the cache if needed)."""
+    loc = locate(text)
+    if loc.dataset is None and len(loc.files) == 1 and not is_parquet(loc.files[0]):
+        return materialize(loc)  # a JSON file: TRL's / ShareGPT's layout is read, any other is named with its --from
+    if loc.dataset is None:
+        fmt = _parquet_layout(loc.files)
+        if fmt is None or fmt == "ovkit":
+            return (
+                loc.files
+            )  # parquet in ovkit's layout, or not parquet / not a known layout: the reader says what is wrong
+    return materialize(loc)
+
+
+def materialize(loc: Located) -> list[Path]:
+    """Convert a source in ovkit's or TRL's layout into the cache (once per content) and return its part files."""
+    spec = loc.spec
+    try:
+        inp = input_of(loc)
+    except OvkitError:
+        if loc.dataset is None and loc.files and not is_parquet(loc.files[0]):
+            raise not_convertible(spec.text) from None
+        raise
+    keys, _ = inp.keys()
+    try:
+        fmt, _ = detect_format(keys, parts=inp.parts())
+    except OvkitError:
+        raise not_a_sample_table(spec.text, keys) from None
+    if fmt not in READABLE:
+        raise not_a_sample_table(spec.text, keys, fmt)
+    key = hashlib.sha256(f"{spec.text}\0{inp.fingerprint()}\0{fmt}\0{__version__}".encode()).hexdigest()[:16]
+    slug = re.sub(r"[^\w.-]+", "_", spec.text.strip("/~."))[-80:]
+    out = cache_dir() / f"{slug}-{key}"
+    if not is_complete(out):
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            metrics = convert(ConvertConfig(input=spec.text, from_format=fmt, out=tmp, quiet=True), tmp, inp=inp)
+        except OvkitError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            # the reading command may have no --on-error of its own: the way past bad rows is convert's
+            reason = str(e).replace(f" (use --on-error skip to move bad records to {REJECTS})", "")
+            raise OvkitError(
+                f"{reason}; to read the rows that are good, convert it first: `ovkit convert {spec.text} --on-error skip --out DIR`"
+            ) from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        write_json(
+            tmp / "ovkit.json",
+            {
+                "command": "read",
+                "source": spec.text,
+                "source_fingerprint": inp.fingerprint(),
+                "ovkit_version": __version__,
+                "metrics": metrics,
+            },
+        )
+        try:
+            tmp.rename(out)
+        except OSError:  # another process converted the same source first: theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    provenance = {
+        "path": spec.text,
+        "format": fmt,
+        "source_fingerprint": inp.fingerprint(),
+        "converted": fingerprint(out),
+    }
+    if is_hub_id(spec.base) and not Path(spec.base).exists():
+        provenance["hub"] = spec.base
+    note_converted(spec.text, provenance)
+    return local_parquet_files(out)
+
+
+# The layouts a stage reads directly; other formats go through `ovkit convert`. `messages` + `images` with text content
+# is both ShareGPT's and TRL's layout (the detector calls it sharegpt), and maps the same way.
+READABLE = ("ovkit", "trl", "sharegpt")
+
+
+def _parquet_layout(files: list[Path]) -> str | None:
+    """The layout of local parquet files (from the first file's schema), None when not parquet or not recognised."""
+    if not files or files[0].suffix != ".parquet":
         return None
     try:
-        i, n = (int(x) for x in str(text).split("/"))
-    except ValueError:
-        raise OvkitError(f"--shard must look like I/N (e.g. 3/8), got {text!r}") from None
-    if not (n >= 1 and 0 <= i < n):
-        raise OvkitError(f"--shard {text}: need 0 <= I < N")
-    return i, n
-
-
-def shard_bounds(n_rows: int, shard: tuple[int, int]) -> tuple[int, int]:
-    """Rows [lo, hi) of part I of N: contiguous, sizes differ by at most one, the parts cover every row once."""
-    i, n = shard
-    return (n_rows * i) // n, (n_rows * (i + 1)) // n
-
-
-def part_name(shard: tuple[int, int] | None) -> str:
-    i, n = shard or (0, 1)
-    return f"part-{i:05d}-of-{n:05d}.parquet"
-
-
-def shard_out(out: Path | str, shard: tuple[int, int] | None) -> Path:
-    """Where a sharded run writes: `OUT/part-I-of-N/` (complete or absent on its own), so N machines can share one
-    OUT and the next stage reads OUT as one dataset (shard directories sort in row order)."""
-    return Path(out) if shard is None else Path(out) / part_name(shard).removesuffix(".parquet")
-
-
-def write_table(table: pa.Table, path: Path | str, *, row_group_size: int = 256) -> Path:
-    """Write one parquet file atomically (temp file + rename), with `datasets` feature metadata."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = hf_metadata(table.schema)
-    if meta:
-        table = table.replace_schema_metadata(meta)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if table.num_rows:
-        pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
-    else:  # no row group at all: `datasets` fails on an empty one ("BatchSize must be greater than 0")
-        pq.ParquetWriter(tmp, table.schema, compression="zstd").close()
-    tmp.replace(path)
-    return path
-
-
-def write_samples(table: pa.Table, out_dir: Path | str, shard: tuple[int, int] | None = None) -> Path:
-    """Write a sample table as shard `part-I-of-N.parquet` of the dataset directory `out_dir`."""
-    return write_table(conform(table), Path(out_dir) / part_name(shard))
-
-
-def write_rejects(rejects: pa.Table | None, out_dir: Path | str) -> Path | None:
-    if rejects is None or rejects.num_rows == 0:
+        schema = pq.read_schema(files[0])
+    except (pa.ArrowInvalid, OSError):
         return None
-    return write_table(rejects, Path(out_dir) / REJECTS)
+    try:
+        fmt, _ = detect_format(schema.names, parts=schema_has_parts(schema))
+    except OvkitError:
+        return None
+    if fmt not in READABLE:
+        raise not_a_sample_table(str(files[0]), schema.names, fmt)
+    return fmt
+
+
+def is_parquet(path: Path) -> bool:
+    """Whether a file starts with parquet's magic bytes (whatever its name)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"PAR1"
+    except OSError:
+        return path.suffix == ".parquet"  # unreadable: the parquet reader names the problem
+
+
+def not_a_sample_table(where: str, names: list[str], fmt: str | None = None) -> OvkitError:
+    missing = next((c for c in ("messages", "images") if c not in names), "messages")
+    if fmt:
+        how = f"it looks like --from {fmt}: convert it first with `ovkit convert {where} --from {fmt} --out DIR`"
+    else:
+        how = f"convert it first with `ovkit convert {where} --from {{{','.join(FORMATS)}}} --out DIR`"
+    return OvkitError(
+        f"{where}, column '{missing}': not a sample table (columns: {', '.join(names[:20])}); stages read ovkit's layout and "
+        f"TRL's (images + messages); {how}"
+    )
+
+
+def not_convertible(where: str) -> OvkitError:
+    """A file that is neither parquet nor JSON (a CSV, a TSV, an archive) given where a sample table is expected."""
+    kind = Path(where).suffix.lstrip(".").upper() or "this"
+    return OvkitError(
+        f"file {where}: not a sample table: stages read parquet (a file, or a directory of shards), and `ovkit convert` turns "
+        f"parquet, JSON and JSON lines in the layouts {', '.join(FORMATS)} into one; a {kind} file: write it as JSON lines or "
+        f'parquet first (e.g. `datasets.load_dataset("csv", data_files=...)["train"].to_json("data.jsonl")`), then '
+        f"`ovkit convert data.jsonl --from FORMAT --out DIR`"
+    )
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OVKIT_CACHE") or Path.home() / ".cache" / "ovkit") / "datasets"

@@ -9,92 +9,34 @@ Every command that reads a sample table accepts, besides a parquet file or a dir
   once; online, an unreachable Hub fails after one 3-second probe instead of `datasets`' retries.
 
 A name is local when it exists, starts with `.`, `/` or `~`, has no `/` or more than one, or ends with a data file
-suffix; only the remaining `ORG/NAME` shapes are looked up on the Hub, so a mistyped local path is never sent there.
+suffix; only the remaining `ORG/NAME` shapes are looked up on the Hub, so a mistyped local path is never sent there
+(ovkit.hub holds that rule and the spec parser, for the config checks that must not import this package).
 
 Rows must be in ovkit's layout (DESIGN.md, "The sample table") or TRL's conversational VLM layout (`images` +
 `messages` whose content is text or [{type: text|image}] parts, or `prompt` + `completion`; ShareGPT's `messages` +
 `images` is the same shape). Parquet files in ovkit's
 layout are read where they are; anything else (a Hub dataset, a saved dataset, TRL parquet) is converted once with
 `ovkit convert`'s mapping into `$OVKIT_CACHE/datasets/` (default ~/.cache/ovkit), keyed by the source's fingerprint,
-and read from there, so every stage (and the pack plan's row numbers) sees ordinary part files. Other layouts (LLaVA,
+and read from there (ovkit.data.io.sample_files), so every stage (and the pack plan's row numbers) sees ordinary part files. Other layouts (LLaVA,
 ShareGPT, verl, ...) are refused with the missing column named: `ovkit convert` handles them with options they need.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
-import os
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ovkit.data.formats import Input, input_of
+from ovkit.data.parts import REJECTS, check_parts, local_parquet_files
 from ovkit.errors import OvkitError
-from ovkit.files import fingerprint, is_complete, write_json
+from ovkit.hub import Spec, is_hub_id, parse_spec, probe_hub
 
 CARD = "README.md"
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-SPEC = re.compile(r"(?P<base>[^:@]+)(?::(?P<config>[^:@]+))?(?:@(?P<split>[^@]+))?")
-FILE_SUFFIXES = (".parquet", ".json", ".jsonl", ".csv", ".tsv", ".arrow", ".txt", ".zip", ".tar")
-# The layouts a stage reads directly; other formats go through `ovkit convert`. `messages` + `images` with text content
-# is both ShareGPT's and TRL's layout (the detector calls it sharegpt), and maps the same way.
-READABLE = ("ovkit", "trl", "sharegpt")
-PROBE_TIMEOUT_S = 3.0
 
 _loaded: dict[str, Any] = {}  # spec -> datasets.Dataset: loading a cached dataset still takes a second
 _described: dict[str, dict[str, Any]] = {}  # spec -> provenance of a converted source, for ovkit.json
-
-
-@dataclass(frozen=True)
-class Spec:
-    """`BASE[:CONFIG][@SPLIT]`; BASE is a local path or a Hub id."""
-
-    text: str
-    base: str
-    config: str | None = None
-    split: str | None = None
-
-    @property
-    def selects(self) -> bool:
-        return self.config is not None or self.split is not None
-
-
-def parse_spec(text: str | Path) -> Spec:
-    text = str(text)
-    if Path(text).expanduser().exists():  # an existing path is itself, colons and all
-        return Spec(text, text)
-    m = SPEC.fullmatch(text)
-    if m is None:
-        return Spec(text, text)
-    return Spec(text, m["base"], m["config"], m["split"])
-
-
-def is_hub_id(base: str) -> bool:
-    """`ORG/NAME` that is not a local path (see the module docstring for the rule)."""
-    return (
-        not base.startswith((".", "/", "~"))
-        and base.count("/") == 1
-        and HUB_ID.fullmatch(base) is not None
-        and not base.lower().endswith(FILE_SUFFIXES)
-        and not Path(base).exists()
-    )
-
-
-def check_exists(texts: list[str | Path], name: str = "DATA") -> None:
-    """Each input exists here (a `:CONFIG` / `@SPLIT` suffix aside) or names a Hub dataset: a mistyped path fails in
-    the config check, naming the argument, before torch and the model load (#29)."""
-    for text in texts:
-        spec = parse_spec(text)
-        if not Path(spec.base).expanduser().exists() and not is_hub_id(spec.base):
-            raise OvkitError(f"{name} {text}: no such file or directory")
-
-
-def is_remote(text: str | Path) -> bool:
-    """A spec that names a Hub dataset (so it has no local fingerprint)."""
-    spec = parse_spec(text)
-    return not Path(spec.base).expanduser().exists() and is_hub_id(spec.base)
 
 
 @dataclass
@@ -118,8 +60,6 @@ def locate(text: str | Path) -> Located:
             return Located(spec, files=[local])
         if is_saved_dataset(local):
             return Located(spec, dataset=_load(spec, lambda: _load_saved(local, spec)))
-        from ovkit.data.io import check_parts
-
         check_parts(local)  # a sharded output is one dataset only once every part is complete
         configs = card_configs(local)
         if configs is not None:
@@ -131,26 +71,10 @@ def locate(text: str | Path) -> Located:
             raise OvkitError(
                 f"{spec.base}: no dataset card (README.md with `configs:`) to choose {spec.text[len(spec.base) :]!r} from"
             )
-        from ovkit.data.io import local_parquet_files
-
         return Located(spec, files=local_parquet_files(local))
     if is_hub_id(spec.base):
         return Located(spec, dataset=_load(spec, lambda: _load_with_datasets(spec.base, spec, hub=True)))
     raise OvkitError(f"{spec.base}: no such file or directory")
-
-
-def sample_files(text: str | Path) -> list[Path]:
-    """The parquet files of the sample table named by `text`, in row order (converted into the cache if needed)."""
-    loc = locate(text)
-    if loc.dataset is None and len(loc.files) == 1 and not is_parquet(loc.files[0]):
-        return materialize(loc)  # a JSON file: TRL's / ShareGPT's layout is read, any other is named with its --from
-    if loc.dataset is None:
-        fmt = _parquet_layout(loc.files)
-        if fmt is None or fmt == "ovkit":
-            return (
-                loc.files
-            )  # parquet in ovkit's layout, or not parquet / not a known layout: the reader says what is wrong
-    return materialize(loc)
 
 
 def describe(text: str | Path) -> dict[str, Any]:
@@ -239,8 +163,6 @@ def _empty_subset(directory: Path, configs: list[dict[str, Any]], spec: Spec) ->
     }
     if name is None or name in names or not (directory / name).is_dir():
         return None
-    from ovkit.data.io import local_parquet_files
-
     return local_parquet_files(directory / name)
 
 
@@ -278,8 +200,6 @@ def card_files(
 def glob_data_files(root: Path, patterns: list[str]) -> list[Path]:
     """Files matching the patterns under root, each pattern's matches sorted, without hidden files or the temporary
     directories of a run in progress (`.tmp-<pid>`, `.old-<pid>`), and without rejects."""
-    from ovkit.data.io import REJECTS
-
     out: list[Path] = []
     for pattern in patterns:
         for rel in sorted(glob.glob(pattern, root_dir=root, recursive=True)):
@@ -361,145 +281,12 @@ def _probe_hub(spec: Spec) -> None:
     probe_hub(spec.text, "a dataset cached earlier loads with HF_HUB_OFFLINE=1")
 
 
-def probe_hub(subject: str, hint: str) -> None:
-    """One HEAD request with a short timeout: `datasets` and transformers would retry an unreachable Hub for half a
-    minute to minutes. `subject` names what was asked for (a dataset spec, `--model ID`); `hint` says what to do."""
-    from huggingface_hub import constants, get_session
-
-    endpoint = constants.ENDPOINT
-    try:
-        get_session().head(endpoint, timeout=PROBE_TIMEOUT_S)
-    except Exception as e:  # noqa: BLE001 -- any transport failure means the same thing here
-        raise OvkitError(
-            f"{subject}: no local file or directory of that name, and the Hugging Face Hub ({endpoint}) cannot be "
-            f"reached ({type(e).__name__}: {e}); {hint}"
-        ) from None
+def open_input(path: Path | str) -> Input:
+    """The input named by `path`, for the converter to read record by record: a local file or directory, or what
+    `locate` finds (Hub id, card dir, saved dataset)."""
+    return input_of(locate(path))
 
 
-# ------------------------------------------------------------------------------------------------ conversion to parquet
-
-
-def _parquet_layout(files: list[Path]) -> str | None:
-    """The layout of local parquet files (from the first file's schema), None when not parquet or not recognised."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from ovkit.data.convert import detect_format, schema_has_parts
-
-    if not files or files[0].suffix != ".parquet":
-        return None
-    try:
-        schema = pq.read_schema(files[0])
-    except (pa.ArrowInvalid, OSError):
-        return None
-    try:
-        fmt, _ = detect_format(schema.names, parts=schema_has_parts(schema))
-    except OvkitError:
-        return None
-    if fmt not in READABLE:
-        raise not_a_sample_table(str(files[0]), schema.names, fmt)
-    return fmt
-
-
-def is_parquet(path: Path) -> bool:
-    """Whether a file starts with parquet's magic bytes (whatever its name)."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(4) == b"PAR1"
-    except OSError:
-        return path.suffix == ".parquet"  # unreadable: the parquet reader names the problem
-
-
-def not_a_sample_table(where: str, names: list[str], fmt: str | None = None) -> OvkitError:
-    from ovkit.data.convert import FORMATS
-
-    missing = next((c for c in ("messages", "images") if c not in names), "messages")
-    if fmt:
-        how = f"it looks like --from {fmt}: convert it first with `ovkit convert {where} --from {fmt} --out DIR`"
-    else:
-        how = f"convert it first with `ovkit convert {where} --from {{{','.join(FORMATS)}}} --out DIR`"
-    return OvkitError(
-        f"{where}, column '{missing}': not a sample table (columns: {', '.join(names[:20])}); stages read ovkit's layout and "
-        f"TRL's (images + messages); {how}"
-    )
-
-
-def not_convertible(where: str) -> OvkitError:
-    """A file that is neither parquet nor JSON (a CSV, a TSV, an archive) given where a sample table is expected."""
-    from ovkit.data.convert import FORMATS
-
-    kind = Path(where).suffix.lstrip(".").upper() or "this"
-    return OvkitError(
-        f"file {where}: not a sample table: stages read parquet (a file, or a directory of shards), and `ovkit convert` turns "
-        f"parquet, JSON and JSON lines in the layouts {', '.join(FORMATS)} into one; a {kind} file: write it as JSON lines or "
-        f'parquet first (e.g. `datasets.load_dataset("csv", data_files=...)["train"].to_json("data.jsonl")`), then '
-        f"`ovkit convert data.jsonl --from FORMAT --out DIR`"
-    )
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("OVKIT_CACHE") or Path.home() / ".cache" / "ovkit") / "datasets"
-
-
-def materialize(loc: Located) -> list[Path]:
-    """Convert a source in ovkit's or TRL's layout into the cache (once per content) and return its part files."""
-    from ovkit import __version__
-    from ovkit.data.convert import ConvertConfig, convert, detect_format, input_of
-    from ovkit.data.io import REJECTS, local_parquet_files
-
-    spec = loc.spec
-    try:
-        inp = input_of(loc)
-    except OvkitError:
-        if loc.dataset is None and loc.files and not is_parquet(loc.files[0]):
-            raise not_convertible(spec.text) from None
-        raise
-    keys, _ = inp.keys()
-    try:
-        fmt, _ = detect_format(keys, parts=inp.parts())
-    except OvkitError:
-        raise not_a_sample_table(spec.text, keys) from None
-    if fmt not in READABLE:
-        raise not_a_sample_table(spec.text, keys, fmt)
-    key = hashlib.sha256(f"{spec.text}\0{inp.fingerprint()}\0{fmt}\0{__version__}".encode()).hexdigest()[:16]
-    slug = re.sub(r"[^\w.-]+", "_", spec.text.strip("/~."))[-80:]
-    out = cache_dir() / f"{slug}-{key}"
-    if not is_complete(out):
-        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            metrics = convert(ConvertConfig(input=spec.text, from_format=fmt, out=tmp, quiet=True), tmp, inp=inp)
-        except OvkitError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            # the reading command may have no --on-error of its own: the way past bad rows is convert's
-            reason = str(e).replace(f" (use --on-error skip to move bad records to {REJECTS})", "")
-            raise OvkitError(
-                f"{reason}; to read the rows that are good, convert it first: `ovkit convert {spec.text} --on-error skip --out DIR`"
-            ) from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        write_json(
-            tmp / "ovkit.json",
-            {
-                "command": "read",
-                "source": spec.text,
-                "source_fingerprint": inp.fingerprint(),
-                "ovkit_version": __version__,
-                "metrics": metrics,
-            },
-        )
-        try:
-            tmp.rename(out)
-        except OSError:  # another process converted the same source first: theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    _described[spec.text] = {
-        "path": spec.text,
-        "format": fmt,
-        "source_fingerprint": inp.fingerprint(),
-        "converted": fingerprint(out),
-    }
-    if is_hub_id(spec.base) and not Path(spec.base).exists():
-        _described[spec.text]["hub"] = spec.base
-    return local_parquet_files(out)
+def note_converted(text: str, provenance: dict[str, Any]) -> None:
+    """What `describe` reports for a source that a stage read through its converted copy (ovkit.data.io)."""
+    _described[text] = provenance

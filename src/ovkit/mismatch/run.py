@@ -332,7 +332,7 @@ def _write(
 ) -> None:
     import pyarrow as pa
 
-    from ovkit.data.io import write_table
+    from ovkit.data.parts import write_table
     from ovkit.mismatch import figures as figs
     from ovkit.mismatch.report import html_page, markdown
 

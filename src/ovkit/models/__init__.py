@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
+from ovkit.hub import check_model, probe_hub
 
 
 def load(
@@ -83,7 +84,7 @@ def locate(path: Path | str, flag: str = "--model", *, weights: bool = True) -> 
     if local.exists():
         check_model_dir(local, flag, weights=weights)
         return str(local)
-    check_exists(text, flag)
+    check_model(text, flag)
     if _offline():
         from huggingface_hub import try_to_load_from_cache
 
@@ -92,24 +93,8 @@ def locate(path: Path | str, flag: str = "--model", *, weights: bool = True) -> 
                 f"{flag} {text}: no such directory, and the Hub model {text!r} is not in the HF cache while HF_HUB_OFFLINE=1"
             )
         return text
-    from ovkit.data.sources import probe_hub
-
     probe_hub(f"{flag} {text}", "a model downloaded earlier loads with HF_HUB_OFFLINE=1, or give a local directory")
     return text
-
-
-def check_exists(path: Path | str, flag: str = "--model") -> None:
-    """A local directory that exists, or a name shaped like a Hub id (ORG/NAME): a mistyped local path fails here,
-    in a config check before torch imports, and is never sent to the Hub (`locate` looks the Hub id up later)."""
-    from ovkit.data.sources import HUB_ID
-
-    text = str(path)
-    if Path(text).expanduser().exists():
-        return
-    if text.startswith((".", "/", "~")) or text.count("/") != 1 or not HUB_ID.fullmatch(text):
-        raise OvkitError(
-            f"{flag} {text}: no such directory (expected a model saved with save_pretrained, e.g. by `ovkit init-model`)"
-        )
 
 
 def _offline() -> bool:

@@ -34,7 +34,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ovkit.data.io import parquet_files, read_table, write_table
+from ovkit.data.io import parquet_files, read_table
+from ovkit.data.parts import write_table
 from ovkit.data.schema import IMAGE, compatible
 from ovkit.errors import OvkitError, where
 
