@@ -607,8 +607,9 @@ def test_the_learner_re_reads_multi_turn_trajectories_exactly(zoomer):
     the learner's batch (observation image, its rope positions and token types included) as from the sampler."""
     from ovkit.envs import ZoomEnv
     from ovkit.generate import HFEngine
+    from ovkit.models.encode import multimodal_token_ids
     from ovkit.rollouts.groups import Group
-    from ovkit.rollouts.trajectories import build_trajectories, forward_all, multimodal_token_ids
+    from ovkit.rollouts.trajectories import build_trajectories, forward_all
 
     model, processor, _ = zoomer
     prompts = _prompts(processor, n=2, answer="1", extra=ZoomEnv.instruction)

@@ -134,7 +134,7 @@ def rescore(
     progress: bool = False,
 ) -> Rescored:
     """The learner's log-probs of every rollout row (dicts with the rollout schema's columns)."""
-    from ovkit.rollouts.trajectories import multimodal_token_ids
+    from ovkit.models.encode import multimodal_token_ids
 
     forbidden = multimodal_token_ids(model)
     encoder = ImageEncoder(processor, max_pixels)

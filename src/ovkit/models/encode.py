@@ -210,3 +210,40 @@ def _tokenize(
     per_token = {k: out[k][0].tolist() for k in PER_TOKEN_KEYS if k in out}
     mm = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", *PER_TOKEN_KEYS)}
     return Encoded(input_ids=ids, labels=[IGNORE] * len(ids), mm=mm, per_token=per_token)
+
+
+# ------------------------------------------------------------------------------------------------ facts about a processor
+
+
+def merge_mm(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per-turn processor outputs -> one tensor per key, concatenated once (in turn order)."""
+    import torch  # heavy: loads on first use; this module stays importable without torch (as model_inputs above)
+
+    keys = dict.fromkeys(k for p in parts for k in p)
+    return {k: torch.cat([p[k] for p in parts if k in p], dim=0) for k in keys}
+
+
+def placeholder_ids(processor: Any) -> set[int]:
+    """Image/video placeholder tokens from the processor, for engines without a transformers model (vLLM)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    names = [getattr(processor, a, None) for a in ("image_token", "video_token")] + [
+        "<|vision_start|>",
+        "<|vision_end|>",
+    ]
+    return {vocab[n] for n in names if isinstance(n, str) and n in vocab}
+
+
+def multimodal_token_ids(model) -> set[int]:
+    """Placeholder tokens (image/video pads, vision start/end) a sampler may emit but a learner cannot re-read: the
+    forward pass would look for image features behind them."""
+    inner = getattr(model, "module", model)  # a bare model, a TokenScorer, either under DDP, or a model's config
+    config = getattr(inner, "config", inner)
+    found = set()
+    for cfg in (config, getattr(config, "text_config", None)):
+        for name, value in vars(cfg or object()).items():
+            if isinstance(value, int) and any(
+                w in name for w in ("image_token", "video_token", "vision_start", "vision_end")
+            ):
+                found.add(value)
+    return found

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ovkit.models.encode import multimodal_token_ids
 from ovkit.rl.advantages import group_advantages, transform_rewards, zero_std_fraction
 from ovkit.rl.correction import Correction, off_policy_weights
 from ovkit.rl.loss import aggregation_weights, decoupled_ppo_loss
@@ -38,7 +39,6 @@ from ovkit.rollouts.trajectories import (
     build_trajectories,
     chunks,
     forward_all,
-    multimodal_token_ids,
     sequence_logprobs,
 )
 from ovkit.runtime.optim import clip_grad_norm

@@ -30,12 +30,20 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ovkit.data.schema import IMAGE_TOKEN
+from ovkit.envs import REASONS, load_env, parse_env_args
 from ovkit.errors import OvkitError
+from ovkit.generate import Completion
+from ovkit.models.encode import Encoded, encode_messages, merge_mm, multimodal_token_ids, placeholder_ids
+from ovkit.rollouts.prompts import cap_pixels
 from ovkit.rollouts.table import TERMINATIONS  # completed, env_done, max_turns, truncated, env_error
 
 DUMMY = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
@@ -71,7 +79,6 @@ class ObservationEncoder:
     """Observation messages -> the tokens appended to a context (the delta against a dummy conversation)."""
 
     def __init__(self, processor: Any, stop_ids: Sequence[int], tools: Sequence[dict] | None = None):
-        from ovkit.models.encode import encode_messages
 
         self.processor, self.tools = processor, tools
         base = encode_messages(processor, DUMMY, [], generation_prompt=False, tools=tools).input_ids
@@ -86,7 +93,6 @@ class ObservationEncoder:
 
     def encode(self, message: dict[str, Any], images: Sequence[Any]) -> Any:
         """An Encoded holding only the observation turn and the next generation prompt."""
-        from ovkit.models.encode import Encoded, encode_messages
 
         role = str(message.get("role", "user"))
         full = encode_messages(
@@ -107,14 +113,6 @@ class ObservationEncoder:
             mm=full.mm,
             per_token={k: v[self.trim :] for k, v in full.per_token.items()},
         )
-
-
-def merge_mm(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per-turn processor outputs -> one tensor per key, concatenated once (in turn order)."""
-    import torch
-
-    keys = dict.fromkeys(k for p in parts for k in p)
-    return {k: torch.cat([p[k] for p in parts if k in p], dim=0) for k in keys}
 
 
 # ------------------------------------------------------------------------------------------------ one trajectory
@@ -170,7 +168,6 @@ class Episode:
 
     def context(self) -> Any:
         """The whole context as an Encoded prompt for the next turn's generation."""
-        from ovkit.models.encode import Encoded
 
         enc = self.prompt.encoded
         if self._context_mm is None:
@@ -180,7 +177,6 @@ class Episode:
         return Encoded(input_ids=ids, labels=[-100] * len(ids), mm=self._context_mm, per_token=per_token)
 
     def completion(self) -> Any:
-        from ovkit.generate import Completion
 
         return Completion(
             token_ids=self.token_ids,
@@ -236,8 +232,6 @@ def call_env_all(
     The environments of different trajectories are different objects, so their calls run concurrently (a slow tool
     costs one timeout per turn, not one per trajectory). A hung call's thread cannot be killed from Python: it is
     abandoned (a daemon) and the trajectory moves on."""
-    import time
-
     results: list[Any] = [None] * len(calls)
     errors: list[list[str]] = [[] for _ in calls]
     pending = list(range(len(calls)))
@@ -287,15 +281,13 @@ class EpisodeRunner:
     the trajectories still running, then one environment step each."""
 
     def __init__(self, engine: Any, processor: Any, cfg: MultiTurn, model: Any = None):
-        from ovkit.rollouts.trajectories import multimodal_token_ids
-
         self.engine, self.cfg = engine, cfg
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.stop_ids = set(getattr(engine, "stop_ids", None) or [])
         self.encoder = ObservationEncoder(processor, list(self.stop_ids), tools=cfg.env.tools)
         model = model if model is not None else getattr(engine, "model", None)
         has_config = model is not None and hasattr(model, "config")
-        self.suppress = sorted(multimodal_token_ids(model) if has_config else _placeholder_ids(processor))
+        self.suppress = sorted(multimodal_token_ids(model) if has_config else placeholder_ids(processor))
         limits = [
             cfg.max_context,
             _max_positions(model) if has_config else None,
@@ -326,8 +318,6 @@ class EpisodeRunner:
         closing = [(e.env.close, ()) for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))]
         call_env_all(closing, timeout=self.cfg.env_timeout, retries=0, workers=self.cfg.env_workers)
         if self.failures:  # the trajectories end as env_error; say why, once per call
-            import sys
-
             more = f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
             print(f"ovkit: warning: environment failed: {self.failures[0]}{more}", file=sys.stderr, flush=True)
         done = [e.completion() for e in episodes]
@@ -404,8 +394,6 @@ class EpisodeRunner:
         if "reward_scale" in info:  # a multiplier on a reward in [0, 1]: kept in [0, 1]
             e.reward_scale = min(1.0, max(0.0, float(info["reward_scale"])))
         if done:
-            from ovkit.envs import REASONS
-
             reason = info.get("reason", "completed")
             e.termination = reason if reason in REASONS else "completed"
             return
@@ -428,8 +416,6 @@ class EpisodeRunner:
         e.add_images(delta.mm, images)
 
     def _encode(self, message: Any) -> tuple[Any, list]:
-        from ovkit.data.schema import IMAGE_TOKEN
-        from ovkit.rollouts.prompts import cap_pixels
 
         if not isinstance(message, dict) or "content" not in message:
             raise OvkitError(
@@ -454,17 +440,6 @@ def _unpack(result: Any) -> tuple[Any, bool, dict]:
         raise EnvFailure(f"step must return (observation, done, info), got {type(result).__name__}")
     obs, done, info = result
     return obs, bool(done), dict(info or {})
-
-
-def _placeholder_ids(processor: Any) -> set[int]:
-    """Image/video placeholder tokens from the processor, for engines without a transformers model (vLLM)."""
-    tokenizer = getattr(processor, "tokenizer", processor)
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    names = [getattr(processor, a, None) for a in ("image_token", "video_token")] + [
-        "<|vision_start|>",
-        "<|vision_end|>",
-    ]
-    return {vocab[n] for n in names if isinstance(n, str) and n in vocab}
 
 
 def _max_positions(model: Any) -> int | None:
@@ -500,7 +475,6 @@ def transcript(tokenizer: Any, token_ids: Sequence[int]) -> str:
 def check_env_options(cfg: Any) -> None:
     """Check a stage config's multi-turn options (env, env_arg, max_turns, ...): --env is built once here so a bad
     name, import path or argument fails before any model is loaded."""
-    from ovkit.envs import load_env, parse_env_args
 
     cfg.env_arg = parse_env_args(cfg.env_arg)
     if cfg.env is None:
@@ -525,14 +499,12 @@ def check_env_options(cfg: Any) -> None:
 
 def env_instruction(cfg: Any) -> str:
     """The prompt line of the environment class (e.g. the zoom syntax), '' without --env."""
-    from ovkit.envs import load_env
 
     return load_env(cfg.env, cfg.env_arg).instruction if cfg.env else ""
 
 
 def env_tools(cfg: Any) -> list[dict] | None:
     """The environment class's tool schemas for the chat template, None without --env or without tools."""
-    from ovkit.envs import load_env
 
     return load_env(cfg.env, cfg.env_arg).tools if cfg.env else None
 
@@ -541,7 +513,6 @@ def make_runner(
     cfg: Any, engine: Any, processor: Any, *, mode: str, max_pixels: int | None, model: Any = None
 ) -> EpisodeRunner | None:
     """The EpisodeRunner of a stage config with --env, else None (single-turn)."""
-    from ovkit.envs import load_env
 
     if not cfg.env:
         return None
@@ -559,7 +530,6 @@ def make_runner(
 
 def turn_stats(completions: Sequence[Any], rewards: Sequence[float]) -> dict[str, Any]:
     """Multi-turn rollouts: turn-count distribution, termination reasons, reward by turn count."""
-    from collections import Counter
 
     n = len(completions)
     turns = [c.turns for c in completions]

@@ -12,7 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ovkit.data import image_cell
+from ovkit.rewards import score_batch
+from ovkit.rollouts.episodes import episode_reward, transcript
 from ovkit.rollouts.prompts import Prompt
+from ovkit.rollouts.table import rollouts_table
 
 
 @dataclass
@@ -33,8 +37,6 @@ def score_groups(
     """Fill each group's rewards: the task reward from ovkit.rewards (scorer by answer_type / source; `parts` has
     `accuracy` and the `format` reward of the stage's mode), mixed as (1 - format_weight) * task + format_weight *
     format for GRPO."""
-    from ovkit.rewards import score_batch
-    from ovkit.rollouts.episodes import episode_reward
 
     items = [
         {
@@ -116,9 +118,6 @@ def groups_table(groups: Sequence[Group], *, with_images: bool = False, tokenize
     the task reward; `reward_parts` add accuracy, format and the scorer's parts. Multi-turn trajectories add
     `turn_ids` and `termination`, their `completion` is the whole transcript (with `tokenizer`), and the `images`
     column (the prompt's images, then the observations') is always written when an environment returned images."""
-    from ovkit.data import image_cell
-    from ovkit.rollouts.episodes import transcript
-    from ovkit.rollouts.table import rollouts_table
 
     multiturn = any(c.termination is not None for g in groups for c in g.completions)
     with_images = with_images or any(c.images for g in groups for c in g.completions)

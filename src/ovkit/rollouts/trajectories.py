@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 
+from ovkit.models import precompute
+from ovkit.models.encode import merge_mm
+from ovkit.models.precompute import to_device
 from ovkit.rollouts.groups import Group
+from ovkit.runtime.loss import TokenScorer, score
 
 
 @dataclass
@@ -64,7 +68,6 @@ class Trajectories:
 
     def model_inputs(self, idx: Sequence[int], device: Any) -> tuple[dict[str, Any], int]:
         """Inputs for trajectories `idx`, trimmed to their longest length W; returns (inputs, W)."""
-        from ovkit.models.precompute import to_device
 
         plan = self.micro_batch(idx)
         return to_device(plan.inputs, device, skip=()), plan.width
@@ -72,7 +75,6 @@ class Trajectories:
     def micro_batch(self, idx: Sequence[int], layout: Any = None) -> MicroBatch:
         """The host side of one learner forward over trajectories `idx` (module docstring). With the model's
         `layout` (ovkit.pack.PackLayout), the inputs carry its rope positions and vision layout."""
-        from ovkit.models import precompute
 
         rows = list(idx)
         width = max(self.lengths[i] for i in rows)
@@ -115,21 +117,6 @@ class MicroBatch:
     row_index: torch.Tensor  # `rows` as a tensor
 
 
-def multimodal_token_ids(model) -> set[int]:
-    """Placeholder tokens (image/video pads, vision start/end) a sampler may emit but a learner cannot re-read: the
-    forward pass would look for image features behind them."""
-    inner = getattr(model, "module", model)  # a bare model, a TokenScorer, either under DDP, or a model's config
-    config = getattr(inner, "config", inner)
-    found = set()
-    for cfg in (config, getattr(config, "text_config", None)):
-        for name, value in vars(cfg or object()).items():
-            if isinstance(value, int) and any(
-                w in name for w in ("image_token", "video_token", "vision_start", "vision_end")
-            ):
-                found.add(value)
-    return found
-
-
 def _trainable_tokens(token_ids: Sequence[int], forbidden: set[int], loss_mask: Sequence[int] | None = None) -> int:
     """How many leading response tokens the learner can re-read: up to the first multimodal placeholder the policy
     sampled (an observation's image placeholders, loss mask 0, are real images and stay)."""
@@ -142,8 +129,6 @@ def build_trajectories(groups: Sequence[Group], pad_id: int, forbidden: set[int]
     nothing, its reward still counts). Multi-turn trajectories train only their sampled tokens (loss mask 1); their
     observation images are appended to the prompt's processor outputs, once per key. A trajectory whose environment
     failed (env_error) trains nothing and sits in a group of its own, so its reward moves no other advantage."""
-    from ovkit.rollouts.episodes import merge_mm
-
     pairs = [(g, c, r) for g in groups for c, r in zip(g.completions, g.rewards)]
     cut = [_trainable_tokens(c.token_ids, forbidden, c.loss_mask) for _, c, _ in pairs]
     width = max(g.prompt.encoded.length + n for (g, _, _), n in zip(pairs, cut))
@@ -210,8 +195,6 @@ def sequence_logprobs(
     at the trained positions (`batch.mask`; zero elsewhere), and the per-token entropy of that distribution when asked,
     on the model's device. `model` is a bare transformers model or a prepared ovkit.runtime.loss.TokenScorer
     (DDP/FSDP-wrapped or not); `plan`: trajectories `idx` planned on the host (`Trajectories.micro_batch`)."""
-    from ovkit.models.precompute import to_device
-    from ovkit.runtime.loss import TokenScorer, score
 
     device = next(model.parameters()).device
     plan = plan if plan is not None else batch.micro_batch(idx)
