@@ -21,8 +21,8 @@ def _trainable_model(root):
 
 
 def _loss_and_grads(model, batch):
+    from ovkit.models.precompute import model_inputs
     from ovkit.runtime.loss import nll_sum
-    from ovkit.train.loop import model_inputs
 
     model.zero_grad(set_to_none=True)
     loss = nll_sum(model, model_inputs(batch, "cpu"), batch["labels"], index=batch.get("target_index"))

@@ -31,25 +31,23 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
+from ovkit.data.io import read_samples
 from ovkit.errors import OvkitError
+from ovkit.evaluate.metrics import summarize
+from ovkit.evaluate.run import UNCATEGORIZED, EvalConfig, make_records, score_rows, token_budgets
+from ovkit.generate import HFEngine
+from ovkit.launch import gather, share
+from ovkit.models import pad_token_id
+from ovkit.models.encode import decode_images, encode_sample
+from ovkit.models.precompute import model_inputs, on_device
+from ovkit.pack.packed import PackLayout
+from ovkit.prompts import with_instruction
+from ovkit.train.data import collate_padded, target_tokens
 
 PREFIX = "eval/"  # TRL's / the Trainer's eval metrics as trackers show them (eval_loss -> eval/loss)
-
-
-def check_options(cfg: Any) -> None:
-    """The eval options of a training config are consistent (messages name the flags)."""
-    if cfg.eval_every < 0:
-        raise OvkitError(f"--eval-every must be >= 0 (0: only at the end), got {cfg.eval_every}")
-    if cfg.eval_limit is not None and cfg.eval_limit < 1:
-        raise OvkitError(f"--eval-limit must be >= 1, got {cfg.eval_limit}")
-    if cfg.eval_max_new_tokens is not None and cfg.eval_max_new_tokens < 1:
-        raise OvkitError(f"--eval-max-new-tokens must be >= 1, got {cfg.eval_max_new_tokens}")
-    if cfg.eval_data:
-        cfg.eval_data = [
-            Path(p) for p in (cfg.eval_data if isinstance(cfg.eval_data, (list, tuple)) else [cfg.eval_data])
-        ]
-    elif cfg.eval_every:
-        raise OvkitError("--eval-every needs --eval-data (the held-out rows to evaluate on)")
 
 
 def never(step: int, scorer: Any) -> dict[str, float]:
@@ -79,7 +77,6 @@ class HeldOut:
 
     def __init__(self, paths: Sequence[Path], processor: Any, unwrap: Callable[[Any], Any], rt: Any, *, prompt: str, loss: bool,
                  limit: int | None, max_new_tokens: int | None, batch_size: int, seed: int):  # fmt: skip
-        from ovkit.evaluate.run import UNCATEGORIZED, EvalConfig, token_budgets
 
         self.rt, self.unwrap, self.processor = rt, unwrap, processor
         rows = _read(paths, limit)
@@ -105,8 +102,6 @@ class HeldOut:
         self._encoded: tuple | None = None
 
     def __call__(self, scorer: Any) -> dict[str, float]:
-        import torch
-
         t0 = time.perf_counter()
         with _untouched(scorer), torch.no_grad():
             out = {}
@@ -121,11 +116,6 @@ class HeldOut:
 
     def loss(self, scorer: Any) -> float:
         """Token-mean NLL over every process's share of the targets (the training loss's function, no gradient)."""
-        from ovkit.launch import gather, share
-        from ovkit.models import pad_token_id
-        from ovkit.pack.packed import PackLayout
-        from ovkit.train.data import collate_padded, target_tokens
-        from ovkit.train.loop import _on, model_inputs
 
         bare = self.unwrap(
             scorer
@@ -143,8 +133,8 @@ class HeldOut:
                 nll += float(
                     bare(
                         model_inputs(batch, device),
-                        labels=_on(batch["labels"], device),
-                        target_index=_on(batch.get("target_index"), device),
+                        labels=on_device(batch["labels"], device),
+                        target_index=on_device(batch.get("target_index"), device),
                     )
                 )
             count += target_tokens(batch)
@@ -155,10 +145,6 @@ class HeldOut:
 
     def scores(self, model: Any) -> dict[str, float]:
         """`ovkit eval`'s overall and per-category mean reward and accuracy for `model` (greedy, its share of rows)."""
-        from ovkit.evaluate.metrics import summarize
-        from ovkit.evaluate.run import make_records, score_rows
-        from ovkit.generate import HFEngine
-        from ovkit.launch import gather, share
 
         engine = HFEngine(model, self.processor, batch_size=self.batch_size)  # the learner's weights, not a copy
         mine = share(len(self.rows))
@@ -184,7 +170,6 @@ class HeldOut:
 
 def _read(paths: Sequence[Path], limit: int | None) -> list[dict[str, Any]]:
     """Every row of the eval tables in order, at most `limit` per category (the first ones, as `ovkit eval --limit`)."""
-    from ovkit.data.io import read_samples
 
     rows, seen = [], {}
     for path in paths:
@@ -199,7 +184,6 @@ def _read(paths: Sequence[Path], limit: int | None) -> list[dict[str, Any]]:
 
 def _target(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list] | None:
     """(messages ending in the target turn, image cells) of a row, or None when it has no target."""
-    from ovkit.prompts import with_instruction
 
     messages = list(row["messages"])
     if any(m["role"] == "assistant" for m in messages):
@@ -213,7 +197,6 @@ def _target(row: dict[str, Any]) -> tuple[list[dict[str, Any]], list] | None:
 
 
 def _encode(processor: Any, target: tuple[list[dict[str, Any]], list]) -> Any:
-    from ovkit.models.encode import decode_images, encode_sample
 
     messages, cells = target
     return encode_sample(processor, messages, decode_images(cells))
@@ -222,9 +205,6 @@ def _encode(processor: Any, target: tuple[list[dict[str, Any]], list]) -> Any:
 @contextmanager
 def _untouched(module: Any) -> Iterator[None]:
     """Eval mode and fresh random draws inside; every module's own mode and every random state as they were after."""
-    import numpy as np
-    import torch
-
     modes = [(m, m.training) for m in module.modules()]
     states = (
         torch.get_rng_state(),

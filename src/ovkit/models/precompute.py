@@ -23,6 +23,7 @@ there with transformers' own helpers (the values are the same by construction) a
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -44,8 +45,6 @@ VISION_KEYS = (
 
 def to_device(batch: dict[str, Any], device: Any, skip: tuple[str, ...] = LOSS_KEYS) -> dict[str, Any]:
     """The model inputs of `batch` on `device` (copies queued without waiting; host values stay as they are)."""
-    from ovkit.runtime.attention import remember_host
-
     out = {}
     for k, v in batch.items():
         if k in skip:
@@ -57,6 +56,31 @@ def to_device(batch: dict[str, Any], device: Any, skip: tuple[str, ...] = LOSS_K
             v = moved
         out[k] = v
     return out
+
+
+# The host values of boundaries `to_device` moved: the CPU-path varlen attention (ovkit.runtime.attention) plans from
+# these instead of reading the device copy back. Kept here, beside the move, so the model inputs need no runtime.
+_HOST: dict[int, tuple[Any, list[int]]] = {}
+_host_list = torch.Tensor.tolist  # bound at import: a host tensor's values, which ovkit.runtime.syncs need not count
+
+
+def remember_host(device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
+    """Boundaries moved to the device whose values the host already has."""
+    forget_dead(_HOST)
+    _HOST[id(device_tensor)] = (weakref.ref(device_tensor), _host_list(host_tensor))
+
+
+def host_values(device_tensor: torch.Tensor) -> list[int] | None:
+    """The values `remember_host` kept for `device_tensor` (None when it kept none for this tensor)."""
+    host = _HOST.get(id(device_tensor))
+    return host[1] if host is not None and host[0]() is device_tensor else None
+
+
+def forget_dead(table: dict) -> None:
+    """Drop the entries of a {id: (weakref, value)} table whose tensor is gone."""
+    # the async sampler's thread runs the attention beside the learner's: a snapshot of the keys, and pop
+    for k in [k for k, (ref, _) in list(table.items()) if ref() is None]:
+        table.pop(k, None)
 
 
 def target_index(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -123,3 +147,13 @@ def vision_inputs(config: Any, grid_thw: torch.Tensor | None, input_ids: torch.T
 
 def _longest(cu: torch.Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+def on_device(tensor: torch.Tensor | None, device) -> torch.Tensor | None:
+    """One loss-side tensor of a batch (labels, target_index) on `device`, None staying None."""
+    return None if tensor is None else tensor.to(device, non_blocking=True)
+
+
+def model_inputs(batch: dict[str, Any], device) -> dict[str, Any]:
+    """The forward's inputs of a collated batch on `device` (the training loop's and the held-out loss's)."""
+    return to_device(batch, device)  # not the loss's keys (labels, counts, target positions)

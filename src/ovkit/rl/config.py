@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
-from ovkit.evaluate.during import check_options as check_eval_options
 from ovkit.generate import RL_ENGINES
 from ovkit.runtime.log import check_trackers
 from ovkit.runtime.options import (  # torch-free: a bad option fails before torch imports (#29)
@@ -17,6 +16,7 @@ from ovkit.runtime.options import (  # torch-free: a bad option fails before tor
     KL_ESTIMATORS,
     canonical_precision,
     check_checkpointing,
+    check_eval_options,
     check_kernels,
     check_optim,
     sampler_dtype,

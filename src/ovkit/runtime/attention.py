@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ovkit.errors import OvkitError
+from ovkit.models.precompute import forget_dead, host_values
 from ovkit.runtime.options import ATTENTION  # noqa: F401 (re-exported: one definition, torch-free)
 
 VARLEN = "ovkit_varlen_flash"
@@ -228,8 +229,8 @@ def _gather_plan(cu: torch.Tensor, causal: bool) -> list[tuple[torch.Tensor, tor
     if hit is not None and hit[0]() is cu:
         return hit[1]
     plan = []
-    host = _HOST.get(id(cu))
-    values = host[1] if host is not None and host[0]() is cu else cu.tolist()
+    values = host_values(cu)
+    values = cu.tolist() if values is None else values
     for starts, lengths in _groups(values):
         width = max(lengths)
         offsets = torch.arange(width)
@@ -240,28 +241,9 @@ def _gather_plan(cu: torch.Tensor, causal: bool) -> list[tuple[torch.Tensor, tor
             mask = mask & torch.ones(width, width, dtype=torch.bool).tril()
         keep = torch.tensor([r * width + c for r, n in enumerate(lengths) for c in range(n)])
         plan.append((index.reshape(-1).to(cu.device), mask.to(cu.device), keep.to(cu.device), len(starts), width))
-    _forget_dead(_PLANS)
+    forget_dead(_PLANS)
     _PLANS[key] = (weakref.ref(cu), plan)
     return plan
-
-
-_HOST: dict[int, tuple[Any, list[int]]] = {}
-_host_list = torch.Tensor.tolist  # bound at import: a host tensor's values, which ovkit.runtime.syncs need not count
-
-
-def remember_host(device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
-    """Boundaries moved to the device whose values the host already has (ovkit.models.precompute): the CPU-path
-    varlen attention above plans from these instead of reading the device copy back."""
-    import weakref
-
-    _forget_dead(_HOST)
-    _HOST[id(device_tensor)] = (weakref.ref(device_tensor), _host_list(host_tensor))
-
-
-def _forget_dead(table: dict) -> None:
-    # the async sampler's thread runs this attention beside the learner's: a snapshot of the keys, and pop
-    for k in [k for k, (ref, _) in list(table.items()) if ref() is None]:
-        table.pop(k, None)
 
 
 def _packed_boundaries(

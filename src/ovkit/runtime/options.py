@@ -2,7 +2,7 @@
 
 A config is built, and refused, before anything heavy is imported, so `ovkit sft DATA --precision bf17` answers in
 a fraction of a second instead of after torch and transformers load (#29). The modules that act on these options
-(precision, optim, attention, checkpointing, kernels, engines; rl.correction, rl.loss) import torch and re-export
+(precision, optim, attention, checkpointing, kernels, engines; rl.correction, rl.loss; evaluate.during) import torch and re-export
 what is here, so each name has one definition.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from pathlib import Path
+from typing import Any
 
 from ovkit.errors import OvkitError
 
@@ -183,3 +185,20 @@ def canonical_correction(name: str) -> str:
 # rl-train --loss-agg and --kl-estimator (ovkit.rl.loss)
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+# --eval-data, --eval-every, --eval-limit, --eval-max-new-tokens (ovkit.evaluate.during)
+def check_eval_options(cfg: Any) -> None:
+    """The eval options of a training config are consistent (messages name the flags)."""
+    if cfg.eval_every < 0:
+        raise OvkitError(f"--eval-every must be >= 0 (0: only at the end), got {cfg.eval_every}")
+    if cfg.eval_limit is not None and cfg.eval_limit < 1:
+        raise OvkitError(f"--eval-limit must be >= 1, got {cfg.eval_limit}")
+    if cfg.eval_max_new_tokens is not None and cfg.eval_max_new_tokens < 1:
+        raise OvkitError(f"--eval-max-new-tokens must be >= 1, got {cfg.eval_max_new_tokens}")
+    if cfg.eval_data:
+        cfg.eval_data = [
+            Path(p) for p in (cfg.eval_data if isinstance(cfg.eval_data, (list, tuple)) else [cfg.eval_data])
+        ]
+    elif cfg.eval_every:
+        raise OvkitError("--eval-every needs --eval-data (the held-out rows to evaluate on)")

@@ -15,13 +15,13 @@ from typing import ClassVar
 
 from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
-from ovkit.evaluate.during import check_options as check_eval_options
 from ovkit.models.groups import STAGE_TRAINABLE
 from ovkit.runtime.log import check_trackers
 from ovkit.runtime.options import (
     ATTENTION,
     canonical_precision,
     check_checkpointing,
+    check_eval_options,
     check_kernels,
     check_optim,
 )  # torch-free (#29)

@@ -31,7 +31,7 @@ from ovkit.evaluate.during import evaluator
 from ovkit.files import is_complete
 from ovkit.models import pad_token_id
 from ovkit.models.groups import set_trainable, trainable_names
-from ovkit.models.precompute import to_device
+from ovkit.models.precompute import model_inputs, on_device
 from ovkit.runtime import Result, Runtime
 from ovkit.runtime.optim import cosine_factor
 from ovkit.train.config import TRAJECTORY, TrainConfig
@@ -192,20 +192,12 @@ def _step(rt: Runtime, scorer, batches: list[dict[str, Any]]):
         with rt.no_sync(scorer, sync=j == len(batches) - 1), rt.autocast():
             nll = scorer(
                 model_inputs(batch, acc.device),
-                labels=_on(batch["labels"], acc.device),
-                target_index=_on(batch.get("target_index"), acc.device),
+                labels=on_device(batch["labels"], acc.device),
+                target_index=on_device(batch.get("target_index"), acc.device),
             )
         rt.backward(nll * scale)
         nll_sum += nll.detach().float()
     return acc.reduce(nll_sum, "sum") if acc.num_processes > 1 else nll_sum, n_target, n_real, n_positions
-
-
-def _on(tensor: torch.Tensor | None, device) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device, non_blocking=True)
-
-
-def model_inputs(batch: dict[str, Any], device) -> dict[str, Any]:
-    return to_device(batch, device)  # not the loss's keys (labels, counts, target positions)
 
 
 def token_nll_sum(model, batch: dict[str, Any], device) -> torch.Tensor:
@@ -213,7 +205,10 @@ def token_nll_sum(model, batch: dict[str, Any], device) -> torch.Tensor:
     from ovkit.runtime.loss import nll_sum
 
     return nll_sum(
-        model, model_inputs(batch, device), batch["labels"].to(device), index=_on(batch.get("target_index"), device)
+        model,
+        model_inputs(batch, device),
+        batch["labels"].to(device),
+        index=on_device(batch.get("target_index"), device),
     )
 
 
