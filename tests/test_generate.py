@@ -334,7 +334,7 @@ def test_int4_sampler_has_16_levels_per_group_and_requantises_on_update(tiny, pr
 
 def test_bad_options_are_user_errors(tiny, prompts):
     from ovkit.errors import OvkitError
-    from ovkit.runtime.engines import build_engine
+    from ovkit.generate.engines import build_engine
 
     with pytest.raises(OvkitError, match="--engine"):
         build_engine("nope", model=tiny[0], processor=tiny[1])
@@ -356,7 +356,7 @@ def test_build_engine_loads_a_model_directory_in_the_asked_precision(tiny, tmp_p
     import torch
 
     from ovkit.generate import HFEngine
-    from ovkit.runtime.engines import build_engine
+    from ovkit.generate.engines import build_engine
 
     model, processor = tiny
     model.save_pretrained(tmp_path)

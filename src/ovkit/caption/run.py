@@ -197,7 +197,7 @@ def last_assistant(messages: Sequence[dict[str, Any]]) -> str | None:
 
 def build_engine(cfg: CaptionConfig) -> tuple[Any, Any]:
     """(engine, processor) for `cfg.model`: transformers (on the GPU when there is one) or vLLM."""
-    from ovkit.runtime.engines import build_engine as build
+    from ovkit.generate.engines import build_engine as build
 
     engine = build(
         cfg.engine,

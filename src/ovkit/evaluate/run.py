@@ -417,7 +417,7 @@ def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:
 
 def build_engine(cfg: EvalConfig) -> tuple[Any, Any]:
     """(engine, processor) for `cfg.model` (ovkit.runtime.engines: one device rule, one precision vocabulary)."""
-    from ovkit.runtime.engines import build_engine as build
+    from ovkit.generate.engines import build_engine as build
 
     engine = build(
         cfg.engine,

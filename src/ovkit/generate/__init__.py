@@ -45,7 +45,7 @@ class Completion:
 
 
 # Engines that sample from the --model directory itself (eval, caption, rl-curate, mismatch-report) ...
-ENGINES = ("hf", "vllm")  # built by ovkit.runtime.engines.build_engine
+ENGINES = ("hf", "vllm")  # built by ovkit.generate.engines.build_engine
 # ... and rl-train's, which can also sample from a running vLLM server that it keeps in sync with the learner.
 RL_ENGINES = (*ENGINES, "vllm-server")
 

@@ -156,9 +156,9 @@ def check_not_empty(rows: Sequence[dict[str, Any]], source: str) -> None:
 def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
     """Write report.json, report.md, report.html, figures/, logprobs.parquet (and rollouts/ with --generate) into
     `out_dir`; return the headline metrics per run."""
+    from ovkit.generate.engines import load_for_inference
     from ovkit.mismatch.score import data_images
     from ovkit.models import vocab_size
-    from ovkit.runtime.engines import load_for_inference
 
     # Every input is read and checked before the model loads: rollouts (token ids inside the model's vocabulary,
     # finite log-probs, images), prompt rows (answers included) and --data.

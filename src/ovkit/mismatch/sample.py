@@ -43,7 +43,7 @@ def canonical_sampler(name: str) -> str:
 
 
 def make_sampler(name: str, model: Any, processor: Any, *, model_dir: Any, batch_size: int, seed: int, quiet: bool):
-    from ovkit.runtime.engines import build_engine
+    from ovkit.generate.engines import build_engine
 
     if name == "vllm":
         return build_engine("vllm", model_dir=model_dir, processor=processor, seed=seed, progress=not quiet)

@@ -248,8 +248,8 @@ def _prompts(cfg: RLTrainConfig, tables: list, processor) -> list:
 def make_sampler(cfg: RLTrainConfig, model, processor):
     """The rollout engine. Asynchronous runs sample from their own copy of the weights (synced every step);
     synchronous ones share the learner's unless --sampler-precision / --sampler-quant asks for a separate copy."""
+    from ovkit.generate.engines import build_engine, device
     from ovkit.runtime import precision as prec
-    from ovkit.runtime.engines import build_engine, device
 
     if cfg.engine == "vllm-server":  # its own process: weights pushed over NCCL every step
         if cfg.sampler_precision is not None:

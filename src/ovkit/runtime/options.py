@@ -127,7 +127,7 @@ def check_kernels(kernels: str, use_liger_kernel: bool = False, cuda: bool | Non
 
 
 # A sampler's own precision (rl-train --sampler-precision, mismatch-report's samplers): the dtype of its weights
-# (ovkit.runtime.engines).
+# (ovkit.generate.engines).
 SAMPLER_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SAMPLER_ALIASES = {
     "float32": "fp32",

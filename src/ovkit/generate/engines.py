@@ -14,6 +14,12 @@ from typing import Any
 import torch
 
 from ovkit.errors import OvkitError
+from ovkit.generate.hf import HFEngine
+from ovkit.generate.vllm import VLLMEngine
+from ovkit.generate.vllm_server import VLLMServerEngine
+from ovkit.models import load, locate
+from ovkit.runtime import attention
+from ovkit.runtime import precision as prec
 
 # A sampler's own precision (rl-train --sampler-precision, mismatch-report's samplers): the dtype of its weights.
 from ovkit.runtime.options import SAMPLER_ALIASES, SAMPLER_PRECISIONS, sampler_dtype  # noqa: F401 (re-exported: torch-free)
@@ -32,10 +38,6 @@ def load_for_inference(
     path: Path | str, *, precision: str = "auto", attn_implementation: str = "auto", trust_remote_code: bool = False
 ) -> tuple[Any, Any]:
     """(model, processor) in eval mode on the device, its weights in the precision's compute dtype, attention set."""
-    from ovkit.models import load
-    from ovkit.runtime import attention
-    from ovkit.runtime import precision as prec
-
     dev = device()
     model, processor = load(path, dtype=prec.resolve(precision, dev).dtype, trust_remote_code=trust_remote_code)
     attention.apply(model, attention.resolve(attn_implementation, dev))  # (prints the one warning of a fallback)
@@ -64,8 +66,6 @@ def build_engine(
     """A generation engine. `hf`: from a loaded `model` (rl-train's learner: `precision` then names a sampler copy's
     precision, `quant` its quantisation, `separate` an own copy even in the learner's dtype) or from `model_dir` (loaded in `precision`); `vllm`: from `model_dir`;
     `vllm-server`: a running vLLM server at `server_url` (ovkit.generate.vllm_server), which serves its own weights."""
-    from ovkit.generate import HFEngine, VLLMEngine
-
     if kind == "hf":
         if model is None:
             if model_dir is None:
@@ -105,8 +105,6 @@ def build_engine(
             **extra,
         )
     if kind == "vllm-server":
-        from ovkit.generate import VLLMServerEngine
-
         if quant is not None:
             raise OvkitError(
                 "--engine vllm-server samples with the server's own weights and quantisation (vllm serve --quantization ...); drop --sampler-quant"
@@ -123,8 +121,6 @@ def _processor(model_dir: Path | str, trust_remote_code: bool) -> Any:
     """The processor of a model directory (or Hub id) for an engine that loads the weights itself: checked and
     resolved the way every other model path is (ovkit.models.locate), so a missing directory is one clear error and
     an id is never sent to an offline Hub."""
-    from transformers import AutoProcessor
-
-    from ovkit.models import locate
+    from transformers import AutoProcessor  # heavy: only an engine that loads its own weights needs it
 
     return AutoProcessor.from_pretrained(locate(model_dir, weights=False), trust_remote_code=trust_remote_code)
