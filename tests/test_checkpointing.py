@@ -121,8 +121,8 @@ def test_every_mode_gives_the_same_gradients_and_keeps_fewer_bytes(tiny):
 
 def test_lora_adapters_behind_frozen_embeddings_get_gradients(tiny):
     """Non-reentrant checkpointing needs no requires_grad on the inputs (peft's enable_input_require_grads)."""
+    from ovkit.models import lora
     from ovkit.models.groups import trainable_names
-    from ovkit.runtime import lora
 
     model, batch = _model_and_batch(tiny)
     lora.apply(model, trainable_names(model, ["llm"]), lora.LoraSpec(r=2))

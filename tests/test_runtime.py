@@ -387,8 +387,9 @@ def test_qlora_trains_adapters_on_a_four_bit_base_and_saves_a_plain_merged_model
     from transformers import AutoModelForImageTextToText
 
     from ovkit.errors import OvkitError
+    from ovkit.models import lora
     from ovkit.models.encode import decode_images, encode_sample
-    from ovkit.runtime import Runtime, lora
+    from ovkit.runtime import Runtime
     from ovkit.train import train
     from ovkit.train.config import TRAJECTORY
 

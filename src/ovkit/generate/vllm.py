@@ -30,6 +30,7 @@ from typing import Any
 
 from ovkit.errors import OvkitError
 from ovkit.generate import Completion
+from ovkit.models import lora
 
 
 class VLLMEngine:
@@ -167,8 +168,6 @@ class VLLMEngine:
 def checkpoint_weights(model: Any) -> list[tuple[str, Any]]:
     """(name, tensor) of every parameter under the name `save_pretrained` gives it (the checkpoint layout vLLM
     loads), detached; a tied output embedding appears once, as in the checkpoint."""
-    from ovkit.runtime import lora
-
     if lora.has_lora(model):  # vLLM serves the merged weights (base + adapter), parameters only
         params = {n.replace(".base_layer.", ".") for n, _ in model.named_parameters() if "lora_" not in n}
         named = {k: v for k, v in lora.merged_state_dict(model).items() if k in params}

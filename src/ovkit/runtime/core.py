@@ -59,10 +59,11 @@ from ovkit.config import option_default, to_plain, to_plain_values
 from ovkit.errors import OutOfMemory, OvkitError
 from ovkit.faults import hold
 from ovkit.files import PROVENANCE, write_json
+from ovkit.models import lora
 from ovkit.runs import Stage
 from ovkit.runtime import attention as attn
 from ovkit.runtime import checkpointing as ac
-from ovkit.runtime import compiling, integrity, lora
+from ovkit.runtime import compiling, integrity
 from ovkit.runtime import kernels as kern
 from ovkit.runtime import precision as prec
 from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
@@ -458,7 +459,7 @@ class Runtime:
         processor.save_pretrained(out)
 
     def lora(self, model: Any, trainable: list[str]) -> tuple[int, int] | None:
-        """Adapters instead of full fine-tuning when --lora-r > 0 (ovkit.runtime.lora); (trainable, total) counts."""
+        """Adapters instead of full fine-tuning when --lora-r > 0 (ovkit.models.lora); (trainable, total) counts."""
         r = getattr(self.cfg, "lora_r", 0)
         if not r:
             return None
