@@ -172,7 +172,7 @@ def test_bad_usage_is_exit_2(cli, tmp_path):
 
 
 def test_embed_with_tiny_clip_retrieves_better_than_chance(cli, tmp_path):
-    from ovkit.balance.encoder import TinyClipSpec, build_tiny_clip
+    from ovkit.models.tiny_clip import TinyClipSpec, build_tiny_clip
 
     data, concepts = corpus(tmp_path)
     metrics = build_tiny_clip(
@@ -204,8 +204,8 @@ def test_embed_with_tiny_clip_retrieves_better_than_chance(cli, tmp_path):
 def test_init_model_tiny_clip_preset_builds_a_loadable_encoder(cli, tmp_path, monkeypatch):
     import functools
 
-    from ovkit.balance import encoder
     from ovkit.balance.assign import Encoder
+    from ovkit.models import tiny_clip as encoder
 
     monkeypatch.setattr(encoder, "TinyClipSpec", functools.partial(encoder.TinyClipSpec, steps=3, batch_size=8))
     data, _ = corpus(tmp_path, n=12)

@@ -55,8 +55,8 @@ def good_rows() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from ovkit.balance.encoder import TinyClipSpec, build_tiny_clip
     from ovkit.models.tiny import TinySpec, build_tiny
+    from ovkit.models.tiny_clip import TinyClipSpec, build_tiny_clip
 
     root = tmp_path_factory.mktemp("fuzz")
     rows = good_rows()

@@ -250,7 +250,7 @@ def build(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
     if cfg.vision is not None:
         return _compose(cfg, out_dir)
     if cfg.preset == "tiny-clip":
-        from ovkit.balance.encoder import build_tiny_clip
+        from ovkit.models.tiny_clip import build_tiny_clip
 
         return build_tiny_clip(out_dir, cfg.corpus, seed=cfg.seed, quiet=cfg.quiet)
     return _tiny(cfg, out_dir)
