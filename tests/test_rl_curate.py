@@ -39,7 +39,7 @@ def test_gap_rule_keeps_latent_capability(tmp_path):
 
 def test_stage_split_rule(tmp_path):
     from ovkit.errors import OvkitError
-    from ovkit.rl.curate import STAGE2_CATEGORIES, stage_of
+    from ovkit.prompts import STAGE2_CATEGORIES, stage_of
 
     assert stage_of({"category": "counting"}, STAGE2_CATEGORIES) == 1
     assert stage_of({"category": "math"}, STAGE2_CATEGORIES) == 2

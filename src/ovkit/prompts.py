@@ -6,7 +6,10 @@ instruction split uses the same texts so that a model fine-tuned on it answers i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from ovkit.errors import OvkitError
 
 SYSTEM_PROMPT = "You are a helpful AI assistant."
 ANSWER_PROMPT = "Put ONLY your final answer within <answer></answer>."
@@ -39,3 +42,24 @@ def with_instruction(messages: list[dict[str, Any]], mode: str, system: bool = F
     if system and not any(m["role"] == "system" for m in out):
         out.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
     return out
+
+
+# Which RL stage a row belongs to (rl-curate's split; eval's `--prompt auto` asks each row in its stage's mode):
+# the released `prompt_type` column if the row has one, else its category.
+STAGE2_CATEGORIES = ("math", "chart", "science", "diagram", "svg", "code", "stem", "coding")
+PROMPT_TYPE_STAGE = {"normal": 1, "answer": 1, "default": 2, "think": 2}
+
+
+def stage_of(row: dict[str, Any], stage2_categories: Sequence[str]) -> int:
+    """The documented split rule: `prompt_type` if the row has one, else the category."""
+    ptype = row.get("prompt_type")
+    if ptype:
+        if str(ptype).lower() not in PROMPT_TYPE_STAGE:
+            raise OvkitError(f"row {row.get('id')!r}, column 'prompt_type': expected normal or default, got {ptype!r}")
+        return PROMPT_TYPE_STAGE[str(ptype).lower()]
+    return 2 if (row.get("category") or "") in stage2_categories else 1
+
+
+def mode_of(stage: int, prompt: str) -> str:
+    """The instruction a row's rollouts are sampled with: its stage's (auto) or the one asked for."""
+    return {1: "answer", 2: "think"}[stage] if prompt == "auto" else ALIASES.get(prompt, prompt)

@@ -271,7 +271,7 @@ def row_mode(row: dict[str, Any], prompt: str) -> str:
     (rl-curate's split: its `prompt_type` column, else its category; think for stage 2, answer for stage 1)."""
     if prompt != "auto":
         return prompt
-    from ovkit.rl.curate import STAGE2_CATEGORIES, mode_of, stage_of
+    from ovkit.prompts import STAGE2_CATEGORIES, mode_of, stage_of
 
     return mode_of(stage_of(row, STAGE2_CATEGORIES), "auto")
 

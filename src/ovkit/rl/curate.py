@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
+from ovkit.prompts import STAGE2_CATEGORIES, mode_of, stage_of
 
-STAGE2_CATEGORIES = ("math", "chart", "science", "diagram", "svg", "code", "stem", "coding")
 SELECT_RULES = ("mean", "gap")
-PROMPT_TYPE_STAGE = {"normal": 1, "answer": 1, "default": 2, "think": 2}
 
 
 @dataclass
@@ -125,23 +124,6 @@ def select(pass1: float, passn: float, source: str, cfg: CurateConfig) -> bool:
     if cfg.select == "gap":
         return passn - pass1 >= cfg.min_gap - 1e-12
     return cfg.min_reward < pass1 < cfg.max_reward
-
-
-def stage_of(row: dict[str, Any], stage2_categories: Sequence[str]) -> int:
-    """The documented split rule: `prompt_type` if the row has one, else the category."""
-    ptype = row.get("prompt_type")
-    if ptype:
-        if str(ptype).lower() not in PROMPT_TYPE_STAGE:
-            raise OvkitError(f"row {row.get('id')!r}, column 'prompt_type': expected normal or default, got {ptype!r}")
-        return PROMPT_TYPE_STAGE[str(ptype).lower()]
-    return 2 if (row.get("category") or "") in stage2_categories else 1
-
-
-def mode_of(stage: int, prompt: str) -> str:
-    """The instruction a row's rollouts are sampled with: its stage's (auto) or the one asked for."""
-    from ovkit.prompts import ALIASES
-
-    return {1: "answer", 2: "think"}[stage] if prompt == "auto" else ALIASES.get(prompt, prompt)
 
 
 def prompt_stats(groups, rows: Sequence[dict[str, Any]], cfg: CurateConfig) -> list[PromptStats]:
