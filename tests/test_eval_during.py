@@ -43,8 +43,8 @@ def _held_out_nll(model_dir: Path, data: Path) -> float:
     from ovkit.data.io import read_samples
     from ovkit.models import load
     from ovkit.models.encode import decode_images, encode_sample
+    from ovkit.pack.batches import collate_padded, target_tokens
     from ovkit.pack.packed import PackLayout
-    from ovkit.train.data import collate_padded, target_tokens
     from ovkit.train.loop import token_nll_sum
 
     model, processor = load(model_dir, dtype=torch.float32)

@@ -150,8 +150,8 @@ def test_chunked_loss_and_logprobs_equal_the_full_logits(deep):
     from ovkit.models import load
     from ovkit.models.encode import decode_images, encode_sample
     from ovkit.models.precompute import model_inputs
+    from ovkit.pack.batches import collate_padded
     from ovkit.runtime.loss import nll_sum, score
-    from ovkit.train.data import collate_padded
 
     root, _ = deep
     model, processor = load(root / "model")

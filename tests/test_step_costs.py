@@ -39,8 +39,8 @@ def _assert_same(a, b):
 
 def test_host_computed_positions_and_vision_layout_give_the_models_own_loss_and_gradients(deep):
     from ovkit.models.encode import decode_images, encode_sample
+    from ovkit.pack.batches import collate_padded
     from ovkit.pack.packed import PackLayout
-    from ovkit.train.data import collate_padded
 
     root, _ = deep
     model, processor = _trainable_model(root)

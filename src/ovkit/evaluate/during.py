@@ -43,9 +43,9 @@ from ovkit.launch import gather, share
 from ovkit.models import pad_token_id
 from ovkit.models.encode import decode_images, encode_sample
 from ovkit.models.precompute import model_inputs, on_device
+from ovkit.pack.batches import collate_padded, target_tokens
 from ovkit.pack.packed import PackLayout
 from ovkit.prompts import with_instruction
-from ovkit.train.data import collate_padded, target_tokens
 
 PREFIX = "eval/"  # TRL's / the Trainer's eval metrics as trackers show them (eval_loss -> eval/loss)
 

@@ -32,10 +32,11 @@ from ovkit.files import is_complete
 from ovkit.models import pad_token_id
 from ovkit.models.groups import set_trainable, trainable_names
 from ovkit.models.precompute import model_inputs, on_device
+from ovkit.pack.batches import real_tokens, target_tokens
 from ovkit.runtime import Result, Runtime
 from ovkit.runtime.optim import cosine_factor
 from ovkit.train.config import TRAJECTORY, TrainConfig
-from ovkit.train.data import PackedSource, SampleSource, Schedule, real_tokens, target_tokens, total_steps
+from ovkit.train.data import PackedSource, SampleSource, Schedule, total_steps
 
 
 def train(cfg: TrainConfig) -> Result:
