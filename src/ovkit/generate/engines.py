@@ -14,9 +14,6 @@ from typing import Any
 import torch
 
 from ovkit.errors import OvkitError
-from ovkit.generate.hf import HFEngine
-from ovkit.generate.vllm import VLLMEngine
-from ovkit.generate.vllm_server import VLLMServerEngine
 from ovkit.models import load, locate
 from ovkit.runtime import attention
 from ovkit.runtime import precision as prec
@@ -66,6 +63,10 @@ def build_engine(
     """A generation engine. `hf`: from a loaded `model` (rl-train's learner: `precision` then names a sampler copy's
     precision, `quant` its quantisation, `separate` an own copy even in the learner's dtype) or from `model_dir` (loaded in `precision`); `vllm`: from `model_dir`;
     `vllm-server`: a running vLLM server at `server_url` (ovkit.generate.vllm_server), which serves its own weights."""
+    # heavy: an engine module loads transformers (and vLLM or TRL's client when built); a command that imports this
+    # builder before reading its inputs reports a bad input without loading them
+    from ovkit.generate import HFEngine, VLLMEngine, VLLMServerEngine
+
     if kind == "hf":
         if model is None:
             if model_dir is None:
