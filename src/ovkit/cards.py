@@ -24,6 +24,7 @@ model, from what, with which command and settings, its headline metrics and how 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -124,6 +125,7 @@ def data_tables(directory: Path) -> list[Table]:
 
 def _table_files(directory: Path) -> list[Path]:
     """DIR's part files if they hold chat rows with images (not rollouts or other side tables)."""
+    # heavy: pyarrow loads on first use, not at CLI start or in config checks
     import pyarrow.parquet as pq
 
     files = sorted(p for p in directory.glob(PART_GLOB) if p.is_file() and not _hidden(p.name))
@@ -135,6 +137,7 @@ def _table_files(directory: Path) -> list[Path]:
 
 
 def _table(config: str, split: str, pattern: str, files: list[Path]) -> Table:
+    # heavy: pyarrow, numpy load on first use, not at CLI start or in config checks
     import pyarrow.parquet as pq
 
     from ovkit.data.formats import schema_has_parts
@@ -177,7 +180,6 @@ def content_key(tables: list[Table]) -> str:
     got one cache entry, so the second load returned the first one's rows. The configs' `description` enters that
     hash, so the card carries this key there: same content, same key (outputs stay byte-identical per seed); other
     content, another cache entry."""
-    import hashlib
 
     h = hashlib.sha256()
     for t in tables:
@@ -199,7 +201,6 @@ def shared_key(prov: dict[str, Any]) -> str:
     """`content_key` of a sharded output, whose parts each write the top-level card (identical bytes whichever part
     finishes last): what determines the rows (command, settings, inputs' fingerprints, seed, version), not a part's
     own `--out` and `--shard`."""
-    import hashlib
 
     config = {
         k: v for k, v in (prov.get("config") or {}).items() if k not in ("out", "shard", "quiet", "overwrite", "resume")
@@ -217,6 +218,7 @@ def dataset_card(
     empty: list[str] = (),
     key: str | None = None,
 ) -> str:
+    # heavy: yaml loads on first use, not at CLI start or in config checks
     import yaml
 
     if not tables:
@@ -420,6 +422,7 @@ def eval_features(tables: list[Table]) -> list[dict[str, Any]] | None:
     """The `default` config's features in the card's YAML: every task's inferred schema, unified (a struct's fields
     are the union of the tasks'; `datasets` fills a task's missing ones with None). None where two tasks disagree on
     a column's type (then `load_dataset(DIR)` asks for a task's config)."""
+    # heavy: pyarrow loads on first use, not at CLI start or in config checks
     import pyarrow as pa
     import pyarrow.json as pj
     from datasets import Features
@@ -433,6 +436,7 @@ def eval_features(tables: list[Table]) -> list[dict[str, Any]] | None:
 
 
 def eval_card(directory: Path, tables: list[Table], prov: dict[str, Any], shown: str) -> str:
+    # heavy: yaml loads on first use, not at CLI start or in config checks
     import yaml
 
     key = content_key(tables)
@@ -513,6 +517,7 @@ def is_model_dir(directory: Path) -> bool:
 
 
 def model_card(directory: Path, prov: dict[str, Any], shown: str) -> str:
+    # heavy: yaml loads on first use, not at CLI start or in config checks
     import yaml
 
     config = _json(Path(directory) / "config.json")

@@ -74,6 +74,7 @@ def is_remote(text: str | Path) -> bool:
 def probe_hub(subject: str, hint: str) -> None:
     """One HEAD request with a short timeout: `datasets` and transformers would retry an unreachable Hub for half a
     minute to minutes. `subject` names what was asked for (a dataset spec, `--model ID`); `hint` says what to do."""
+    # heavy: huggingface_hub loads on first use, not at CLI start or in config checks
     from huggingface_hub import constants, get_session
 
     endpoint = constants.ENDPOINT

@@ -44,6 +44,7 @@ from ovkit.caption.quality import has_cjk, mean_recall, parse_concepts
 from ovkit.data import IMAGE_TOKEN, MESSAGE, parse_shard, read_samples, write_rejects, write_samples, write_table
 from ovkit.errors import OvkitError
 from ovkit.files import fingerprint, write_json
+from ovkit.models.encode import decode_images, encode_prompt
 
 DEFAULT_PROMPTS = {"en": "Describe this image in detail.", "zh": "请详细描述这张图片。"}
 DEFAULT_SHARES = {"en": 0.75, "zh": 0.25}  # the recipe's recaptions: ~65M English, ~20M Chinese
@@ -197,6 +198,7 @@ def last_assistant(messages: Sequence[dict[str, Any]]) -> str | None:
 
 def build_engine(cfg: CaptionConfig) -> tuple[Any, Any]:
     """(engine, processor) for `cfg.model`: transformers (on the GPU when there is one) or vLLM."""
+    # heavy: torch loads on first use, not at CLI start or in config checks
     from ovkit.generate.engines import build_engine as build
 
     engine = build(
@@ -223,7 +225,6 @@ class Captioner:
         self.prompts = cfg.prompts()
 
     def __call__(self, rows: Sequence[dict[str, Any]], langs: Sequence[str], seed: int) -> list[Any]:
-        from ovkit.models.encode import decode_images, encode_prompt
 
         if self.engine is None:
             self.engine, self.processor = build_engine(self.cfg)
@@ -299,6 +300,7 @@ def generate_chunks(
 ) -> tuple[pa.Table, dict[str, Any]]:
     """The recaption of every row of `table` (CHUNK_SCHEMA, in row order), generated `chunk_rows` rows at a time and
     saved per chunk under `work`; chunks already saved with the same row ids are read instead of generated."""
+    # heavy: tqdm loads on first use, not at CLI start or in config checks
     from tqdm.auto import tqdm
 
     ids = table.column("id").to_pylist()

@@ -36,6 +36,7 @@ from ovkit.data.parts import REJECTS, parse_shard, part_name, shard_bounds, writ
 from ovkit.data.schema import IMAGE_TOKEN, OPTIONAL, REQUIRED, conform, read_image_file, row_problems
 from ovkit.data.sources import open_input
 from ovkit.errors import OvkitError, where
+from ovkit.rewards import resolve_scorer
 
 TO_FORMATS = ("ovkit", "trl")
 ALIASES = {"roll": "verl", "llama-factory": "sharegpt", "llava-onevision": "onevision"}
@@ -325,7 +326,6 @@ def rl_answer(value: Any, answer_type: str | None, counts: Counter[str]) -> str:
 
 
 def _scorer(answer_type: str | None) -> str | None:
-    from ovkit.rewards import resolve_scorer
 
     try:
         return resolve_scorer(answer_type) if answer_type else None
@@ -632,6 +632,7 @@ def _batches(records: Iterator[Record]) -> Iterator[list[Record]]:
 
 
 def _progress(it: Iterator[Record], total: int | None, quiet: bool) -> Iterator[Record]:
+    # heavy: tqdm loads on first use, not at CLI start or in config checks
     from tqdm import tqdm
 
     return iter(tqdm(it, total=total, disable=quiet, unit="rec", desc="convert", file=sys.stderr, mininterval=1.0))

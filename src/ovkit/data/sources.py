@@ -107,6 +107,7 @@ def card_configs(directory: Path) -> list[dict[str, Any]] | None:
 
 def front_matter(text: str) -> dict[str, Any]:
     """The YAML block between the leading `---` lines of a card ({} when there is none or it does not parse)."""
+    # heavy: yaml loads on first use, not at CLI start or in config checks
     import yaml
 
     if not text.startswith("---"):
@@ -228,6 +229,7 @@ def _load(spec: Spec, load) -> Any:
 
 def _one_split(ds: Any, spec: Spec) -> Any:
     """A DatasetDict with one split is that split; with several the user must choose (train and test never mix)."""
+    # heavy: datasets loads on first use, not at CLI start or in config checks
     import datasets
 
     if isinstance(ds, (datasets.DatasetDict, dict)):
@@ -238,6 +240,7 @@ def _one_split(ds: Any, spec: Spec) -> Any:
 
 
 def _load_saved(directory: Path, spec: Spec) -> Any:
+    # heavy: datasets loads on first use, not at CLI start or in config checks
     import datasets
 
     if spec.config is not None:
@@ -253,6 +256,7 @@ def _load_saved(directory: Path, spec: Spec) -> Any:
 
 def _load_with_datasets(path: str, spec: Spec, *, hub: bool) -> Any:
     """`datasets.load_dataset`, with its failures as one message and no retry loop when the Hub is unreachable."""
+    # heavy: datasets loads on first use, not at CLI start or in config checks
     import datasets
 
     offline = bool(datasets.config.HF_HUB_OFFLINE)

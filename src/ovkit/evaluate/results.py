@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
+from ovkit.evaluate.metrics import paired_difference, wilson_interval
 from ovkit.files import write_json
 
 SUMMARY = "summary.json"
@@ -318,7 +319,6 @@ def _rows(summary: Mapping[str, Any], category: str | None) -> int:
 
 def _paired_row(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str) -> list[str] | None:
     """Cells of the `change vs left` row, or None when a run's per-row values cannot be read."""
-    from ovkit.evaluate.metrics import paired_difference
 
     if len(runs) < 2:
         return None
@@ -343,7 +343,6 @@ def _categories(summary: Mapping[str, Any]) -> list[str]:
 def _cell(value: float | None, rows: int = 0) -> str:
     """`45.3 ±3.1`: the value x 100 and the larger side of its 95% Wilson interval (no interval without a row count,
     or for a metric outside [0, 1])."""
-    from ovkit.evaluate.metrics import wilson_interval
 
     if value is None:
         return "-"

@@ -16,6 +16,7 @@ greedy decoding; its logprobs are those of the model's own (temperature 1, untru
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +63,6 @@ _ENGINES = {
 
 def __getattr__(name: str) -> Any:
     if name in _ENGINES:
-        import importlib
-
         return getattr(importlib.import_module(_ENGINES[name]), name)
     raise AttributeError(f"module 'ovkit.generate' has no attribute {name!r}")
 

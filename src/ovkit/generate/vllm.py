@@ -52,6 +52,7 @@ class VLLMEngine:
         **llm_kwargs: Any,
     ):
         try:
+            # optional: the package (or this name in it) may be missing; imported only where it is used
             import vllm
         except ImportError:
             raise OvkitError(
@@ -87,6 +88,7 @@ class VLLMEngine:
         self.tokenizer = (
             getattr(processor, "tokenizer", processor) if processor is not None else self.llm.get_tokenizer()
         )
+        # heavy: transformers, PIL, yaml, huggingface_hub load on first use, not at CLI start or in config checks
         from ovkit.generate.hf import stop_token_ids
 
         self.stop_ids = stop_token_ids(self.tokenizer)
@@ -107,6 +109,7 @@ class VLLMEngine:
         """Per prompt, `n` completions. `images`: the PIL images of each prompt (needed when prompts have any);
         `suppress_ids`: tokens never sampled (a -100 logit bias, applied before vLLM's processed log-probs);
         `seeds`: one per prompt (its request's seed), so a prompt samples the same wherever it is in the call."""
+        # heavy: transformers, PIL, yaml, huggingface_hub load on first use, not at CLI start or in config checks
         from ovkit.generate.hf import _check_sampling
 
         _check_sampling(n, max_new_tokens, temperature, top_p)
@@ -174,6 +177,7 @@ def checkpoint_weights(model: Any) -> list[tuple[str, Any]]:
     else:
         named = {name: p.detach() for name, p in model.named_parameters()}
     try:
+        # optional: the package (or this name in it) may be missing; imported only where it is used
         from transformers.core_model_loading import revert_weight_conversion
 
         return list(revert_weight_conversion(model, named).items())

@@ -10,7 +10,13 @@ from typing import Any
 
 from ovkit.errors import OvkitError
 from ovkit.files import read_provenance, write_json
+from ovkit.mismatch.analyses import analyse
 from ovkit.mismatch.metrics import EMPTY_MESSAGE, Scores, Thresholds
+from ovkit.mismatch.report import html_page, markdown
+from ovkit.mismatch.sample import generate_rollouts, make_sampler
+from ovkit.mismatch.score import data_images, rescore
+from ovkit.models import vocab_size
+from ovkit.rollouts.prompts import encode_prompts, limit_per_category
 
 PROMPT_MODES = ("answer", "think", "none")
 
@@ -140,7 +146,6 @@ def producer_sampling(rollouts: Path) -> dict[str, Any] | None:
 
 
 def first_per_category(table: Any, limit: int | None) -> Any:
-    from ovkit.rollouts.prompts import limit_per_category
 
     return limit_per_category(table, limit)
 
@@ -156,14 +161,14 @@ def check_not_empty(rows: Sequence[dict[str, Any]], source: str) -> None:
 def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
     """Write report.json, report.md, report.html, figures/, logprobs.parquet (and rollouts/ with --generate) into
     `out_dir`; return the headline metrics per run."""
+    # heavy: torch loads on first use, not at CLI start or in config checks
     from ovkit.generate.engines import load_for_inference
-    from ovkit.mismatch.score import data_images
-    from ovkit.models import vocab_size
 
     # Every input is read and checked before the model loads: rollouts (token ids inside the model's vocabulary,
     # finite log-probs, images), prompt rows (answers included) and --data.
     inputs: list[tuple[str, list[dict[str, Any]], str]] = []
     if cfg.rollouts is not None:
+        # heavy: pyarrow loads on first use, not at CLI start or in config checks
         from ovkit.rollouts.table import read_rollouts
 
         rows = read_rollouts(cfg.rollouts, vocab_size=vocab_size(cfg.model)).to_pylist()
@@ -226,6 +231,7 @@ def _sampling(cfg: MismatchConfig) -> tuple[float, str, float | None]:
 
 def _prompt_rows(cfg: MismatchConfig) -> Any:
     """The --generate rows to sample from (the first --limit per category), read and checked."""
+    # heavy: pyarrow loads on first use, not at CLI start or in config checks
     from ovkit.data import read_samples
 
     return first_per_category(read_samples(cfg.generate, answers=True).table, cfg.limit)
@@ -234,9 +240,8 @@ def _prompt_rows(cfg: MismatchConfig) -> Any:
 def _generate_all(
     cfg: MismatchConfig, table: Any, model, processor, out_dir: Path, temperature: float, top_p: float
 ) -> list:
-    from ovkit.mismatch.sample import generate_rollouts, make_sampler
+    # heavy: pyarrow loads on first use, not at CLI start or in config checks
     from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
-    from ovkit.rollouts.prompts import encode_prompts
     from ovkit.rollouts.table import write_rollouts
 
     prompts = encode_prompts(
@@ -275,8 +280,6 @@ def _generate_all(
 
 
 def _one_run(cfg: MismatchConfig, model, processor, rows, source: str, name: str, temperature: float, images_for):
-    from ovkit.mismatch.analyses import analyse
-    from ovkit.mismatch.score import rescore
 
     res = rescore(
         model,
@@ -322,6 +325,7 @@ def _one_run(cfg: MismatchConfig, model, processor, rows, source: str, name: str
 
 
 def _figures(cfg: MismatchConfig, scores: Scores, run: dict[str, Any]) -> dict[str, bytes]:
+    # heavy: PIL loads on first use, not at CLI start or in config checks
     from ovkit.mismatch.figures import run_figures
 
     return run_figures(scores, run, max_points=cfg.max_points, seed=cfg.seed)
@@ -330,11 +334,11 @@ def _figures(cfg: MismatchConfig, scores: Scores, run: dict[str, Any]) -> dict[s
 def _write(
     out_dir: Path, doc: dict[str, Any], figures: dict[str, dict[str, bytes]], logprob_rows: list[dict[str, Any]]
 ) -> None:
+    # heavy: pyarrow, PIL load on first use, not at CLI start or in config checks
     import pyarrow as pa
 
     from ovkit.data.parts import write_table
     from ovkit.mismatch import figures as figs
-    from ovkit.mismatch.report import html_page, markdown
 
     paths: dict[str, dict[str, str]] = {}
     for name, pngs in figures.items():

@@ -21,12 +21,15 @@ of later turns are the rollout's `images` after the prompt's, in order.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
+from ovkit.models import pad_token_id
+from ovkit.rollouts.prompts import cap_pixels
 
 TURN_COLUMN = "turn_ids"
 WINDOW_BATCHES = 8  # learner batches whose rows (and images) are prepared together
@@ -86,9 +89,9 @@ class ImageEncoder:
     def __call__(self, key: Any, cells: Sequence[dict[str, Any]]) -> ImageInputs:
         if self._last is not None and self._last[0] == key:
             return self._last[1]
+        # heavy: pyarrow loads on first use, not at CLI start or in config checks
         from ovkit.data.schema import IMAGE_TOKEN
         from ovkit.models.encode import decode_images, encode_prompt
-        from ovkit.rollouts.prompts import cap_pixels
 
         images = [cap_pixels(im, self.max_pixels) for im in decode_images(cells)]
         if not images:
@@ -106,6 +109,7 @@ def data_images(data: Path | None) -> Callable[[str], list | None] | None:
     """prompt id -> the `images` cells of that row of `data` (for rollout tables without an images column)."""
     if data is None:
         return None
+    # heavy: pyarrow loads on first use, not at CLI start or in config checks
     from ovkit.data.io import read_samples
 
     table = read_samples(data).table  # checked like every sample table: a bad picture is named here, not mid-report
@@ -134,6 +138,7 @@ def rescore(
     progress: bool = False,
 ) -> Rescored:
     """The learner's log-probs of every rollout row (dicts with the rollout schema's columns)."""
+    # heavy: pyarrow loads on first use, not at CLI start or in config checks
     from ovkit.models.encode import multimodal_token_ids
 
     forbidden = multimodal_token_ids(model)
@@ -186,7 +191,6 @@ def _images(encoder: ImageEncoder, row: dict[str, Any], ids: list[int], images_f
 
 
 def _fingerprint(cells: Sequence[dict[str, Any]]) -> str:
-    import hashlib
 
     h = hashlib.sha1()
     for cell in cells:
@@ -196,9 +200,9 @@ def _fingerprint(cells: Sequence[dict[str, Any]]) -> str:
 
 def _forward(model: Any, processor: Any, chunk: Sequence[_Row], temperature: float) -> list[list[float]]:
     """rl-train's learner forward over one batch: the log-prob of every kept response token."""
+    # heavy: torch, pyarrow load on first use, not at CLI start or in config checks
     import torch
 
-    from ovkit.models import pad_token_id
     from ovkit.rollouts.trajectories import Trajectories, forward_all
 
     n, width = len(chunk), max(len(r.ids) for r in chunk)
@@ -229,6 +233,7 @@ def _forward(model: Any, processor: Any, chunk: Sequence[_Row], temperature: flo
 
 
 def _progress(total: int, enabled: bool) -> Any:
+    # heavy: tqdm loads on first use, not at CLI start or in config checks
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="learner log-probs", unit="rollout", leave=False, disable=not enabled)

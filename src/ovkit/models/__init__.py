@@ -7,6 +7,8 @@ Everything ovkit trains or evaluates is an ordinary transformers image-text-to-t
 from __future__ import annotations
 
 import json
+import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ def load(
     `dtype`: a torch dtype or its name ("bfloat16", "float32", ...); "auto" keeps the checkpoint's; None gives
     torch's default (float32), what CPU training wants.
     """
+    # heavy: torch loads on first use, not at CLI start or in config checks
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -62,8 +65,8 @@ def load(
 def _load_errors() -> tuple[type[BaseException], ...]:
     """What transformers raises for a model directory it cannot read (a damaged file the header check let through,
     a truncated pytorch_model.bin)."""
-    import pickle
 
+    # heavy: safetensors loads on first use, not at CLI start or in config checks
     from safetensors import SafetensorError
 
     return (OSError, SafetensorError, EOFError, pickle.UnpicklingError)
@@ -86,6 +89,7 @@ def locate(path: Path | str, flag: str = "--model", *, weights: bool = True) -> 
         return str(local)
     check_model(text, flag)
     if _offline():
+        # heavy: huggingface_hub loads on first use, not at CLI start or in config checks
         from huggingface_hub import try_to_load_from_cache
 
         if not isinstance(try_to_load_from_cache(text, "config.json"), str):
@@ -98,8 +102,8 @@ def locate(path: Path | str, flag: str = "--model", *, weights: bool = True) -> 
 
 
 def _offline() -> bool:
-    import os
 
+    # heavy: huggingface_hub loads on first use, not at CLI start or in config checks
     from huggingface_hub import constants
 
     flags = (os.environ.get(k, "").upper() for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ovkit.data.schema import IMAGE_TOKEN
+from ovkit.data.schema import IMAGE_TOKEN, MAX_IMAGE_PIXELS, read_image_file
 from ovkit.errors import OvkitError
 
 IGNORE = -100  # the label value torch's cross-entropy skips
@@ -40,6 +40,7 @@ class Encoded:
 
     def model_inputs(self, *, labels: bool = True) -> dict[str, Any]:
         """Batch-of-one tensors for `model(**inputs)` (and `generate` with labels=False)."""
+        # heavy: torch loads on first use, not at CLI start or in config checks
         import torch
 
         out: dict[str, Any] = {
@@ -73,9 +74,8 @@ def decode_images(cells: Sequence[dict[str, Any]] | None) -> list:
     """The `images` column cells ({bytes, path}) -> RGB PIL images (bytes win over path, as in `datasets`). A cell
     that cannot be decoded is an OvkitError saying which image and why (the caller adds the file, row and column);
     the size limits are those of the read-time check (ovkit.data.schema)."""
+    # heavy: PIL loads on first use, not at CLI start or in config checks
     from PIL import Image
-
-    from ovkit.data.schema import MAX_IMAGE_PIXELS, read_image_file
 
     images = []
     for k, cell in enumerate(cells or []):
@@ -158,6 +158,7 @@ def image_token_count(processor, width: int, height: int) -> int:
             return int(counts["num_image_tokens"][0])
         except (NotImplementedError, KeyError, TypeError, AttributeError):
             pass
+    # heavy: PIL loads on first use, not at CLI start or in config checks
     from PIL import Image
 
     image_id = _image_token_id(processor)

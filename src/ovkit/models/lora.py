@@ -25,6 +25,7 @@ OUT/adapter/ applies to the 4-bit base as to the full one. bitsandbytes runs 4-b
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ def target_modules(model: Any, trainable: Iterable[str], spec: LoraSpec) -> list
 def apply(model: Any, trainable: list[str], spec: LoraSpec) -> tuple[int, int]:
     """Inject adapters into `model` in place and set what trains: the adapters, and the projector parameters of the
     selection. Returns (trainable, total) parameter counts."""
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     from peft import LoraConfig, inject_adapter_in_model
 
     targets = target_modules(model, trainable, spec)
@@ -107,6 +109,7 @@ def four_bit_config(compute_dtype: torch.dtype) -> Any:
         import bitsandbytes  # noqa: F401
     except ImportError:
         raise OvkitError("--load-in-4bit needs bitsandbytes: pip install bitsandbytes") from None
+    # heavy: transformers loads on first use, not at CLI start or in config checks
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
@@ -121,6 +124,7 @@ def four_bit_config(compute_dtype: torch.dtype) -> Any:
 def prepare_four_bit(model: Any, gradient_checkpointing: bool) -> None:
     """peft's preparation of a k-bit model for adapter training (norms and the other full-precision weights in fp32,
     input gradients enabled for checkpointing); every parameter frozen until `apply` picks what trains."""
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     from peft import prepare_model_for_kbit_training
 
     prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
@@ -132,6 +136,7 @@ def _dequantised(module: Any) -> torch.Tensor | None:
     state = getattr(weight, "quant_state", None)
     if state is None:
         return None
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     import bitsandbytes.functional as bnbf
 
     return bnbf.dequantize_4bit(weight.data, state).to(state.dtype)
@@ -142,7 +147,6 @@ def plain(model: Any) -> Any:
     quantisation config (on the meta device: save_pretrained is given the weights), so the checkpoint is a plain one."""
     if getattr(model.config, "quantization_config", None) is None:
         return model
-    import copy
 
     config = copy.deepcopy(model.config)
     del config.quantization_config
@@ -157,6 +161,7 @@ def has_lora(model: Any) -> bool:
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The model's parameters and persistent buffers under their own (non-peft) names, each adapted Linear's weight
     replaced by base + delta, computed out of place (the model and its adapters are untouched)."""
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     from peft.tuners.lora import LoraLayer
 
     out: dict[str, torch.Tensor] = {}
@@ -181,6 +186,7 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
 
 def save_adapter(model: Any, out: Path) -> None:
     """OUT/adapter/: adapter_model.safetensors + adapter_config.json, loadable with peft.PeftModel.from_pretrained."""
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 

@@ -120,6 +120,7 @@ def vision_inputs(config: Any, grid_thw: torch.Tensor | None, input_ids: torch.T
     if grid_thw is None or getattr(config, "model_type", "") != "qwen2_5_vl":
         return {}
     try:
+        # optional: the package (or this name in it) may be missing; imported only where it is used
         from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
     except ImportError:
         return {}

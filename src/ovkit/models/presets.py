@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
+from ovkit.models.compose import compose
+from ovkit.models.tiny import TINY, build_tiny, tiny_processor, train_tokenizer
+from ovkit.prompts import ANSWER_PROMPT, SYSTEM_PROMPT, THINK_PROMPT
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,7 @@ def build(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
     if cfg.vision is not None:
         return _compose(cfg, out_dir)
     if cfg.preset == "tiny-clip":
+        # heavy: torch, pyarrow, numpy load on first use, not at CLI start or in config checks
         from ovkit.models.tiny_clip import build_tiny_clip
 
         return build_tiny_clip(out_dir, cfg.corpus, seed=cfg.seed, quiet=cfg.quiet)
@@ -257,10 +261,10 @@ def build(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
 
 
 def _tiny(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
+    # heavy: torch, transformers, pyarrow, numpy load on first use, not at CLI start or in config checks
     from transformers import AutoConfig, AutoTokenizer
 
     from ovkit.models.encode import image_token_count
-    from ovkit.models.tiny import build_tiny, tiny_processor
 
     texts = list(corpus_texts(cfg.corpus))
     if not texts:
@@ -284,6 +288,7 @@ def _tiny(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
 def random_config(name: str, tokenizer: Any):
     """The Qwen2.5-VL config of preset `name` at its published dimensions, its special tokens taken from
     `tokenizer` (whose ids must fit the published vocabulary, which pads the tiny tokenizer's)."""
+    # heavy: torch, transformers load on first use, not at CLI start or in config checks
     from transformers import Qwen2_5_VLConfig
 
     arch = PRESETS[name].arch
@@ -322,11 +327,9 @@ def _random(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
     """The preset's architecture with random weights (initialised as transformers initialises a new model), saved
     with a processor: the given one, or the tiny byte-level tokenizer (trained on --corpus, else on ovkit's prompts)
     with Qwen2.5-VL's image processing (14-pixel patches, 2x2 merge, up to 448x448: 256 tokens per image)."""
+    # heavy: torch loads on first use, not at CLI start or in config checks
     import torch
     from transformers import AutoProcessor, GenerationConfig, Qwen2_5_VLForConditionalGeneration
-
-    from ovkit.models.tiny import TINY, tiny_processor, train_tokenizer
-    from ovkit.prompts import ANSWER_PROMPT, SYSTEM_PROMPT, THINK_PROMPT
 
     if cfg.processor is not None:
         processor = AutoProcessor.from_pretrained(cfg.processor)
@@ -357,6 +360,7 @@ def _random(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
 
 
 def _count_tiny(config) -> int:
+    # heavy: torch loads on first use, not at CLI start or in config checks
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -366,9 +370,8 @@ def _count_tiny(config) -> int:
 
 
 def _compose(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
+    # heavy: torch, transformers load on first use, not at CLI start or in config checks
     from transformers import AutoConfig
-
-    from ovkit.models.compose import compose
 
     if cfg.preset in PRESETS and PRESETS[cfg.preset].llm_hidden_size:
         want = PRESETS[cfg.preset].llm_hidden_size
@@ -387,6 +390,7 @@ def _compose(cfg: InitModelConfig, out_dir: Path) -> dict[str, Any]:
 def corpus_texts(paths: list[Path]) -> Iterator[str]:
     """Message texts (and answers) of every dataset under `paths`, `<image>` markers removed. A directory written by
     `ovkit synth` contributes through ovkit.data.synth.corpus_texts (all splits and the concept names)."""
+    # heavy: pyarrow, numpy load on first use, not at CLI start or in config checks
     from ovkit.data.schema import IMAGE_TOKEN
 
     for path in paths:
@@ -397,6 +401,7 @@ def corpus_texts(paths: list[Path]) -> Iterator[str]:
 
 
 def _texts(path: Path) -> Iterator[str]:
+    # heavy: pyarrow, numpy load on first use, not at CLI start or in config checks
     import pyarrow.parquet as pq
 
     from ovkit.data import parquet_files

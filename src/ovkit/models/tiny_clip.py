@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from ovkit.data import read_table
 from ovkit.errors import OvkitError
@@ -57,6 +58,7 @@ def _pairs(data: list[Path], max_rows: int = 20000) -> tuple[list[bytes], list[s
 
 
 def _tokenizer(texts: list[str], spec: TinyClipSpec, seed: int):
+    # heavy: tokenizers loads on first use, not at CLI start or in config checks
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -90,8 +92,8 @@ def build_tiny_clip(
     out: Path, data: list[Path], *, seed: int = 0, spec: TinyClipSpec | None = None, quiet: bool = False
 ) -> dict[str, Any]:
     """Train the tiny CLIP on `data` and save it into `out`. Returns training metrics."""
+    # heavy: transformers, PIL load on first use, not at CLI start or in config checks
     from PIL import Image
-    from tqdm import tqdm
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
 
     spec = spec or TinyClipSpec()

@@ -20,8 +20,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ovkit.data import read_samples
 from ovkit.errors import OvkitError
 from ovkit.files import fingerprint, write_json
+from ovkit.pack.binpack import best_fit_decreasing, pack_loads
+from ovkit.pack.lengths import cache_key, compute_lengths, default_cache_dir, read_cached, write_cached
+from ovkit.pack.stats import fill_histogram, merge_stats, pack_stats
 
 PLAN = "plan.parquet"
 STATS = "stats.json"
@@ -89,9 +93,6 @@ class PackConfig:
 
 def build_plan(cfg: PackConfig, out_dir: Path) -> dict:
     """Measure, pack and write the plan files into `out_dir`; returns the stats (also in stats.json)."""
-    from ovkit.data import read_samples
-    from ovkit.pack.binpack import best_fit_decreasing, pack_loads
-    from ovkit.pack.stats import fill_histogram, pack_stats
 
     started = time.perf_counter()
     shard = cfg.shard_tuple
@@ -164,7 +165,6 @@ def _plan_table(ids, rows, lengths, keep, packs, shard, max_len: int) -> pa.Tabl
 
 
 def _lengths(cfg: PackConfig, table: pa.Table, ids: list[str], shard):
-    from ovkit.pack.lengths import cache_key, compute_lengths, default_cache_dir, read_cached, write_cached
 
     method = "processor" if cfg.exact_lengths else "sizes"
     key = cache_key(fingerprint(cfg.data), cfg.model, method, shard)
@@ -251,7 +251,6 @@ def read_plan(plan_dir: Path | str) -> tuple[pa.Table, int]:
 
 def plan_stats(plan_dir: Path | str) -> dict:
     """stats.json of a plan; for a plan in parts, the parts' headline numbers merged (and each part's file)."""
-    from ovkit.pack.stats import merge_stats
 
     files = plan_files(plan_dir)
     parts = [json.loads((f.parent / STATS).read_text()) for f in files]

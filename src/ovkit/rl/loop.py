@@ -23,6 +23,7 @@ process has finished.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -30,18 +31,25 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+import pyarrow as pa
 import torch
 
+from ovkit.data import count_rows, read_samples, write_table
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
 from ovkit.files import is_complete
+from ovkit.generate.engines import build_engine, device
 from ovkit.models import pad_token_id
+from ovkit.models.groups import set_trainable, trainable_names
 from ovkit.rl.config import TRAJECTORY, RLTrainConfig
 from ovkit.rl.metrics import console_line, rollout_metrics
 from ovkit.rl.rollout import AsyncRollouts, SyncRollouts
 from ovkit.rl.update import train_step
-from ovkit.rollouts.groups import Group, Sampling, score_groups
+from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
+from ovkit.rollouts.groups import Group, Sampling, groups_table, score_groups
+from ovkit.rollouts.prompts import encode_prompts
 from ovkit.runtime import Runtime
+from ovkit.runtime import precision as prec
 from ovkit.runtime.optim import constant_factor
 
 # A rollout table's row per token at most: token id, sampler log-prob, loss mask (before parquet's compression).
@@ -158,7 +166,6 @@ def step_tokens(groups: Sequence[Group]) -> int:
 
 def _summary(cfg: RLTrainConfig, rt: Runtime, state: dict[str, Any], n_steps: int) -> dict[str, Any]:
     """The run's headline numbers, from the whole metrics.jsonl (a resumed run's included)."""
-    import json
 
     path = rt.run_dir / "metrics.jsonl"  # the main process's (the one that writes OUT)
     rows = (
@@ -201,7 +208,6 @@ def total_steps(cfg: RLTrainConfig, n_prompts: int) -> int:
 
 def trainable(model, cfg: RLTrainConfig, rt: Runtime | None = None) -> list[torch.nn.Parameter]:
     """Every parameter (the vision tower too unless --freeze-vision), or adapters on them with --lora-r."""
-    from ovkit.models.groups import set_trainable, trainable_names
 
     names = trainable_names(model, ["all"], freeze_vision=cfg.freeze_vision)
     if rt is None or rt.lora(model, names) is None:
@@ -217,15 +223,12 @@ def _reference(rt: Runtime, cfg: RLTrainConfig):
 
 def _tables(cfg: RLTrainConfig) -> list:
     """Every DATA path (several: e.g. the shards of a sharded rl-curate) read and validated; empty tables are skipped."""
-    from ovkit.data import count_rows, read_samples
 
     return [read_samples(path, answers=True).table for path in cfg.data if count_rows(path) > 0]
 
 
 def _prompts(cfg: RLTrainConfig, tables: list, processor) -> list:
     """Every row of every DATA table, encoded."""
-    from ovkit.rollouts.episodes import env_instruction, env_tools
-    from ovkit.rollouts.prompts import encode_prompts
 
     prompts = []
     for table in tables:
@@ -248,8 +251,6 @@ def _prompts(cfg: RLTrainConfig, tables: list, processor) -> list:
 def make_sampler(cfg: RLTrainConfig, model, processor):
     """The rollout engine. Asynchronous runs sample from their own copy of the weights (synced every step);
     synchronous ones share the learner's unless --sampler-precision / --sampler-quant asks for a separate copy."""
-    from ovkit.generate.engines import build_engine, device
-    from ovkit.runtime import precision as prec
 
     if cfg.engine == "vllm-server":  # its own process: weights pushed over NCCL every step
         if cfg.sampler_precision is not None:
@@ -296,7 +297,6 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
 
 
 def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, world: int = 1):
-    from ovkit.rollouts.episodes import make_runner
 
     engine = make_sampler(cfg, model, processor)
     engine.update_weights(model)  # a resumed run's sampler starts from the checkpoint's weights
@@ -321,13 +321,10 @@ def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, worl
 
 def _save_rollouts(rt: Runtime, step: int, groups: Sequence[Group], tokenizer: Any = None) -> None:
     """One table per step, every process's trajectories (gathered to the main process, which writes it)."""
-    import pyarrow as pa
-
-    from ovkit.data import write_table
-    from ovkit.rollouts.groups import groups_table
 
     table = groups_table(groups, tokenizer=getattr(tokenizer, "tokenizer", tokenizer))
     if rt.processes > 1:
+        # heavy: accelerate loads on first use, not at CLI start or in config checks
         from accelerate.utils import gather_object
 
         tables = gather_object([table])
@@ -341,6 +338,7 @@ def combine(rt: Runtime, metrics: dict[str, Any]) -> dict[str, Any]:
     and crash counts summed, the rest averaged (every process holds the same number of groups). One process: unchanged."""
     if rt.processes == 1:
         return metrics
+    # heavy: accelerate loads on first use, not at CLI start or in config checks
     from accelerate.utils import gather_object
 
     every = gather_object([metrics])

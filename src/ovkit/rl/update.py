@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ovkit.models.encode import multimodal_token_ids
+from ovkit.pack.packed import PackLayout
 from ovkit.rl.advantages import group_advantages, transform_rewards, zero_std_fraction
 from ovkit.rl.correction import Correction, off_policy_weights
 from ovkit.rl.loss import aggregation_weights, decoupled_ppo_loss
@@ -48,7 +49,6 @@ _LAYOUTS: dict[int, Any] = {}
 
 def layout_of(config) -> Any:
     """The ovkit.pack.PackLayout (rope index, vision layout) of a model's config, built once per config."""
-    from ovkit.pack.packed import PackLayout
 
     if id(config) not in _LAYOUTS:
         _LAYOUTS[id(config)] = (config, PackLayout.for_model(config))

@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 
 from ovkit.data.io import parquet_files, read_table
 from ovkit.data.parts import write_table
-from ovkit.data.schema import IMAGE, compatible
+from ovkit.data.schema import IMAGE, compatible, image_problem
 from ovkit.errors import OvkitError, where
 
 ROLLOUT_SCHEMA = pa.schema(
@@ -211,8 +211,6 @@ def check_rollout_values(table: pa.Table, path: Path | str, vocab_size: int | No
             f"log-prob {pc.list_flatten(logprobs)[k].as_py()} is not finite",
         )
     if "images" in table.column_names:
-        from ovkit.data.schema import image_problem
-
         checked: set[int] = set()  # a group's rollouts repeat their prompt's images: decode each picture once
         for i, cells in enumerate(table.column("images").to_pylist()):
             for k, cell in enumerate(cells or []):

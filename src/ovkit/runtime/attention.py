@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +140,7 @@ def text_implementation(config: Any) -> str | None:
 @functools.lru_cache(maxsize=1)
 def register() -> None:
     """Make `ovkit_varlen_flash` known to transformers (attention function and mask function)."""
+    # heavy: transformers loads on first use, not at CLI start or in config checks
     from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(VARLEN, varlen_attention)
@@ -222,7 +224,6 @@ def _gather_plan(cu: torch.Tensor, causal: bool) -> list[tuple[torch.Tensor, tor
     repeating its start), the mask, the positions of the real tokens among them, the sequence count and width; on
     cu's device. Kept for as long as `cu` lives: a tower passes the same boundaries to every block, so the host reads
     them once per forward, not once per layer (on a GPU each read waits for the device)."""
-    import weakref
 
     key = (id(cu), causal)
     hit = _PLANS.get(key)
@@ -312,6 +313,7 @@ def _groups(cu: list[int]) -> list[tuple[list[int], list[int]]]:
 @functools.lru_cache(maxsize=1)
 def _torch_varlen():
     try:
+        # optional: the package (or this name in it) may be missing; imported only where it is used
         from torch.nn.attention.varlen import varlen_attn
 
         return varlen_attn

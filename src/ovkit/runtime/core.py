@@ -59,7 +59,8 @@ from ovkit.config import option_default, to_plain, to_plain_values
 from ovkit.errors import OutOfMemory, OvkitError
 from ovkit.faults import hold
 from ovkit.files import PROVENANCE, write_json
-from ovkit.models import lora
+from ovkit.launch import engine_warning, requested_engine
+from ovkit.models import load, lora
 from ovkit.runs import Stage
 from ovkit.runtime import attention as attn
 from ovkit.runtime import checkpointing as ac
@@ -68,7 +69,7 @@ from ovkit.runtime import kernels as kern
 from ovkit.runtime import precision as prec
 from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
 from ovkit.runtime.loss import TokenScorer
-from ovkit.runtime.optim import adamw, bytes_per_param, clip_grad_norm
+from ovkit.runtime.optim import MixedPrecisionAdamW, adamw, bytes_per_param, clip_grad_norm
 
 CHECKPOINTS = "checkpoints"
 STATE = "state"
@@ -105,6 +106,7 @@ class Runtime:
     must keep."""
 
     def __init__(self, cfg: Any, *, command: str, trajectory: Sequence[str], parent: Path | None = None):
+        # heavy: accelerate loads on first use, not at CLI start or in config checks
         from accelerate import Accelerator, PartialState
         from accelerate.state import AcceleratorState
         from accelerate.utils import DistributedDataParallelKwargs, set_seed
@@ -130,6 +132,7 @@ class Runtime:
         # find_unused_parameters: a text-only micro-batch leaves the vision tower without gradients on that process.
         ddp = DistributedDataParallelKwargs(find_unused_parameters=True)
         AcceleratorState._reset_state()  # a second run in one process (tests, benchmarks) sets its own precision
+        # heavy: accelerate loads on first use, not at CLI start or in config checks
         from accelerate.utils import ProjectConfiguration
 
         report_to = list(getattr(cfg, "report_to", None) or [])
@@ -138,7 +141,6 @@ class Runtime:
         self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed, kwargs_handlers=[ddp],
                                        log_with=report_to or None, project_config=project)  # fmt: skip
         self.device = self.accelerator.device
-        from ovkit.launch import engine_warning, requested_engine
 
         self.requested_distributed = requested_engine()  # an FSDP / DeepSpeed config accelerate could not honour here
         warning = engine_warning(self.accelerator.distributed_type.value)
@@ -227,6 +229,7 @@ class Runtime:
                     file=sys.stderr,
                 )
         if self.processes > 1:
+            # heavy: accelerate loads on first use, not at CLI start or in config checks
             from accelerate.utils import broadcast_object_list
 
             choice, why = broadcast_object_list([choice, why], from_process=0)
@@ -313,7 +316,6 @@ class Runtime:
     def load_model(self, path: Path) -> tuple[Any, Any]:
         """(model, processor) from `path`, in fp32 (the optimiser decides the compute dtype), with the attention
         implementation applied, on this process's device."""
-        from ovkit.models import load
 
         quant = lora.four_bit_config(self.precision.dtype) if getattr(self.cfg, "load_in_4bit", False) else None
         model, processor = load(
@@ -611,7 +613,6 @@ class Runtime:
 
 def _master_values(optimizer: Any, model: Any) -> dict[str, torch.Tensor]:
     """The fp32 master copy of each parameter, by name, when the optimiser keeps one (else empty)."""
-    from ovkit.runtime.optim import MixedPrecisionAdamW
 
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
     if not isinstance(inner, MixedPrecisionAdamW):

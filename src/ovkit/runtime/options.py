@@ -112,6 +112,7 @@ def check_kernels(kernels: str, use_liger_kernel: bool = False, cuda: bool | Non
         kernels = "liger"
     if kernels == "liger":
         if cuda is None:
+            # heavy: torch loads on first use, not at CLI start or in config checks
             import torch
 
             cuda = torch.cuda.is_available()

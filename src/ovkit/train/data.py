@@ -23,12 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import torch
+from tqdm import tqdm
 
+from ovkit.data.io import read_samples
 from ovkit.errors import OvkitError
 from ovkit.models import precompute
 from ovkit.models.encode import Encoded, decode_images, encode_sample
+from ovkit.pack import PackedDataset
 from ovkit.pack.batches import collate_padded, host_inputs, stack_packs
+from ovkit.pack.packed import PackLayout
 
 CHUNK_BATCHES = 64  # length-bucketing window, in global batches
 CACHE_BYTES = 4 << 30  # memoised encodings; the tiny corpus fits many times over
@@ -77,10 +82,6 @@ class SampleSource:
     kind = "padded"
 
     def __init__(self, data: Path | Sequence[Path], processor, *, max_len: int, quiet: bool = True, model: Any = None):
-        import pyarrow as pa
-
-        from ovkit.data.io import read_samples
-        from ovkit.pack.packed import PackLayout
 
         paths = [Path(data)] if isinstance(data, (str, Path)) else [Path(p) for p in data]
         # images="header": the encoding pass below decodes every picture before the first step, and names a bad one
@@ -99,8 +100,6 @@ class SampleSource:
         lengths, keep, self.skipped = [], [], 0
         rows = range(table.num_rows)
         if not quiet:
-            from tqdm import tqdm
-
             rows = tqdm(rows, desc="encode", file=sys.stderr, leave=False)
         for i in rows:  # one pass to learn lengths (bucketing needs them); the memo keeps the encodings
             n = self.memo(i).length
@@ -144,7 +143,6 @@ class PackedSource:
     kind = "packed"
 
     def __init__(self, plan: Path, data: Path, processor, model, *, max_len: int):
-        from ovkit.pack import PackedDataset
 
         self.dataset = PackedDataset(plan, data, processor, model)
         self.memo = Memo(self._pack)

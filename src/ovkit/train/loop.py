@@ -30,10 +30,11 @@ from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
 from ovkit.files import is_complete
 from ovkit.models import pad_token_id
-from ovkit.models.groups import set_trainable, trainable_names
+from ovkit.models.groups import group_of, set_trainable, trainable_names
 from ovkit.models.precompute import model_inputs, on_device
 from ovkit.pack.batches import real_tokens, target_tokens
 from ovkit.runtime import Result, Runtime
+from ovkit.runtime.loss import nll_sum
 from ovkit.runtime.optim import cosine_factor
 from ovkit.train.config import TRAJECTORY, TrainConfig
 from ovkit.train.data import PackedSource, SampleSource, Schedule, total_steps
@@ -203,7 +204,6 @@ def _step(rt: Runtime, scorer, batches: list[dict[str, Any]]):
 
 def token_nll_sum(model, batch: dict[str, Any], device) -> torch.Tensor:
     """Sum of next-token NLLs over the target tokens of one micro-batch of a bare model (labels IGNORE elsewhere)."""
-    from ovkit.runtime.loss import nll_sum
 
     return nll_sum(
         model,
@@ -225,7 +225,6 @@ def vision_lrs(model, vision_lr: float | None) -> dict[int, float]:
     --lr). A randomly initialised encoder trained at the tiny LLM's 1e-3 kept every perception task at chance for
     hundreds of steps; at a tenth of it the same probes learnt 2-3x sooner (LLaVA-OneVision also trains its vision
     tower at a lower rate, mm_vision_tower_lr)."""
-    from ovkit.models.groups import group_of
 
     if vision_lr is None:
         return {}
