@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ovkit.errors import OvkitError
+from ovkit.models import locate
 
 
 def read_concepts(path: Path) -> list[str]:
@@ -123,10 +124,9 @@ class Encoder:
     """A CLIP-family dual encoder (CLIP, SigLIP/SigLIP2, MetaCLIP) loaded through transformers from a local directory."""
 
     def __init__(self, path: Path, *, device: str = "cpu", trust_remote_code: bool = False):
+        # heavy: safetensors loads on first use, not at CLI start or in config checks
         from safetensors import SafetensorError
         from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
-
-        from ovkit.models import locate
 
         path = locate(path, "--encoder")  # a damaged directory is named before transformers reads it
         try:

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import torch
+from tqdm import tqdm
 
 from ovkit.balance.assign import Encoder, TextMatcher, batched, read_concepts, topk_chunked
 from ovkit.balance.sample import (
@@ -112,9 +114,8 @@ def assign(cfg: BalanceConfig, table: pa.Table, concepts: list[str]) -> tuple[li
 
 
 def _assign_embed(cfg: BalanceConfig, table: pa.Table, concepts: list[str]):
-    import torch
+    # heavy: PIL loads on first use, not at CLI start or in config checks
     from PIL import Image
-    from tqdm import tqdm
 
     torch.manual_seed(cfg.seed)
     enc = Encoder(cfg.encoder, device=cfg.device)

@@ -105,9 +105,11 @@ def retrieval_precision(assignments: Sequence[Sequence[int]], truth: Sequence[se
 
 
 def plot_long_tail(before: np.ndarray, after: np.ndarray, path) -> None:
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)

@@ -246,6 +246,7 @@ def _gold_columns(table: pa.Table) -> dict[str, list[Any]]:
 def answer_problem(row: dict[str, Any]) -> tuple[str, str] | None:
     """(column, reason) when an RL / eval row's gold answer cannot be scored (ovkit.rewards.check_gold: the scorer's
     own reading of its gold answer and reward_kwargs), else None."""
+    # imported on use: the sample schema sits below the scorers and needs them only for RL / eval rows
     from ovkit.rewards import check_gold
 
     try:
@@ -260,6 +261,7 @@ def image_problem(img: dict[str, Any] | None, *, decode: bool = True) -> str | N
     """Why an image cell is unusable, or None. Checks the byte size and the header's pixel count (bomb check) before
     decoding; `decode` then decodes the whole picture (a truncated file has a valid header), else PIL's structural
     `verify` (cheap: it does not decode pixels, and checks little for JPEG)."""
+    # heavy: PIL loads on first use, not at CLI start or in config checks
     from PIL import Image
 
     if img is None or not img.get("bytes"):

@@ -22,6 +22,7 @@ key in the `composition` column so this can be checked.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import random
 import statistics
@@ -31,6 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+from PIL import Image, ImageDraw
+
+from ovkit.data import image_cell, parquet_files, samples_table, write_samples
 from ovkit.data.synth_tasks import (
     ANSWER_TYPES,
     CATEGORIES,
@@ -40,8 +45,10 @@ from ovkit.data.synth_tasks import (
     UNSEEN_CONCEPTS,
     Picker,
     Task,
+    font,
 )
 from ovkit.errors import OvkitError
+from ovkit.prompts import with_instruction
 
 Rows = list[dict[str, Any]]
 Tick = Callable[[], Any]  # advances the progress bar by one image
@@ -91,9 +98,8 @@ class SynthConfig:
 
 def build_corpus(cfg: SynthConfig, out_dir: Path) -> dict[str, Any]:
     """Render every split into `out_dir`; returns the headline metrics (rows per split and category, concepts)."""
+    # heavy: tqdm loads on first use, not at CLI start or in config checks
     from tqdm import tqdm
-
-    from ovkit.data import samples_table, write_samples
 
     started = time.perf_counter()
     out_dir = Path(out_dir)
@@ -150,7 +156,6 @@ def _stream(seed: int, split: str, name: str) -> random.Random:
 def _render(category: str, rng: random.Random, picker: Picker, side: str, images: dict[str, str]) -> tuple[Task, dict]:
     """A task and its image cell, redrawn while its PNG equals an image of another side (tiny scenes can coincide);
     the images of held-out sides are recorded in `images`."""
-    from ovkit.data import image_cell
 
     while True:
         task = GENERATORS[category](rng, picker, side)
@@ -203,7 +208,6 @@ def _prompt(task: Task) -> dict[str, Any]:
 
 
 def instruct_rows(seed: int, sizes: dict[str, int], images: dict[str, str], tick: Tick = _nothing) -> Rows:
-    from ovkit.prompts import with_instruction
 
     rows = []
     for category in CATEGORIES:
@@ -269,11 +273,6 @@ def _count_by(rows: Rows, column: str) -> dict[str, int]:
 
 def contact_sheet(rows: Rows, per_category: int = 4, zoom: int = 2):
     """A grid of the first images of each category (zoomed, answer underneath) for a person to look at."""
-    import io
-
-    from PIL import Image, ImageDraw
-
-    from ovkit.data.synth_tasks import font
 
     picked: dict[str, list[tuple[Image.Image, str]]] = {c: [] for c in CATEGORIES}
     for row in sorted(rows, key=lambda r: r["id"]):
@@ -299,9 +298,6 @@ def contact_sheet(rows: Rows, per_category: int = 4, zoom: int = 2):
 
 def corpus_texts(data_dir: Path | str) -> Iterator[str]:
     """Every message text and answer of every split (and the concept names): what the tiny tokenizer learns from."""
-    import pyarrow.parquet as pq
-
-    from ovkit.data import parquet_files
 
     data_dir = Path(data_dir)
     found = [data_dir / s for s in SPLITS if (data_dir / s).is_dir()]

@@ -569,6 +569,7 @@ def svg_code(shapes: list[tuple[str, str, int, int]]) -> str:
 
 
 def render_svg(code: str) -> Image.Image:
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     import cairosvg
 
     png = cairosvg.svg2png(bytestring=code.encode(), output_width=SCENE, output_height=SCENE)

@@ -229,6 +229,7 @@ class HFEngine:
 
             return round_weights(cast_copy(model, self.dtype or param.dtype).eval(), self.quant)
         if self.quant == "int8":
+            # heavy, and deprecated (a warning on import): loaded only when an int8 sampler is asked for
             from torch.ao.quantization import quantize_dynamic
 
             sampler = cast_copy(model, torch.float32).eval()
@@ -483,6 +484,6 @@ def _eval_mode(model: Any) -> Iterator[None]:
 
 
 def _progress(total: int, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # imported on use, like the progress bar it draws
 
     return tqdm(total=total, desc="generate", unit="seq", leave=False, disable=not enabled)

@@ -25,6 +25,7 @@ FIRST, LATER = "#1f77b4", "#d62728"
 
 
 def _figure(width: float = 6.4, height: float = 4.4):
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), dpi=100, layout="constrained")

@@ -116,6 +116,7 @@ class Scores:
     def padded(self) -> tuple[Any, Any, Any]:
         """[N, T] torch tensors (learner, sampler, mask) with each rollout's compared tokens left-aligned: the layout
         of ovkit.rl.correction."""
+        # heavy: torch loads on first use, not at CLI start or in config checks
         import torch
 
         counts = np.bincount(self.response, minlength=self.n)
@@ -263,6 +264,7 @@ def correction_fractions(scores: Scores, th: Thresholds) -> dict[str, dict[str, 
     """For each correction mode of rl-train, the share of compared tokens (and of responses) it would clip (TIS:
     weight != ratio) or mask (MIS, geo-rs: token dropped), computed with rl-train's own `off_policy_weights`; plus
     the decoupled-PPO behaviour cap (rl-train's default guard) and the veto when a threshold is given."""
+    # heavy: torch loads on first use, not at CLI start or in config checks
     import torch
 
     from ovkit.rl.correction import SAFETY_BOUND as RL_BOUND

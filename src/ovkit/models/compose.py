@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
+from ovkit.models.tiny import IM_END, IM_START, chatml_template
 
 IMAGE = "<image>"
 
@@ -32,11 +33,10 @@ def compose(
     vision_feature_layer: int = -2,
 ) -> dict[str, Any]:
     """Build the composed model into `out_dir` (save_pretrained model + processor); returns headline facts."""
+    # heavy: torch loads on first use, not at CLI start or in config checks
     import torch
     from transformers import GenerationConfig, LlavaConfig, LlavaForConditionalGeneration
     from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
-
-    from ovkit.models.tiny import IM_END
 
     torch.manual_seed(seed)  # new embedding rows (if the vocabulary must grow) and the projector
     with _quiet_transformers():
@@ -94,9 +94,8 @@ def compose(
 
 def _processor(image_processor, tokenizer, config, extra: int):
     """LlavaProcessor: the encoder's image processor, the LLM's tokenizer, the ChatML template with `<image>`."""
+    # heavy: torch, transformers load on first use, not at CLI start or in config checks
     from transformers import LlavaProcessor
-
-    from ovkit.models.tiny import IM_END, chatml_template
 
     tokenizer.eos_token = IM_END  # generation stops at the end of the assistant turn
     if getattr(tokenizer, "image_token", None) not in (None, IMAGE):
@@ -114,6 +113,7 @@ def _processor(image_processor, tokenizer, config, extra: int):
 
 def _vision_parts(path: Path):
     """The encoder's model class (the one LlavaModel builds for its config) and its image processor."""
+    # heavy: torch, transformers load on first use, not at CLI start or in config checks
     from transformers import AutoConfig, AutoImageProcessor
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
@@ -143,6 +143,7 @@ def _vision_parts(path: Path):
 
 
 def _load_llm(path: Path, dtype: str):
+    # heavy: torch, transformers load on first use, not at CLI start or in config checks
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check_dir(path, "--llm")
@@ -167,9 +168,8 @@ def _check_dir(path: Path, flag: str) -> None:
 def _add_tokens(tokenizer, lm) -> dict[str, int]:
     """Add `<image>` and the ChatML markers as special tokens where missing; grow the embeddings only if the LLM's
     vocabulary has no spare rows (Qwen LLMs reserve some). Existing rows stay exactly as trained."""
+    # heavy: tokenizers loads on first use, not at CLI start or in config checks
     from tokenizers import AddedToken
-
-    from ovkit.models.tiny import IM_END, IM_START
 
     vocab = tokenizer.get_vocab()
     new = [t for t in (IM_START, IM_END, IMAGE) if t not in vocab]
@@ -184,6 +184,7 @@ def _add_tokens(tokenizer, lm) -> dict[str, int]:
 
 def _extra_tokens(tower, image_processor) -> tuple[int, int]:
     """(tokens the encoder adds besides one per patch, e.g. CLS; patches per image), by running it once."""
+    # heavy: torch loads on first use, not at CLI start or in config checks
     import torch
     from PIL import Image
 
@@ -204,6 +205,7 @@ def _extra_tokens(tower, image_processor) -> tuple[int, int]:
 @contextlib.contextmanager
 def _quiet_transformers():
     """Loading one tower out of a dual-encoder checkpoint lists every unused weight; that is expected here."""
+    # heavy: torch, transformers load on first use, not at CLI start or in config checks
     from transformers.utils import logging
 
     old = logging.get_verbosity()

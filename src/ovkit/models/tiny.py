@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ovkit.prompts import ANSWER_PROMPT, SYSTEM_PROMPT, THINK_PROMPT
+
 # Qwen2-VL's special tokens, so real Qwen checkpoints and the tiny model share one chat format.
 PAD = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -80,6 +82,7 @@ TINY_CHAT_TEMPLATE = chatml_template(VISION_START + IMAGE_PAD + VISION_END, VISI
 def train_tokenizer(texts: Iterable[str], vocab_size: int = TINY.vocab_size, *, extra_special: Iterable[str] = ()):
     """A byte-level BPE tokenizer trained on `texts` (any byte sequence stays encodable), with Qwen's special
     tokens appended after the learnt vocabulary. Returns a transformers fast tokenizer with pad/eos set."""
+    # heavy: tokenizers loads on first use, not at CLI start or in config checks
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -108,6 +111,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = TINY.vocab_size, *, 
 
 
 def tiny_config(tokenizer, spec: TinySpec = TINY):
+    # heavy: torch, transformers load on first use, not at CLI start or in config checks
     from transformers import Qwen2_5_VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
@@ -155,6 +159,7 @@ def tiny_config(tokenizer, spec: TinySpec = TINY):
 
 
 def tiny_processor(tokenizer, spec: TinySpec = TINY):
+    # heavy: torch, transformers load on first use, not at CLI start or in config checks
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     vision = dict(
@@ -175,10 +180,9 @@ def tiny_processor(tokenizer, spec: TinySpec = TINY):
 def build_tiny(out_dir: Path | str, texts: Iterable[str], *, seed: int = 0, spec: TinySpec = TINY) -> Path:
     """Build the `tiny` preset into `out_dir` (model + processor via save_pretrained); deterministic given `texts`
     and `seed`. Loadable offline with AutoModelForImageTextToText / AutoProcessor (or ovkit.models.load)."""
+    # heavy: torch loads on first use, not at CLI start or in config checks
     import torch
     from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
-
-    from ovkit.prompts import ANSWER_PROMPT, SYSTEM_PROMPT, THINK_PROMPT
 
     out_dir = Path(out_dir)
     texts = list(texts)

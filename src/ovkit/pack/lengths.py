@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ovkit.data.schema import image_problem
 from ovkit.errors import OvkitError
+from ovkit.models import locate
+from ovkit.models.encode import decode_images, encode_sample, image_token_count, to_hf_messages
 
 METHODS = ("sizes", "processor")
 VERIFY_ROWS = 32  # rows with images on which `sizes` must match the processor before it is trusted
@@ -57,16 +61,14 @@ class Lengths:
 
 def length_by_processor(processor, messages: Sequence[dict], images: Sequence[dict]) -> int:
     """The reference: the full encoding's length (decodes and preprocesses the images)."""
-    from ovkit.models.encode import decode_images, encode_sample
 
     return encode_sample(processor, messages, decode_images(images)).length
 
 
 def length_by_sizes(processor, messages: Sequence[dict], images: Sequence[dict], counts: dict | None = None) -> int:
     """The same number from the template text and the images' header sizes (no decoding, no preprocessing)."""
+    # heavy: PIL loads on first use, not at CLI start or in config checks
     from PIL import Image
-
-    from ovkit.models.encode import image_token_count, to_hf_messages
 
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last is None:
@@ -111,6 +113,7 @@ _WORKER: dict[str, Any] = {}
 
 def _init_worker(model_dir: str, method: str) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # heavy: torch loads on first use, not at CLI start or in config checks
     import torch
 
     torch.set_num_threads(1)
@@ -118,7 +121,6 @@ def _init_worker(model_dir: str, method: str) -> None:
 
 
 def _lengths_of(rows: list[tuple[list, list]]) -> list[tuple[int, str | None]]:
-    from ovkit.data.schema import image_problem
 
     processor, method, counts = _WORKER["processor"], _WORKER["method"], _WORKER["counts"]
     out = []
@@ -139,9 +141,8 @@ def _lengths_of(rows: list[tuple[list, list]]) -> list[tuple[int, str | None]]:
 
 
 def load_processor(model_dir: str | Path):
+    # heavy: torch, transformers load on first use, not at CLI start or in config checks
     from transformers import AutoProcessor
-
-    from ovkit.models import locate
 
     where = locate(model_dir, weights=False)  # only the processor is read: a damaged weight file does not matter here
     try:
@@ -159,7 +160,6 @@ def compute_lengths(
     progress: bool = True,
 ) -> Lengths:
     """Token length of every row of a sample table (columns `messages`, `images`), in row order."""
-    import time
 
     if method not in METHODS:
         raise OvkitError(f"length method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -203,6 +203,7 @@ def _check_sizes(model_dir: Path, rows: list) -> tuple[str, str]:
 
 
 def _run(rows: list, model_dir: str, method: str, workers: int, progress: bool) -> list[tuple[int, str | None]]:
+    # heavy: tqdm loads on first use, not at CLI start or in config checks
     from tqdm.auto import tqdm
 
     chunks = [rows[i : i + CHUNK] for i in range(0, len(rows), CHUNK)]

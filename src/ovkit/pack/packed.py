@@ -34,6 +34,7 @@ API for training (stable):
 from __future__ import annotations
 
 import collections
+import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 
 from ovkit.errors import OvkitError, where
+from ovkit.runtime.attention import text_implementation
 
 IGNORE = -100
 PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
@@ -66,8 +68,6 @@ class PackLayout:
     def for_model(cls, model_or_config, attention: str | None = None) -> PackLayout:
         config = getattr(model_or_config, "config", model_or_config)
         if attention is None:
-            from ovkit.runtime.attention import text_implementation
-
             impl = text_implementation(config) or "sdpa"
             attention = impl if impl in ("sdpa", "eager") else "positions"
         if attention not in ("sdpa", "eager", "positions"):
@@ -80,8 +80,7 @@ class PackLayout:
         """The model's base module with `get_rope_index`, built on the meta device (no weights: the rope index
         depends only on the config), once per process."""
         if self._rope_module is None:
-            import copy
-
+            # heavy: transformers loads on first use, not at CLI start or in config checks
             from transformers import AutoModel
 
             try:
@@ -223,6 +222,7 @@ class _Rows:
     LRU cache of row groups; packs gather rows from anywhere in the input)."""
 
     def __init__(self, data: Path | str, columns=("id", "messages", "images"), cache_groups: int = 8):
+        # heavy: pyarrow loads on first use, not at CLI start or in config checks
         import pyarrow.parquet as pq
 
         from ovkit.data import parquet_files
@@ -252,6 +252,7 @@ class _Rows:
         key = (os.getpid(), g)
         table = self.cache.get(key)
         if table is None:
+            # heavy: pyarrow loads on first use, not at CLI start or in config checks
             import pyarrow.parquet as pq
 
             f, i = self.groups[g]
@@ -274,6 +275,7 @@ class PackedDataset(torch.utils.data.Dataset):
     "positions")."""
 
     def __init__(self, plan_dir: Path | str, data: Path | str, processor, model, *, attention: str | None = None):
+        # heavy: pyarrow loads on first use, not at CLI start or in config checks
         from ovkit.pack.plan import read_plan
 
         plan, self.capacity = read_plan(plan_dir)
@@ -299,6 +301,7 @@ class PackedDataset(torch.utils.data.Dataset):
         return range(int(self.bounds[i]), int(self.bounds[i + 1]))
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        # heavy: pyarrow loads on first use, not at CLI start or in config checks
         from ovkit.models.encode import decode_images, encode_sample
 
         encoded = []

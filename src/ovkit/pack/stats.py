@@ -101,6 +101,7 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 def fill_histogram(loads, capacity: int, path: Path, title: str = "") -> Path:
     """A PNG histogram of pack fill (tokens / capacity). Written without a timestamp, so it is reproducible."""
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib
 
     matplotlib.use("Agg")

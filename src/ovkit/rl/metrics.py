@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ovkit.rl.correction import read
 from ovkit.rl.staleness import staleness_histogram
 
 if TYPE_CHECKING:
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
 
 
 def mismatch_stats(prox_logprobs: torch.Tensor, behave_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    from ovkit.rl.correction import read
 
     return read(mismatch_tensors(prox_logprobs, behave_logprobs, mask)) if mask.bool().any() else {}
 
@@ -119,7 +119,6 @@ def staleness_metrics(step: int, versions: Sequence[int]) -> dict[str, Any]:
 
 def turn_mismatch_stats(prox: torch.Tensor, batch: Trajectories) -> dict[str, float]:
     """Mismatch of first-turn tokens vs later-turn tokens (004 section 3.4.1: later turns drift more)."""
-    from ovkit.rl.correction import read
 
     if batch.turn_ids is None:
         return {}
@@ -167,6 +166,7 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
     completions = [g.completions[i] for g, i in trajectories]
     out.update(length_stats([sum(c.mask) for c in completions], [c.finish_reason == "length" for c in completions]))
     if any(c.termination is not None for c in completions):
+        # heavy: pyarrow loads on first use, not at CLI start or in config checks
         from ovkit.rollouts.episodes import turn_stats
 
         out.update(turn_stats(completions, task))

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ovkit.rl.staleness import StalenessController
 from ovkit.rollouts.groups import Group, Sampling, generate_groups
 from ovkit.rollouts.prompts import Prompt
 
@@ -79,7 +80,6 @@ class AsyncRollouts:
         rank: int = 0,
         world: int = 1,
     ):
-        from ovkit.rl.staleness import StalenessController
 
         self.engine, self.prompts, self.per_step, self.sampling, self.score = (
             engine,
@@ -99,7 +99,6 @@ class AsyncRollouts:
         self.thread: threading.Thread | None = None
 
     def start(self, version: int) -> None:
-        from ovkit.rl.staleness import StalenessController
 
         self.version = version
         self.controller = StalenessController(self.max_staleness, self.per_step, version)

@@ -98,7 +98,7 @@ def remove(model: nn.Module) -> None:
 
 def counts() -> dict[str, int]:
     """Process-wide Dynamo counters: graphs compiled, graph breaks, frames compiled (first compiles + recompiles)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # heavy: Dynamo loads only when a run compiles or reads its counters
 
     return {
         "graphs": int(counters["stats"].get("unique_graphs", 0)),

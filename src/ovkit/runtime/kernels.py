@@ -45,6 +45,7 @@ def apply(model: Any, choice: str) -> dict[str, Any]:
     """Patch `model` in place for `choice`; what was applied, for ovkit.json."""
     if choice != "liger":
         return {"kernels": "torch", "fused_linear_cross_entropy": False}
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 

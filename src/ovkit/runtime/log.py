@@ -9,11 +9,15 @@ above a tqdm bar with the ETA over the run's steps.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
+
+from ovkit.errors import OvkitError
 
 # metrics.jsonl and the trackers name a metric as TRL (and the HF Trainer) does where they log the same quantity, so
 # dashboards and scripts carry over; ovkit's own metrics go under "ovkit/". The loops and the console line keep
@@ -66,6 +70,7 @@ class ConsoleSink:
     """The step line on stderr, above a tqdm bar (with ETA) over the total steps."""
 
     def __init__(self, total: int, start: int, *, desc: str, line: Callable[[int, dict[str, Any]], str]):
+        # heavy: tqdm loads on first use, not at CLI start or in config checks
         from tqdm import tqdm
 
         self.line = line
@@ -104,9 +109,6 @@ TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", 
 
 def check_trackers(names: list[str]) -> None:
     """Each --report-to name is one of TRACKERS and its package is installed (else a message saying what to install)."""
-    import importlib.util
-
-    from ovkit.errors import OvkitError
 
     for name in names:
         if name not in TRACKERS:
@@ -124,7 +126,6 @@ class TrackerSink:
     OUT.partial/wandb (WANDB_MODE=offline keeps it off the network), Trackio a local project."""
 
     def __init__(self, accelerator, run_dir: Path, *, project: str, config: dict[str, Any]):
-        import os
 
         os.environ.setdefault("MLFLOW_TRACKING_URI", (Path(run_dir) / "mlruns").resolve().as_uri())
         self.accelerator = accelerator

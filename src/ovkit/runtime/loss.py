@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ovkit.models.precompute import VISION_KEYS
+
 CHUNK_BYTES = 64 << 20  # fp32 logits of one chunk (its gradient and the softmax double it in the backward pass)
 
 
@@ -66,7 +68,6 @@ def _embedded(base: Any, inputs: dict[str, Any]) -> dict[str, Any]:
     index = inputs.get("image_token_index")
     if index is None or not hasattr(base, "visual"):
         return {k: v for k, v in inputs.items() if k != "image_token_index"}
-    from ovkit.models.precompute import VISION_KEYS
 
     rest = {
         k: v
@@ -235,6 +236,7 @@ def nll_sum(
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
     targets = targets.reshape(-1).index_select(0, index)
     if fused and _liger_ok(model, labels):
+        # optional: the package (or this name in it) may be missing; imported only where it is used
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         return liger_fused_linear_cross_entropy(

@@ -85,6 +85,7 @@ def _adamw_8bit(groups: list[dict[str, Any]], lr: float) -> torch.optim.Optimize
     """bitsandbytes' block-wise 8-bit AdamW (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"),
     the optimiser transformers' Trainer runs for `adamw_8bit`; bitsandbytes >= 0.46 runs it on CPU tensors too."""
     try:
+        # optional: the package (or this name in it) may be missing; imported only where it is used
         import bitsandbytes as bnb
     except ImportError:
         raise OvkitError(

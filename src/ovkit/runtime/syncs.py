@@ -25,6 +25,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # aten ops that read a device value back, or whose output size the host must learn from the device
@@ -111,7 +112,6 @@ class OptimizerSteps:
     MixedPrecisionAdamW's step calls AdamW's inside it, which is one step, not two. `remove()` unregisters."""
 
     def __init__(self, on_step, on_start=None):
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self.depth, self.on_step, self.on_start = 0, on_step, on_start
         self.handles = [register_optimizer_step_pre_hook(self._enter), register_optimizer_step_post_hook(self._leave)]

@@ -18,6 +18,8 @@ Layout read (absent parts are reported as absent, never filled in):
 
 from __future__ import annotations
 
+import base64
+import html
 import json
 import math
 from collections.abc import Sequence
@@ -25,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from ovkit.runtime.log import public_name
 from ovkit.science.stats import gini, head_tail_ratio, matched_positions, mean_sd, seed_band, spikes
 
 # The seed write-ups, cited by title (shared/reference/003 and 004).
@@ -63,7 +68,6 @@ class Run:
     def curve(self, key: str) -> list[float]:
         """The per-step values of metric `key`, by its internal name (reward/mean), as metrics.jsonl stores it under
         its public one (reward)."""
-        from ovkit.runtime.log import public_name
 
         key = public_name(key)
         return [float(s.get(key, float("nan"))) for s in self.steps]
@@ -100,6 +104,7 @@ def load_runs(science: Path) -> dict[str, list[Run]]:
 
 def concept_counts_of(data: Path) -> dict[str, int]:
     """Rows per ground-truth concept (the synth `concepts` column) of a dataset directory."""
+    # heavy: pyarrow loads on first use, not at CLI start or in config checks
     from ovkit.data import read_samples
 
     table = read_samples(data).table
@@ -196,9 +201,11 @@ def rl_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> None:
 
 
 def _plot_curves(runs: dict[str, list[Run]], key: str, ylabel: str, path: Path, log: bool = False) -> Path:
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib.pyplot as plt
 
     groups = [
@@ -231,9 +238,11 @@ def bucket_section(rep: Report, report_json: Path, out: Path) -> None:
     doc = json.loads(report_json.read_text())
     runs = {name: r["by_sampler_prob"] for name, r in doc["runs"].items() if r.get("by_sampler_prob")}
     rep.numbers["buckets"] = runs
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -294,7 +303,7 @@ def _weighted(rows: Sequence[dict[str, Any]], key: str) -> float:
 def turn_tokens(report_dir: Path, sampler: str) -> dict[str, Any] | None:
     """Flat per-token arrays (position in the context, turn, learner and sampler log-probs) of one sampler's
     rollouts in a mismatch-report directory: logprobs.parquet joined with rollouts/<sampler>.parquet."""
-    import numpy as np
+    # heavy: pyarrow loads on first use, not at CLI start or in config checks
     import pyarrow.parquet as pq
 
     lp_path, ro_path = report_dir / "logprobs.parquet", report_dir / "rollouts" / f"{sampler}.parquet"
@@ -424,9 +433,11 @@ def balance_section(rep: Report, before_dir: Path, after_dir: Path, out: Path) -
     }  # fmt: skip
     numbers.pop("rows_before")
     rep.numbers["balance"] = numbers
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib
 
     matplotlib.use("Agg")
+    # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -568,8 +579,6 @@ def render_markdown(rep: Report, header: str) -> str:
 
 def render_html(markdown: str, figures: dict[str, Path]) -> str:
     """A self-contained page: the markdown's tables and paragraphs as HTML, figures inline as base64 PNGs."""
-    import base64
-    import html
 
     out, table = [], []
 
