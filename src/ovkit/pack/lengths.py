@@ -32,8 +32,8 @@ import pyarrow.parquet as pq
 
 from ovkit.data.schema import image_problem
 from ovkit.errors import OvkitError
-from ovkit.models import locate
-from ovkit.models.encode import decode_images, encode_sample, image_token_count, to_hf_messages
+from ovkit.models import encode, locate
+from ovkit.models.encode import decode_images, encode_sample, to_hf_messages
 
 METHODS = ("sizes", "processor")
 VERIFY_ROWS = 32  # rows with images on which `sizes` must match the processor before it is trusted
@@ -89,7 +89,7 @@ def length_by_sizes(processor, messages: Sequence[dict], images: Sequence[dict],
         with Image.open(io.BytesIO(data)) if data is not None else Image.open(cell["path"]) as im:
             size = im.size
         if size not in counts:
-            counts[size] = image_token_count(processor, *size)
+            counts[size] = encode.image_token_count(processor, *size)  # read at call time: the one size rule
         total += counts[size]
     return total
 
