@@ -261,3 +261,33 @@ def test_help_example_is_a_valid_invocation(name, monkeypatch):
     with command.make_context(name, words[2:]) as ctx:
         cfg = resolve(ctx)
     assert isinstance(cfg, INFO[name].config_class())
+
+
+# -- one declaration per option (ovkit.options) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_is_declared_with_help(name):
+    """Every field of a command's config is an `option(...)` with help text and a panel (or is the INPUT)."""
+    from ovkit.options import specs
+
+    for field, declared in specs(INFO[name].config_class()).items():
+        assert declared.help.strip(), f"{name}: --{field} has no help"
+        assert declared.panel or declared.argument or field == "engine", f"{name}: --{field} has no help panel"
+
+
+def test_an_option_without_help_is_refused():
+    from ovkit.options import option
+
+    with pytest.raises(TypeError, match="help"):
+        option(1, help="")
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Bare:
+        x: int = 1
+
+    from ovkit.options import specs
+
+    with pytest.raises(TypeError, match="not declared with ovkit.options.option"):
+        specs(Bare)

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from ovkit.errors import OvkitError
+from ovkit.options import validate
 
 # Options that steer the CLI itself rather than the stage; never part of a stage config or of config.yaml.
 CLI_ONLY = frozenset({"config"})
@@ -74,9 +75,11 @@ def merge(
         elif name in file_values:
             values[name] = convert(file_values[name], hints.get(name), f"config file {config_path}: key '{name}'")
     try:
-        return cls(**values)
+        cfg = cls(**values)
     except TypeError as e:
         raise OvkitError(str(e)) from None
+    validate(cfg)  # every declared choice and range, before any model loads
+    return cfg
 
 
 def _canonical_keys(

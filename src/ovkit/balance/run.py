@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ovkit import options as O
 from ovkit.balance.assign import Encoder, TextMatcher, batched, read_concepts, topk_chunked
 from ovkit.balance.sample import (
     COMBINE,
@@ -35,6 +36,7 @@ from ovkit.balance.sample import (
 )
 from ovkit.data import read_samples, read_table, write_rejects, write_samples, write_table
 from ovkit.errors import OvkitError
+from ovkit.options import option
 
 METHODS = ("embed", "text", "metaclip")
 PHASES = ("all", "assign", "sample")
@@ -42,29 +44,53 @@ PHASES = ("all", "assign", "sample")
 
 @dataclass
 class BalanceConfig:
-    data: Path | None = None  # input sample table (not used with --merge)
-    concepts: Path | None = None  # concept vocabulary, one per line
-    out: Path | None = None
-    method: str = "embed"  # embed: top-K by CLIP-family similarity; text: concept strings in captions; metaclip
-    encoder: Path | None = (
-        None  # CLIP / SigLIP / MetaCLIP directory (embed); `init-model --preset tiny-clip` builds one
+    # input sample table (not used with --merge)
+    data: Path | None = option(None, help="Sample table (parquet file or directory of shards).", argument=True)
+    # concept vocabulary, one per line
+    concepts: Path | None = option(None, help="Concept vocabulary: a text file, one concept per line.", panel=O.IO)
+    out: Path | None = O.out()
+    # embed: top-K by CLIP-family similarity; text: concept strings in captions; metaclip
+    method: str = option(
+        "embed", help="embed (top-K by encoder similarity), text (concepts in captions) or metaclip.", panel="Method"
     )
-    top_k: int = 3  # concepts per image (embed)
-    combine: str = "mean"  # how an image's per-concept inverse frequencies combine into its weight: mean|max|sum
-    target: int | None = None  # rows after resampling (default: as many as the input)
-    threshold: float = 20.0  # MetaCLIP t: a concept's matches are kept with probability min(1, t / count)
-    concept_template: str = "{}"  # text embedded for each concept, e.g. "a photo of {}."
-    chunk: int = 65536  # concepts per similarity chunk (bounds memory at batch x chunk)
-    batch_size: int = 64  # images per encoder batch
-    phase: str = "all"  # all | assign | sample
-    merge: list[Path] | None = None  # assignment outputs to reduce into a plan
-    plan: Path | None = None  # the merge output (for --phase sample)
-    shard: str | None = None
-    on_error: str = "fail"
-    device: str = "cpu"
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    # CLIP / SigLIP / MetaCLIP directory (embed); `init-model --preset tiny-clip` builds one
+    encoder: Path | None = option(None, help="CLIP / SigLIP / MetaCLIP directory for --method embed.", panel=O.IO)
+    # concepts per image (embed)
+    top_k: int = option(3, help="Concepts per image (embed).", panel="Method")
+    # how an image's per-concept inverse frequencies combine into its weight: mean|max|sum
+    combine: str = option(
+        "mean", help="How an image's per-concept inverse frequencies combine: mean, max or sum.", panel="Method"
+    )
+    # rows after resampling (default: as many as the input)
+    target: int | None = option(None, help="Rows after resampling (default: as many as the input).", panel="Method")
+    # MetaCLIP t: a concept's matches are kept with probability min(1, t / count)
+    threshold: float = option(
+        20.0, help="MetaCLIP t: keep a concept's matches with probability min(1, t/count).", panel="Method"
+    )
+    # text embedded for each concept, e.g. "a photo of {}."
+    concept_template: str = option("{}", help="Text embedded per concept, e.g. 'a photo of {}.'", panel="Method")
+    # concepts per similarity chunk (bounds memory at batch x chunk)
+    chunk: int = option(65536, help="Concepts per similarity chunk (memory = batch x chunk).", panel=O.RUNTIME)
+    # images per encoder batch
+    batch_size: int = option(64, help="Images per encoder batch.", panel=O.RUNTIME)
+    # all | assign | sample
+    phase: str = option(
+        "all",
+        help="all, or for sharded runs: assign (per shard), then --merge, then sample (per shard).",
+        panel="Sharded runs",
+    )
+    # assignment outputs to reduce into a plan
+    merge: list[Path] | None = option(
+        None, help="Assignment outputs (of --phase assign) to reduce into a plan.", panel="Sharded runs"
+    )
+    # the merge output (for --phase sample)
+    plan: Path | None = option(None, help="The output of --merge, for --phase sample.", panel="Sharded runs")
+    shard: str | None = O.shard()
+    on_error: str = O.on_error()
+    device: str = option("cpu", help="Device for the encoder (cpu, cuda).", panel=O.RUNTIME)
+    seed: int = O.seed()
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self):
         if self.out is None:

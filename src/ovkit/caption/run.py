@@ -39,10 +39,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ovkit import options as O
 from ovkit.caption.filter import CaptionFilter, rule
 from ovkit.caption.quality import has_cjk, mean_recall, parse_concepts
 from ovkit.data import IMAGE_TOKEN, MESSAGE, parse_shard, read_samples, write_rejects, write_samples, write_table
 from ovkit.errors import OvkitError
+from ovkit.options import option
 
 DEFAULT_PROMPTS = {"en": "Describe this image in detail.", "zh": "请详细描述这张图片。"}
 DEFAULT_SHARES = {"en": 0.75, "zh": 0.25}  # the recipe's recaptions: ~65M English, ~20M Chinese
@@ -62,37 +64,67 @@ CHUNK_SCHEMA = pa.schema(
 
 @dataclass
 class CaptionConfig:
-    data: Path | None = None  # input sample table (parquet file or directory of shards)
-    model: Path | None = None  # the captioner: any HF VLM directory (save_pretrained) or hub id
-    out: Path | None = None
-    lang: str = "en,zh"  # caption languages, one per image, drawn by --lang-ratio
-    lang_ratio: str | None = None  # shares of the --lang languages (default 0.75,0.25 for en,zh; else equal)
-    prompt: list[str] | None = None  # LANG=TEXT: the prompt of a language (defaults exist for en and zh)
-    engine: str = "hf"  # hf (transformers, any device) | vllm (GPU)
-    batch_size: int = 32  # sequences per generate call, hf engine
-    max_new_tokens: int = 512  # the recipe's filter allows 3500 characters, about 800 tokens
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    min_chars: int = 50  # filter: shorter captions are rejected
-    max_chars: int = 3500  # filter: longer captions are rejected
-    repeat_limit: int = 8  # filter: a run of this many identical consecutive words rejects the caption
-    keep_original_on_reject: bool = (
-        False  # a rejected recaption keeps its row (original caption) instead of rejecting it
+    # input sample table (parquet file or directory of shards)
+    data: Path | None = option(
+        None, help="Sample table to recaption (parquet file or directory of shards).", argument=True
     )
-    replace_if_better: bool = (
-        True  # with a `concepts` column: replace targets only if recaption concept recall >= original's
+    # the captioner: any HF VLM directory (save_pretrained) or hub id
+    model: Path | None = option(None, help="Captioner: any VLM directory (save_pretrained) or hub id.", panel=O.IO)
+    out: Path | None = O.out()
+    # caption languages, one per image, drawn by --lang-ratio
+    lang: str = option(
+        "en,zh", help="Caption languages; each image gets one, drawn by --lang-ratio.", panel="Captioning"
     )
-    chunk_rows: int = 256  # rows per saved chunk of generations (the resume granularity)
-    shard: str | None = None
-    on_error: str = "fail"
-    precision: str = "auto"  # the captioner's compute precision (ovkit.runtime.precision)
-    attn_implementation: str = (
-        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    # shares of the --lang languages (default 0.75,0.25 for en,zh; else equal)
+    lang_ratio: str | None = option(
+        None, help="Shares of the --lang languages, e.g. 0.75,0.25 (default for en,zh; else equal).", panel="Captioning"
     )
-    trust_remote_code: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    # LANG=TEXT: the prompt of a language (defaults exist for en and zh)
+    prompt: list[str] | None = option(
+        None, help="LANG=TEXT: the prompt of a language (repeatable; en and zh have defaults).", panel="Captioning"
+    )
+    # hf (transformers, any device) | vllm (GPU)
+    engine: str = option("hf", help="hf (transformers, any device) or vllm (GPU).", panel=O.RUNTIME)
+    # sequences per generate call, hf engine
+    batch_size: int = option(32, help="Sequences per generate call, hf engine.", panel=O.RUNTIME)
+    # the recipe's filter allows 3500 characters, about 800 tokens
+    max_new_tokens: int = option(512, help="Tokens per caption.", panel="Captioning")
+    # 0 = greedy
+    temperature: float = option(0.0, help="0 = greedy.", panel="Captioning")
+    top_p: float = option(1.0, help="Nucleus sampling mass (with --temperature > 0).", panel="Captioning")
+    # filter: shorter captions are rejected
+    min_chars: int = option(50, help="Filter: captions shorter than this are rejected.", panel="Caption filter")
+    # filter: longer captions are rejected
+    max_chars: int = option(3500, help="Filter: captions longer than this are rejected.", panel="Caption filter")
+    # filter: a run of this many identical consecutive words rejects the caption
+    repeat_limit: int = option(
+        8, help="Filter: this many identical consecutive words reject a caption.", panel="Caption filter"
+    )
+    # a rejected recaption keeps its row (original caption) instead of rejecting it
+    keep_original_on_reject: bool = option(
+        False,
+        help=("A rejected recaption keeps its row with the original caption instead of moving it to rejects."),
+        panel="Caption filter",
+    )
+    # with a `concepts` column: replace targets only if recaption concept recall >= original's
+    replace_if_better: bool = option(
+        True,
+        help=("With a `concepts` column: replace the targets only if recaption concept recall >= the originals'."),
+        panel="Caption filter",
+        negatable=True,
+    )
+    # rows per saved chunk of generations (the resume granularity)
+    chunk_rows: int = option(
+        256, help="Rows per saved chunk of generations (a rerun resumes after the last one).", panel=O.RUN
+    )
+    shard: str | None = O.shard()
+    on_error: str = O.on_error()
+    precision: str = O.precision()
+    attn_implementation: str = O.attn_implementation()
+    trust_remote_code: bool = O.trust_remote_code()
+    seed: int = O.seed()
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         from ovkit.generate import ENGINES

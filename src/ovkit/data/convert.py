@@ -32,9 +32,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ovkit import options as O
 from ovkit.data.io import REJECTS, parse_shard, part_name, shard_bounds, write_table
 from ovkit.data.schema import IMAGE_TOKEN, OPTIONAL, REQUIRED, conform, read_image_file, row_problems
 from ovkit.errors import OvkitError, where
+from ovkit.options import option
 
 FORMATS = {
     "llava": "LLaVA-1.5 JSON: id, image (path or list of paths), conversations [{from: human|gpt, value}]",
@@ -84,20 +86,54 @@ MAX_RECORD_CHARS = 256 << 20  # one JSON record larger than this is treated as m
 
 @dataclass
 class ConvertConfig:
-    input: str | None = (
-        None  # a JSON / JSON-lines / parquet file, a directory of parquet files, or a `datasets` source (Hub id, card dir, saved dir)
+    # a JSON / JSON-lines / parquet file, a directory of parquet files, or a `datasets` source (Hub id, card dir, saved dir)
+    input: str | None = option(
+        None,
+        help=(
+            "A JSON / JSON-lines / parquet file, a directory of parquet files, a directory with a dataset "
+            "card or saved by `datasets` (DIR[:CONFIG]\\[@SPLIT]), or a Hub dataset id "
+            "(ORG/NAME[:CONFIG]\\[@SPLIT])."
+        ),
+        argument=True,
     )
-    from_format: str = "auto"  # one of FORMATS (or an alias); auto = detect from the keys/columns
-    to_format: str = "ovkit"  # ovkit: the sample table; trl: TRL's conversational VLM format (images + content parts)
-    out: Path | None = None  # dataset directory written (with --shard: OUT/part-I-of-N/)
-    image_root: Path | None = None  # relative image paths are resolved against it (default: the input's folder)
-    source: str | None = None  # `source` of rows whose input names none (default: the input's file name stem)
-    caption_prompt: str = "Describe the image."  # ov-midtrain: the user turn after `<image>\n`
-    rows_per_file: int = 10_000  # rows per output part file
-    shard: str | None = None  # 'I/N': convert records [I*n/N, (I+1)*n/N) only
-    on_error: str = "fail"  # fail | skip
-    overwrite: bool = False
-    quiet: bool = False
+    # one of FORMATS (or an alias); auto = detect from the keys/columns
+    from_format: str = option(
+        "auto",
+        help=(
+            "auto (detect from the keys/columns) | llava | sharegpt | onevision | ov-midtrain | ov-rl | verl "
+            "(= roll) | trl | ovkit."
+        ),
+        panel=O.IO,
+        flags=("--from",),
+    )
+    # ovkit: the sample table; trl: TRL's conversational VLM format (images + content parts)
+    to_format: str = option(
+        "ovkit",
+        help=(
+            "ovkit (the sample table) | trl (TRL's conversational VLM format: images + messages with content parts)."
+        ),
+        panel=O.IO,
+        flags=("--to",),
+    )
+    out: Path | None = O.out()
+    # relative image paths are resolved against it (default: the input's folder)
+    image_root: Path | None = option(
+        None, help="Folder that relative image paths start from (default: the input's folder).", panel=O.IO
+    )
+    # `source` of rows whose input names none (default: the input's file name stem)
+    source: str | None = option(
+        None, help="`source` of rows whose input names none (default: the input's file name).", panel="Records"
+    )
+    # ov-midtrain: the user turn after `<image>\n`
+    caption_prompt: str = option(
+        "Describe the image.", help="ov-midtrain: the user turn after '<image>\\n'.", panel="Records"
+    )
+    # rows per output part file
+    rows_per_file: int = option(10_000, help="Rows per output part file.", panel="Records")
+    shard: str | None = O.shard()
+    on_error: str = O.on_error()
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         if self.input is None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ovkit import options as O
 from ovkit.data.synth_tasks import (
     ANSWER_TYPES,
     CATEGORIES,
@@ -42,6 +43,7 @@ from ovkit.data.synth_tasks import (
     Task,
 )
 from ovkit.errors import OvkitError
+from ovkit.options import option
 
 Rows = list[dict[str, Any]]
 Tick = Callable[[], Any]  # advances the progress bar by one image
@@ -74,11 +76,12 @@ CAPTION_PROMPTS = {
 
 @dataclass
 class SynthConfig:
-    out: Path | None = None  # output directory: pretrain/, instruct/, rl/, val/, eval/, concepts.txt, preview.png
-    scale: float = 1.0  # multiplies every split's size (at least one row per category and split)
-    seed: int = 0  # the same seed gives byte-identical files; held-out compositions do not depend on it
-    overwrite: bool = False
-    quiet: bool = False
+    out: Path | None = O.out()
+    # multiplies every split's size (at least one row per category and split)
+    scale: float = option(1.0, help="Multiplies every split's size (1.0: about 8,000 images).", panel="Corpus")
+    seed: int = O.seed()
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         if self.out is None:

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ovkit import options as O
 from ovkit.errors import OvkitError, where
+from ovkit.options import option
 
 UNCATEGORIZED = "uncategorized"  # the task of rows without a `category`
 MIN_NEW_TOKENS = 32  # the smallest per-category token budget when --max-new-tokens is not given
@@ -21,41 +23,83 @@ THINK_EXTRA_TOKENS = 256  # room for the reasoning with --prompt think
 class EvalConfig:
     """Options of `ovkit eval` (evaluate a model) and `ovkit eval --compare` (tabulate finished evals)."""
 
-    data: list[Path] | None = (
-        None  # eval datasets; with --compare: eval outputs (summary.json dirs), LABEL=PATH allowed
+    # eval datasets; with --compare: eval outputs (summary.json dirs), LABEL=PATH allowed
+    data: list[Path] | None = option(
+        None,
+        help=("Eval datasets (parquet file or directory); with --compare: eval outputs (DIR or LABEL=DIR)."),
+        argument=True,
     )
-    model: Path | None = None  # model directory (save_pretrained) or hub id
-    out: Path | None = None  # output directory; with --compare: a markdown file to write the table to (optional)
-    compare: bool = False  # tabulate finished evals instead of running one
-    metric: str = "reward"  # --compare: reward | accuracy | pass@K | truncated
-    prompt: str = "answer"  # stage instruction added to each prompt: answer | think | none | auto (the row's RL stage)
-    engine: str = "hf"  # hf (transformers, any device) | vllm (GPU)
-    batch_size: int = 64  # sequences per generate call (prompts x n); hf engine
-    max_new_tokens: int | None = None  # default: per category, from its longest gold answer (token_budgets)
-    n: int = 1  # completions per row; > 1 reports pass@k
-    temperature: float | None = None  # default: 0 (greedy) for --n 1, 1.0 for --n > 1
-    top_p: float = 1.0
-    limit: int | None = None  # at most this many rows per category (the first ones), like lmms-eval's --limit
-    shuffle_images: bool = (
-        False  # each row gets another row's images (same category): how much the score needs the image
+    # model directory (save_pretrained) or hub id
+    model: Path | None = option(None, help="Model directory (save_pretrained) or hub id.", panel=O.IO)
+    out: Path | None = O.out(
+        help="Output directory (written atomically); with --compare: a markdown file for the table."
     )
-    save_logprobs: bool = False  # also write OUT/rollouts.parquet (token ids, sampler logprobs, rewards)
-    precision: str = (
-        "auto"  # the weights' compute precision (ovkit.runtime.precision): auto | fp32 | bf16-true | bf16-mixed
+    # tabulate finished evals instead of running one
+    compare: bool = option(
+        False,
+        help="Tabulate finished evals (the DATA arguments) instead of running one.",
+        panel="Compare finished evals",
     )
-    attn_implementation: str = (
-        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    # --compare: reward | accuracy | pass@K | truncated
+    metric: str = option(
+        "reward", help="--compare: reward, accuracy, pass@K or truncated.", panel="Compare finished evals"
     )
-    env: str | None = None  # multi-turn: evaluate under an environment's loop (ovkit.envs)
-    env_arg: Any = None
-    max_turns: int = 3
-    max_response_tokens: int | None = None
-    env_retries: int = 2
-    env_timeout: float = 30.0
-    trust_remote_code: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    # stage instruction added to each prompt: answer | think | none | auto (the row's RL stage)
+    prompt: str = option(
+        "answer",
+        help=(
+            "Instruction added to each prompt: answer, think, none, or auto (each row in the mode of its RL "
+            "stage: think for rl-curate's stage-2 categories)."
+        ),
+        panel="Generation",
+    )
+    # hf (transformers, any device) | vllm (GPU)
+    engine: str = option("hf", help="hf (transformers, any device) or vllm (GPU).", panel=O.RUNTIME)
+    # sequences per generate call (prompts x n); hf engine
+    batch_size: int = option(64, help="Sequences per generate call (rows x n), hf engine.", panel=O.RUNTIME)
+    # default: per category, from its longest gold answer (token_budgets)
+    max_new_tokens: int | None = option(
+        None,
+        help=(
+            "Tokens per completion (default: per category, 1.25 x its longest gold answer, at least 32; +256 "
+            "with --prompt think)."
+        ),
+        panel="Generation",
+    )
+    # completions per row; > 1 reports pass@k
+    n: int = option(1, help="Completions per row; more than 1 reports pass@k.", panel="Generation")
+    # default: 0 (greedy) for --n 1, 1.0 for --n > 1
+    temperature: float | None = option(
+        None, help="0 = greedy (default: 0 for --n 1, 1.0 for --n > 1).", panel="Generation"
+    )
+    top_p: float = option(1.0, help="Nucleus sampling mass (with --temperature > 0).", panel="Generation")
+    # at most this many rows per category (the first ones), like lmms-eval's --limit
+    limit: int | None = option(None, help="At most this many rows per category (the first ones).", panel="Generation")
+    # each row gets another row's images (same category): how much the score needs the image
+    shuffle_images: bool = option(
+        False,
+        help=(
+            "Give each row another row's images (same category, seeded): the drop from the plain eval is what"
+            " the model reads from the image."
+        ),
+        panel="Generation",
+    )
+    # also write OUT/rollouts.parquet (token ids, sampler logprobs, rewards)
+    save_logprobs: bool = option(
+        False, help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards).", panel=O.IO
+    )
+    precision: str = O.precision()
+    attn_implementation: str = O.attn_implementation()
+    env: str | None = O.env()
+    env_arg: Any = O.env_arg()
+    max_turns: int = O.max_turns(3)
+    max_response_tokens: int | None = O.max_response_tokens()
+    env_retries: int = O.env_retries(2)
+    env_timeout: float = O.env_timeout()
+    trust_remote_code: bool = O.trust_remote_code()
+    seed: int = O.seed()
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         from ovkit.generate import ENGINES

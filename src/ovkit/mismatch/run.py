@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ovkit import options as O
 from ovkit.errors import OvkitError
 from ovkit.mismatch.metrics import EMPTY_MESSAGE, Scores, Thresholds
+from ovkit.options import option
 
 PROMPT_MODES = ("answer", "think", "none")
 
@@ -18,44 +20,137 @@ PROMPT_MODES = ("answer", "think", "none")
 class MismatchConfig:
     """Options of `ovkit mismatch-report`."""
 
-    rollouts: Path | None = None  # a rollout table (eval --save-logprobs, rl-curate, rl-train --save-rollouts)
-    model: Path | None = None  # the learner: a model directory
-    out: Path | None = None
-    generate: Path | None = None  # sample fresh rollouts from these prompt rows instead of reading ROLLOUTS
-    sampler: list[str] = field(
-        default_factory=list
-    )  # with --generate: fp32 | bf16 | fp16 | int8 | vllm (repeatable; default bf16)
-    data: Path | None = None  # prompt rows for the images of rollout tables that carry none (matched by prompt_id)
-    temperature: float | None = None  # default: the rollouts' producer's (its config.yaml), else 1.0
-    top_p: float | None = None  # --generate: nucleus mass (default 1.0); ROLLOUTS: read from the producer for the note
-    n: int = 4  # --generate: completions per prompt
-    limit: int | None = None  # --generate: at most this many prompt rows per category (the first ones)
-    max_new_tokens: int = 64  # --generate
-    prompt: str = "answer"  # --generate: stage instruction (answer | think | none)
-    system_prompt: bool = True  # --generate: prepend the recipe's system prompt, as rl-train does
-    max_pixels: int = 512 * 512  # images downscaled to at most this many pixels, as rl-curate / rl-train do (0: never)
-    batch_size: int = 16  # rollouts per learner forward pass (and sequences per generate call)
-    precision: str = "fp32"  # the learner's compute precision (ovkit.runtime.precision); fp32 is the reference
-    attn_implementation: str = (
-        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    # a rollout table (eval --save-logprobs, rl-curate, rl-train --save-rollouts)
+    rollouts: Path | None = option(
+        None,
+        help=(
+            "Rollout table: eval --save-logprobs OUT, rl-curate OUT/rollouts, rl-train OUT/rollouts, or one "
+            "parquet file."
+        ),
+        argument=True,
     )
-    correction_threshold: float = 2.0  # rl-train's C (TIS truncation / MIS rejection)
-    correction_lower: float | None = None
-    geo_lower: float = 0.999
-    geo_upper: float = 1.001
-    behave_cap: float = 5.0  # rl-train's behaviour-weight cap (0: not reported)
-    veto_threshold: float | None = None
-    max_points: int = 20000  # tokens drawn in the scatter plots (a seeded sample beyond that)
-    env: str | None = None  # --generate: multi-turn rollouts with an environment (ovkit.envs)
-    env_arg: Any = None
-    max_turns: int = 3
-    max_response_tokens: int | None = None
-    env_retries: int = 2
-    env_timeout: float = 30.0
-    trust_remote_code: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    # the learner: a model directory
+    model: Path | None = option(None, help="The learner: a model directory (save_pretrained).", panel=O.IO)
+    out: Path | None = O.out()
+    # sample fresh rollouts from these prompt rows instead of reading ROLLOUTS
+    generate: Path | None = option(
+        None,
+        help="Sample fresh rollouts from these prompt rows (RL/eval table) instead of reading ROLLOUTS.",
+        panel="Fresh rollouts (--generate)",
+    )
+    # with --generate: fp32 | bf16 | fp16 | int8 | vllm (repeatable; default bf16)
+    sampler: list[str] = option(
+        [],
+        help=(
+            "With --generate: fp32, bf16, fp16, int8, fp8, int4 (4-bit weights) or vllm (GPU); repeat to "
+            "compare (default bf16)."
+        ),
+        panel="Fresh rollouts (--generate)",
+    )
+    # prompt rows for the images of rollout tables that carry none (matched by prompt_id)
+    data: Path | None = option(
+        None,
+        help=("Prompt rows (matched by prompt_id) for the images of rollout tables that store none (rl-train)."),
+        panel=O.IO,
+    )
+    # default: the rollouts' producer's (its config.yaml), else 1.0
+    temperature: float | None = option(
+        None,
+        help=(
+            "Sampling temperature; the learner divides its logits by it (default: the rollouts' producer's, else 1.0)."
+        ),
+        panel="Learner",
+    )
+    # --generate: nucleus mass (default 1.0); ROLLOUTS: read from the producer for the note
+    top_p: float | None = option(
+        None, help="With --generate: nucleus sampling mass (default 1.0).", panel="Fresh rollouts (--generate)"
+    )
+    # --generate: completions per prompt
+    n: int = option(4, help="With --generate: completions per prompt.", panel="Fresh rollouts (--generate)")
+    # --generate: at most this many prompt rows per category (the first ones)
+    limit: int | None = option(
+        None,
+        help="With --generate: at most this many prompt rows per category (the first ones).",
+        panel="Fresh rollouts (--generate)",
+    )
+    # --generate
+    max_new_tokens: int = option(
+        64, help="With --generate: tokens per completion.", panel="Fresh rollouts (--generate)"
+    )
+    # --generate: stage instruction (answer | think | none)
+    prompt: str = option(
+        "answer",
+        help="With --generate: stage instruction added to prompts: answer, think or none.",
+        panel="Fresh rollouts (--generate)",
+    )
+    # --generate: prepend the recipe's system prompt, as rl-train does
+    system_prompt: bool = option(
+        True,
+        help="With --generate: prepend the recipe's system prompt (as rl-train).",
+        panel="Fresh rollouts (--generate)",
+        negatable=True,
+    )
+    # images downscaled to at most this many pixels, as rl-curate / rl-train do (0: never)
+    max_pixels: int = option(
+        512 * 512,
+        help=("Downscale images to at most this many pixels, as the sampler did (0: never; eval does not downscale)."),
+        panel="Learner",
+    )
+    # rollouts per learner forward pass (and sequences per generate call)
+    batch_size: int = option(
+        16, help="Rollouts per learner forward pass (and sequences per generate call).", panel="Learner"
+    )
+    precision: str = O.precision(
+        "fp32",
+        help=(
+            "The learner's precision: fp32 (the default, the reference), bf16-true or bf16-mixed (both "
+            "compute in bf16)."
+        ),
+        panel="Learner",
+    )
+    attn_implementation: str = O.attn_implementation()
+    # rl-train's C (TIS truncation / MIS rejection)
+    correction_threshold: float = option(
+        2.0,
+        help="rl-train's C: TIS truncation / MIS rejection bound.",
+        panel="rl-train corrections reported",
+        flags=("--rollout-is-threshold",),
+    )
+    correction_lower: float | None = option(
+        None,
+        help="rl-train's lower bound (MIS masks below it, TIS clamps to it).",
+        panel="rl-train corrections reported",
+    )
+    geo_lower: float = option(
+        0.999, help="geo-rs: lower bound on the geometric-mean ratio.", panel="rl-train corrections reported"
+    )
+    geo_upper: float = option(
+        1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel="rl-train corrections reported"
+    )
+    # rl-train's behaviour-weight cap (0: not reported)
+    behave_cap: float = option(
+        5.0,
+        help="rl-train's behaviour-weight cap, reported as a mask rate (0: not reported).",
+        panel="rl-train corrections reported",
+    )
+    veto_threshold: float | None = option(
+        None,
+        help="Also report the veto: sequences with any token ratio below this.",
+        panel="rl-train corrections reported",
+        flags=("--rollout-token-veto-threshold",),
+    )
+    # tokens drawn in the scatter plots (a seeded sample beyond that)
+    max_points: int = option(20000, help="Tokens drawn in the scatter plots (a seeded sample beyond that).", panel=O.IO)
+    env: str | None = O.env()
+    env_arg: Any = O.env_arg()
+    max_turns: int = O.max_turns(3)
+    max_response_tokens: int | None = O.max_response_tokens()
+    env_retries: int = O.env_retries(2)
+    env_timeout: float = O.env_timeout()
+    trust_remote_code: bool = O.trust_remote_code()
+    seed: int = O.seed()
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         from ovkit.mismatch.sample import canonical_sampler

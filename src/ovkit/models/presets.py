@@ -11,11 +11,13 @@ smoke-test a cluster without a download.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ovkit import options as O
 from ovkit.errors import OvkitError
+from ovkit.options import option
 
 
 @dataclass(frozen=True)
@@ -166,19 +168,42 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class InitModelConfig:
     """Options of `ovkit init-model` (see commands/init-model.md)."""
 
-    out: Path | None = None  # the model directory to write
-    preset: str | None = None  # tiny (default without --vision/--llm) or a published name
-    corpus: list[Path] = field(default_factory=list)  # tiny: datasets whose text trains the tokenizer
-    vision: Path | None = None  # compose: a local vision encoder directory
-    llm: Path | None = None  # compose: a local causal LM directory
-    dtype: str = "auto"  # compose: weight dtype of the composed model ("auto" keeps the checkpoints')
-    vision_feature_layer: int = -2  # compose: which encoder layer feeds the projector (LLaVA uses the penultimate)
-    random_init: bool = False  # build a published architecture with random weights (presets with an `arch`)
-    processor: Path | None = None  # random-init: a processor directory to use (default: the tiny tokenizer)
-    list_presets: bool = False  # print the preset table and exit
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    out: Path | None = O.out()
+    # tiny (default without --vision/--llm) or a published name
+    preset: str | None = option(None, help="tiny (default), or a published name (see --list-presets).", panel="Model")
+    # tiny: datasets whose text trains the tokenizer
+    corpus: list[Path] = option(
+        [],
+        help=("tiny: dataset(s) whose text trains the tokenizer (repeatable), e.g. data/ from `ovkit synth`."),
+        panel=O.IO,
+    )
+    # compose: a local vision encoder directory
+    vision: Path | None = option(None, help="Compose: local vision encoder directory (CLIP, SigLIP, ...).", panel=O.IO)
+    # compose: a local causal LM directory
+    llm: Path | None = option(None, help="Compose: local causal LM directory (with its tokenizer).", panel=O.IO)
+    # compose: weight dtype of the composed model ("auto" keeps the checkpoints')
+    dtype: str = option(
+        "auto",
+        help=("Compose / random init: weight dtype (auto keeps the checkpoints' / float32; float32, bfloat16, ...)."),
+        panel="Model",
+    )
+    # compose: which encoder layer feeds the projector (LLaVA uses the penultimate)
+    vision_feature_layer: int = option(-2, help="Compose: encoder layer that feeds the projector.", panel="Model")
+    # build a published architecture with random weights (presets with an `arch`)
+    random_init: bool = option(
+        False, help="Build a published architecture (qwen2.5-vl-2b/3b/7b) with random weights, offline.", panel="Model"
+    )
+    # random-init: a processor directory to use (default: the tiny tokenizer)
+    processor: Path | None = option(
+        None,
+        help=("Random init: a processor directory to save with it (default: the tiny tokenizer, vocabulary padded)."),
+        panel=O.IO,
+    )
+    # print the preset table and exit
+    list_presets: bool = option(False, help="Print the preset table and exit.", panel="Model")
+    seed: int = O.seed()
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         self.corpus = [Path(p) for p in (self.corpus or [])]

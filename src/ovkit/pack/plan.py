@@ -20,7 +20,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ovkit import options as O
 from ovkit.errors import OvkitError
+from ovkit.options import option
 
 PLAN = "plan.parquet"
 STATS = "stats.json"
@@ -37,19 +39,32 @@ REJECT_SCHEMA = pa.schema(
 
 @dataclass
 class PackConfig:
-    data: Path | None = None  # the sample table to pack (a parquet file or a directory of shards)
-    model: Path | None = None  # model directory whose processor measures the samples
-    max_len: int = 8192  # pack capacity L in tokens; longer samples are rejected
-    out: Path | None = None  # plan directory (with --shard: PLAN/part-I-of-N/)
-    shard: str | None = None  # 'I/N': pack only the I-th of N equal parts of the input
-    workers: int = 1  # processes measuring lengths
-    exact_lengths: bool = False  # encode every sample with the processor instead of using image header sizes
-    cache: Path | None = None  # lengths cache directory (default $OVKIT_CACHE/lengths or ~/.cache/ovkit/lengths)
-    baseline_batch: int = 8  # B of the "pad to the longest in random batches of B" padding baseline
-    on_error: str = "fail"  # fail | skip: bad rows stop the run or go to rejects.parquet
-    seed: int = 0  # shuffles the random-batch padding baseline (the plan itself does not depend on it)
-    overwrite: bool = False
-    quiet: bool = False
+    # the sample table to pack (a parquet file or a directory of shards)
+    data: Path | None = option(
+        None, help="Sample table to pack (a parquet file or a directory of shards).", argument=True
+    )
+    # model directory whose processor measures the samples
+    model: Path | None = option(None, help="Model directory whose processor measures each sample.", panel=O.IO)
+    # pack capacity L in tokens; longer samples are rejected
+    max_len: int = option(8192, help="Pack capacity L in tokens; longer samples go to rejects.", panel="Packing")
+    out: Path | None = O.out()
+    shard: str | None = O.shard()
+    # processes measuring lengths
+    workers: int = option(1, help="Processes measuring lengths.", panel=O.RUNTIME)
+    # encode every sample with the processor instead of using image header sizes
+    exact_lengths: bool = option(
+        False, help="Encode every image with the processor instead of counting from image sizes.", panel="Packing"
+    )
+    # lengths cache directory (default $OVKIT_CACHE/lengths or ~/.cache/ovkit/lengths)
+    cache: Path | None = option(
+        None, help="Lengths cache directory (default $OVKIT_CACHE or ~/.cache/ovkit).", panel=O.IO
+    )
+    # B of the "pad to the longest in random batches of B" padding baseline
+    baseline_batch: int = option(8, help="B of the 'pad to longest in random batches' baseline.", panel="Packing")
+    on_error: str = O.on_error()
+    seed: int = O.seed()
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         from ovkit.data import parse_shard

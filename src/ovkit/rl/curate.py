@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ovkit import options as O
 from ovkit.errors import OvkitError
+from ovkit.options import option
 
 STAGE2_CATEGORIES = ("math", "chart", "science", "diagram", "svg", "code", "stem", "coding")
 SELECT_RULES = ("mean", "gap")
@@ -41,45 +43,96 @@ PROMPT_TYPE_STAGE = {"normal": 1, "answer": 1, "default": 2, "think": 2}
 class CurateConfig:
     """Options of `ovkit rl-curate`."""
 
-    data: Path | None = None  # RL prompts (answer, answer_type)
-    model: Path | None = None  # the model RL will start from (the SFT checkpoint)
-    out: Path | None = None
-    n: int = 16  # rollouts per prompt
-    limit: int | None = None  # at most this many prompts per category (the first ones), to fit a budget
-    select: str = "mean"  # mean: min_reward < pass@1 < max_reward; gap: pass@N - pass@1 >= min_gap
-    min_reward: float = 0.0
-    max_reward: float = 0.6
-    min_gap: float = 0.25
-    keep_sources: list[str] = field(default_factory=list)  # sources kept whatever their difficulty
-    stage2_categories: list[str] = field(default_factory=lambda: list(STAGE2_CATEGORIES))
-    exclude_categories: list[str] = field(default_factory=list)  # categories left out of RL (not sampled)
-    prompt: str = (
-        "auto"  # instruction the rollouts are sampled with: auto (the row's stage: 1 answer, 2 think) | answer | think
+    # RL prompts (answer, answer_type)
+    data: Path | None = option(None, help="RL prompts (sample table with answer/answer_type).", argument=True)
+    # the model RL will start from (the SFT checkpoint)
+    model: Path | None = option(None, help="The model RL will start from (e.g. the SFT output).", panel=O.IO)
+    out: Path | None = O.out()
+    # rollouts per prompt
+    n: int = option(16, help="Rollouts per prompt.", panel="Sampling")
+    # at most this many prompts per category (the first ones), to fit a budget
+    limit: int | None = option(
+        None, help="At most this many prompts per category (the first ones), to fit a time budget.", panel="Sampling"
     )
-    engine: str = "hf"
-    precision: str = "auto"  # the sampler's compute precision (ovkit.runtime.precision)
-    attn_implementation: str = (
-        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    # mean: min_reward < pass@1 < max_reward; gap: pass@N - pass@1 >= min_gap
+    select: str = option(
+        "mean",
+        help=(
+            "mean: keep min-reward < pass@1 < max-reward (released code); gap: keep pass@N - pass@1 >= "
+            "min-gap (the write-up)."
+        ),
+        panel="Selection",
     )
-    batch_size: int = 64  # sequences per generate call (prompts x n)
-    max_new_tokens: int = 1024
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_pixels: int = 512 * 512
-    system_prompt: bool = True
-    rollout_images: bool = True  # store the prompt images in the rollout table (mismatch-report re-runs the model)
-    reward_workers: int = 2
-    env: str | None = None  # multi-turn rollouts with an environment (ovkit.envs): difficulty under the tool loop
-    env_arg: Any = None
-    max_turns: int = 3
-    max_response_tokens: int | None = None
-    env_retries: int = 2
-    env_timeout: float = 30.0
-    shard: str | None = None
-    trust_remote_code: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    min_reward: float = option(
+        0.0, help="mean rule: drop prompts whose pass@1 is <= this (never solved).", panel="Selection"
+    )
+    max_reward: float = option(
+        0.6, help="mean rule: drop prompts whose pass@1 is >= this (already solved).", panel="Selection"
+    )
+    min_gap: float = option(0.25, help="gap rule: keep prompts with pass@N - pass@1 >= this.", panel="Selection")
+    # sources kept whatever their difficulty
+    keep_sources: list[str] = option(
+        [],
+        help="Keep every prompt whose source contains this tag, whatever its difficulty; repeatable.",
+        panel="Selection",
+        flag="--keep-source",
+    )
+    stage2_categories: list[str] = option(
+        list(STAGE2_CATEGORIES),
+        help=(
+            "Categories that go to the stage-2 (thinking) set; repeatable (default: math chart science "
+            "diagram svg code stem coding)."
+        ),
+        panel="Selection",
+        flag="--stage2-category",
+    )
+    # categories left out of RL (not sampled)
+    exclude_categories: list[str] = option(
+        [],
+        help="Leave this category out of RL (its prompts are not sampled); repeatable.",
+        panel="Selection",
+        flag="--exclude-category",
+    )
+    # instruction the rollouts are sampled with: auto (the row's stage: 1 answer, 2 think) | answer | think
+    prompt: str = option(
+        "auto",
+        help=(
+            "Instruction the rollouts are sampled with: auto (the row's stage: 1 answer-only, 2 think), "
+            "answer or think."
+        ),
+        panel="Sampling",
+    )
+    engine: str = option("hf", help="hf (transformers, CPU or GPU) or vllm (GPU).", panel=O.RUNTIME)
+    precision: str = O.precision()
+    attn_implementation: str = O.attn_implementation()
+    # sequences per generate call (prompts x n)
+    batch_size: int = option(64, help="Sequences per generate call (prompts x n).", panel=O.RUNTIME)
+    max_new_tokens: int = option(1024, help="Completion length limit.", panel="Sampling")
+    temperature: float = option(1.0, help="Sampling temperature.", panel="Sampling")
+    top_p: float = option(1.0, help="Nucleus sampling.", panel="Sampling")
+    max_pixels: int = option(
+        512 * 512, help="Downscale images to at most this many pixels (512x512 in the recipe).", panel="Sampling"
+    )
+    system_prompt: bool = option(True, help="Prepend the recipe's system prompt.", panel="Sampling", negatable=True)
+    # store the prompt images in the rollout table (mismatch-report re-runs the model)
+    rollout_images: bool = option(
+        True,
+        help="Store prompt images in OUT/rollouts (mismatch-report needs them for multimodal prompts).",
+        panel=O.IO,
+        negatable=True,
+    )
+    reward_workers: int = option(2, help="Processes for the sandboxed scorers (math, svg, code).", panel=O.RUNTIME)
+    env: str | None = O.env()
+    env_arg: Any = O.env_arg()
+    max_turns: int = O.max_turns(3)
+    max_response_tokens: int | None = O.max_response_tokens()
+    env_retries: int = O.env_retries(2)
+    env_timeout: float = O.env_timeout()
+    shard: str | None = O.shard()
+    trust_remote_code: bool = O.trust_remote_code()
+    seed: int = O.seed()
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         from ovkit.rollouts.episodes import check_env_options
