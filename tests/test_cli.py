@@ -291,3 +291,13 @@ def test_an_option_without_help_is_refused():
 
     with pytest.raises(TypeError, match="not declared with ovkit.options.option"):
         specs(Bare)
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_declares_its_launcher_policy(name):
+    """ovkit.launch reads what a command does under torchrun / accelerate launch off its config class."""
+    from ovkit import options
+
+    cls = INFO[name].config_class()
+    policies = (options.DATA_PARALLEL, options.RANK_SHARDED, options.ROW_SHARED, options.ONE_PROCESS)
+    assert any("launcher" in vars(c) for c in cls.__mro__) and cls.launcher in policies

@@ -31,6 +31,13 @@ EVALUATION = "Evaluation while training"
 
 KEY = "ovkit"  # the metadata key of a field's Option
 
+# What a stage does under a launcher (torchrun / accelerate launch): its config's `launcher` class attribute, read by
+# ovkit.launch.check (the table of commands and policies is in ovkit.launch's docstring).
+DATA_PARALLEL = "data-parallel"  # one run over N processes (align, midtrain, sft, rl-train)
+RANK_SHARDED = "rank-sharded"  # process r runs --shard r/N (convert, balance, pack, caption, rl-curate)
+ROW_SHARED = "row-shared"  # the processes share the rows, the main process writes (eval; --compare: one process)
+ONE_PROCESS = "one-process"  # refused under a launcher (synth, init-model, mismatch-report)
+
 
 @dataclasses.dataclass(frozen=True)
 class Option:

@@ -16,7 +16,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +44,8 @@ PHASES = ("all", "assign", "sample")
 
 @dataclass
 class BalanceConfig:
+    launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
+
     # input sample table (not used with --merge)
     data: Path | None = option(None, help="Sample table (parquet file or directory of shards).", argument=True)
     # concept vocabulary, one per line

@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -64,6 +64,8 @@ CHUNK_SCHEMA = pa.schema(
 
 @dataclass
 class CaptionConfig:
+    launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
+
     # input sample table (parquet file or directory of shards)
     data: Path | None = option(
         None, help="Sample table to recaption (parquet file or directory of shards).", argument=True

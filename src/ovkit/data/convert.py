@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -86,6 +86,8 @@ MAX_RECORD_CHARS = 256 << 20  # one JSON record larger than this is treated as m
 
 @dataclass
 class ConvertConfig:
+    launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
+
     # a JSON / JSON-lines / parquet file, a directory of parquet files, or a `datasets` source (Hub id, card dir, saved dir)
     input: str | None = option(
         None,

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ovkit import options as O
 from ovkit.data.synth_tasks import (
@@ -76,6 +76,8 @@ CAPTION_PROMPTS = {
 
 @dataclass
 class SynthConfig:
+    launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
+
     out: Path | None = O.out()
     # multiplies every split's size (at least one row per category and split)
     scale: float = option(1.0, help="Multiplies every split's size (1.0: about 8,000 images).", panel="Corpus")

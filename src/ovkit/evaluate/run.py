@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ovkit import options as O
 from ovkit.errors import OvkitError, where
@@ -22,6 +22,8 @@ THINK_EXTRA_TOKENS = 256  # room for the reasoning with --prompt think
 @dataclass
 class EvalConfig:
     """Options of `ovkit eval` (evaluate a model) and `ovkit eval --compare` (tabulate finished evals)."""
+
+    launcher: ClassVar[str] = O.ROW_SHARED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     # eval datasets; with --compare: eval outputs (summary.json dirs), LABEL=PATH allowed
     data: list[Path] | None = option(

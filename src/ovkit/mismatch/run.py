@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ovkit import options as O
 from ovkit.errors import OvkitError
@@ -19,6 +19,8 @@ PROMPT_MODES = ("answer", "think", "none")
 @dataclass
 class MismatchConfig:
     """Options of `ovkit mismatch-report`."""
+
+    launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     # a rollout table (eval --save-logprobs, rl-curate, rl-train --save-rollouts)
     rollouts: Path | None = option(

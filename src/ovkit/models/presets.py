@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ovkit import options as O
 from ovkit.errors import OvkitError
@@ -167,6 +167,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass
 class InitModelConfig:
     """Options of `ovkit init-model` (see commands/init-model.md)."""
+
+    launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     out: Path | None = O.out()
     # tiny (default without --vision/--llm) or a published name

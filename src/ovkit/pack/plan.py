@@ -15,6 +15,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -39,6 +40,8 @@ REJECT_SCHEMA = pa.schema(
 
 @dataclass
 class PackConfig:
+    launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
+
     # the sample table to pack (a parquet file or a directory of shards)
     data: Path | None = option(
         None, help="Sample table to pack (a parquet file or a directory of shards).", argument=True

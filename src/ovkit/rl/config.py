@@ -40,6 +40,8 @@ STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 class RLTrainConfig:
     """Options of `ovkit rl-train`. Defaults are the published LLaVA-OneVision-1.5-RL values (anchors.md section 1)."""
 
+    launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
+
     # Options that exclude each other: one given on the command line drops the config file's other (flags override the file)
     exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
 

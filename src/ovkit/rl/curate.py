@@ -28,7 +28,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ovkit import options as O
 from ovkit.errors import OvkitError
@@ -42,6 +42,8 @@ PROMPT_TYPE_STAGE = {"normal": 1, "answer": 1, "default": 2, "think": 2}
 @dataclass
 class CurateConfig:
     """Options of `ovkit rl-curate`."""
+
+    launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     # RL prompts (answer, answer_type)
     data: Path | None = option(None, help="RL prompts (sample table with answer/answer_type).", argument=True)

@@ -41,6 +41,8 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
 class TrainConfig:
     """Options of `ovkit align | midtrain | sft`. The stage (a class attribute, not an option) picks the presets."""
 
+    launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
+
     stage: ClassVar[str] = "sft"
     # Options that exclude each other: one given on the command line drops the config file's other (flags override the file)
     exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
