@@ -217,7 +217,7 @@ pipeline-outputs: $(CAPTIONED) $(foreach s,$(STAGES) sft-blind,$(EVALS)/$(s)/sum
 
 # ---------------------------------------------------------------------------------------------------------------
 # make science: the findings of the seed write-ups on sampler/learner mismatch, rerun with ovkit's own commands on the
-# pipeline's SFT model and RL prompts, in one report ($(RUN)/science/report.html, report.md; python -m ovkit.science).
+# pipeline's SFT model and RL prompts, in one report ($(RUN)/science/report.html, report.md; ovkit science-report).
 #  1. rl-train stage 1 from the SFT model, learner fp32, sampler fp32 / int8 / int4 (4-bit weights), the low-precision
 #     ones without correction and with token-TIS, seq-MIS and geometric rejection; 3 seeds each, synchronous, so a seed
 #     gives the same run; each final model scored on the validation split (the table's eval split stays untouched);
@@ -254,4 +254,4 @@ science-runs: $(SCI_EVALS) $(SCI)/buckets/ovkit.json $(SCI)/turns/ovkit.json
 
 science: setup $(RUN)/rl-data/ovkit.json
 	$(MAKE) -j2 science-runs RUN=$(RUN) SEED=$(SEED)
-	$(BIN)/python -m ovkit.science $(RUN)
+	$(OVKIT) science-report $(RUN)

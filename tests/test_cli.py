@@ -95,6 +95,7 @@ MINIMAL = {
     "rl-curate": ["d", "--model", "m", "--out", "o"],
     "rl-train": ["d", "--model", "m", "--out", "o"],
     "mismatch-report": ["r", "--model", "m", "--out", "o"],
+    "science-report": ["r"],
 }
 
 

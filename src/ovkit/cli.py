@@ -63,6 +63,7 @@ def _register() -> None:
         pack,
         rl_curate,
         rl_train,
+        science_report,
         synth,
         train,
     )
@@ -84,6 +85,7 @@ def _register() -> None:
     command("rl-curate")(rl_curate.rl_curate)
     command("rl-train")(rl_train.rl_train)
     command("mismatch-report")(mismatch_report.mismatch_report)
+    command("science-report")(science_report.science_report)
 
 
 def _command() -> str:
