@@ -29,7 +29,7 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: lint format gpu-suite gpu-suite-smoke setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
+.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
 # Keep every file a rule made: make deletes the intermediate files of chained pattern rules (it removed each science
 # RL run's ovkit.json, its completion mark, once that run's eval was done).
 .SECONDARY:
@@ -56,6 +56,11 @@ lint: setup
 format: setup
 	$(BIN)/ruff check --fix src tests bench examples
 	$(BIN)/ruff format src tests bench examples
+
+# The option table of every commands/NAME.md, generated from the options' declarations (ovkit.options fields of the
+# stage configs); tests/test_cli.py fails while a table is stale.
+pages: setup
+	$(BIN)/python -m ovkit.commands.pages
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow

@@ -302,3 +302,20 @@ def test_every_command_declares_its_launcher_policy(name):
     cls = INFO[name].config_class()
     policies = (options.DATA_PARALLEL, options.RANK_SHARDED, options.ROW_SHARED, options.ONE_PROCESS)
     assert any("launcher" in vars(c) for c in cls.__mro__) and cls.launcher in policies
+
+
+def test_every_page_option_table_is_the_generated_one():
+    """commands/NAME.md's option table is generated from the declarations (make pages): a stale one, or one missing an
+    option, a spelling or a default, fails here."""
+    from ovkit.commands.pages import stale_pages
+
+    assert stale_pages(write=False) == [], "run `make pages` (python -m ovkit.commands.pages)"
+
+
+def test_a_changed_default_makes_the_page_table_stale(monkeypatch):
+    from ovkit.commands import pages
+
+    command = click_command("sft")
+    assert "| `--min-lr` | 1e-6 |" in pages.table(command)
+    monkeypatch.setattr(pages, "config_defaults", lambda cls: {**config_defaults(cls), "min_lr": 2e-6})
+    assert "| `--min-lr` | 2e-6 |" in pages.table(command)

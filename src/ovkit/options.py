@@ -55,6 +55,7 @@ class Option:
     argument: bool = False  # positional (the command's INPUT), not a --flag
     metavar: str | None = None
     doc: str | None = None  # the command page's longer text (default: help)
+    default_doc: str | None = None  # the page's words for a default computed at run time (None in the dataclass)
 
     def cli_name(self, name: str) -> str:
         """How the command line spells field `name`: --lr, or DATA for an argument."""
@@ -76,6 +77,7 @@ def option(
     argument: bool = False,
     metavar: str | None = None,
     doc: str | None = None,
+    default_doc: str | None = None,
 ) -> Any:
     """A config field declaring one option (a list default is copied per instance)."""
     if not help or not help.strip():
@@ -93,6 +95,7 @@ def option(
         argument=argument,
         metavar=metavar,
         doc=doc,
+        default_doc=default_doc,
     )
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata={KEY: meta})
@@ -152,23 +155,43 @@ out = _shared(
     flags=("--output-dir",),
     run_control=True,
 )
-seed = _shared(0, help="Random seed; the same inputs and seed give byte-identical data outputs.", panel=RUN)
-overwrite = _shared(False, help="Replace a complete output instead of skipping.", panel=RUN, run_control=True)
+seed = _shared(
+    0,
+    help="Random seed; the same inputs and seed give byte-identical data outputs.",
+    panel=RUN,
+)
+overwrite = _shared(
+    False,
+    help="Replace a complete output instead of skipping.",
+    panel=RUN,
+    run_control=True,
+    doc="replace a complete OUT (and discard an unfinished OUT.partial)",
+)
 quiet = _shared(
     False,
     help="No progress bars (ovkit's, nor those of transformers, huggingface_hub and datasets).",
     panel=RUN,
     run_control=True,
+    doc=("no progress bar and no notes on stderr (transformers', huggingface_hub's and datasets' bars included)"),
 )
-shard = _shared(help="Process only part I of N ('I/N', 0-based I), e.g. '3/8'.", panel=RUN)
+shard = _shared(
+    help="Process only part I of N ('I/N', 0-based I), e.g. '3/8'.",
+    panel=RUN,
+    doc="`I/N`: pack only the I-th of N equal contiguous parts of DATA, independently",
+)
 on_error = _shared(
     "fail",
     help="fail: stop at the first bad row; skip: move bad rows to OUT/rejects.parquet.",
     panel=RUN,
     choices=("fail", "skip"),
+    doc=("`fail`: exit 2 at the first bad record; `skip`: move bad records to `rejects.parquet`"),
 )
 trust_remote_code = _shared(
-    False, help="Allow model code from the model directory (e.g. LLaVA-OneVision-1.5).", panel=RUNTIME, run_control=True
+    False,
+    help="Allow model code from the model directory (e.g. LLaVA-OneVision-1.5).",
+    panel=RUNTIME,
+    run_control=True,
+    doc="allow model code from the model directory / hub",
 )
 precision = _shared(
     "auto",
@@ -176,6 +199,11 @@ precision = _shared(
     "bf16-true (pure bf16). Aliases: bf16 = bf16-mixed, 32 = fp32.",
     panel=RUNTIME,
     choices=(*PRECISIONS, *PRECISION_ALIASES),
+    doc=(
+        "the learner's: `auto` (bf16-mixed on a GPU with bf16, else fp32), `fp32`, `bf16-mixed` (bf16 weights"
+        " in compute, fp32 master weights, gradients and AdamW state: no per-op casts), `bf16-true` (pure "
+        "bf16); `bf16` = bf16-mixed, `32` = fp32 (ovkit.runtime.precision)"
+    ),
 )
 attn_implementation = _shared(
     "auto",
@@ -183,6 +211,12 @@ attn_implementation = _shared(
     "eager. The ViT attends varlen (one call per layer) except with eager.",
     panel=RUNTIME,
     choices=ATTENTION,
+    doc=(
+        "`auto` (flash_attention_2 on CUDA with flash-attn installed, else sdpa), `sdpa`, "
+        "`flash_attention_2`, `flex_attention`, `eager`; the vision tower attends varlen, one call per layer "
+        "(except `eager`); a missing kernel falls back to sdpa with one warning; the choice used is in "
+        "ovkit.json `runtime.attention`"
+    ),
 )
 optim = _shared(
     "adamw_torch_fused",
@@ -191,6 +225,15 @@ optim = _shared(
     "--precision bf16-true).",
     panel=RUNTIME,
     choices=OPTIMS,
+    doc=(
+        "the AdamW implementation (transformers' Trainer names; EasyR1's for the last): `adamw_torch_fused` "
+        "(torch's fused kernel, foreach where it is unsupported), `adamw_torch` (foreach), `adamw_8bit` "
+        "(bitsandbytes' block-wise 8-bit state, CPU or CUDA; `pip install 'ovkit[qlora]'`; with bf16-mixed it"
+        " runs over fp32 weights under bf16 autocast, no master copy), `adamw_bf16` (bf16 weights, m, v and a"
+        " Kahan compensation buffer, 10 bytes per parameter, deterministic; implies `--precision bf16-true`, "
+        "refused with fp32 or bf16-mixed). The precision x optimiser table and what each costs: "
+        "ovkit.runtime.optim; the measured bytes per parameter are in ovkit.json `runtime.bytes_per_param`"
+    ),
 )
 activation_checkpointing = _shared(
     "auto",
@@ -200,9 +243,24 @@ activation_checkpointing = _shared(
     "time; the same gradients.",
     panel=RUNTIME,
     run_control=True,
+    doc=(
+        "recompute activations in backward, in the LLM's decoder layers and the ViT's blocks alike "
+        "(`ovkit.runtime.checkpointing`): `off`; `full` (every block keeps only its input); `every-K` (the "
+        "K-th, 2K-th, ... block, torchtitan's selective layer checkpointing); `mlp` (only each block's MLP: "
+        "its wide intermediate activations are recomputed, attention keeps what it saved); `auto`: off on "
+        "CPU, on CUDA `full` when a learner micro-batch's (--micro-batch-size x (longest prompt + "
+        "--max-new-tokens)) estimated activations (bytes per token per block measured by "
+        "`bench/activation_bytes.py` x tokens x blocks) exceed the memory free after weights and optimiser "
+        "state, else off. The gradients are the same; the mode used and why are in ovkit.json "
+        "`runtime.activation_checkpointing`; it may change on `--resume`"
+    ),
 )
 gradient_checkpointing = _shared(
-    False, help="TRL/HF's spelling of --activation-checkpointing full.", panel=RUNTIME, run_control=True
+    False,
+    help="TRL/HF's spelling of --activation-checkpointing full.",
+    panel=RUNTIME,
+    run_control=True,
+    doc="TRL's spelling of `--activation-checkpointing full`",
 )
 compile = _shared(
     False,
@@ -211,6 +269,15 @@ compile = _shared(
     "compilation.",
     panel=RUNTIME,
     run_control=True,
+    doc=(
+        "`torch.compile` each decoder layer and vision block (`ovkit.runtime.compiling`, torchtitan's "
+        "per-block compile) with symbolic shapes, after activation checkpointing (a checkpointed block's "
+        "checkpoint calls the compiled block); the learner attention's varlen planning stays eager (one graph"
+        " break per attention call); generation with a KV cache and the asynchronous sampler's copy run "
+        "eager. The same losses as eager within float tolerance, so it may change on `--resume`; compiled "
+        "blocks, graphs, graph breaks and compiled frames are in ovkit.json `runtime.compile`. The first "
+        "steps pay the compilation (about 30-60 s for the tiny model on 2 CPU cores: BENCHMARKS.md)"
+    ),
 )
 kernels = _shared(
     "auto",
@@ -219,6 +286,13 @@ kernels = _shared(
     "loss's chunked head).",
     panel=RUNTIME,
     run_control=True,
+    doc=(
+        "`liger`: Liger-Kernel's Triton kernels (CUDA only; `pip install 'ovkit[liger]'`): RMSNorm, SwiGLU "
+        "and RoPE patched into the model, (rl-train's token log-probs keep ovkit's chunked head: Liger's "
+        "fused loss returns a reduced loss, not per-token log-probs); `torch`: PyTorch ops and the chunked "
+        "head; `auto`: liger on CUDA when liger-kernel is installed, else torch. `liger` on a machine without"
+        " CUDA or without the package exits 2. What was applied is in ovkit.json `runtime.kernels`"
+    ),
 )
 use_liger_kernel = _shared(False, help="TRL/HF's spelling of --kernels liger.", panel=RUNTIME, run_control=True)
 # LoRA (ovkit.runtime.lora) on every training command.
@@ -227,17 +301,33 @@ lora_r = _shared(
     help="LoRA rank: train low-rank adapters on the selection's attention/MLP projections instead of every weight (0: "
     "full fine-tuning).",
     panel=LORA,
+    doc=(
+        "LoRA rank: low-rank adapters (peft) on the attention/MLP projections of the selection instead of "
+        "full fine-tuning; the projector, when selected, still trains in full; OUT holds the merged model and"
+        " OUT/adapter/ the adapter (`peft.PeftModel.from_pretrained`)"
+    ),
 )
-lora_alpha = _shared(16.0, help="LoRA scale alpha (the update is alpha / r x B A).", panel=LORA)
+lora_alpha = _shared(
+    16.0, help="LoRA scale alpha (the update is alpha / r x B A).", panel=LORA, doc="LoRA scale (update = A / r x B A)"
+)
 lora_dropout = _shared(0.0, help="Dropout on the LoRA branch.", panel=LORA)
 lora_targets = _shared(
-    help="Regex over module names to adapt instead of the per-architecture default; repeatable.", panel=LORA
+    help="Regex over module names to adapt instead of the per-architecture default; repeatable.",
+    panel=LORA,
+    doc="module names to adapt instead (repeatable)",
 )
 load_in_4bit = _shared(
     False,
     help="QLoRA: load the language model's Linear weights in 4-bit NF4 (bitsandbytes) and train LoRA adapters on them; "
     "needs --lora-r > 0.",
     panel=LORA,
+    doc=(
+        "QLoRA: the language model's Linear weights load as 4-bit NF4 with double quantisation (bitsandbytes,"
+        " CPU or CUDA; `pip install 'ovkit[qlora]'`), the vision tower, projector and head stay full "
+        "precision, and the `--lora-r` adapters train on top; OUT holds the merged model with the dequantised"
+        " base (a plain checkpoint) and OUT/adapter/ the adapter, which applies to the 4-bit base too. Not in"
+        " rl-train: its learner scores in eval mode, where bitsandbytes' CPU path repacks the weights"
+    ),
 )
 # Checkpoints of the learners (align, midtrain, sft, rl-train): run control.
 save_every = _shared(
@@ -245,13 +335,21 @@ save_every = _shared(
     help="Write a resumable checkpoint every N steps into OUT.partial/checkpoints (0: only the final model).",
     panel=CHECKPOINTS,
     run_control=True,
+    doc="checkpoint every N steps (0: only the final model)",
 )
-keep_checkpoints = _shared(2, help="Keep the newest N intermediate checkpoints.", panel=CHECKPOINTS, run_control=True)
+keep_checkpoints = _shared(
+    2,
+    help="Keep the newest N intermediate checkpoints.",
+    panel=CHECKPOINTS,
+    run_control=True,
+    doc="intermediate checkpoints kept",
+)
 resume = _shared(
     False,
     help="Continue the unfinished run in OUT.partial/ from its last checkpoint (starts fresh if there is none).",
     panel=CHECKPOINTS,
     run_control=True,
+    doc="continue the run in `OUT.partial/`",
 )
 report_to = _shared(
     [],
@@ -259,6 +357,12 @@ report_to = _shared(
     "always written).",
     panel=CHECKPOINTS,
     run_control=True,
+    doc=(
+        "`tensorboard`, `wandb`, `mlflow`, `trackio` (repeatable): accelerate's experiment trackers, offline "
+        "where they allow (TensorBoard in OUT/trackers/, MLflow a file store in OUT/mlruns unless "
+        "MLFLOW_TRACKING_URI is set, W&B in OUT/wandb: set WANDB_MODE=offline); metrics.jsonl is always "
+        "written"
+    ),
 )
 # Evaluation while training (ovkit.evaluate.during) on align, midtrain, sft and rl-train: run control (evaluation
 # restores the RNG, so the trajectory is unchanged).
@@ -267,6 +371,12 @@ eval_data = _shared(
     "eval/accuracy per category; supervised stages also eval/loss on the target turn). Repeatable.",
     panel=EVALUATION,
     run_control=True,
+    doc=(
+        "held-out table(s) scored while training as `ovkit eval` scores them (answer-mode prompts, greedy, "
+        "the learner's weights): `eval/loss` on each row's target (its last assistant turn; a prompt-only "
+        "row's `<answer>ANSWER</answer>`), and for rows with a gold `answer` `eval/reward`, `eval/accuracy`, "
+        "`eval/reward/<category>`, `eval/accuracy/<category>`; repeatable"
+    ),
 )
 eval_every = _shared(
     0,
@@ -275,36 +385,64 @@ eval_every = _shared(
     panel=EVALUATION,
     flags=("--eval-steps",),
     run_control=True,
+    doc=(
+        "evaluate every N steps and after the last (0: after the last only); also `--eval-steps` (HF/TRL). "
+        "Run control: the rewards, losses and weights are bit-identical with and without it"
+    ),
 )
 eval_limit = _shared(
     help="At most this many --eval-data rows per category (the first ones, as `ovkit eval --limit`).",
     panel=EVALUATION,
     run_control=True,
+    doc="at most N eval rows per category (the first ones, as `ovkit eval --limit`)",
 )
 eval_max_new_tokens = _shared(
     help="Generation budget of the eval. Default: per category, from its longest gold answer (as `ovkit eval`).",
     panel=EVALUATION,
     run_control=True,
+    doc=("the eval's generation budget (default: `ovkit eval`'s, from the category's longest gold answer)"),
 )
 # Multi-turn rollouts (ovkit.envs, ovkit.rollouts.episodes) on rl-train, rl-curate, eval and mismatch-report.
 env = _shared(
     help="Multi-turn rollouts with an environment: zoom, verifier, or package.module:factory (see "
     "docs/environments.md).",
     panel=MULTI_TURN,
+    doc=(
+        "multi-turn rollouts with an environment: `zoom`, `verifier` or `package.module:factory` "
+        "([docs/environments.md](../docs/environments.md))"
+    ),
 )
-env_arg = _shared(help="Environment argument key=value (repeatable), e.g. --env-arg max_attempts=3.", panel=MULTI_TURN)
+env_arg = _shared(
+    help="Environment argument key=value (repeatable), e.g. --env-arg max_attempts=3.",
+    panel=MULTI_TURN,
+    doc=(
+        "environment argument `key=value`, value parsed as YAML (repeatable); in a config file a mapping "
+        "`env-arg: {key: value}`"
+    ),
+)
 max_turns = _shared(
-    1, help="Multi-turn: assistant turns at most (then the rollout ends as max_turns).", panel=MULTI_TURN
+    1,
+    help="Multi-turn: assistant turns at most (then the rollout ends as max_turns).",
+    panel=MULTI_TURN,
+    doc="with `--env`: assistant turns at most (then `max_turns`)",
 )
 max_response_tokens = _shared(
-    help="Multi-turn: token budget after the prompt, sampled + observation tokens (then truncated).", panel=MULTI_TURN
+    help="Multi-turn: token budget after the prompt, sampled + observation tokens (then truncated).",
+    panel=MULTI_TURN,
+    doc=("with `--env`: token budget after the prompt, sampled + observation tokens (then `truncated`)"),
 )
 env_retries = _shared(
     0,
     help="Multi-turn: extra tries of an environment call that raised or timed out (then env_error).",
     panel=MULTI_TURN,
+    doc=("with `--env`: extra tries of an environment call that raised or timed out (then `env_error`)"),
 )
-env_timeout = _shared(30.0, help="Multi-turn: seconds per environment call.", panel=MULTI_TURN)
+env_timeout = _shared(
+    30.0,
+    help="Multi-turn: seconds per environment call.",
+    panel=MULTI_TURN,
+    doc="with `--env`: seconds per environment call",
+)
 
 SHARED = {
     name: fn for name, fn in globals().items() if getattr(fn, "__qualname__", "").startswith("_shared.")

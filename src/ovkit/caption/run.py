@@ -68,45 +68,92 @@ class CaptionConfig:
 
     # input sample table (parquet file or directory of shards)
     data: Path | None = option(
-        None, help="Sample table to recaption (parquet file or directory of shards).", argument=True
+        None,
+        help="Sample table to recaption (parquet file or directory of shards).",
+        argument=True,
+        doc="input sample table",
     )
     # the captioner: any HF VLM directory (save_pretrained) or hub id
-    model: Path | None = option(None, help="Captioner: any VLM directory (save_pretrained) or hub id.", panel=O.IO)
-    out: Path | None = O.out()
+    model: Path | None = option(
+        None,
+        help="Captioner: any VLM directory (save_pretrained) or hub id.",
+        panel=O.IO,
+        doc="captioner directory or hub id",
+    )
+    out: Path | None = O.out(doc="output directory")
     # caption languages, one per image, drawn by --lang-ratio
     lang: str = option(
-        "en,zh", help="Caption languages; each image gets one, drawn by --lang-ratio.", panel="Captioning"
+        "en,zh",
+        help="Caption languages; each image gets one, drawn by --lang-ratio.",
+        panel="Captioning",
+        doc="caption languages, one per image",
     )
     # shares of the --lang languages (default 0.75,0.25 for en,zh; else equal)
     lang_ratio: str | None = option(
-        None, help="Shares of the --lang languages, e.g. 0.75,0.25 (default for en,zh; else equal).", panel="Captioning"
+        None,
+        help="Shares of the --lang languages, e.g. 0.75,0.25 (default for en,zh; else equal).",
+        panel="Captioning",
+        doc="shares of the `--lang` languages",
+        default_doc="0.75,0.25 for en,zh; else equal",
     )
     # LANG=TEXT: the prompt of a language (defaults exist for en and zh)
     prompt: list[str] | None = option(
-        None, help="LANG=TEXT: the prompt of a language (repeatable; en and zh have defaults).", panel="Captioning"
+        None,
+        help="LANG=TEXT: the prompt of a language (repeatable; en and zh have defaults).",
+        panel="Captioning",
+        doc="`LANG=TEXT`, repeatable",
+        default_doc="see above",
     )
     # hf (transformers, any device) | vllm (GPU)
-    engine: str = option("hf", help="hf (transformers, any device) or vllm (GPU).", panel=O.RUNTIME)
+    engine: str = option(
+        "hf",
+        help="hf (transformers, any device) or vllm (GPU).",
+        panel=O.RUNTIME,
+        doc="`hf` (transformers, any device; the GPU when there is one) or `vllm` (GPU)",
+    )
     # sequences per generate call, hf engine
-    batch_size: int = option(32, help="Sequences per generate call, hf engine.", panel=O.RUNTIME)
+    batch_size: int = option(
+        32,
+        help="Sequences per generate call, hf engine.",
+        panel=O.RUNTIME,
+        doc="sequences per generate call (hf engine; vLLM batches itself)",
+    )
     # the recipe's filter allows 3500 characters, about 800 tokens
-    max_new_tokens: int = option(512, help="Tokens per caption.", panel="Captioning")
+    max_new_tokens: int = option(
+        512,
+        help="Tokens per caption.",
+        panel="Captioning",
+        doc="tokens per caption (3500 characters is about 800 tokens)",
+    )
     # 0 = greedy
     temperature: float = option(0.0, help="0 = greedy.", panel="Captioning")
-    top_p: float = option(1.0, help="Nucleus sampling mass (with --temperature > 0).", panel="Captioning")
+    top_p: float = option(
+        1.0,
+        help="Nucleus sampling mass (with --temperature > 0).",
+        panel="Captioning",
+        doc="nucleus mass with `--temperature` > 0",
+    )
     # filter: shorter captions are rejected
-    min_chars: int = option(50, help="Filter: captions shorter than this are rejected.", panel="Caption filter")
+    min_chars: int = option(
+        50, help="Filter: captions shorter than this are rejected.", panel="Caption filter", doc="filter lower bound"
+    )
     # filter: longer captions are rejected
-    max_chars: int = option(3500, help="Filter: captions longer than this are rejected.", panel="Caption filter")
+    max_chars: int = option(
+        3500, help="Filter: captions longer than this are rejected.", panel="Caption filter", doc="filter upper bound"
+    )
     # filter: a run of this many identical consecutive words rejects the caption
     repeat_limit: int = option(
-        8, help="Filter: this many identical consecutive words reject a caption.", panel="Caption filter"
+        8,
+        help="Filter: this many identical consecutive words reject a caption.",
+        panel="Caption filter",
+        doc="filter: identical consecutive words that reject",
     )
     # a rejected recaption keeps its row (original caption) instead of rejecting it
     keep_original_on_reject: bool = option(
         False,
         help=("A rejected recaption keeps its row with the original caption instead of moving it to rejects."),
         panel="Caption filter",
+        doc="keep a row whose recaption was rejected, with its original caption",
     )
     # with a `concepts` column: replace targets only if recaption concept recall >= original's
     replace_if_better: bool = option(
@@ -114,19 +161,28 @@ class CaptionConfig:
         help=("With a `concepts` column: replace the targets only if recaption concept recall >= the originals'."),
         panel="Caption filter",
         negatable=True,
+        doc="replace only when concept recall does not drop / always replace",
     )
     # rows per saved chunk of generations (the resume granularity)
     chunk_rows: int = option(
-        256, help="Rows per saved chunk of generations (a rerun resumes after the last one).", panel=O.RUN
+        256,
+        help="Rows per saved chunk of generations (a rerun resumes after the last one).",
+        panel=O.RUN,
+        doc="rows per saved chunk (resume granularity)",
     )
-    shard: str | None = O.shard()
-    on_error: str = O.on_error()
-    precision: str = O.precision()
+    shard: str | None = O.shard(doc="`I/N`: caption part I of N into `OUT/part-I-of-N/`")
+    on_error: str = O.on_error(doc="`fail` or `skip` (invalid input rows to `rejects.parquet`)")
+    precision: str = O.precision(
+        doc=(
+            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
+            "`bf16-mixed` (bf16 weights)"
+        )
+    )
     attn_implementation: str = O.attn_implementation()
     trust_remote_code: bool = O.trust_remote_code()
-    seed: int = O.seed()
-    overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet()
+    seed: int = O.seed(doc="language draw and sampling seed")
+    overwrite: bool = O.overwrite(doc="redo a complete output (and discard saved chunks)")
+    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.generate import ENGINES

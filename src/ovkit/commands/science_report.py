@@ -25,6 +25,7 @@ class ScienceReportConfig:
     science: Path | None = option(
         None, help="Where `make science` wrote its runs, and where the report goes. Default: RUN/science.", panel=O.IO
     )
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         if self.run is None:
@@ -39,7 +40,7 @@ class ScienceReportConfig:
 def science_report(ctx: typer.Context) -> None:
     """Write SCIENCE/report.md, report.html and report.json from the outputs of `make full-pipeline` and
     `make science`: one line per finding, measured against the write-up's claim."""
-    cfg = resolve(ctx)
+    cfg = resolve(ctx)  # --quiet: the libraries' bars off (the report draws its figures with matplotlib)
     if not cfg.run.is_dir():
         raise OvkitError(f"{cfg.run}: no such run directory")
     from ovkit.science import build_report

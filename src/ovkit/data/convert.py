@@ -97,6 +97,7 @@ class ConvertConfig:
             "(ORG/NAME[:CONFIG]\\[@SPLIT])."
         ),
         argument=True,
+        doc="the file or directory to convert",
     )
     # one of FORMATS (or an alias); auto = detect from the keys/columns
     from_format: str = option(
@@ -107,6 +108,7 @@ class ConvertConfig:
         ),
         panel=O.IO,
         flags=("--from",),
+        doc="the input format (table above); in a `--config` file the key is `from-format`",
     )
     # ovkit: the sample table; trl: TRL's conversational VLM format (images + content parts)
     to_format: str = option(
@@ -116,15 +118,27 @@ class ConvertConfig:
         ),
         panel=O.IO,
         flags=("--to",),
+        doc=(
+            "`ovkit`: the sample table; `trl`: TRL's conversational VLM format (above); in a `--config` file the "
+            "key is `to-format`"
+        ),
     )
-    out: Path | None = O.out()
+    out: Path | None = O.out(doc="output dataset directory")
     # relative image paths are resolved against it (default: the input's folder)
     image_root: Path | None = option(
-        None, help="Folder that relative image paths start from (default: the input's folder).", panel=O.IO
+        None,
+        help="Folder that relative image paths start from (default: the input's folder).",
+        panel=O.IO,
+        doc="folder that relative image paths start from",
+        default_doc="the input's folder",
     )
     # `source` of rows whose input names none (default: the input's file name stem)
     source: str | None = option(
-        None, help="`source` of rows whose input names none (default: the input's file name).", panel="Records"
+        None,
+        help="`source` of rows whose input names none (default: the input's file name).",
+        panel="Records",
+        doc="`source` of rows whose input names none",
+        default_doc="the input's name",
     )
     # ov-midtrain: the user turn after `<image>\n`
     caption_prompt: str = option(
@@ -132,9 +146,11 @@ class ConvertConfig:
     )
     # rows per output part file
     rows_per_file: int = option(10_000, help="Rows per output part file.", panel="Records")
-    shard: str | None = O.shard()
+    shard: str | None = O.shard(
+        doc="convert only records `[I*n/N, (I+1)*n/N)`, into `OUT/part-I-of-N/`", default_doc="all"
+    )
     on_error: str = O.on_error()
-    overwrite: bool = O.overwrite()
+    overwrite: bool = O.overwrite(doc="redo a complete output instead of skipping")
     quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:

@@ -78,12 +78,19 @@ CAPTION_PROMPTS = {
 class SynthConfig:
     launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
 
-    out: Path | None = O.out()
+    out: Path | None = O.out(doc="output directory, written atomically (complete or absent)")
     # multiplies every split's size (at least one row per category and split)
-    scale: float = option(1.0, help="Multiplies every split's size (1.0: about 8,000 images).", panel="Corpus")
-    seed: int = O.seed()
+    scale: float = option(
+        1.0,
+        help="Multiplies every split's size (1.0: about 8,000 images).",
+        panel="Corpus",
+        doc="multiplies every split's size (at least one row per category and split)",
+    )
+    seed: int = O.seed(
+        doc="random seed; the same seed gives byte-identical parquet files, `concepts.txt` and `preview.png`"
+    )
     overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet()
+    quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         if self.out is None:

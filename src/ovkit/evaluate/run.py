@@ -30,21 +30,34 @@ class EvalConfig:
         None,
         help=("Eval datasets (parquet file or directory); with --compare: eval outputs (DIR or LABEL=DIR)."),
         argument=True,
+        doc="eval datasets; with `--compare`: eval outputs (`DIR` or `LABEL=DIR`)",
     )
     # model directory (save_pretrained) or hub id
-    model: Path | None = option(None, help="Model directory (save_pretrained) or hub id.", panel=O.IO)
+    model: Path | None = option(
+        None,
+        help="Model directory (save_pretrained) or hub id.",
+        panel=O.IO,
+        doc="model directory or hub id",
+        default_doc="required (not with --compare)",
+    )
     out: Path | None = O.out(
-        help="Output directory (written atomically); with --compare: a markdown file for the table."
+        help="Output directory (written atomically); with --compare: a markdown file for the table.",
+        doc="output directory, written atomically; with `--compare`: optional markdown file for the table",
+        default_doc="required (with --compare: none)",
     )
     # tabulate finished evals instead of running one
     compare: bool = option(
         False,
         help="Tabulate finished evals (the DATA arguments) instead of running one.",
         panel="Compare finished evals",
+        doc="tabulate finished evals instead of running one",
     )
     # --compare: reward | accuracy | pass@K | truncated
     metric: str = option(
-        "reward", help="--compare: reward, accuracy, pass@K or truncated.", panel="Compare finished evals"
+        "reward",
+        help="--compare: reward, accuracy, pass@K or truncated.",
+        panel="Compare finished evals",
+        doc=("with `--compare`: `reward`, `accuracy`, `pass@K` (runs with `--n` >= K) or `truncated`"),
     )
     # stage instruction added to each prompt: answer | think | none | auto (the row's RL stage)
     prompt: str = option(
@@ -54,11 +67,31 @@ class EvalConfig:
             "stage: think for rl-curate's stage-2 categories)."
         ),
         panel="Generation",
+        doc=(
+            'instruction appended to each prompt: `answer` (RL stage 1, "Put ONLY your final answer within '
+            '<answer></answer>."), `think` (RL stage 2), `none`, or `auto`: each row in the mode of the RL stage '
+            "it belongs to (rl-curate's split: its `prompt_type`, else think for the stage-2 categories math, "
+            "chart, science, diagram, svg, code, stem, coding); `normal`/`default` are accepted as in the "
+            "released data"
+        ),
     )
     # hf (transformers, any device) | vllm (GPU)
-    engine: str = option("hf", help="hf (transformers, any device) or vllm (GPU).", panel=O.RUNTIME)
+    engine: str = option(
+        "hf",
+        help="hf (transformers, any device) or vllm (GPU).",
+        panel=O.RUNTIME,
+        doc=(
+            "`hf`: transformers `generate` on left-padded batches, any device (CUDA when available); `vllm`: a "
+            "colocated vLLM engine (GPU, `pip install 'ovkit[vllm]'`)"
+        ),
+    )
     # sequences per generate call (prompts x n); hf engine
-    batch_size: int = option(64, help="Sequences per generate call (rows x n), hf engine.", panel=O.RUNTIME)
+    batch_size: int = option(
+        64,
+        help="Sequences per generate call (rows x n), hf engine.",
+        panel=O.RUNTIME,
+        doc=("sequences (rows x `--n`) per `generate` call of the hf engine; lower it when memory runs out"),
+    )
     # default: per category, from its longest gold answer (token_budgets)
     max_new_tokens: int | None = option(
         None,
@@ -67,16 +100,38 @@ class EvalConfig:
             "with --prompt think)."
         ),
         panel="Generation",
+        doc='token budget of every completion (default: see "Token budget")',
+        default_doc="per category",
     )
     # completions per row; > 1 reports pass@k
-    n: int = option(1, help="Completions per row; more than 1 reports pass@k.", panel="Generation")
+    n: int = option(
+        1,
+        help="Completions per row; more than 1 reports pass@k.",
+        panel="Generation",
+        doc="completions per row; K > 1 reports pass@k",
+    )
     # default: 0 (greedy) for --n 1, 1.0 for --n > 1
     temperature: float | None = option(
-        None, help="0 = greedy (default: 0 for --n 1, 1.0 for --n > 1).", panel="Generation"
+        None,
+        help="0 = greedy (default: 0 for --n 1, 1.0 for --n > 1).",
+        panel="Generation",
+        doc="0 = greedy; `--n` > 1 needs T > 0",
+        default_doc="0 for `--n 1`, 1.0 otherwise",
     )
-    top_p: float = option(1.0, help="Nucleus sampling mass (with --temperature > 0).", panel="Generation")
+    top_p: float = option(
+        1.0,
+        help="Nucleus sampling mass (with --temperature > 0).",
+        panel="Generation",
+        doc="nucleus sampling mass (with T > 0)",
+    )
     # at most this many rows per category (the first ones), like lmms-eval's --limit
-    limit: int | None = option(None, help="At most this many rows per category (the first ones).", panel="Generation")
+    limit: int | None = option(
+        None,
+        help="At most this many rows per category (the first ones).",
+        panel="Generation",
+        doc="the first N rows of each category (lmms-eval's `--limit` is per task too)",
+        default_doc="all",
+    )
     # each row gets another row's images (same category): how much the score needs the image
     shuffle_images: bool = option(
         False,
@@ -88,20 +143,38 @@ class EvalConfig:
     )
     # also write OUT/rollouts.parquet (token ids, sampler logprobs, rewards)
     save_logprobs: bool = option(
-        False, help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards).", panel=O.IO
+        False,
+        help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards).",
+        panel=O.IO,
+        doc="also write `OUT/rollouts.parquet`",
     )
-    precision: str = O.precision()
+    precision: str = O.precision(
+        doc=(
+            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
+            "`bf16-mixed` (bf16 weights)"
+        )
+    )
     attn_implementation: str = O.attn_implementation()
-    env: str | None = O.env()
-    env_arg: Any = O.env_arg()
+    env: str | None = O.env(
+        doc=(
+            "evaluate under an environment's loop: `zoom`, `verifier` or `package.module:factory` "
+            "([docs/environments.md](../docs/environments.md))"
+        )
+    )
+    env_arg: Any = O.env_arg(
+        doc=(
+            "environment argument, value parsed as YAML (repeatable); in a config file a mapping `env-arg: {key: "
+            "value}`"
+        )
+    )
     max_turns: int = O.max_turns(3)
     max_response_tokens: int | None = O.max_response_tokens()
     env_retries: int = O.env_retries(2)
     env_timeout: float = O.env_timeout()
-    trust_remote_code: bool = O.trust_remote_code()
-    seed: int = O.seed()
+    trust_remote_code: bool = O.trust_remote_code(doc="allow model code shipped with the model")
+    seed: int = O.seed(doc="sampling seed")
     overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet()
+    quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.generate import ENGINES

@@ -30,15 +30,21 @@ class MismatchConfig:
             "parquet file."
         ),
         argument=True,
+        doc=(
+            "rollout table (file, directory, or run directory holding `rollouts.parquet`); exclusive with `--generate`"
+        ),
     )
     # the learner: a model directory
-    model: Path | None = option(None, help="The learner: a model directory (save_pretrained).", panel=O.IO)
-    out: Path | None = O.out()
+    model: Path | None = option(
+        None, help="The learner: a model directory (save_pretrained).", panel=O.IO, doc="the learner"
+    )
+    out: Path | None = O.out(doc="output directory, written atomically (complete or absent)")
     # sample fresh rollouts from these prompt rows instead of reading ROLLOUTS
     generate: Path | None = option(
         None,
         help="Sample fresh rollouts from these prompt rows (RL/eval table) instead of reading ROLLOUTS.",
         panel="Fresh rollouts (--generate)",
+        doc="sample fresh rollouts from these prompt rows instead of reading `ROLLOUTS`",
     )
     # with --generate: fp32 | bf16 | fp16 | int8 | vllm (repeatable; default bf16)
     sampler: list[str] = option(
@@ -48,12 +54,18 @@ class MismatchConfig:
             "compare (default bf16)."
         ),
         panel="Fresh rollouts (--generate)",
+        doc=(
+            "with `--generate`: `fp32`, `bf16`, `fp16`, `int8`, `fp8` or `vllm`; repeat to compare several (one "
+            "run each)"
+        ),
+        default_doc="`bf16`",
     )
     # prompt rows for the images of rollout tables that carry none (matched by prompt_id)
     data: Path | None = option(
         None,
         help=("Prompt rows (matched by prompt_id) for the images of rollout tables that store none (rl-train)."),
         panel=O.IO,
+        doc=("prompt rows for the images of rollout tables that store none (matched by `prompt_id`)"),
     )
     # default: the rollouts' producer's (its config.yaml), else 1.0
     temperature: float | None = option(
@@ -62,10 +74,16 @@ class MismatchConfig:
             "Sampling temperature; the learner divides its logits by it (default: the rollouts' producer's, else 1.0)."
         ),
         panel="Learner",
+        doc="sampling temperature; the learner divides its logits by it",
+        default_doc="producer's, else 1.0",
     )
     # --generate: nucleus mass (default 1.0); ROLLOUTS: read from the producer for the note
     top_p: float | None = option(
-        None, help="With --generate: nucleus sampling mass (default 1.0).", panel="Fresh rollouts (--generate)"
+        None,
+        help="With --generate: nucleus sampling mass (default 1.0).",
+        panel="Fresh rollouts (--generate)",
+        doc="with `--generate`: nucleus mass of the samplers",
+        default_doc="1.0",
     )
     # --generate: completions per prompt
     n: int = option(4, help="With --generate: completions per prompt.", panel="Fresh rollouts (--generate)")
@@ -74,6 +92,8 @@ class MismatchConfig:
         None,
         help="With --generate: at most this many prompt rows per category (the first ones).",
         panel="Fresh rollouts (--generate)",
+        doc="with `--generate`: at most N prompt rows per category (the first ones)",
+        default_doc="all",
     )
     # --generate
     max_new_tokens: int = option(
@@ -91,12 +111,17 @@ class MismatchConfig:
         help="With --generate: prepend the recipe's system prompt (as rl-train).",
         panel="Fresh rollouts (--generate)",
         negatable=True,
+        doc="with `--generate`: prepend the recipe's system prompt, as rl-train does",
     )
     # images downscaled to at most this many pixels, as rl-curate / rl-train do (0: never)
     max_pixels: int = option(
         512 * 512,
         help=("Downscale images to at most this many pixels, as the sampler did (0: never; eval does not downscale)."),
         panel="Learner",
+        doc=(
+            "downscale images to at most N pixels as the sampler did (rl-curate / rl-train: 262144; eval does not"
+            " downscale: 0)"
+        ),
     )
     # rollouts per learner forward pass (and sequences per generate call)
     batch_size: int = option(
@@ -109,6 +134,7 @@ class MismatchConfig:
             "compute in bf16)."
         ),
         panel="Learner",
+        doc=("the learner's compute precision: `fp32` (the reference), `bf16-true` / `bf16-mixed` (bf16 weights)"),
     )
     attn_implementation: str = O.attn_implementation()
     # rl-train's C (TIS truncation / MIS rejection)
@@ -117,14 +143,19 @@ class MismatchConfig:
         help="rl-train's C: TIS truncation / MIS rejection bound.",
         panel="rl-train corrections reported",
         flags=("--rollout-is-threshold",),
+        doc="rl-train's TIS truncation / MIS rejection bound",
     )
     correction_lower: float | None = option(
         None,
         help="rl-train's lower bound (MIS masks below it, TIS clamps to it).",
         panel="rl-train corrections reported",
+        doc="rl-train's lower bound (MIS masks below, TIS clamps to it)",
     )
     geo_lower: float = option(
-        0.999, help="geo-rs: lower bound on the geometric-mean ratio.", panel="rl-train corrections reported"
+        0.999,
+        help="geo-rs: lower bound on the geometric-mean ratio.",
+        panel="rl-train corrections reported",
+        doc="geo-rs bounds on the geometric-mean ratio (verl's Geo-RS preset)",
     )
     geo_upper: float = option(
         1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel="rl-train corrections reported"
@@ -140,19 +171,31 @@ class MismatchConfig:
         help="Also report the veto: sequences with any token ratio below this.",
         panel="rl-train corrections reported",
         flags=("--rollout-token-veto-threshold",),
+        doc="also report the veto: responses with any token ratio below X",
     )
     # tokens drawn in the scatter plots (a seeded sample beyond that)
-    max_points: int = option(20000, help="Tokens drawn in the scatter plots (a seeded sample beyond that).", panel=O.IO)
-    env: str | None = O.env()
-    env_arg: Any = O.env_arg()
-    max_turns: int = O.max_turns(3)
-    max_response_tokens: int | None = O.max_response_tokens()
-    env_retries: int = O.env_retries(2)
+    max_points: int = option(
+        20000,
+        help="Tokens drawn in the scatter plots (a seeded sample beyond that).",
+        panel=O.IO,
+        doc="tokens drawn in the scatter plots",
+    )
+    env: str | None = O.env(
+        doc=(
+            "with `--generate`: multi-turn rollouts with an environment: `zoom`, `verifier` or `package.module:factory`"
+        )
+    )
+    env_arg: Any = O.env_arg(doc="environment argument (repeatable; YAML-parsed value)")
+    max_turns: int = O.max_turns(3, doc="with `--env`: assistant turns at most")
+    max_response_tokens: int | None = O.max_response_tokens(
+        doc="with `--env`: token budget after the prompt, sampled + observation tokens"
+    )
+    env_retries: int = O.env_retries(2, doc="with `--env`: extra tries of an environment call that raised or timed out")
     env_timeout: float = O.env_timeout()
-    trust_remote_code: bool = O.trust_remote_code()
-    seed: int = O.seed()
+    trust_remote_code: bool = O.trust_remote_code(doc="allow model code from the model directory")
+    seed: int = O.seed(doc="sampling seed with `--generate`; scatter-plot sample")
     overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet()
+    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.mismatch.sample import canonical_sampler

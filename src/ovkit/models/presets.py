@@ -170,17 +170,30 @@ class InitModelConfig:
 
     launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
 
-    out: Path | None = O.out()
+    out: Path | None = O.out(doc="the model directory (written atomically; a complete one is skipped)")
     # tiny (default without --vision/--llm) or a published name
-    preset: str | None = option(None, help="tiny (default), or a published name (see --list-presets).", panel="Model")
+    preset: str | None = option(
+        None,
+        help="tiny (default), or a published name (see --list-presets).",
+        panel="Model",
+        doc="a row of the preset table",
+        default_doc="`tiny` (`compose` with `--vision/--llm`)",
+    )
     # tiny: datasets whose text trains the tokenizer
     corpus: list[Path] = option(
         [],
         help=("tiny: dataset(s) whose text trains the tokenizer (repeatable), e.g. data/ from `ovkit synth`."),
         panel=O.IO,
+        doc="dataset(s) whose text trains the tokenizer; repeatable",
+        default_doc="required for tiny",
     )
     # compose: a local vision encoder directory
-    vision: Path | None = option(None, help="Compose: local vision encoder directory (CLIP, SigLIP, ...).", panel=O.IO)
+    vision: Path | None = option(
+        None,
+        help="Compose: local vision encoder directory (CLIP, SigLIP, ...).",
+        panel=O.IO,
+        doc="compose: local vision encoder directory",
+    )
     # compose: a local causal LM directory
     llm: Path | None = option(None, help="Compose: local causal LM directory (with its tokenizer).", panel=O.IO)
     # compose: weight dtype of the composed model ("auto" keeps the checkpoints')
@@ -188,24 +201,46 @@ class InitModelConfig:
         "auto",
         help=("Compose / random init: weight dtype (auto keeps the checkpoints' / float32; float32, bfloat16, ...)."),
         panel="Model",
+        doc=(
+            "compose: `auto` (keep the checkpoints'), `float32`, `bfloat16`, `float16`; random init: the weights'"
+            " dtype (`auto` = float32)"
+        ),
     )
     # compose: which encoder layer feeds the projector (LLaVA uses the penultimate)
-    vision_feature_layer: int = option(-2, help="Compose: encoder layer that feeds the projector.", panel="Model")
+    vision_feature_layer: int = option(
+        -2,
+        help="Compose: encoder layer that feeds the projector.",
+        panel="Model",
+        doc=("compose: encoder hidden state fed to the projector (LLaVA uses the penultimate layer)"),
+    )
     # build a published architecture with random weights (presets with an `arch`)
     random_init: bool = option(
-        False, help="Build a published architecture (qwen2.5-vl-2b/3b/7b) with random weights, offline.", panel="Model"
+        False,
+        help="Build a published architecture (qwen2.5-vl-2b/3b/7b) with random weights, offline.",
+        panel="Model",
+        doc=(
+            "build a published architecture with random weights, offline: `qwen2.5-vl-2b` (2.21B, a benchmark "
+            "size), `qwen2.5-vl-3b` (3.75B), `qwen2.5-vl-7b` (8.29B), the dimensions of their config.json files; "
+            "vocabulary padded to the published size"
+        ),
     )
     # random-init: a processor directory to use (default: the tiny tokenizer)
     processor: Path | None = option(
         None,
         help=("Random init: a processor directory to save with it (default: the tiny tokenizer, vocabulary padded)."),
         panel=O.IO,
+        doc=(
+            "random init: the processor to save with the model (it must have Qwen-VL's special tokens); default: "
+            "the tiny byte-level BPE (trained on `--corpus` if given, else on ovkit's prompts) with Qwen2.5-VL's "
+            "image processing capped at 448x448 (256 visual tokens)"
+        ),
+        default_doc="tiny tokenizer",
     )
     # print the preset table and exit
     list_presets: bool = option(False, help="Print the preset table and exit.", panel="Model")
-    seed: int = O.seed()
-    overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet()
+    seed: int = O.seed(doc=("tokenizer/model initialisation (tiny), projector and new embedding rows (compose)"))
+    overwrite: bool = O.overwrite(doc="rebuild a complete output")
+    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         self.corpus = [Path(p) for p in (self.corpus or [])]

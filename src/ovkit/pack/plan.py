@@ -44,30 +44,52 @@ class PackConfig:
 
     # the sample table to pack (a parquet file or a directory of shards)
     data: Path | None = option(
-        None, help="Sample table to pack (a parquet file or a directory of shards).", argument=True
+        None,
+        help="Sample table to pack (a parquet file or a directory of shards).",
+        argument=True,
+        doc="the sample table to pack",
     )
     # model directory whose processor measures the samples
-    model: Path | None = option(None, help="Model directory whose processor measures each sample.", panel=O.IO)
+    model: Path | None = option(
+        None,
+        help="Model directory whose processor measures each sample.",
+        panel=O.IO,
+        doc="model directory whose processor measures the samples",
+    )
     # pack capacity L in tokens; longer samples are rejected
     max_len: int = option(8192, help="Pack capacity L in tokens; longer samples go to rejects.", panel="Packing")
-    out: Path | None = O.out()
+    out: Path | None = O.out(doc="plan directory (with `--shard`, the part goes to `OUT/part-I-of-N/`)")
     shard: str | None = O.shard()
     # processes measuring lengths
-    workers: int = option(1, help="Processes measuring lengths.", panel=O.RUNTIME)
+    workers: int = option(
+        1,
+        help="Processes measuring lengths.",
+        panel=O.RUNTIME,
+        doc="processes measuring lengths (results do not depend on it)",
+    )
     # encode every sample with the processor instead of using image header sizes
     exact_lengths: bool = option(
         False, help="Encode every image with the processor instead of counting from image sizes.", panel="Packing"
     )
     # lengths cache directory (default $OVKIT_CACHE/lengths or ~/.cache/ovkit/lengths)
     cache: Path | None = option(
-        None, help="Lengths cache directory (default $OVKIT_CACHE or ~/.cache/ovkit).", panel=O.IO
+        None,
+        help="Lengths cache directory (default $OVKIT_CACHE or ~/.cache/ovkit).",
+        panel=O.IO,
+        doc="lengths cache directory",
+        default_doc="`$OVKIT_CACHE/lengths`",
     )
     # B of the "pad to the longest in random batches of B" padding baseline
-    baseline_batch: int = option(8, help="B of the 'pad to longest in random batches' baseline.", panel="Packing")
-    on_error: str = O.on_error()
-    seed: int = O.seed()
-    overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet()
+    baseline_batch: int = option(
+        8,
+        help="B of the 'pad to longest in random batches' baseline.",
+        panel="Packing",
+        doc='B of the "pad to the longest in random batches of B" padding baseline',
+    )
+    on_error: str = O.on_error(doc="`fail`: stop at the first bad row; `skip`: move it to `rejects.parquet`")
+    seed: int = O.seed(doc="shuffles the random-batch padding baseline (the plan does not depend on it)")
+    overwrite: bool = O.overwrite(doc="replace a complete plan instead of skipping")
+    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.data import parse_shard

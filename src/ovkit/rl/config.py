@@ -53,15 +53,22 @@ class RLTrainConfig:
             " sharded curate)."
         ),
         argument=True,
+        doc="RL sample tables",
     )
     # HF model directory: the SFT model for stage 1, the stage-1 output for stage 2
     model: Path | None = option(
-        None, help="Model directory: the SFT model for stage 1, the stage-1 output for stage 2.", panel=O.IO
+        None,
+        help="Model directory: the SFT model for stage 1, the stage-1 output for stage 2.",
+        panel=O.IO,
+        doc="model to start from",
     )
-    out: Path | None = O.out()
+    out: Path | None = O.out(doc="output directory")
     # 1: answer-only prompts; 2: think prompts + format reward (the curriculum)
     stage: int = option(
-        1, help="1: answer-only prompts; 2: think prompts + format reward (the curriculum).", panel=O.IO
+        1,
+        help="1: answer-only prompts; 2: think prompts + format reward (the curriculum).",
+        panel=O.IO,
+        doc="1: answer-only prompts; 2: think prompts + format reward",
     )
     # hf | vllm (colocated) | vllm-server (ovkit.generate)
     engine: str = option(
@@ -71,6 +78,7 @@ class RLTrainConfig:
             "`vllm serve`, see --vllm-server-url)."
         ),
         panel="Sampling",
+        doc="hf, vllm (colocated) or vllm-server",
     )
     precision: str = O.precision()
     optim: str = O.optim()
@@ -82,7 +90,11 @@ class RLTrainConfig:
     use_liger_kernel: bool = O.use_liger_kernel()
     # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
     sampler_precision: str | None = option(
-        None, help="Sample from a copy in another precision than the learner: fp32, bf16, fp16.", panel="Sampling"
+        None,
+        help="Sample from a copy in another precision than the learner: fp32, bf16, fp16.",
+        panel="Sampling",
+        doc="sample from a copy in fp32, bf16 or fp16",
+        default_doc="learner's (an asynchronous run's own copy: its compute dtype)",
     )
     # int8 | fp8: a low-precision sampler (the INT8-rollout ablation of Yao et al.)
     sampler_quant: str | None = option(
@@ -92,52 +104,96 @@ class RLTrainConfig:
             "weight-only on GPU; fp8 weight-only; int4 group-wise 4-bit weights; vllm: fp8)."
         ),
         panel="Sampling",
+        doc=(
+            "`int8` (hf engine: dynamic W8A8 on CPU, weight-only per-channel rounding on GPU) or `fp8` "
+            "(weight-only e4m3 on any device; with `--engine vllm`, vLLM's own fp8 quantisation)"
+        ),
     )
     # GRPO groups per step (batch size 32)
-    prompts_per_step: int = option(32, help="GRPO groups (prompts) per step.", panel="Sampling")
+    prompts_per_step: int = option(
+        32,
+        help="GRPO groups (prompts) per step.",
+        panel="Sampling",
+        doc=("prompts (groups) per step; a DATA with fewer prompts repeats them within a step, with a warning"),
+    )
     # completions per prompt (G)
-    group_size: int = option(16, help="Completions per prompt (G).", panel="Sampling", flags=("--n-samples",))
+    group_size: int = option(
+        16, help="Completions per prompt (G).", panel="Sampling", flags=("--n-samples",), doc="completions per prompt"
+    )
     max_new_tokens: int = option(4096, help="Completion length limit.", panel="Sampling")
     temperature: float = option(
-        1.0, help="Sampling temperature (the learner divides its logits by it too).", panel="Sampling"
+        1.0,
+        help="Sampling temperature (the learner divides its logits by it too).",
+        panel="Sampling",
+        doc="sampling temperature",
     )
     top_p: float = option(
-        1.0, help="Nucleus sampling (the learner does not truncate: top-p < 1 shows up as mismatch).", panel="Sampling"
+        1.0,
+        help="Nucleus sampling (the learner does not truncate: top-p < 1 shows up as mismatch).",
+        panel="Sampling",
+        doc="nucleus sampling",
     )
     # exclusive with --epochs
-    max_steps: int | None = option(None, help="GRPO steps to run (instead of --epochs).", panel="Optimiser")
+    max_steps: int | None = option(
+        None, help="GRPO steps to run (instead of --epochs).", panel="Optimiser", doc="steps to run (or `--epochs`)"
+    )
     # passes over the prompts (30 when neither is given)
     epochs: float | None = option(
         None,
         help=("Passes over the prompts (default 30 when --max-steps is not given). Also --num-train-epochs (HF/TRL)."),
         panel="Optimiser",
         flags=("--num-train-epochs",),
+        doc="passes over the prompts when `--max-steps` is not given",
+        default_doc="30",
     )
     lr: float = option(
         2e-6,
         help="Constant learning rate after warmup (AdamW). Also --learning-rate (HF/TRL).",
         panel="Optimiser",
         flags=("--learning-rate",),
+        doc="constant after warmup (AdamW, eps 1e-5)",
     )
-    weight_decay: float = option(0.01, help="AdamW weight decay on weight matrices.", panel="Optimiser")
+    weight_decay: float = option(
+        0.01, help="AdamW weight decay on weight matrices.", panel="Optimiser", doc="on weight matrices"
+    )
     # constant learning rate after a linear warmup over this fraction of the steps
-    warmup_ratio: float = option(0.001, help="Fraction of the steps with linear warmup.", panel="Optimiser")
-    max_grad_norm: float = option(1.0, help="Clip the global gradient norm (0: no clipping).", panel="Optimiser")
-    eps_clip: float = option(0.2, help="PPO clip: ratio lower bound 1 - eps.", panel="GRPO loss")
+    warmup_ratio: float = option(
+        0.001,
+        help="Fraction of the steps with linear warmup.",
+        panel="Optimiser",
+        doc="linear warmup over this fraction of the steps",
+    )
+    max_grad_norm: float = option(
+        1.0,
+        help="Clip the global gradient norm (0: no clipping).",
+        panel="Optimiser",
+        doc="gradient clipping (0: none)",
+    )
+    eps_clip: float = option(0.2, help="PPO clip: ratio lower bound 1 - eps.", panel="GRPO loss", doc="PPO clip, lower")
     eps_clip_high: float = option(
-        0.28, help="PPO clip: ratio upper bound 1 + eps_high.", panel="GRPO loss", flags=("--eps-clip-higher",)
+        0.28,
+        help="PPO clip: ratio upper bound 1 + eps_high.",
+        panel="GRPO loss",
+        flags=("--eps-clip-higher",),
+        doc="PPO clip, upper (clip-higher)",
     )
     # r' = (r + bias) * scale
     reward_bias: float = option(-0.5, help="r' = (r + bias) * scale.", panel="GRPO loss")
     reward_scale: float = option(10.0, help="r' = (r + bias) * scale.", panel="GRPO loss", flags=("--reward-scaling",))
     # A = (r' - mean) / (std + eps)
-    adv_eps: float = option(1e-6, help="A = (r' - group mean) / (group std + eps).", panel="GRPO loss")
+    adv_eps: float = option(
+        1e-6,
+        help="A = (r' - group mean) / (group std + eps).",
+        panel="GRPO loss",
+        doc="epsilon of the group normalisation",
+    )
     # divide by the group std (--no-adv-std: centre only, Dr. GRPO)
     adv_std: bool = option(
         True,
         help="Divide advantages by the group std (--no-adv-std: centre only, Dr. GRPO).",
         panel="GRPO loss",
         negatable=True,
+        doc="divide by the group std (off: centre only, Dr. GRPO)",
     )
     # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     loss_agg: str = option(
@@ -149,7 +205,12 @@ class RLTrainConfig:
         panel="GRPO loss",
     )
     # KL to the initial model (the recipe uses none)
-    kl_coef: float = option(0.0, help="KL penalty to the initial model (0: none, as released).", panel="GRPO loss")
+    kl_coef: float = option(
+        0.0,
+        help="KL penalty to the initial model (0: none, as released).",
+        panel="GRPO loss",
+        doc="KL penalty to the initial model (a frozen copy is kept when > 0)",
+    )
     # k1 | k2 | k3
     kl_estimator: str = option("k3", help="k1 | k2 | k3.", panel="GRPO loss")
     # behaviour-weight cap exp(prox - behave) (0: no cap)
@@ -158,14 +219,21 @@ class RLTrainConfig:
         help="Cap of the behaviour weight exp(prox - behave) (0: no cap).",
         panel="Mismatch corrections",
         flags=("--behav-imp-weight-cap",),
+        doc="behaviour-weight cap (0: none)",
     )
     # mask: tokens above the cap train nothing; clamp: weight = cap
     behave_action: str = option(
-        "mask", help="Above the cap: mask (train nothing) or clamp (weight = cap).", panel="Mismatch corrections"
+        "mask",
+        help="Above the cap: mask (train nothing) or clamp (weight = cap).",
+        panel="Mismatch corrections",
+        doc="mask or clamp",
     )
     # token | sequence (geometric mean of the sequence's ratios)
     behave_level: str = option(
-        "token", help="token, or sequence (geometric mean of the sequence's ratios).", panel="Mismatch corrections"
+        "token",
+        help="token, or sequence (geometric mean of the sequence's ratios).",
+        panel="Mismatch corrections",
+        doc="token or sequence",
     )
     # none | token-tis | seq-tis | token-mis | seq-mis | geo-rs (verl names accepted)
     correction: str = option(
@@ -175,6 +243,7 @@ class RLTrainConfig:
             "accepted, e.g. token, sequence, seq_mean_k1)."
         ),
         panel="Mismatch corrections",
+        doc="none, token-tis, seq-tis, token-mis, seq-mis, geo-rs (verl names accepted)",
     )
     # C: upper truncation (TIS) / rejection (MIS) bound
     correction_threshold: float = option(
@@ -182,14 +251,21 @@ class RLTrainConfig:
         help="C: upper truncation (TIS) or rejection (MIS) bound.",
         panel="Mismatch corrections",
         flags=("--rollout-is-threshold",),
+        doc="C",
     )
     # lower bound (MIS: mask below; TIS: clamp below)
     correction_lower: float | None = option(
-        None, help="Lower bound (MIS masks below it, TIS clamps to it).", panel="Mismatch corrections"
+        None,
+        help="Lower bound (MIS masks below it, TIS clamps to it).",
+        panel="Mismatch corrections",
+        doc="lower bound",
     )
     # geo-rs bounds on the geometric-mean ratio
     geo_lower: float = option(
-        0.999, help="geo-rs: lower bound on the geometric-mean ratio.", panel="Mismatch corrections"
+        0.999,
+        help="geo-rs: lower bound on the geometric-mean ratio.",
+        panel="Mismatch corrections",
+        doc="geo-rs bounds",
     )
     geo_upper: float = option(
         1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel="Mismatch corrections"
@@ -200,6 +276,7 @@ class RLTrainConfig:
         help="Mask a whole sequence if any token ratio is below this.",
         panel="Mismatch corrections",
         flags=("--rollout-token-veto-threshold",),
+        doc="per-token veto",
     )
     # ETA: max versions between the sampler that made a sample and the learner using it
     max_staleness: int = option(
@@ -207,18 +284,37 @@ class RLTrainConfig:
         help=("ETA: rollouts run ahead of training by at most this many versions (0: synchronous on-policy)."),
         panel="Sampling",
         flags=("--max-head-offpolicyness",),
+        doc="ETA (0: synchronous on-policy)",
     )
     # optimizer steps per batch (AReaL ppo_n_minibatches)
-    ppo_minibatches: int = option(1, help="Optimizer steps per batch (each on a slice of it).", panel="Optimiser")
+    ppo_minibatches: int = option(
+        1, help="Optimizer steps per batch (each on a slice of it).", panel="Optimiser", doc="optimizer steps per batch"
+    )
     # trajectories per learner forward (memory)
     micro_batch_size: int = option(
-        8, help="Trajectories per learner forward pass (memory).", panel=O.RUNTIME, run_control=True
+        8,
+        help="Trajectories per learner forward pass (memory).",
+        panel=O.RUNTIME,
+        run_control=True,
+        doc="trajectories per learner forward",
     )
     # sequences per generate call of the hf engine
-    rollout_batch_size: int = option(64, help="Sequences per generate call of the hf engine.", panel=O.RUNTIME)
+    rollout_batch_size: int = option(
+        64,
+        help="Sequences per generate call of the hf engine.",
+        panel=O.RUNTIME,
+        doc="sequences per generate call (hf engine)",
+    )
     # --engine vllm (colocated): the GPU share vLLM takes (TRL's default)
     vllm_gpu_memory_utilization: float = option(
-        0.3, help="--engine vllm: the GPU memory share the colocated vLLM takes.", panel=O.RUNTIME
+        0.3,
+        help="--engine vllm: the GPU memory share the colocated vLLM takes.",
+        panel=O.RUNTIME,
+        doc=(
+            "`--engine vllm`: the share of GPU memory the colocated vLLM takes (KV cache included); in "
+            "synchronous runs vLLM sleeps (KV cache freed, weights offloaded) while the learner updates, and its "
+            "weights are written in place after every step under their checkpoint names"
+        ),
     )
     # --engine vllm-server: where `vllm serve` listens
     vllm_server_url: str = option(
@@ -226,6 +322,7 @@ class RLTrainConfig:
         help="--engine vllm-server: the server's address (default http://localhost:8000).",
         panel=O.RUNTIME,
         run_control=True,
+        doc="`--engine vllm-server`: where `vllm serve` listens",
     )
     # --engine vllm-server: seconds to wait for the server to answer at start
     vllm_server_timeout: float = option(
@@ -233,7 +330,11 @@ class RLTrainConfig:
     )
     # weight of the format reward; None = 0 in stage 1, 0.1 in stage 2
     format_weight: float | None = option(
-        None, help="Weight of the format reward (default: 0 in stage 1, 0.1 in stage 2).", panel="GRPO loss"
+        None,
+        help="Weight of the format reward (default: 0 in stage 1, 0.1 in stage 2).",
+        panel="GRPO loss",
+        doc="format-reward weight (stage 1 / stage 2)",
+        default_doc="0 / 0.1",
     )
     # prepend "You are a helpful AI assistant." (the recipe's system prompt)
     system_prompt: bool = option(
@@ -241,35 +342,53 @@ class RLTrainConfig:
         help="Prepend 'You are a helpful AI assistant.' (the recipe's system prompt).",
         panel="Sampling",
         negatable=True,
+        doc="the recipe's system prompt",
     )
     # images are downscaled to at most this many pixels (the recipe's 512x512 cap)
     max_pixels: int = option(
-        512 * 512, help="Downscale images to at most this many pixels (512x512 in the recipe).", panel="Sampling"
+        512 * 512,
+        help="Downscale images to at most this many pixels (512x512 in the recipe).",
+        panel="Sampling",
+        doc=("images (with `--env`: observation images too) downscaled to at most 512x512 pixels"),
     )
     freeze_vision: bool = option(False, help="Keep the vision encoder frozen.", panel="Optimiser")
     lora_r: int = O.lora_r()
     lora_alpha: float = O.lora_alpha()
     lora_dropout: float = O.lora_dropout()
-    lora_targets: list[str] | None = O.lora_targets()
+    lora_targets: list[str] | None = O.lora_targets(default_doc="per architecture")
     save_every: int = O.save_every(
         250, help="Resumable checkpoint every N steps in OUT.partial/checkpoints (0: only the final model)."
     )
-    keep_checkpoints: int = O.keep_checkpoints()
+    keep_checkpoints: int = O.keep_checkpoints(doc="newest checkpoints kept")
     # write every step's trajectories to OUT/rollouts/
     save_rollouts: bool = option(
         False,
         help="Write every step's trajectories to OUT/rollouts/step-N.parquet.",
         panel=O.CHECKPOINTS,
         run_control=True,
+        doc="write every step's trajectories",
     )
-    resume: bool = O.resume(help="Continue the unfinished run in OUT.partial/ from its last checkpoint.")
+    resume: bool = O.resume(
+        help="Continue the unfinished run in OUT.partial/ from its last checkpoint.", doc="continue `OUT.partial/`"
+    )
     report_to: list[str] = O.report_to()
-    eval_data: list[Path] | None = O.eval_data()
+    eval_data: list[Path] | None = O.eval_data(
+        doc=(
+            "held-out table(s) scored while training as `ovkit eval` scores them (answer-mode prompts, greedy, "
+            "the learner's weights): the stage's prompt mode (`ovkit eval --prompt answer` for stage 1, `think` "
+            "for stage 2; single-turn), every row needs a gold `answer`: `eval/reward`, `eval/accuracy`, "
+            "`eval/reward/<category>`, `eval/accuracy/<category>`; repeatable"
+        )
+    )
     eval_every: int = O.eval_every()
-    eval_limit: int | None = O.eval_limit()
-    eval_max_new_tokens: int | None = O.eval_max_new_tokens()
+    eval_limit: int | None = O.eval_limit(default_doc="all")
+    eval_max_new_tokens: int | None = O.eval_max_new_tokens(default_doc="per category")
     reward_workers: int = option(
-        2, help="Processes for the sandboxed scorers (math, svg, code).", panel=O.RUNTIME, run_control=True
+        2,
+        help="Processes for the sandboxed scorers (math, svg, code).",
+        panel=O.RUNTIME,
+        run_control=True,
+        doc="processes for sandboxed scorers (math, svg, code)",
     )
     env: str | None = O.env()
     env_arg: Any = O.env_arg()
@@ -277,10 +396,10 @@ class RLTrainConfig:
     max_response_tokens: int | None = O.max_response_tokens()
     env_retries: int = O.env_retries(2)
     env_timeout: float = O.env_timeout()
-    trust_remote_code: bool = O.trust_remote_code()
-    seed: int = O.seed()
+    trust_remote_code: bool = O.trust_remote_code(doc="allow model code from the model directory")
+    seed: int = O.seed(doc="prompt order and sampling seeds")
     overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet()
+    quiet: bool = O.quiet(doc="no console line (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.rollouts.episodes import check_env_options

@@ -46,15 +46,30 @@ class CurateConfig:
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     # RL prompts (answer, answer_type)
-    data: Path | None = option(None, help="RL prompts (sample table with answer/answer_type).", argument=True)
+    data: Path | None = option(
+        None,
+        help="RL prompts (sample table with answer/answer_type).",
+        argument=True,
+        doc=(
+            "RL prompts: sample table with `answer`, `answer_type`; also a Hub dataset id "
+            "(`ORG/NAME[:CONFIG][@SPLIT]`), a directory with a dataset card (`DIR:CONFIG`, `DIR@SPLIT`) or a "
+            '`save_to_disk` directory (README.md, "Datasets and other tools")'
+        ),
+    )
     # the model RL will start from (the SFT checkpoint)
-    model: Path | None = option(None, help="The model RL will start from (e.g. the SFT output).", panel=O.IO)
-    out: Path | None = O.out()
+    model: Path | None = option(
+        None, help="The model RL will start from (e.g. the SFT output).", panel=O.IO, doc="the model RL will start from"
+    )
+    out: Path | None = O.out(doc="output directory")
     # rollouts per prompt
     n: int = option(16, help="Rollouts per prompt.", panel="Sampling")
     # at most this many prompts per category (the first ones), to fit a budget
     limit: int | None = option(
-        None, help="At most this many prompts per category (the first ones), to fit a time budget.", panel="Sampling"
+        None,
+        help="At most this many prompts per category (the first ones), to fit a time budget.",
+        panel="Sampling",
+        doc=("at most this many prompts per category (the first ones in the data), to fit a time budget"),
+        default_doc="all",
     )
     # mean: min_reward < pass@1 < max_reward; gap: pass@N - pass@1 >= min_gap
     select: str = option(
@@ -64,20 +79,33 @@ class CurateConfig:
             "min-gap (the write-up)."
         ),
         panel="Selection",
+        doc="mean or gap",
     )
     min_reward: float = option(
-        0.0, help="mean rule: drop prompts whose pass@1 is <= this (never solved).", panel="Selection"
+        0.0,
+        help="mean rule: drop prompts whose pass@1 is <= this (never solved).",
+        panel="Selection",
+        doc="mean rule: lower bound (exclusive)",
     )
     max_reward: float = option(
-        0.6, help="mean rule: drop prompts whose pass@1 is >= this (already solved).", panel="Selection"
+        0.6,
+        help="mean rule: drop prompts whose pass@1 is >= this (already solved).",
+        panel="Selection",
+        doc="mean rule: upper bound (exclusive)",
     )
-    min_gap: float = option(0.25, help="gap rule: keep prompts with pass@N - pass@1 >= this.", panel="Selection")
+    min_gap: float = option(
+        0.25,
+        help="gap rule: keep prompts with pass@N - pass@1 >= this.",
+        panel="Selection",
+        doc="gap rule: minimum pass@N - pass@1",
+    )
     # sources kept whatever their difficulty
     keep_sources: list[str] = option(
         [],
         help="Keep every prompt whose source contains this tag, whatever its difficulty; repeatable.",
         panel="Selection",
         flag="--keep-source",
+        doc="source tag kept whole (repeatable)",
     )
     stage2_categories: list[str] = option(
         list(STAGE2_CATEGORIES),
@@ -87,6 +115,7 @@ class CurateConfig:
         ),
         panel="Selection",
         flag="--stage2-category",
+        doc="categories of the thinking set (repeatable)",
     )
     # categories left out of RL (not sampled)
     exclude_categories: list[str] = option(
@@ -94,6 +123,12 @@ class CurateConfig:
         help="Leave this category out of RL (its prompts are not sampled); repeatable.",
         panel="Selection",
         flag="--exclude-category",
+        doc=(
+            "leave a category out of RL: its prompts are not sampled, and `stats.json` counts them under "
+            "`excluded` (repeatable). For a category whose rollouts at the sampling temperature are mostly "
+            "malformed: on the embedded default, sampled SVGs score ~0.1 against 0.73 greedy, and RL stage 2 on "
+            "them took held-out SVG from 73 to 13-26 (BENCHMARKS.md)"
+        ),
     )
     # instruction the rollouts are sampled with: auto (the row's stage: 1 answer, 2 think) | answer | think
     prompt: str = option(
@@ -103,38 +138,72 @@ class CurateConfig:
             "answer or think."
         ),
         panel="Sampling",
+        doc=(
+            "instruction the rollouts are sampled with: auto (each row its stage's: stage 1 answer-only, stage 2 "
+            "think, so difficulty is measured in the mode it will be trained in), answer or think"
+        ),
     )
-    engine: str = option("hf", help="hf (transformers, CPU or GPU) or vllm (GPU).", panel=O.RUNTIME)
-    precision: str = O.precision()
-    attn_implementation: str = O.attn_implementation()
+    engine: str = option(
+        "hf",
+        help="hf (transformers, CPU or GPU) or vllm (GPU).",
+        panel=O.RUNTIME,
+        doc="hf or vllm (the hf engine runs on the GPU when there is one)",
+    )
+    precision: str = O.precision(
+        doc=(
+            "the sampler's compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
+            "`bf16-mixed` (bf16 weights)"
+        )
+    )
+    attn_implementation: str = O.attn_implementation(
+        doc=(
+            "`auto` (flash_attention_2 on CUDA with flash-attn installed, else sdpa), `sdpa`, "
+            "`flash_attention_2`, `flex_attention`, `eager` (ovkit.runtime.attention)"
+        )
+    )
     # sequences per generate call (prompts x n)
     batch_size: int = option(64, help="Sequences per generate call (prompts x n).", panel=O.RUNTIME)
     max_new_tokens: int = option(1024, help="Completion length limit.", panel="Sampling")
     temperature: float = option(1.0, help="Sampling temperature.", panel="Sampling")
     top_p: float = option(1.0, help="Nucleus sampling.", panel="Sampling")
     max_pixels: int = option(
-        512 * 512, help="Downscale images to at most this many pixels (512x512 in the recipe).", panel="Sampling"
+        512 * 512,
+        help="Downscale images to at most this many pixels (512x512 in the recipe).",
+        panel="Sampling",
+        doc="images downscaled to at most 512x512 pixels",
     )
-    system_prompt: bool = option(True, help="Prepend the recipe's system prompt.", panel="Sampling", negatable=True)
+    system_prompt: bool = option(
+        True,
+        help="Prepend the recipe's system prompt.",
+        panel="Sampling",
+        negatable=True,
+        doc="the recipe's system prompt",
+    )
     # store the prompt images in the rollout table (mismatch-report re-runs the model)
     rollout_images: bool = option(
         True,
         help="Store prompt images in OUT/rollouts (mismatch-report needs them for multimodal prompts).",
         panel=O.IO,
         negatable=True,
+        doc="store prompt images in the rollout table",
     )
-    reward_workers: int = option(2, help="Processes for the sandboxed scorers (math, svg, code).", panel=O.RUNTIME)
+    reward_workers: int = option(
+        2,
+        help="Processes for the sandboxed scorers (math, svg, code).",
+        panel=O.RUNTIME,
+        doc="processes for sandboxed scorers (math, svg, code)",
+    )
     env: str | None = O.env()
     env_arg: Any = O.env_arg()
     max_turns: int = O.max_turns(3)
     max_response_tokens: int | None = O.max_response_tokens()
     env_retries: int = O.env_retries(2)
     env_timeout: float = O.env_timeout()
-    shard: str | None = O.shard()
-    trust_remote_code: bool = O.trust_remote_code()
-    seed: int = O.seed()
-    overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet()
+    shard: str | None = O.shard(doc="process part I of N (`I/N`); writes `OUT/part-I-of-N/`")
+    trust_remote_code: bool = O.trust_remote_code(doc="allow model code from the model directory")
+    seed: int = O.seed(doc="sampling seed")
+    overwrite: bool = O.overwrite(doc="replace a complete output")
+    quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.rollouts.episodes import check_env_options

@@ -54,6 +54,7 @@ class TrainConfig:
             "Sample table(s) (parquet file or directory of shards), read as one; the last assistant turn is the target."
         ),
         argument=True,
+        doc="sample table(s) (parquet files or directories of shards), read as one",
     )
     # HF model directory (save_pretrained layout) to start from
     model: Path | None = option(
@@ -63,13 +64,15 @@ class TrainConfig:
             "previous stage)."
         ),
         panel=O.IO,
+        doc="model directory to start from",
     )
-    out: Path | None = O.out()
+    out: Path | None = O.out(doc="final model directory; the run lives in `OUT.partial/` until done")
     # pack plan of DATA (`ovkit pack`): train on packed rows instead of padded batches
     plan: Path | None = option(
         None,
         help=("Pack plan of DATA (`ovkit pack`): train on packed rows instead of length-bucketed padded batches."),
         panel=O.IO,
+        doc="pack plan of DATA: train on packed rows",
     )
     # groups (projector, vision, llm, all) or regexes; None = the stage's preset
     trainable: list[str] | None = option(
@@ -79,10 +82,15 @@ class TrainConfig:
             "Default: the stage's preset."
         ),
         panel="Optimiser & schedule",
+        doc="group (`projector`, `vision`, `llm`, `all`) or parameter-name regex; repeatable",
+        default_doc="stage preset",
     )
     # drop the vision encoder from the trainable set
     freeze_vision: bool = option(
-        False, help="Keep the vision encoder frozen whatever --trainable selects.", panel="Optimiser & schedule"
+        False,
+        help="Keep the vision encoder frozen whatever --trainable selects.",
+        panel="Optimiser & schedule",
+        doc="remove the vision encoder from the trainable set",
     )
     # peak learning rate; None = the stage's preset
     lr: float | None = option(
@@ -93,28 +101,48 @@ class TrainConfig:
         ),
         panel="Optimiser & schedule",
         flags=("--learning-rate",),
+        doc="peak learning rate",
+        default_doc="stage preset",
     )
     # peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr); None = --lr
     vision_lr: float | None = option(
         None,
         help=("Peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr). Default: --lr."),
         panel="Optimiser & schedule",
+        doc=(
+            "peak learning rate of the vision encoder (LLaVA-OneVision's `mm_vision_tower_lr`); the same schedule"
+            " scales it"
+        ),
+        default_doc="`--lr`",
     )
     # the cosine schedule ends here
-    min_lr: float = option(1e-6, help="Learning rate at the end of the cosine schedule.", panel="Optimiser & schedule")
+    min_lr: float = option(
+        1e-6,
+        help="Learning rate at the end of the cosine schedule.",
+        panel="Optimiser & schedule",
+        doc="learning rate at the end of the cosine",
+    )
     # fraction of the steps spent warming up linearly from 0
     warmup_ratio: float = option(
-        0.002, help="Fraction of the steps with linear warmup from 0.", panel="Optimiser & schedule"
+        0.002,
+        help="Fraction of the steps with linear warmup from 0.",
+        panel="Optimiser & schedule",
+        doc="fraction of the steps warming up linearly from 0 (at least one step when > 0)",
     )
     # AdamW decoupled weight decay on matrices (not on biases/norms)
     weight_decay: float | None = option(
         None,
         help=("AdamW weight decay on weight matrices. Default: the stage's preset (midtrain 0.01, else 0)."),
         panel="Optimiser & schedule",
+        doc="AdamW decoupled weight decay on matrices",
+        default_doc="stage preset",
     )
     # gradient clipping (global L2 norm); 0 disables
     max_grad_norm: float = option(
-        1.0, help="Clip the global gradient norm to this (0: no clipping).", panel="Optimiser & schedule"
+        1.0,
+        help="Clip the global gradient norm to this (0: no clipping).",
+        panel="Optimiser & schedule",
+        doc="clip the global gradient norm (0: off)",
     )
     # samples (or packed rows) per micro-batch per process
     batch_size: int = option(
@@ -125,6 +153,7 @@ class TrainConfig:
         ),
         panel="Batches & length",
         flags=("--per-device-train-batch-size",),
+        doc="samples (or packs) per micro-batch per process",
     )
     # micro-batches per optimiser step; global batch = batch_size * grad_accum * processes
     grad_accum: int = option(
@@ -135,45 +164,88 @@ class TrainConfig:
         ),
         panel="Batches & length",
         flags=("--gradient-accumulation-steps",),
+        doc="micro-batches per optimiser step",
     )
     # optimiser steps; exclusive with --epochs
-    max_steps: int | None = option(None, help="Optimiser steps to run (instead of --epochs).", panel="Batches & length")
+    max_steps: int | None = option(
+        None,
+        help="Optimiser steps to run (instead of --epochs).",
+        panel="Batches & length",
+        doc="optimiser steps (exclusive with `--epochs`)",
+    )
     # passes over the data (default 1 when --max-steps is not given)
     epochs: float | None = option(
         None,
         help=("Passes over the data (default 1 when --max-steps is not given). Also --num-train-epochs (HF/TRL)."),
         panel="Batches & length",
         flags=("--num-train-epochs",),
+        doc="passes over the data (fractions allowed)",
+        default_doc="1",
     )
     # samples longer than this many tokens are skipped (counted in the summary)
     max_len: int = option(
-        8192, help="Skip samples longer than this many tokens (text + image tokens).", panel="Batches & length"
+        8192,
+        help="Skip samples longer than this many tokens (text + image tokens).",
+        panel="Batches & length",
+        doc="skip samples longer than this (tokens, image tokens included)",
     )
-    precision: str = O.precision()
+    precision: str = O.precision(
+        doc=(
+            "`auto` (bf16-mixed on a GPU with bf16, else fp32), `fp32`, `bf16-mixed` (bf16 weights in compute, "
+            "fp32 master weights, gradients and AdamW state: no per-op casts), `bf16-true` (pure bf16); `bf16` = "
+            "bf16-mixed, `32` = fp32 (ovkit.runtime.precision)"
+        )
+    )
     optim: str = O.optim()
     attn_implementation: str = O.attn_implementation()
     lora_r: int = O.lora_r()
     lora_alpha: float = O.lora_alpha()
     lora_dropout: float = O.lora_dropout()
-    lora_targets: list[str] | None = O.lora_targets()
+    lora_targets: list[str] | None = O.lora_targets(default_doc="per architecture")
     load_in_4bit: bool = O.load_in_4bit()
-    activation_checkpointing: str = O.activation_checkpointing()
+    activation_checkpointing: str = O.activation_checkpointing(
+        doc=(
+            "recompute activations in backward, in the LLM's decoder layers and the ViT's blocks alike "
+            "(`ovkit.runtime.checkpointing`): `off`; `full` (every block keeps only its input); `every-K` (the "
+            "K-th, 2K-th, ... block, torchtitan's selective layer checkpointing); `mlp` (only each block's MLP: "
+            "its wide intermediate activations are recomputed, attention keeps what it saved); `auto`: off on "
+            "CPU, on CUDA `full` when a micro-batch's estimated activations (bytes per token per block measured "
+            "by `bench/activation_bytes.py` x tokens x blocks) exceed the memory free after weights and optimiser"
+            " state, else off. The gradients are the same; the mode used and why are in ovkit.json "
+            "`runtime.activation_checkpointing`; it may change on `--resume`"
+        )
+    )
     gradient_checkpointing: bool = O.gradient_checkpointing()
     compile: bool = O.compile()
-    kernels: str = O.kernels()
+    kernels: str = O.kernels(
+        doc=(
+            "`liger`: Liger-Kernel's Triton kernels (CUDA only; `pip install 'ovkit[liger]'`): RMSNorm, SwiGLU "
+            "and RoPE patched into the model, and the supervised loss through its fused linear cross-entropy "
+            "instead of ovkit's chunked head; `torch`: PyTorch ops and the chunked head; `auto`: liger on CUDA "
+            "when liger-kernel is installed, else torch. `liger` on a machine without CUDA or without the package"
+            " exits 2. What was applied is in ovkit.json `runtime.kernels`"
+        )
+    )
     use_liger_kernel: bool = O.use_liger_kernel()
     save_every: int = O.save_every()
     keep_checkpoints: int = O.keep_checkpoints()
     resume: bool = O.resume()
     report_to: list[str] = O.report_to()
     eval_data: list[Path] | None = O.eval_data()
-    eval_every: int = O.eval_every()
-    eval_limit: int | None = O.eval_limit()
-    eval_max_new_tokens: int | None = O.eval_max_new_tokens()
-    trust_remote_code: bool = O.trust_remote_code()
-    seed: int = O.seed()
-    overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet()
+    eval_every: int = O.eval_every(
+        doc=(
+            "evaluate every N steps and after the last (0: after the last only); also `--eval-steps` (HF/TRL). "
+            "Run control: the losses and weights are bit-identical with and without it"
+        )
+    )
+    eval_limit: int | None = O.eval_limit(default_doc="all")
+    eval_max_new_tokens: int | None = O.eval_max_new_tokens(default_doc="per category")
+    trust_remote_code: bool = O.trust_remote_code(doc="allow model code shipped in the model directory")
+    seed: int = O.seed(doc="sample order, dropout; every process seeds with seed + rank")
+    overwrite: bool = O.overwrite(doc="replace a complete OUT / discard OUT.partial")
+    quiet: bool = O.quiet(
+        doc=("no step lines, no progress bars (transformers', huggingface_hub's and datasets' bars included)")
+    )
 
     def __post_init__(self) -> None:
         if not self.data:
