@@ -111,8 +111,11 @@ def spec(f: dataclasses.Field) -> Option:
 
 
 def specs(cls: type) -> dict[str, Option]:
-    """{field name: Option} of a config class, in declaration order."""
-    return {f.name: spec(f) for f in dataclasses.fields(cls)}
+    """{field name: Option} of a config class: its own options in declaration order, then those of the shared groups
+    it inherits (ModelLoading), so --help and the page start with what is particular to the command."""
+    inherited = {f.name for base in cls.__mro__ if base in MIXINS for f in dataclasses.fields(base)}
+    fields = dataclasses.fields(cls)
+    return {f.name: spec(f) for f in sorted(fields, key=lambda f: f.name in inherited)}
 
 
 def run_control_names(cls: type) -> frozenset[str]:
@@ -447,3 +450,19 @@ env_timeout = _shared(
 SHARED = {
     name: fn for name, fn in globals().items() if getattr(fn, "__qualname__", "").startswith("_shared.")
 }  # {field name: its declaration}, for the converter and the pages
+
+
+@dataclasses.dataclass
+class ModelLoading:
+    """The options of every command that loads a model (align, midtrain, sft, rl-train, eval, caption, rl-curate,
+    mismatch-report): how it loads and computes. A stage config inherits them; one that says something else redeclares
+    the field (mismatch-report's learner precision is fp32). A new model-loading option is one field here (and its
+    use where the model loads): every such command, its --help, YAML keys, validation and page get it. Listed after a
+    command's own options in --help and on its page."""
+
+    precision: str = precision()
+    attn_implementation: str = attn_implementation()
+    trust_remote_code: bool = trust_remote_code()
+
+
+MIXINS = (ModelLoading,)  # option groups shared by inheritance

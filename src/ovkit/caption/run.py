@@ -63,7 +63,7 @@ CHUNK_SCHEMA = pa.schema(
 
 
 @dataclass
-class CaptionConfig:
+class CaptionConfig(O.ModelLoading):
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     # input sample table (parquet file or directory of shards)
@@ -178,8 +178,6 @@ class CaptionConfig:
             "`bf16-mixed` (bf16 weights)"
         )
     )
-    attn_implementation: str = O.attn_implementation()
-    trust_remote_code: bool = O.trust_remote_code()
     seed: int = O.seed(doc="language draw and sampling seed")
     overwrite: bool = O.overwrite(doc="redo a complete output (and discard saved chunks)")
     quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")

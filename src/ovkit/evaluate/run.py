@@ -20,7 +20,7 @@ THINK_EXTRA_TOKENS = 256  # room for the reasoning with --prompt think
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(O.ModelLoading):
     """Options of `ovkit eval` (evaluate a model) and `ovkit eval --compare` (tabulate finished evals)."""
 
     launcher: ClassVar[str] = O.ROW_SHARED  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -154,7 +154,6 @@ class EvalConfig:
             "`bf16-mixed` (bf16 weights)"
         )
     )
-    attn_implementation: str = O.attn_implementation()
     env: str | None = O.env(
         doc=(
             "evaluate under an environment's loop: `zoom`, `verifier` or `package.module:factory` "
@@ -171,7 +170,6 @@ class EvalConfig:
     max_response_tokens: int | None = O.max_response_tokens()
     env_retries: int = O.env_retries(2)
     env_timeout: float = O.env_timeout()
-    trust_remote_code: bool = O.trust_remote_code(doc="allow model code shipped with the model")
     seed: int = O.seed(doc="sampling seed")
     overwrite: bool = O.overwrite()
     quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")

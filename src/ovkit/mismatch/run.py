@@ -17,7 +17,7 @@ PROMPT_MODES = ("answer", "think", "none")
 
 
 @dataclass
-class MismatchConfig:
+class MismatchConfig(O.ModelLoading):
     """Options of `ovkit mismatch-report`."""
 
     launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -136,7 +136,6 @@ class MismatchConfig:
         panel="Learner",
         doc=("the learner's compute precision: `fp32` (the reference), `bf16-true` / `bf16-mixed` (bf16 weights)"),
     )
-    attn_implementation: str = O.attn_implementation()
     # rl-train's C (TIS truncation / MIS rejection)
     correction_threshold: float = option(
         2.0,
@@ -192,7 +191,6 @@ class MismatchConfig:
     )
     env_retries: int = O.env_retries(2, doc="with `--env`: extra tries of an environment call that raised or timed out")
     env_timeout: float = O.env_timeout()
-    trust_remote_code: bool = O.trust_remote_code(doc="allow model code from the model directory")
     seed: int = O.seed(doc="sampling seed with `--generate`; scatter-plot sample")
     overwrite: bool = O.overwrite()
     quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")

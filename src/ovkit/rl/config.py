@@ -37,7 +37,7 @@ STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 
 
 @dataclass
-class RLTrainConfig:
+class RLTrainConfig(O.ModelLoading):
     """Options of `ovkit rl-train`. Defaults are the published LLaVA-OneVision-1.5-RL values (anchors.md section 1)."""
 
     launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -80,9 +80,7 @@ class RLTrainConfig:
         panel="Sampling",
         doc="hf, vllm (colocated) or vllm-server",
     )
-    precision: str = O.precision()
     optim: str = O.optim()
-    attn_implementation: str = O.attn_implementation()
     activation_checkpointing: str = O.activation_checkpointing()
     gradient_checkpointing: bool = O.gradient_checkpointing()
     compile: bool = O.compile()
@@ -396,7 +394,6 @@ class RLTrainConfig:
     max_response_tokens: int | None = O.max_response_tokens()
     env_retries: int = O.env_retries(2)
     env_timeout: float = O.env_timeout()
-    trust_remote_code: bool = O.trust_remote_code(doc="allow model code from the model directory")
     seed: int = O.seed(doc="prompt order and sampling seeds")
     overwrite: bool = O.overwrite()
     quiet: bool = O.quiet(doc="no console line (transformers', huggingface_hub's and datasets' bars included)")

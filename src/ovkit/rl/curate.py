@@ -40,7 +40,7 @@ PROMPT_TYPE_STAGE = {"normal": 1, "answer": 1, "default": 2, "think": 2}
 
 
 @dataclass
-class CurateConfig:
+class CurateConfig(O.ModelLoading):
     """Options of `ovkit rl-curate`."""
 
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -155,12 +155,6 @@ class CurateConfig:
             "`bf16-mixed` (bf16 weights)"
         )
     )
-    attn_implementation: str = O.attn_implementation(
-        doc=(
-            "`auto` (flash_attention_2 on CUDA with flash-attn installed, else sdpa), `sdpa`, "
-            "`flash_attention_2`, `flex_attention`, `eager` (ovkit.runtime.attention)"
-        )
-    )
     # sequences per generate call (prompts x n)
     batch_size: int = option(64, help="Sequences per generate call (prompts x n).", panel=O.RUNTIME)
     max_new_tokens: int = option(1024, help="Completion length limit.", panel="Sampling")
@@ -200,7 +194,6 @@ class CurateConfig:
     env_retries: int = O.env_retries(2)
     env_timeout: float = O.env_timeout()
     shard: str | None = O.shard(doc="process part I of N (`I/N`); writes `OUT/part-I-of-N/`")
-    trust_remote_code: bool = O.trust_remote_code(doc="allow model code from the model directory")
     seed: int = O.seed(doc="sampling seed")
     overwrite: bool = O.overwrite(doc="replace a complete output")
     quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")

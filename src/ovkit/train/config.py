@@ -38,7 +38,7 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(O.ModelLoading):
     """Options of `ovkit align | midtrain | sft`. The stage (a class attribute, not an option) picks the presets."""
 
     launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -197,7 +197,6 @@ class TrainConfig:
         )
     )
     optim: str = O.optim()
-    attn_implementation: str = O.attn_implementation()
     lora_r: int = O.lora_r()
     lora_alpha: float = O.lora_alpha()
     lora_dropout: float = O.lora_dropout()
@@ -240,7 +239,6 @@ class TrainConfig:
     )
     eval_limit: int | None = O.eval_limit(default_doc="all")
     eval_max_new_tokens: int | None = O.eval_max_new_tokens(default_doc="per category")
-    trust_remote_code: bool = O.trust_remote_code(doc="allow model code shipped in the model directory")
     seed: int = O.seed(doc="sample order, dropout; every process seeds with seed + rank")
     overwrite: bool = O.overwrite(doc="replace a complete OUT / discard OUT.partial")
     quiet: bool = O.quiet(
