@@ -118,6 +118,18 @@ def specs(cls: type) -> dict[str, Option]:
     return {f.name: spec(f) for f in sorted(fields, key=lambda f: f.name in inherited)}
 
 
+def aliases(cls: type) -> dict[str, str]:
+    """{other spelling as a config-file key: field}: `learning_rate` -> `lr`, `keep_source` -> `keep_sources`."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get(KEY)
+        if meta is not None and not meta.argument:
+            for flag in (meta.flag, *meta.flags):
+                if flag and flag.lstrip("-").replace("-", "_") != f.name:
+                    out[flag.lstrip("-").replace("-", "_")] = f.name
+    return out
+
+
 def run_control_names(cls: type) -> frozenset[str]:
     """The options a resumed run may change (declared `run_control=True`); every other one shapes the trajectory."""
     return frozenset(name for name, o in specs(cls).items() if o.run_control)

@@ -50,32 +50,25 @@ class BalanceConfig:
     data: Path | None = option(
         None, help="Sample table (parquet file or directory of shards).", argument=True, doc="input sample table"
     )
-    # concept vocabulary, one per line
-    concepts: Path | None = option(
-        None, help="Concept vocabulary: a text file, one concept per line.", panel=O.IO, doc="vocabulary file"
-    )
+    concepts: Path | None = option(None, help="Concept vocabulary: a text file, one concept per line.", panel=O.IO)
     out: Path | None = O.out(doc="output directory")
     # embed: top-K by CLIP-family similarity; text: concept strings in captions; metaclip
     method: str = option(
         "embed",
         help="embed (top-K by encoder similarity), text (concepts in captions) or metaclip.",
         panel="Method",
-        doc="`embed`, `text` or `metaclip`",
     )
     # CLIP / SigLIP / MetaCLIP directory (embed); `init-model --preset tiny-clip` builds one
     encoder: Path | None = option(
         None, help="CLIP / SigLIP / MetaCLIP directory for --method embed.", panel=O.IO, doc="encoder directory (embed)"
     )
-    # concepts per image (embed)
     top_k: int = option(3, help="Concepts per image (embed).", panel="Method")
     # how an image's per-concept inverse frequencies combine into its weight: mean|max|sum
     combine: str = option(
         "mean",
         help="How an image's per-concept inverse frequencies combine: mean, max or sum.",
         panel="Method",
-        doc="`mean`, `max` or `sum`",
     )
-    # rows after resampling (default: as many as the input)
     target: int | None = option(
         None,
         help="Rows after resampling (default: as many as the input).",
@@ -90,46 +83,36 @@ class BalanceConfig:
         panel="Method",
         doc="MetaCLIP `t` (MetaCLIP used 20,000 for 400M pairs)",
     )
-    # text embedded for each concept, e.g. "a photo of {}."
     concept_template: str = option(
         "{}",
         help="Text embedded per concept, e.g. 'a photo of {}.'",
         panel="Method",
         doc="text embedded for each concept, e.g. `a photo of {}.`",
     )
-    # concepts per similarity chunk (bounds memory at batch x chunk)
     chunk: int = option(
         65536,
         help="Concepts per similarity chunk (memory = batch x chunk).",
         panel=O.RUNTIME,
-        doc="concepts per similarity chunk",
     )
-    # images per encoder batch
     batch_size: int = option(64, help="Images per encoder batch.", panel=O.RUNTIME)
-    # all | assign | sample
     phase: str = option(
         "all",
         help="all, or for sharded runs: assign (per shard), then --merge, then sample (per shard).",
         panel="Sharded runs",
-        doc="`all`; or `assign` / `sample` for sharded runs",
     )
-    # assignment outputs to reduce into a plan
     merge: list[Path] | None = option(
         None,
         help="Assignment outputs (of --phase assign) to reduce into a plan.",
         panel="Sharded runs",
-        doc="assignment outputs to reduce into a plan",
     )
-    # the merge output (for --phase sample)
     plan: Path | None = option(
         None,
         help="The output of --merge, for --phase sample.",
         panel="Sharded runs",
-        doc="a `--merge` output, for `--phase sample`",
     )
     shard: str | None = O.shard(doc="`I/N`: this machine's part (with `--phase assign` or `sample`)")
     on_error: str = O.on_error(doc="`fail` or `skip` (bad rows to `rejects.parquet`)")
-    device: str = option("cpu", help="Device for the encoder (cpu, cuda).", panel=O.RUNTIME, doc="encoder device")
+    device: str = option("cpu", help="Device for the encoder (cpu, cuda).", panel=O.RUNTIME)
     seed: int = O.seed(doc="seed of the draw")
     overwrite: bool = O.overwrite(doc="redo a complete output")
     quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")

@@ -66,52 +66,42 @@ CHUNK_SCHEMA = pa.schema(
 class CaptionConfig(O.ModelLoading):
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
-    # input sample table (parquet file or directory of shards)
     data: Path | None = option(
         None,
         help="Sample table to recaption (parquet file or directory of shards).",
         argument=True,
         doc="input sample table",
     )
-    # the captioner: any HF VLM directory (save_pretrained) or hub id
     model: Path | None = option(
         None,
         help="Captioner: any VLM directory (save_pretrained) or hub id.",
         panel=O.IO,
-        doc="captioner directory or hub id",
     )
     out: Path | None = O.out(doc="output directory")
-    # caption languages, one per image, drawn by --lang-ratio
     lang: str = option(
         "en,zh",
         help="Caption languages; each image gets one, drawn by --lang-ratio.",
         panel="Captioning",
         doc="caption languages, one per image",
     )
-    # shares of the --lang languages (default 0.75,0.25 for en,zh; else equal)
     lang_ratio: str | None = option(
         None,
         help="Shares of the --lang languages, e.g. 0.75,0.25 (default for en,zh; else equal).",
         panel="Captioning",
-        doc="shares of the `--lang` languages",
         default_doc="0.75,0.25 for en,zh; else equal",
     )
-    # LANG=TEXT: the prompt of a language (defaults exist for en and zh)
     prompt: list[str] | None = option(
         None,
         help="LANG=TEXT: the prompt of a language (repeatable; en and zh have defaults).",
         panel="Captioning",
-        doc="`LANG=TEXT`, repeatable",
         default_doc="see above",
     )
-    # hf (transformers, any device) | vllm (GPU)
     engine: str = option(
         "hf",
         help="hf (transformers, any device) or vllm (GPU).",
         panel=O.RUNTIME,
         doc="`hf` (transformers, any device; the GPU when there is one) or `vllm` (GPU)",
     )
-    # sequences per generate call, hf engine
     batch_size: int = option(
         32,
         help="Sequences per generate call, hf engine.",
@@ -125,19 +115,15 @@ class CaptionConfig(O.ModelLoading):
         panel="Captioning",
         doc="tokens per caption (3500 characters is about 800 tokens)",
     )
-    # 0 = greedy
     temperature: float = option(0.0, help="0 = greedy.", panel="Captioning")
     top_p: float = option(
         1.0,
         help="Nucleus sampling mass (with --temperature > 0).",
         panel="Captioning",
-        doc="nucleus mass with `--temperature` > 0",
     )
-    # filter: shorter captions are rejected
     min_chars: int = option(
         50, help="Filter: captions shorter than this are rejected.", panel="Caption filter", doc="filter lower bound"
     )
-    # filter: longer captions are rejected
     max_chars: int = option(
         3500, help="Filter: captions longer than this are rejected.", panel="Caption filter", doc="filter upper bound"
     )
@@ -146,9 +132,7 @@ class CaptionConfig(O.ModelLoading):
         8,
         help="Filter: this many identical consecutive words reject a caption.",
         panel="Caption filter",
-        doc="filter: identical consecutive words that reject",
     )
-    # a rejected recaption keeps its row (original caption) instead of rejecting it
     keep_original_on_reject: bool = option(
         False,
         help=("A rejected recaption keeps its row with the original caption instead of moving it to rejects."),
@@ -163,7 +147,6 @@ class CaptionConfig(O.ModelLoading):
         negatable=True,
         doc="replace only when concept recall does not drop / always replace",
     )
-    # rows per saved chunk of generations (the resume granularity)
     chunk_rows: int = option(
         256,
         help="Rows per saved chunk of generations (a rerun resumes after the last one).",

@@ -24,6 +24,7 @@ CONFIG_ROW = (
     "`--lr`); flags typed on the command line override it; each value is converted by the option's type (`lr: 1e-3` "
     "is a float) and one that does not convert exits 2 naming the key, the file and the type |"
 )
+HELP_ROW = "| `-h`, `--help` | | the options, their defaults and a worked example |"
 PAGES = Path(__file__).resolve().parents[3] / "commands"
 
 
@@ -67,7 +68,7 @@ def table(command: Any) -> str:
         else:
             default = shown(defaults.get(name))
         rows.append(f"| {names} | {cell(default)} | {cell(o.doc or o.help)} |")
-    rows.append(CONFIG_ROW)
+    rows.extend((CONFIG_ROW, HELP_ROW))
     return "\n".join(rows)
 
 

@@ -88,7 +88,6 @@ MAX_RECORD_CHARS = 256 << 20  # one JSON record larger than this is treated as m
 class ConvertConfig:
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
-    # a JSON / JSON-lines / parquet file, a directory of parquet files, or a `datasets` source (Hub id, card dir, saved dir)
     input: str | None = option(
         None,
         help=(
@@ -110,7 +109,6 @@ class ConvertConfig:
         flags=("--from",),
         doc="the input format (table above); in a `--config` file the key is `from-format`",
     )
-    # ovkit: the sample table; trl: TRL's conversational VLM format (images + content parts)
     to_format: str = option(
         "ovkit",
         help=(
@@ -129,22 +127,17 @@ class ConvertConfig:
         None,
         help="Folder that relative image paths start from (default: the input's folder).",
         panel=O.IO,
-        doc="folder that relative image paths start from",
         default_doc="the input's folder",
     )
-    # `source` of rows whose input names none (default: the input's file name stem)
     source: str | None = option(
         None,
         help="`source` of rows whose input names none (default: the input's file name).",
         panel="Records",
-        doc="`source` of rows whose input names none",
         default_doc="the input's name",
     )
-    # ov-midtrain: the user turn after `<image>\n`
     caption_prompt: str = option(
         "Describe the image.", help="ov-midtrain: the user turn after '<image>\\n'.", panel="Records"
     )
-    # rows per output part file
     rows_per_file: int = option(10_000, help="Rows per output part file.", panel="Records")
     shard: str | None = O.shard(
         doc="convert only records `[I*n/N, (I+1)*n/N)`, into `OUT/part-I-of-N/`", default_doc="all"

@@ -79,7 +79,6 @@ class SynthConfig:
     launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     out: Path | None = O.out(doc="output directory, written atomically (complete or absent)")
-    # multiplies every split's size (at least one row per category and split)
     scale: float = option(
         1.0,
         help="Multiplies every split's size (1.0: about 8,000 images).",

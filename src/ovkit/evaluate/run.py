@@ -30,14 +30,11 @@ class EvalConfig(O.ModelLoading):
         None,
         help=("Eval datasets (parquet file or directory); with --compare: eval outputs (DIR or LABEL=DIR)."),
         argument=True,
-        doc="eval datasets; with `--compare`: eval outputs (`DIR` or `LABEL=DIR`)",
     )
-    # model directory (save_pretrained) or hub id
     model: Path | None = option(
         None,
         help="Model directory (save_pretrained) or hub id.",
         panel=O.IO,
-        doc="model directory or hub id",
         default_doc="required (not with --compare)",
     )
     out: Path | None = O.out(
@@ -45,21 +42,17 @@ class EvalConfig(O.ModelLoading):
         doc="output directory, written atomically; with `--compare`: optional markdown file for the table",
         default_doc="required (with --compare: none)",
     )
-    # tabulate finished evals instead of running one
     compare: bool = option(
         False,
         help="Tabulate finished evals (the DATA arguments) instead of running one.",
         panel="Compare finished evals",
-        doc="tabulate finished evals instead of running one",
     )
-    # --compare: reward | accuracy | pass@K | truncated
     metric: str = option(
         "reward",
         help="--compare: reward, accuracy, pass@K or truncated.",
         panel="Compare finished evals",
         doc=("with `--compare`: `reward`, `accuracy`, `pass@K` (runs with `--n` >= K) or `truncated`"),
     )
-    # stage instruction added to each prompt: answer | think | none | auto (the row's RL stage)
     prompt: str = option(
         "answer",
         help=(
@@ -75,7 +68,6 @@ class EvalConfig(O.ModelLoading):
             "released data"
         ),
     )
-    # hf (transformers, any device) | vllm (GPU)
     engine: str = option(
         "hf",
         help="hf (transformers, any device) or vllm (GPU).",
@@ -85,14 +77,12 @@ class EvalConfig(O.ModelLoading):
             "colocated vLLM engine (GPU, `pip install 'ovkit[vllm]'`)"
         ),
     )
-    # sequences per generate call (prompts x n); hf engine
     batch_size: int = option(
         64,
         help="Sequences per generate call (rows x n), hf engine.",
         panel=O.RUNTIME,
         doc=("sequences (rows x `--n`) per `generate` call of the hf engine; lower it when memory runs out"),
     )
-    # default: per category, from its longest gold answer (token_budgets)
     max_new_tokens: int | None = option(
         None,
         help=(
@@ -103,14 +93,11 @@ class EvalConfig(O.ModelLoading):
         doc='token budget of every completion (default: see "Token budget")',
         default_doc="per category",
     )
-    # completions per row; > 1 reports pass@k
     n: int = option(
         1,
         help="Completions per row; more than 1 reports pass@k.",
         panel="Generation",
-        doc="completions per row; K > 1 reports pass@k",
     )
-    # default: 0 (greedy) for --n 1, 1.0 for --n > 1
     temperature: float | None = option(
         None,
         help="0 = greedy (default: 0 for --n 1, 1.0 for --n > 1).",
@@ -124,7 +111,6 @@ class EvalConfig(O.ModelLoading):
         panel="Generation",
         doc="nucleus sampling mass (with T > 0)",
     )
-    # at most this many rows per category (the first ones), like lmms-eval's --limit
     limit: int | None = option(
         None,
         help="At most this many rows per category (the first ones).",
@@ -141,12 +127,10 @@ class EvalConfig(O.ModelLoading):
         ),
         panel="Generation",
     )
-    # also write OUT/rollouts.parquet (token ids, sampler logprobs, rewards)
     save_logprobs: bool = option(
         False,
         help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards).",
         panel=O.IO,
-        doc="also write `OUT/rollouts.parquet`",
     )
     precision: str = O.precision(
         doc=(

@@ -22,7 +22,6 @@ class MismatchConfig(O.ModelLoading):
 
     launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
 
-    # a rollout table (eval --save-logprobs, rl-curate, rl-train --save-rollouts)
     rollouts: Path | None = option(
         None,
         help=(
@@ -34,19 +33,13 @@ class MismatchConfig(O.ModelLoading):
             "rollout table (file, directory, or run directory holding `rollouts.parquet`); exclusive with `--generate`"
         ),
     )
-    # the learner: a model directory
-    model: Path | None = option(
-        None, help="The learner: a model directory (save_pretrained).", panel=O.IO, doc="the learner"
-    )
+    model: Path | None = option(None, help="The learner: a model directory (save_pretrained).", panel=O.IO)
     out: Path | None = O.out(doc="output directory, written atomically (complete or absent)")
-    # sample fresh rollouts from these prompt rows instead of reading ROLLOUTS
     generate: Path | None = option(
         None,
         help="Sample fresh rollouts from these prompt rows (RL/eval table) instead of reading ROLLOUTS.",
         panel="Fresh rollouts (--generate)",
-        doc="sample fresh rollouts from these prompt rows instead of reading `ROLLOUTS`",
     )
-    # with --generate: fp32 | bf16 | fp16 | int8 | vllm (repeatable; default bf16)
     sampler: list[str] = option(
         [],
         help=(
@@ -60,12 +53,10 @@ class MismatchConfig(O.ModelLoading):
         ),
         default_doc="`bf16`",
     )
-    # prompt rows for the images of rollout tables that carry none (matched by prompt_id)
     data: Path | None = option(
         None,
         help=("Prompt rows (matched by prompt_id) for the images of rollout tables that store none (rl-train)."),
         panel=O.IO,
-        doc=("prompt rows for the images of rollout tables that store none (matched by `prompt_id`)"),
     )
     # default: the rollouts' producer's (its config.yaml), else 1.0
     temperature: float | None = option(
@@ -74,7 +65,6 @@ class MismatchConfig(O.ModelLoading):
             "Sampling temperature; the learner divides its logits by it (default: the rollouts' producer's, else 1.0)."
         ),
         panel="Learner",
-        doc="sampling temperature; the learner divides its logits by it",
         default_doc="producer's, else 1.0",
     )
     # --generate: nucleus mass (default 1.0); ROLLOUTS: read from the producer for the note
@@ -85,9 +75,7 @@ class MismatchConfig(O.ModelLoading):
         doc="with `--generate`: nucleus mass of the samplers",
         default_doc="1.0",
     )
-    # --generate: completions per prompt
     n: int = option(4, help="With --generate: completions per prompt.", panel="Fresh rollouts (--generate)")
-    # --generate: at most this many prompt rows per category (the first ones)
     limit: int | None = option(
         None,
         help="With --generate: at most this many prompt rows per category (the first ones).",
@@ -95,17 +83,14 @@ class MismatchConfig(O.ModelLoading):
         doc="with `--generate`: at most N prompt rows per category (the first ones)",
         default_doc="all",
     )
-    # --generate
     max_new_tokens: int = option(
         64, help="With --generate: tokens per completion.", panel="Fresh rollouts (--generate)"
     )
-    # --generate: stage instruction (answer | think | none)
     prompt: str = option(
         "answer",
         help="With --generate: stage instruction added to prompts: answer, think or none.",
         panel="Fresh rollouts (--generate)",
     )
-    # --generate: prepend the recipe's system prompt, as rl-train does
     system_prompt: bool = option(
         True,
         help="With --generate: prepend the recipe's system prompt (as rl-train).",
@@ -123,7 +108,6 @@ class MismatchConfig(O.ModelLoading):
             " downscale: 0)"
         ),
     )
-    # rollouts per learner forward pass (and sequences per generate call)
     batch_size: int = option(
         16, help="Rollouts per learner forward pass (and sequences per generate call).", panel="Learner"
     )
@@ -136,19 +120,16 @@ class MismatchConfig(O.ModelLoading):
         panel="Learner",
         doc=("the learner's compute precision: `fp32` (the reference), `bf16-true` / `bf16-mixed` (bf16 weights)"),
     )
-    # rl-train's C (TIS truncation / MIS rejection)
     correction_threshold: float = option(
         2.0,
         help="rl-train's C: TIS truncation / MIS rejection bound.",
         panel="rl-train corrections reported",
         flags=("--rollout-is-threshold",),
-        doc="rl-train's TIS truncation / MIS rejection bound",
     )
     correction_lower: float | None = option(
         None,
         help="rl-train's lower bound (MIS masks below it, TIS clamps to it).",
         panel="rl-train corrections reported",
-        doc="rl-train's lower bound (MIS masks below, TIS clamps to it)",
     )
     geo_lower: float = option(
         0.999,
@@ -159,7 +140,6 @@ class MismatchConfig(O.ModelLoading):
     geo_upper: float = option(
         1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel="rl-train corrections reported"
     )
-    # rl-train's behaviour-weight cap (0: not reported)
     behave_cap: float = option(
         5.0,
         help="rl-train's behaviour-weight cap, reported as a mask rate (0: not reported).",
@@ -172,12 +152,10 @@ class MismatchConfig(O.ModelLoading):
         flags=("--rollout-token-veto-threshold",),
         doc="also report the veto: responses with any token ratio below X",
     )
-    # tokens drawn in the scatter plots (a seeded sample beyond that)
     max_points: int = option(
         20000,
         help="Tokens drawn in the scatter plots (a seeded sample beyond that).",
         panel=O.IO,
-        doc="tokens drawn in the scatter plots",
     )
     env: str | None = O.env(
         doc=(

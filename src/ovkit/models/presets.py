@@ -184,17 +184,13 @@ class InitModelConfig:
         [],
         help=("tiny: dataset(s) whose text trains the tokenizer (repeatable), e.g. data/ from `ovkit synth`."),
         panel=O.IO,
-        doc="dataset(s) whose text trains the tokenizer; repeatable",
         default_doc="required for tiny",
     )
-    # compose: a local vision encoder directory
     vision: Path | None = option(
         None,
         help="Compose: local vision encoder directory (CLIP, SigLIP, ...).",
         panel=O.IO,
-        doc="compose: local vision encoder directory",
     )
-    # compose: a local causal LM directory
     llm: Path | None = option(None, help="Compose: local causal LM directory (with its tokenizer).", panel=O.IO)
     # compose: weight dtype of the composed model ("auto" keeps the checkpoints')
     dtype: str = option(
@@ -206,7 +202,6 @@ class InitModelConfig:
             " dtype (`auto` = float32)"
         ),
     )
-    # compose: which encoder layer feeds the projector (LLaVA uses the penultimate)
     vision_feature_layer: int = option(
         -2,
         help="Compose: encoder layer that feeds the projector.",
@@ -224,7 +219,6 @@ class InitModelConfig:
             "vocabulary padded to the published size"
         ),
     )
-    # random-init: a processor directory to use (default: the tiny tokenizer)
     processor: Path | None = option(
         None,
         help=("Random init: a processor directory to save with it (default: the tiny tokenizer, vocabulary padded)."),
@@ -236,7 +230,6 @@ class InitModelConfig:
         ),
         default_doc="tiny tokenizer",
     )
-    # print the preset table and exit
     list_presets: bool = option(False, help="Print the preset table and exit.", panel="Model")
     seed: int = O.seed(doc=("tokenizer/model initialisation (tiny), projector and new embedding rows (compose)"))
     overwrite: bool = O.overwrite(doc="rebuild a complete output")

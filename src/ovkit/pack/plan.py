@@ -42,14 +42,11 @@ REJECT_SCHEMA = pa.schema(
 class PackConfig:
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
-    # the sample table to pack (a parquet file or a directory of shards)
     data: Path | None = option(
         None,
         help="Sample table to pack (a parquet file or a directory of shards).",
         argument=True,
-        doc="the sample table to pack",
     )
-    # model directory whose processor measures the samples
     model: Path | None = option(
         None,
         help="Model directory whose processor measures each sample.",
@@ -60,7 +57,6 @@ class PackConfig:
     max_len: int = option(8192, help="Pack capacity L in tokens; longer samples go to rejects.", panel="Packing")
     out: Path | None = O.out(doc="plan directory (with `--shard`, the part goes to `OUT/part-I-of-N/`)")
     shard: str | None = O.shard()
-    # processes measuring lengths
     workers: int = option(
         1,
         help="Processes measuring lengths.",
@@ -71,15 +67,12 @@ class PackConfig:
     exact_lengths: bool = option(
         False, help="Encode every image with the processor instead of counting from image sizes.", panel="Packing"
     )
-    # lengths cache directory (default $OVKIT_CACHE/lengths or ~/.cache/ovkit/lengths)
     cache: Path | None = option(
         None,
         help="Lengths cache directory (default $OVKIT_CACHE or ~/.cache/ovkit).",
         panel=O.IO,
-        doc="lengths cache directory",
         default_doc="`$OVKIT_CACHE/lengths`",
     )
-    # B of the "pad to the longest in random batches of B" padding baseline
     baseline_batch: int = option(
         8,
         help="B of the 'pad to longest in random batches' baseline.",

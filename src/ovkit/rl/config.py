@@ -45,7 +45,6 @@ class RLTrainConfig(O.ModelLoading):
     # Options that exclude each other: one given on the command line drops the config file's other (flags override the file)
     exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
 
-    # RL sample tables (answer, answer_type): e.g. rl-curate's OUT/stage1
     data: list[Path] | None = option(
         None,
         help=(
@@ -53,9 +52,7 @@ class RLTrainConfig(O.ModelLoading):
             " sharded curate)."
         ),
         argument=True,
-        doc="RL sample tables",
     )
-    # HF model directory: the SFT model for stage 1, the stage-1 output for stage 2
     model: Path | None = option(
         None,
         help="Model directory: the SFT model for stage 1, the stage-1 output for stage 2.",
@@ -63,12 +60,10 @@ class RLTrainConfig(O.ModelLoading):
         doc="model to start from",
     )
     out: Path | None = O.out(doc="output directory")
-    # 1: answer-only prompts; 2: think prompts + format reward (the curriculum)
     stage: int = option(
         1,
         help="1: answer-only prompts; 2: think prompts + format reward (the curriculum).",
         panel=O.IO,
-        doc="1: answer-only prompts; 2: think prompts + format reward",
     )
     # hf | vllm (colocated) | vllm-server (ovkit.generate)
     engine: str = option(
@@ -78,7 +73,6 @@ class RLTrainConfig(O.ModelLoading):
             "`vllm serve`, see --vllm-server-url)."
         ),
         panel="Sampling",
-        doc="hf, vllm (colocated) or vllm-server",
     )
     optim: str = O.optim()
     activation_checkpointing: str = O.activation_checkpointing()
@@ -91,7 +85,6 @@ class RLTrainConfig(O.ModelLoading):
         None,
         help="Sample from a copy in another precision than the learner: fp32, bf16, fp16.",
         panel="Sampling",
-        doc="sample from a copy in fp32, bf16 or fp16",
         default_doc="learner's (an asynchronous run's own copy: its compute dtype)",
     )
     # int8 | fp8: a low-precision sampler (the INT8-rollout ablation of Yao et al.)
@@ -114,34 +107,26 @@ class RLTrainConfig(O.ModelLoading):
         panel="Sampling",
         doc=("prompts (groups) per step; a DATA with fewer prompts repeats them within a step, with a warning"),
     )
-    # completions per prompt (G)
-    group_size: int = option(
-        16, help="Completions per prompt (G).", panel="Sampling", flags=("--n-samples",), doc="completions per prompt"
-    )
+    group_size: int = option(16, help="Completions per prompt (G).", panel="Sampling", flags=("--n-samples",))
     max_new_tokens: int = option(4096, help="Completion length limit.", panel="Sampling")
     temperature: float = option(
         1.0,
         help="Sampling temperature (the learner divides its logits by it too).",
         panel="Sampling",
-        doc="sampling temperature",
     )
     top_p: float = option(
         1.0,
         help="Nucleus sampling (the learner does not truncate: top-p < 1 shows up as mismatch).",
         panel="Sampling",
-        doc="nucleus sampling",
     )
     # exclusive with --epochs
-    max_steps: int | None = option(
-        None, help="GRPO steps to run (instead of --epochs).", panel="Optimiser", doc="steps to run (or `--epochs`)"
-    )
+    max_steps: int | None = option(None, help="GRPO steps to run (instead of --epochs).", panel="Optimiser")
     # passes over the prompts (30 when neither is given)
     epochs: float | None = option(
         None,
         help=("Passes over the prompts (default 30 when --max-steps is not given). Also --num-train-epochs (HF/TRL)."),
         panel="Optimiser",
         flags=("--num-train-epochs",),
-        doc="passes over the prompts when `--max-steps` is not given",
         default_doc="30",
     )
     lr: float = option(
@@ -151,9 +136,7 @@ class RLTrainConfig(O.ModelLoading):
         flags=("--learning-rate",),
         doc="constant after warmup (AdamW, eps 1e-5)",
     )
-    weight_decay: float = option(
-        0.01, help="AdamW weight decay on weight matrices.", panel="Optimiser", doc="on weight matrices"
-    )
+    weight_decay: float = option(0.01, help="AdamW weight decay on weight matrices.", panel="Optimiser")
     # constant learning rate after a linear warmup over this fraction of the steps
     warmup_ratio: float = option(
         0.001,
@@ -165,9 +148,8 @@ class RLTrainConfig(O.ModelLoading):
         1.0,
         help="Clip the global gradient norm (0: no clipping).",
         panel="Optimiser",
-        doc="gradient clipping (0: none)",
     )
-    eps_clip: float = option(0.2, help="PPO clip: ratio lower bound 1 - eps.", panel="GRPO loss", doc="PPO clip, lower")
+    eps_clip: float = option(0.2, help="PPO clip: ratio lower bound 1 - eps.", panel="GRPO loss")
     eps_clip_high: float = option(
         0.28,
         help="PPO clip: ratio upper bound 1 + eps_high.",
@@ -175,17 +157,14 @@ class RLTrainConfig(O.ModelLoading):
         flags=("--eps-clip-higher",),
         doc="PPO clip, upper (clip-higher)",
     )
-    # r' = (r + bias) * scale
     reward_bias: float = option(-0.5, help="r' = (r + bias) * scale.", panel="GRPO loss")
     reward_scale: float = option(10.0, help="r' = (r + bias) * scale.", panel="GRPO loss", flags=("--reward-scaling",))
-    # A = (r' - mean) / (std + eps)
     adv_eps: float = option(
         1e-6,
         help="A = (r' - group mean) / (group std + eps).",
         panel="GRPO loss",
         doc="epsilon of the group normalisation",
     )
-    # divide by the group std (--no-adv-std: centre only, Dr. GRPO)
     adv_std: bool = option(
         True,
         help="Divide advantages by the group std (--no-adv-std: centre only, Dr. GRPO).",
@@ -193,7 +172,6 @@ class RLTrainConfig(O.ModelLoading):
         negatable=True,
         doc="divide by the group std (off: centre only, Dr. GRPO)",
     )
-    # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     loss_agg: str = option(
         "token-mean",
         help=(
@@ -209,31 +187,23 @@ class RLTrainConfig(O.ModelLoading):
         panel="GRPO loss",
         doc="KL penalty to the initial model (a frozen copy is kept when > 0)",
     )
-    # k1 | k2 | k3
     kl_estimator: str = option("k3", help="k1 | k2 | k3.", panel="GRPO loss")
-    # behaviour-weight cap exp(prox - behave) (0: no cap)
     behave_cap: float = option(
         5.0,
         help="Cap of the behaviour weight exp(prox - behave) (0: no cap).",
         panel="Mismatch corrections",
         flags=("--behav-imp-weight-cap",),
-        doc="behaviour-weight cap (0: none)",
     )
-    # mask: tokens above the cap train nothing; clamp: weight = cap
     behave_action: str = option(
         "mask",
         help="Above the cap: mask (train nothing) or clamp (weight = cap).",
         panel="Mismatch corrections",
-        doc="mask or clamp",
     )
-    # token | sequence (geometric mean of the sequence's ratios)
     behave_level: str = option(
         "token",
         help="token, or sequence (geometric mean of the sequence's ratios).",
         panel="Mismatch corrections",
-        doc="token or sequence",
     )
-    # none | token-tis | seq-tis | token-mis | seq-mis | geo-rs (verl names accepted)
     correction: str = option(
         "none",
         help=(
@@ -241,24 +211,19 @@ class RLTrainConfig(O.ModelLoading):
             "accepted, e.g. token, sequence, seq_mean_k1)."
         ),
         panel="Mismatch corrections",
-        doc="none, token-tis, seq-tis, token-mis, seq-mis, geo-rs (verl names accepted)",
     )
-    # C: upper truncation (TIS) / rejection (MIS) bound
     correction_threshold: float = option(
         2.0,
         help="C: upper truncation (TIS) or rejection (MIS) bound.",
         panel="Mismatch corrections",
         flags=("--rollout-is-threshold",),
-        doc="C",
     )
     # lower bound (MIS: mask below; TIS: clamp below)
     correction_lower: float | None = option(
         None,
         help="Lower bound (MIS masks below it, TIS clamps to it).",
         panel="Mismatch corrections",
-        doc="lower bound",
     )
-    # geo-rs bounds on the geometric-mean ratio
     geo_lower: float = option(
         0.999,
         help="geo-rs: lower bound on the geometric-mean ratio.",
@@ -268,7 +233,6 @@ class RLTrainConfig(O.ModelLoading):
     geo_upper: float = option(
         1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel="Mismatch corrections"
     )
-    # mask a sequence with any token ratio below this
     veto_threshold: float | None = option(
         None,
         help="Mask a whole sequence if any token ratio is below this.",
@@ -282,26 +246,19 @@ class RLTrainConfig(O.ModelLoading):
         help=("ETA: rollouts run ahead of training by at most this many versions (0: synchronous on-policy)."),
         panel="Sampling",
         flags=("--max-head-offpolicyness",),
-        doc="ETA (0: synchronous on-policy)",
     )
     # optimizer steps per batch (AReaL ppo_n_minibatches)
-    ppo_minibatches: int = option(
-        1, help="Optimizer steps per batch (each on a slice of it).", panel="Optimiser", doc="optimizer steps per batch"
-    )
-    # trajectories per learner forward (memory)
+    ppo_minibatches: int = option(1, help="Optimizer steps per batch (each on a slice of it).", panel="Optimiser")
     micro_batch_size: int = option(
         8,
         help="Trajectories per learner forward pass (memory).",
         panel=O.RUNTIME,
         run_control=True,
-        doc="trajectories per learner forward",
     )
-    # sequences per generate call of the hf engine
     rollout_batch_size: int = option(
         64,
         help="Sequences per generate call of the hf engine.",
         panel=O.RUNTIME,
-        doc="sequences per generate call (hf engine)",
     )
     # --engine vllm (colocated): the GPU share vLLM takes (TRL's default)
     vllm_gpu_memory_utilization: float = option(
@@ -314,7 +271,6 @@ class RLTrainConfig(O.ModelLoading):
             "weights are written in place after every step under their checkpoint names"
         ),
     )
-    # --engine vllm-server: where `vllm serve` listens
     vllm_server_url: str = option(
         "http://localhost:8000",
         help="--engine vllm-server: the server's address (default http://localhost:8000).",
@@ -322,25 +278,20 @@ class RLTrainConfig(O.ModelLoading):
         run_control=True,
         doc="`--engine vllm-server`: where `vllm serve` listens",
     )
-    # --engine vllm-server: seconds to wait for the server to answer at start
     vllm_server_timeout: float = option(
         240.0, help="--engine vllm-server: seconds to wait for the server at start.", panel=O.RUNTIME, run_control=True
     )
-    # weight of the format reward; None = 0 in stage 1, 0.1 in stage 2
     format_weight: float | None = option(
         None,
         help="Weight of the format reward (default: 0 in stage 1, 0.1 in stage 2).",
         panel="GRPO loss",
-        doc="format-reward weight (stage 1 / stage 2)",
         default_doc="0 / 0.1",
     )
-    # prepend "You are a helpful AI assistant." (the recipe's system prompt)
     system_prompt: bool = option(
         True,
         help="Prepend 'You are a helpful AI assistant.' (the recipe's system prompt).",
         panel="Sampling",
         negatable=True,
-        doc="the recipe's system prompt",
     )
     # images are downscaled to at most this many pixels (the recipe's 512x512 cap)
     max_pixels: int = option(
@@ -358,17 +309,13 @@ class RLTrainConfig(O.ModelLoading):
         250, help="Resumable checkpoint every N steps in OUT.partial/checkpoints (0: only the final model)."
     )
     keep_checkpoints: int = O.keep_checkpoints(doc="newest checkpoints kept")
-    # write every step's trajectories to OUT/rollouts/
     save_rollouts: bool = option(
         False,
         help="Write every step's trajectories to OUT/rollouts/step-N.parquet.",
         panel=O.CHECKPOINTS,
         run_control=True,
-        doc="write every step's trajectories",
     )
-    resume: bool = O.resume(
-        help="Continue the unfinished run in OUT.partial/ from its last checkpoint.", doc="continue `OUT.partial/`"
-    )
+    resume: bool = O.resume(help="Continue the unfinished run in OUT.partial/ from its last checkpoint.")
     report_to: list[str] = O.report_to()
     eval_data: list[Path] | None = O.eval_data(
         doc=(
@@ -386,7 +333,6 @@ class RLTrainConfig(O.ModelLoading):
         help="Processes for the sandboxed scorers (math, svg, code).",
         panel=O.RUNTIME,
         run_control=True,
-        doc="processes for sandboxed scorers (math, svg, code)",
     )
     env: str | None = O.env()
     env_arg: Any = O.env_arg()

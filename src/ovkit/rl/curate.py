@@ -45,7 +45,6 @@ class CurateConfig(O.ModelLoading):
 
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
-    # RL prompts (answer, answer_type)
     data: Path | None = option(
         None,
         help="RL prompts (sample table with answer/answer_type).",
@@ -57,13 +56,9 @@ class CurateConfig(O.ModelLoading):
         ),
     )
     # the model RL will start from (the SFT checkpoint)
-    model: Path | None = option(
-        None, help="The model RL will start from (e.g. the SFT output).", panel=O.IO, doc="the model RL will start from"
-    )
+    model: Path | None = option(None, help="The model RL will start from (e.g. the SFT output).", panel=O.IO)
     out: Path | None = O.out(doc="output directory")
-    # rollouts per prompt
     n: int = option(16, help="Rollouts per prompt.", panel="Sampling")
-    # at most this many prompts per category (the first ones), to fit a budget
     limit: int | None = option(
         None,
         help="At most this many prompts per category (the first ones), to fit a time budget.",
@@ -71,7 +66,6 @@ class CurateConfig(O.ModelLoading):
         doc=("at most this many prompts per category (the first ones in the data), to fit a time budget"),
         default_doc="all",
     )
-    # mean: min_reward < pass@1 < max_reward; gap: pass@N - pass@1 >= min_gap
     select: str = option(
         "mean",
         help=(
@@ -79,7 +73,6 @@ class CurateConfig(O.ModelLoading):
             "min-gap (the write-up)."
         ),
         panel="Selection",
-        doc="mean or gap",
     )
     min_reward: float = option(
         0.0,
@@ -115,7 +108,6 @@ class CurateConfig(O.ModelLoading):
         ),
         panel="Selection",
         flag="--stage2-category",
-        doc="categories of the thinking set (repeatable)",
     )
     # categories left out of RL (not sampled)
     exclude_categories: list[str] = option(
@@ -130,7 +122,6 @@ class CurateConfig(O.ModelLoading):
             "them took held-out SVG from 73 to 13-26 (BENCHMARKS.md)"
         ),
     )
-    # instruction the rollouts are sampled with: auto (the row's stage: 1 answer, 2 think) | answer | think
     prompt: str = option(
         "auto",
         help=(
@@ -155,7 +146,6 @@ class CurateConfig(O.ModelLoading):
             "`bf16-mixed` (bf16 weights)"
         )
     )
-    # sequences per generate call (prompts x n)
     batch_size: int = option(64, help="Sequences per generate call (prompts x n).", panel=O.RUNTIME)
     max_new_tokens: int = option(1024, help="Completion length limit.", panel="Sampling")
     temperature: float = option(1.0, help="Sampling temperature.", panel="Sampling")
@@ -171,7 +161,6 @@ class CurateConfig(O.ModelLoading):
         help="Prepend the recipe's system prompt.",
         panel="Sampling",
         negatable=True,
-        doc="the recipe's system prompt",
     )
     # store the prompt images in the rollout table (mismatch-report re-runs the model)
     rollout_images: bool = option(
@@ -185,7 +174,6 @@ class CurateConfig(O.ModelLoading):
         2,
         help="Processes for the sandboxed scorers (math, svg, code).",
         panel=O.RUNTIME,
-        doc="processes for sandboxed scorers (math, svg, code)",
     )
     env: str | None = O.env()
     env_arg: Any = O.env_arg()

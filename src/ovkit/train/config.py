@@ -56,7 +56,6 @@ class TrainConfig(O.ModelLoading):
         argument=True,
         doc="sample table(s) (parquet files or directories of shards), read as one",
     )
-    # HF model directory (save_pretrained layout) to start from
     model: Path | None = option(
         None,
         help=(
@@ -64,15 +63,12 @@ class TrainConfig(O.ModelLoading):
             "previous stage)."
         ),
         panel=O.IO,
-        doc="model directory to start from",
     )
     out: Path | None = O.out(doc="final model directory; the run lives in `OUT.partial/` until done")
-    # pack plan of DATA (`ovkit pack`): train on packed rows instead of padded batches
     plan: Path | None = option(
         None,
         help=("Pack plan of DATA (`ovkit pack`): train on packed rows instead of length-bucketed padded batches."),
         panel=O.IO,
-        doc="pack plan of DATA: train on packed rows",
     )
     # groups (projector, vision, llm, all) or regexes; None = the stage's preset
     trainable: list[str] | None = option(
@@ -92,7 +88,6 @@ class TrainConfig(O.ModelLoading):
         panel="Optimiser & schedule",
         doc="remove the vision encoder from the trainable set",
     )
-    # peak learning rate; None = the stage's preset
     lr: float | None = option(
         None,
         help=(
@@ -101,10 +96,8 @@ class TrainConfig(O.ModelLoading):
         ),
         panel="Optimiser & schedule",
         flags=("--learning-rate",),
-        doc="peak learning rate",
         default_doc="stage preset",
     )
-    # peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr); None = --lr
     vision_lr: float | None = option(
         None,
         help=("Peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr). Default: --lr."),
@@ -120,9 +113,7 @@ class TrainConfig(O.ModelLoading):
         1e-6,
         help="Learning rate at the end of the cosine schedule.",
         panel="Optimiser & schedule",
-        doc="learning rate at the end of the cosine",
     )
-    # fraction of the steps spent warming up linearly from 0
     warmup_ratio: float = option(
         0.002,
         help="Fraction of the steps with linear warmup from 0.",
@@ -144,7 +135,6 @@ class TrainConfig(O.ModelLoading):
         panel="Optimiser & schedule",
         doc="clip the global gradient norm (0: off)",
     )
-    # samples (or packed rows) per micro-batch per process
     batch_size: int = option(
         8,
         help=(
@@ -164,16 +154,13 @@ class TrainConfig(O.ModelLoading):
         ),
         panel="Batches & length",
         flags=("--gradient-accumulation-steps",),
-        doc="micro-batches per optimiser step",
     )
-    # optimiser steps; exclusive with --epochs
     max_steps: int | None = option(
         None,
         help="Optimiser steps to run (instead of --epochs).",
         panel="Batches & length",
         doc="optimiser steps (exclusive with `--epochs`)",
     )
-    # passes over the data (default 1 when --max-steps is not given)
     epochs: float | None = option(
         None,
         help=("Passes over the data (default 1 when --max-steps is not given). Also --num-train-epochs (HF/TRL)."),
