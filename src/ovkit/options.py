@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
@@ -112,10 +113,12 @@ def spec(f: dataclasses.Field) -> Option:
 
 def specs(cls: type) -> dict[str, Option]:
     """{field name: Option} of a config class: its own options in declaration order, then those of the shared groups
-    it inherits (ModelLoading), so --help and the page start with what is particular to the command."""
+    it inherits (ModelLoading, Learner), so --help and the page start with what is particular to the command, and the
+    run-control panel (seed, overwrite, quiet) closes them."""
     inherited = {f.name for base in cls.__mro__ if base in MIXINS for f in dataclasses.fields(base)}
     fields = dataclasses.fields(cls)
-    return {f.name: spec(f) for f in sorted(fields, key=lambda f: f.name in inherited)}
+    order = sorted(fields, key=lambda f: (spec(f).panel == RUN, f.name in inherited))  # run control last
+    return {f.name: spec(f) for f in order}
 
 
 def aliases(cls: type) -> dict[str, str]:
@@ -477,4 +480,30 @@ class ModelLoading:
     trust_remote_code: bool = trust_remote_code()
 
 
-MIXINS = (ModelLoading,)  # option groups shared by inheritance
+@dataclasses.dataclass
+class Learner(ModelLoading):
+    """The options every learner shares (align, midtrain, sft, rl-train): optimiser implementation, memory and speed,
+    LoRA, checkpoints and trackers, evaluation while training. A new learner option is one field here (and its use in
+    ovkit.runtime); a learner whose wording or default differs redeclares the field."""
+
+    optim: str = optim()
+    activation_checkpointing: str = activation_checkpointing()
+    gradient_checkpointing: bool = gradient_checkpointing()
+    compile: bool = compile()
+    kernels: str = kernels()
+    use_liger_kernel: bool = use_liger_kernel()
+    lora_r: int = lora_r()
+    lora_alpha: float = lora_alpha()
+    lora_dropout: float = lora_dropout()
+    lora_targets: list[str] | None = lora_targets(default_doc="per architecture")
+    save_every: int = save_every()
+    keep_checkpoints: int = keep_checkpoints()
+    resume: bool = resume()
+    report_to: list[str] = report_to()
+    eval_data: list[Path] | None = eval_data()
+    eval_every: int = eval_every()
+    eval_limit: int | None = eval_limit(default_doc="all")
+    eval_max_new_tokens: int | None = eval_max_new_tokens(default_doc="per category")
+
+
+MIXINS = (ModelLoading, Learner)  # option groups shared by inheritance

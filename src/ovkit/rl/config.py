@@ -37,7 +37,7 @@ STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 
 
 @dataclass
-class RLTrainConfig(O.ModelLoading):
+class RLTrainConfig(O.Learner):
     """Options of `ovkit rl-train`. Defaults are the published LLaVA-OneVision-1.5-RL values (anchors.md section 1)."""
 
     launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -74,12 +74,6 @@ class RLTrainConfig(O.ModelLoading):
         ),
         panel="Sampling",
     )
-    optim: str = O.optim()
-    activation_checkpointing: str = O.activation_checkpointing()
-    gradient_checkpointing: bool = O.gradient_checkpointing()
-    compile: bool = O.compile()
-    kernels: str = O.kernels()
-    use_liger_kernel: bool = O.use_liger_kernel()
     # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
     sampler_precision: str | None = option(
         None,
@@ -301,10 +295,6 @@ class RLTrainConfig(O.ModelLoading):
         doc=("images (with `--env`: observation images too) downscaled to at most 512x512 pixels"),
     )
     freeze_vision: bool = option(False, help="Keep the vision encoder frozen.", panel="Optimiser")
-    lora_r: int = O.lora_r()
-    lora_alpha: float = O.lora_alpha()
-    lora_dropout: float = O.lora_dropout()
-    lora_targets: list[str] | None = O.lora_targets(default_doc="per architecture")
     save_every: int = O.save_every(
         250, help="Resumable checkpoint every N steps in OUT.partial/checkpoints (0: only the final model)."
     )
@@ -316,7 +306,6 @@ class RLTrainConfig(O.ModelLoading):
         run_control=True,
     )
     resume: bool = O.resume(help="Continue the unfinished run in OUT.partial/ from its last checkpoint.")
-    report_to: list[str] = O.report_to()
     eval_data: list[Path] | None = O.eval_data(
         doc=(
             "held-out table(s) scored while training as `ovkit eval` scores them (answer-mode prompts, greedy, "
@@ -325,9 +314,6 @@ class RLTrainConfig(O.ModelLoading):
             "`eval/reward/<category>`, `eval/accuracy/<category>`; repeatable"
         )
     )
-    eval_every: int = O.eval_every()
-    eval_limit: int | None = O.eval_limit(default_doc="all")
-    eval_max_new_tokens: int | None = O.eval_max_new_tokens(default_doc="per category")
     reward_workers: int = option(
         2,
         help="Processes for the sandboxed scorers (math, svg, code).",

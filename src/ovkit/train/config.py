@@ -38,7 +38,7 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
 
 
 @dataclass
-class TrainConfig(O.ModelLoading):
+class TrainConfig(O.Learner):
     """Options of `ovkit align | midtrain | sft`. The stage (a class attribute, not an option) picks the presets."""
 
     launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -183,11 +183,6 @@ class TrainConfig(O.ModelLoading):
             "bf16-mixed, `32` = fp32 (ovkit.runtime.precision)"
         )
     )
-    optim: str = O.optim()
-    lora_r: int = O.lora_r()
-    lora_alpha: float = O.lora_alpha()
-    lora_dropout: float = O.lora_dropout()
-    lora_targets: list[str] | None = O.lora_targets(default_doc="per architecture")
     load_in_4bit: bool = O.load_in_4bit()
     activation_checkpointing: str = O.activation_checkpointing(
         doc=(
@@ -201,8 +196,6 @@ class TrainConfig(O.ModelLoading):
             "`runtime.activation_checkpointing`; it may change on `--resume`"
         )
     )
-    gradient_checkpointing: bool = O.gradient_checkpointing()
-    compile: bool = O.compile()
     kernels: str = O.kernels(
         doc=(
             "`liger`: Liger-Kernel's Triton kernels (CUDA only; `pip install 'ovkit[liger]'`): RMSNorm, SwiGLU "
@@ -212,20 +205,12 @@ class TrainConfig(O.ModelLoading):
             " exits 2. What was applied is in ovkit.json `runtime.kernels`"
         )
     )
-    use_liger_kernel: bool = O.use_liger_kernel()
-    save_every: int = O.save_every()
-    keep_checkpoints: int = O.keep_checkpoints()
-    resume: bool = O.resume()
-    report_to: list[str] = O.report_to()
-    eval_data: list[Path] | None = O.eval_data()
     eval_every: int = O.eval_every(
         doc=(
             "evaluate every N steps and after the last (0: after the last only); also `--eval-steps` (HF/TRL). "
             "Run control: the losses and weights are bit-identical with and without it"
         )
     )
-    eval_limit: int | None = O.eval_limit(default_doc="all")
-    eval_max_new_tokens: int | None = O.eval_max_new_tokens(default_doc="per category")
     seed: int = O.seed(doc="sample order, dropout; every process seeds with seed + rank")
     overwrite: bool = O.overwrite(doc="replace a complete OUT / discard OUT.partial")
     quiet: bool = O.quiet(
