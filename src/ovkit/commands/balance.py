@@ -1,16 +1,6 @@
 import typer
 
-from ovkit.commands._common import (
-    done,
-    resolve,
-    skipped,
-    stage,
-)
-
-_O = typer.Option
-
-
-METHOD, SHARDED = "Method", "Sharded runs"
+from ovkit.commands._common import done, resolve, skipped, stage
 
 
 @stage(

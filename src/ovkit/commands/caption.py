@@ -1,16 +1,6 @@
 import typer
 
-from ovkit.commands._common import (
-    done,
-    resolve,
-    skipped,
-    stage,
-)
-
-_O = typer.Option
-
-
-CAPTIONING, FILTER = "Captioning", "Caption filter"
+from ovkit.commands._common import done, resolve, skipped, stage
 
 
 @stage(

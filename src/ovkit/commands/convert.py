@@ -2,11 +2,6 @@ import typer
 
 from ovkit.commands._common import done, resolve, skipped, stage
 
-_O = typer.Option
-
-
-RECORDS = "Records"
-
 
 @stage(
     "ovkit.data.convert:ConvertConfig",

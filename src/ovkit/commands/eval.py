@@ -6,17 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import (
-    done,
-    resolve,
-    skipped,
-    stage,
-)
-
-_O = typer.Option
-
-
-GENERATION, COMPARE = "Generation", "Compare finished evals"
+from ovkit.commands._common import done, resolve, skipped, stage
 
 
 @stage(

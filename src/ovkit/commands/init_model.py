@@ -6,11 +6,6 @@ import typer
 
 from ovkit.commands._common import done, resolve, skipped, stage
 
-_O = typer.Option
-
-
-MODEL = "Model"
-
 
 @stage(
     "ovkit.models.presets:InitModelConfig",

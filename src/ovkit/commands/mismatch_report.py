@@ -4,17 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ovkit.commands._common import (
-    done,
-    resolve,
-    skipped,
-    stage,
-)
-
-_O = typer.Option
-
-
-FRESH, LEARNER, CORRECTIONS = "Fresh rollouts (--generate)", "Learner", "rl-train corrections reported"
+from ovkit.commands._common import done, resolve, skipped, stage
 
 
 @stage(

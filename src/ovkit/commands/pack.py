@@ -1,16 +1,6 @@
 import typer
 
-from ovkit.commands._common import (
-    done,
-    resolve,
-    skipped,
-    stage,
-)
-
-_O = typer.Option
-
-
-PACKING = "Packing"
+from ovkit.commands._common import done, resolve, skipped, stage
 
 
 @stage(

@@ -4,17 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ovkit.commands._common import (
-    done,
-    resolve,
-    skipped,
-    stage,
-)
-
-_O = typer.Option
-
-
-SAMPLING, SELECTION = "Sampling", "Selection"
+from ovkit.commands._common import done, resolve, skipped, stage
 
 
 @stage(

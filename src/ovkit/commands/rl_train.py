@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from ovkit.commands._common import (
-    done,
-    resolve,
-    skipped,
-    stage,
-)
+from ovkit.commands._common import done, resolve, skipped, stage
 from ovkit.config import check_inputs
-
-_O = typer.Option
-SAMPLING, OPTIMISER, LOSS, CORRECTIONS = "Sampling", "Optimiser", "GRPO loss", "Mismatch corrections"
 
 
 @stage(
