@@ -42,6 +42,11 @@ METHODS = ("embed", "text", "metaclip")
 PHASES = ("all", "assign", "sample")
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+METHOD = "Method"
+SHARDED_RUNS = "Sharded runs"
+
+
 @dataclass
 class BalanceConfig:
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -56,23 +61,23 @@ class BalanceConfig:
     method: str = option(
         "embed",
         help="embed (top-K by encoder similarity), text (concepts in captions) or metaclip.",
-        panel="Method",
+        panel=METHOD,
     )
     # CLIP / SigLIP / MetaCLIP directory (embed); `init-model --preset tiny-clip` builds one
     encoder: Path | None = option(
         None, help="CLIP / SigLIP / MetaCLIP directory for --method embed.", panel=O.IO, doc="encoder directory (embed)"
     )
-    top_k: int = option(3, help="Concepts per image (embed).", panel="Method")
+    top_k: int = option(3, help="Concepts per image (embed).", panel=METHOD)
     # how an image's per-concept inverse frequencies combine into its weight: mean|max|sum
     combine: str = option(
         "mean",
         help="How an image's per-concept inverse frequencies combine: mean, max or sum.",
-        panel="Method",
+        panel=METHOD,
     )
     target: int | None = option(
         None,
         help="Rows after resampling (default: as many as the input).",
-        panel="Method",
+        panel=METHOD,
         doc="rows after resampling (embed, text)",
         default_doc="input rows",
     )
@@ -80,13 +85,13 @@ class BalanceConfig:
     threshold: float = option(
         20.0,
         help="MetaCLIP t: keep a concept's matches with probability min(1, t/count).",
-        panel="Method",
+        panel=METHOD,
         doc="MetaCLIP `t` (MetaCLIP used 20,000 for 400M pairs)",
     )
     concept_template: str = option(
         "{}",
         help="Text embedded per concept, e.g. 'a photo of {}.'",
-        panel="Method",
+        panel=METHOD,
         doc="text embedded for each concept, e.g. `a photo of {}.`",
     )
     chunk: int = option(
@@ -98,17 +103,17 @@ class BalanceConfig:
     phase: str = option(
         "all",
         help="all, or for sharded runs: assign (per shard), then --merge, then sample (per shard).",
-        panel="Sharded runs",
+        panel=SHARDED_RUNS,
     )
     merge: list[Path] | None = option(
         None,
         help="Assignment outputs (of --phase assign) to reduce into a plan.",
-        panel="Sharded runs",
+        panel=SHARDED_RUNS,
     )
     plan: Path | None = option(
         None,
         help="The output of --merge, for --phase sample.",
-        panel="Sharded runs",
+        panel=SHARDED_RUNS,
     )
     shard: str | None = O.shard(doc="`I/N`: this machine's part (with `--phase assign` or `sample`)")
     on_error: str = O.on_error(doc="`fail` or `skip` (bad rows to `rejects.parquet`)")

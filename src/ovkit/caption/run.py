@@ -62,6 +62,11 @@ CHUNK_SCHEMA = pa.schema(
 )
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+CAPTIONING = "Captioning"
+CAPTION_FILTER = "Caption filter"
+
+
 @dataclass
 class CaptionConfig(O.ModelLoading):
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -81,19 +86,19 @@ class CaptionConfig(O.ModelLoading):
     lang: str = option(
         "en,zh",
         help="Caption languages; each image gets one, drawn by --lang-ratio.",
-        panel="Captioning",
+        panel=CAPTIONING,
         doc="caption languages, one per image",
     )
     lang_ratio: str | None = option(
         None,
         help="Shares of the --lang languages, e.g. 0.75,0.25 (default for en,zh; else equal).",
-        panel="Captioning",
+        panel=CAPTIONING,
         default_doc="0.75,0.25 for en,zh; else equal",
     )
     prompt: list[str] | None = option(
         None,
         help="LANG=TEXT: the prompt of a language (repeatable; en and zh have defaults).",
-        panel="Captioning",
+        panel=CAPTIONING,
         default_doc="see above",
     )
     engine: str = option(
@@ -112,38 +117,38 @@ class CaptionConfig(O.ModelLoading):
     max_new_tokens: int = option(
         512,
         help="Tokens per caption.",
-        panel="Captioning",
+        panel=CAPTIONING,
         doc="tokens per caption (3500 characters is about 800 tokens)",
     )
-    temperature: float = option(0.0, help="0 = greedy.", panel="Captioning")
+    temperature: float = option(0.0, help="0 = greedy.", panel=CAPTIONING)
     top_p: float = option(
         1.0,
         help="Nucleus sampling mass (with --temperature > 0).",
-        panel="Captioning",
+        panel=CAPTIONING,
     )
     min_chars: int = option(
-        50, help="Filter: captions shorter than this are rejected.", panel="Caption filter", doc="filter lower bound"
+        50, help="Filter: captions shorter than this are rejected.", panel=CAPTION_FILTER, doc="filter lower bound"
     )
     max_chars: int = option(
-        3500, help="Filter: captions longer than this are rejected.", panel="Caption filter", doc="filter upper bound"
+        3500, help="Filter: captions longer than this are rejected.", panel=CAPTION_FILTER, doc="filter upper bound"
     )
     # filter: a run of this many identical consecutive words rejects the caption
     repeat_limit: int = option(
         8,
         help="Filter: this many identical consecutive words reject a caption.",
-        panel="Caption filter",
+        panel=CAPTION_FILTER,
     )
     keep_original_on_reject: bool = option(
         False,
         help=("A rejected recaption keeps its row with the original caption instead of moving it to rejects."),
-        panel="Caption filter",
+        panel=CAPTION_FILTER,
         doc="keep a row whose recaption was rejected, with its original caption",
     )
     # with a `concepts` column: replace targets only if recaption concept recall >= original's
     replace_if_better: bool = option(
         True,
         help=("With a `concepts` column: replace the targets only if recaption concept recall >= the originals'."),
-        panel="Caption filter",
+        panel=CAPTION_FILTER,
         negatable=True,
         doc="replace only when concept recall does not drop / always replace",
     )

@@ -84,6 +84,10 @@ CHUNK = 1 << 20  # characters read at a time from a JSON list
 MAX_RECORD_CHARS = 256 << 20  # one JSON record larger than this is treated as malformed
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+RECORDS = "Records"
+
+
 @dataclass
 class ConvertConfig:
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -132,13 +136,13 @@ class ConvertConfig:
     source: str | None = option(
         None,
         help="`source` of rows whose input names none (default: the input's file name).",
-        panel="Records",
+        panel=RECORDS,
         default_doc="the input's name",
     )
     caption_prompt: str = option(
-        "Describe the image.", help="ov-midtrain: the user turn after '<image>\\n'.", panel="Records"
+        "Describe the image.", help="ov-midtrain: the user turn after '<image>\\n'.", panel=RECORDS
     )
-    rows_per_file: int = option(10_000, help="Rows per output part file.", panel="Records")
+    rows_per_file: int = option(10_000, help="Rows per output part file.", panel=RECORDS)
     shard: str | None = O.shard(
         doc="convert only records `[I*n/N, (I+1)*n/N)`, into `OUT/part-I-of-N/`", default_doc="all"
     )

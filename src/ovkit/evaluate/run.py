@@ -19,6 +19,10 @@ MIN_NEW_TOKENS = 32  # the smallest per-category token budget when --max-new-tok
 THINK_EXTRA_TOKENS = 256  # room for the reasoning with --prompt think
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+GENERATION = "Generation"
+
+
 @dataclass
 class EvalConfig(O.ModelLoading):
     """Options of `ovkit eval` (evaluate a model) and `ovkit eval --compare` (tabulate finished evals)."""
@@ -59,7 +63,7 @@ class EvalConfig(O.ModelLoading):
             "Instruction added to each prompt: answer, think, none, or auto (each row in the mode of its RL "
             "stage: think for rl-curate's stage-2 categories)."
         ),
-        panel="Generation",
+        panel=GENERATION,
         doc=(
             'instruction appended to each prompt: `answer` (RL stage 1, "Put ONLY your final answer within '
             '<answer></answer>."), `think` (RL stage 2), `none`, or `auto`: each row in the mode of the RL stage '
@@ -89,32 +93,32 @@ class EvalConfig(O.ModelLoading):
             "Tokens per completion (default: per category, 1.25 x its longest gold answer, at least 32; +256 "
             "with --prompt think)."
         ),
-        panel="Generation",
+        panel=GENERATION,
         doc='token budget of every completion (default: see "Token budget")',
         default_doc="per category",
     )
     n: int = option(
         1,
         help="Completions per row; more than 1 reports pass@k.",
-        panel="Generation",
+        panel=GENERATION,
     )
     temperature: float | None = option(
         None,
         help="0 = greedy (default: 0 for --n 1, 1.0 for --n > 1).",
-        panel="Generation",
+        panel=GENERATION,
         doc="0 = greedy; `--n` > 1 needs T > 0",
         default_doc="0 for `--n 1`, 1.0 otherwise",
     )
     top_p: float = option(
         1.0,
         help="Nucleus sampling mass (with --temperature > 0).",
-        panel="Generation",
+        panel=GENERATION,
         doc="nucleus sampling mass (with T > 0)",
     )
     limit: int | None = option(
         None,
         help="At most this many rows per category (the first ones).",
-        panel="Generation",
+        panel=GENERATION,
         doc="the first N rows of each category (lmms-eval's `--limit` is per task too)",
         default_doc="all",
     )
@@ -125,7 +129,7 @@ class EvalConfig(O.ModelLoading):
             "Give each row another row's images (same category, seeded): the drop from the plain eval is what"
             " the model reads from the image."
         ),
-        panel="Generation",
+        panel=GENERATION,
     )
     save_logprobs: bool = option(
         False,

@@ -16,6 +16,12 @@ from ovkit.options import option
 PROMPT_MODES = ("answer", "think", "none")
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+FRESH_ROLLOUTS = "Fresh rollouts (--generate)"
+LEARNER = "Learner"
+RL_TRAIN_CORRECTIONS = "rl-train corrections reported"
+
+
 @dataclass
 class MismatchConfig(O.ModelLoading):
     """Options of `ovkit mismatch-report`."""
@@ -38,7 +44,7 @@ class MismatchConfig(O.ModelLoading):
     generate: Path | None = option(
         None,
         help="Sample fresh rollouts from these prompt rows (RL/eval table) instead of reading ROLLOUTS.",
-        panel="Fresh rollouts (--generate)",
+        panel=FRESH_ROLLOUTS,
     )
     sampler: list[str] = option(
         [],
@@ -46,7 +52,7 @@ class MismatchConfig(O.ModelLoading):
             "With --generate: fp32, bf16, fp16, int8, fp8, int4 (4-bit weights) or vllm (GPU); repeat to "
             "compare (default bf16)."
         ),
-        panel="Fresh rollouts (--generate)",
+        panel=FRESH_ROLLOUTS,
         doc=(
             "with `--generate`: `fp32`, `bf16`, `fp16`, `int8`, `fp8` or `vllm`; repeat to compare several (one "
             "run each)"
@@ -64,37 +70,35 @@ class MismatchConfig(O.ModelLoading):
         help=(
             "Sampling temperature; the learner divides its logits by it (default: the rollouts' producer's, else 1.0)."
         ),
-        panel="Learner",
+        panel=LEARNER,
         default_doc="producer's, else 1.0",
     )
     # --generate: nucleus mass (default 1.0); ROLLOUTS: read from the producer for the note
     top_p: float | None = option(
         None,
         help="With --generate: nucleus sampling mass (default 1.0).",
-        panel="Fresh rollouts (--generate)",
+        panel=FRESH_ROLLOUTS,
         doc="with `--generate`: nucleus mass of the samplers",
         default_doc="1.0",
     )
-    n: int = option(4, help="With --generate: completions per prompt.", panel="Fresh rollouts (--generate)")
+    n: int = option(4, help="With --generate: completions per prompt.", panel=FRESH_ROLLOUTS)
     limit: int | None = option(
         None,
         help="With --generate: at most this many prompt rows per category (the first ones).",
-        panel="Fresh rollouts (--generate)",
+        panel=FRESH_ROLLOUTS,
         doc="with `--generate`: at most N prompt rows per category (the first ones)",
         default_doc="all",
     )
-    max_new_tokens: int = option(
-        64, help="With --generate: tokens per completion.", panel="Fresh rollouts (--generate)"
-    )
+    max_new_tokens: int = option(64, help="With --generate: tokens per completion.", panel=FRESH_ROLLOUTS)
     prompt: str = option(
         "answer",
         help="With --generate: stage instruction added to prompts: answer, think or none.",
-        panel="Fresh rollouts (--generate)",
+        panel=FRESH_ROLLOUTS,
     )
     system_prompt: bool = option(
         True,
         help="With --generate: prepend the recipe's system prompt (as rl-train).",
-        panel="Fresh rollouts (--generate)",
+        panel=FRESH_ROLLOUTS,
         negatable=True,
         doc="with `--generate`: prepend the recipe's system prompt, as rl-train does",
     )
@@ -102,14 +106,14 @@ class MismatchConfig(O.ModelLoading):
     max_pixels: int = option(
         512 * 512,
         help=("Downscale images to at most this many pixels, as the sampler did (0: never; eval does not downscale)."),
-        panel="Learner",
+        panel=LEARNER,
         doc=(
             "downscale images to at most N pixels as the sampler did (rl-curate / rl-train: 262144; eval does not"
             " downscale: 0)"
         ),
     )
     batch_size: int = option(
-        16, help="Rollouts per learner forward pass (and sequences per generate call).", panel="Learner"
+        16, help="Rollouts per learner forward pass (and sequences per generate call).", panel=LEARNER
     )
     precision: str = O.precision(
         "fp32",
@@ -117,38 +121,38 @@ class MismatchConfig(O.ModelLoading):
             "The learner's precision: fp32 (the default, the reference), bf16-true or bf16-mixed (both "
             "compute in bf16)."
         ),
-        panel="Learner",
+        panel=LEARNER,
         doc=("the learner's compute precision: `fp32` (the reference), `bf16-true` / `bf16-mixed` (bf16 weights)"),
     )
     correction_threshold: float = option(
         2.0,
         help="rl-train's C: TIS truncation / MIS rejection bound.",
-        panel="rl-train corrections reported",
+        panel=RL_TRAIN_CORRECTIONS,
         flags=("--rollout-is-threshold",),
     )
     correction_lower: float | None = option(
         None,
         help="rl-train's lower bound (MIS masks below it, TIS clamps to it).",
-        panel="rl-train corrections reported",
+        panel=RL_TRAIN_CORRECTIONS,
     )
     geo_lower: float = option(
         0.999,
         help="geo-rs: lower bound on the geometric-mean ratio.",
-        panel="rl-train corrections reported",
+        panel=RL_TRAIN_CORRECTIONS,
         doc="geo-rs bounds on the geometric-mean ratio (verl's Geo-RS preset)",
     )
     geo_upper: float = option(
-        1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel="rl-train corrections reported"
+        1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel=RL_TRAIN_CORRECTIONS
     )
     behave_cap: float = option(
         5.0,
         help="rl-train's behaviour-weight cap, reported as a mask rate (0: not reported).",
-        panel="rl-train corrections reported",
+        panel=RL_TRAIN_CORRECTIONS,
     )
     veto_threshold: float | None = option(
         None,
         help="Also report the veto: sequences with any token ratio below this.",
-        panel="rl-train corrections reported",
+        panel=RL_TRAIN_CORRECTIONS,
         flags=("--rollout-token-veto-threshold",),
         doc="also report the veto: responses with any token ratio below X",
     )

@@ -164,6 +164,10 @@ def presets_table() -> str:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+MODEL = "Model"
+
+
 @dataclass
 class InitModelConfig:
     """Options of `ovkit init-model` (see commands/init-model.md)."""
@@ -175,7 +179,7 @@ class InitModelConfig:
     preset: str | None = option(
         None,
         help="tiny (default), or a published name (see --list-presets).",
-        panel="Model",
+        panel=MODEL,
         doc="a row of the preset table",
         default_doc="`tiny` (`compose` with `--vision/--llm`)",
     )
@@ -196,7 +200,7 @@ class InitModelConfig:
     dtype: str = option(
         "auto",
         help=("Compose / random init: weight dtype (auto keeps the checkpoints' / float32; float32, bfloat16, ...)."),
-        panel="Model",
+        panel=MODEL,
         doc=(
             "compose: `auto` (keep the checkpoints'), `float32`, `bfloat16`, `float16`; random init: the weights'"
             " dtype (`auto` = float32)"
@@ -205,14 +209,14 @@ class InitModelConfig:
     vision_feature_layer: int = option(
         -2,
         help="Compose: encoder layer that feeds the projector.",
-        panel="Model",
+        panel=MODEL,
         doc=("compose: encoder hidden state fed to the projector (LLaVA uses the penultimate layer)"),
     )
     # build a published architecture with random weights (presets with an `arch`)
     random_init: bool = option(
         False,
         help="Build a published architecture (qwen2.5-vl-2b/3b/7b) with random weights, offline.",
-        panel="Model",
+        panel=MODEL,
         doc=(
             "build a published architecture with random weights, offline: `qwen2.5-vl-2b` (2.21B, a benchmark "
             "size), `qwen2.5-vl-3b` (3.75B), `qwen2.5-vl-7b` (8.29B), the dimensions of their config.json files; "
@@ -230,7 +234,7 @@ class InitModelConfig:
         ),
         default_doc="tiny tokenizer",
     )
-    list_presets: bool = option(False, help="Print the preset table and exit.", panel="Model")
+    list_presets: bool = option(False, help="Print the preset table and exit.", panel=MODEL)
     seed: int = O.seed(doc=("tokenizer/model initialisation (tiny), projector and new embedding rows (compose)"))
     overwrite: bool = O.overwrite(doc="rebuild a complete output")
     quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")

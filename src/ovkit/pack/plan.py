@@ -38,6 +38,10 @@ REJECT_SCHEMA = pa.schema(
 )
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+PACKING = "Packing"
+
+
 @dataclass
 class PackConfig:
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -54,7 +58,7 @@ class PackConfig:
         doc="model directory whose processor measures the samples",
     )
     # pack capacity L in tokens; longer samples are rejected
-    max_len: int = option(8192, help="Pack capacity L in tokens; longer samples go to rejects.", panel="Packing")
+    max_len: int = option(8192, help="Pack capacity L in tokens; longer samples go to rejects.", panel=PACKING)
     out: Path | None = O.out(doc="plan directory (with `--shard`, the part goes to `OUT/part-I-of-N/`)")
     shard: str | None = O.shard()
     workers: int = option(
@@ -65,7 +69,7 @@ class PackConfig:
     )
     # encode every sample with the processor instead of using image header sizes
     exact_lengths: bool = option(
-        False, help="Encode every image with the processor instead of counting from image sizes.", panel="Packing"
+        False, help="Encode every image with the processor instead of counting from image sizes.", panel=PACKING
     )
     cache: Path | None = option(
         None,
@@ -76,7 +80,7 @@ class PackConfig:
     baseline_batch: int = option(
         8,
         help="B of the 'pad to longest in random batches' baseline.",
-        panel="Packing",
+        panel=PACKING,
         doc='B of the "pad to the longest in random batches of B" padding baseline',
     )
     on_error: str = O.on_error(doc="`fail`: stop at the first bad row; `skip`: move it to `rejects.parquet`")

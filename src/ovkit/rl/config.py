@@ -36,6 +36,13 @@ STAGE_MODES = {1: "answer", 2: "think"}  # stage 1: answer-only prompts; stage 2
 STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+SAMPLING = "Sampling"
+OPTIMISER = "Optimiser"
+GRPO_LOSS = "GRPO loss"
+MISMATCH_CORRECTIONS = "Mismatch corrections"
+
+
 @dataclass
 class RLTrainConfig(O.Learner):
     """Options of `ovkit rl-train`. Defaults are the published LLaVA-OneVision-1.5-RL values (anchors.md section 1)."""
@@ -72,13 +79,13 @@ class RLTrainConfig(O.Learner):
             "Rollout engine: hf (transformers, CPU or GPU), vllm (colocated, GPU) or vllm-server (a running "
             "`vllm serve`, see --vllm-server-url)."
         ),
-        panel="Sampling",
+        panel=SAMPLING,
     )
     # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
     sampler_precision: str | None = option(
         None,
         help="Sample from a copy in another precision than the learner: fp32, bf16, fp16.",
-        panel="Sampling",
+        panel=SAMPLING,
         default_doc="learner's (an asynchronous run's own copy: its compute dtype)",
     )
     # int8 | fp8: a low-precision sampler (the INT8-rollout ablation of Yao et al.)
@@ -88,7 +95,7 @@ class RLTrainConfig(O.Learner):
             "int8, fp8 or int4: sample from a quantised copy (hf engine: int8 is dynamic W8A8 on CPU, "
             "weight-only on GPU; fp8 weight-only; int4 group-wise 4-bit weights; vllm: fp8)."
         ),
-        panel="Sampling",
+        panel=SAMPLING,
         doc=(
             "`int8` (hf engine: dynamic W8A8 on CPU, weight-only per-channel rounding on GPU) or `fp8` "
             "(weight-only e4m3 on any device; with `--engine vllm`, vLLM's own fp8 quantisation)"
@@ -98,71 +105,71 @@ class RLTrainConfig(O.Learner):
     prompts_per_step: int = option(
         32,
         help="GRPO groups (prompts) per step.",
-        panel="Sampling",
+        panel=SAMPLING,
         doc=("prompts (groups) per step; a DATA with fewer prompts repeats them within a step, with a warning"),
     )
-    group_size: int = option(16, help="Completions per prompt (G).", panel="Sampling", flags=("--n-samples",))
-    max_new_tokens: int = option(4096, help="Completion length limit.", panel="Sampling")
+    group_size: int = option(16, help="Completions per prompt (G).", panel=SAMPLING, flags=("--n-samples",))
+    max_new_tokens: int = option(4096, help="Completion length limit.", panel=SAMPLING)
     temperature: float = option(
         1.0,
         help="Sampling temperature (the learner divides its logits by it too).",
-        panel="Sampling",
+        panel=SAMPLING,
     )
     top_p: float = option(
         1.0,
         help="Nucleus sampling (the learner does not truncate: top-p < 1 shows up as mismatch).",
-        panel="Sampling",
+        panel=SAMPLING,
     )
     # exclusive with --epochs
-    max_steps: int | None = option(None, help="GRPO steps to run (instead of --epochs).", panel="Optimiser")
+    max_steps: int | None = option(None, help="GRPO steps to run (instead of --epochs).", panel=OPTIMISER)
     # passes over the prompts (30 when neither is given)
     epochs: float | None = option(
         None,
         help=("Passes over the prompts (default 30 when --max-steps is not given). Also --num-train-epochs (HF/TRL)."),
-        panel="Optimiser",
+        panel=OPTIMISER,
         flags=("--num-train-epochs",),
         default_doc="30",
     )
     lr: float = option(
         2e-6,
         help="Constant learning rate after warmup (AdamW). Also --learning-rate (HF/TRL).",
-        panel="Optimiser",
+        panel=OPTIMISER,
         flags=("--learning-rate",),
         doc="constant after warmup (AdamW, eps 1e-5)",
     )
-    weight_decay: float = option(0.01, help="AdamW weight decay on weight matrices.", panel="Optimiser")
+    weight_decay: float = option(0.01, help="AdamW weight decay on weight matrices.", panel=OPTIMISER)
     # constant learning rate after a linear warmup over this fraction of the steps
     warmup_ratio: float = option(
         0.001,
         help="Fraction of the steps with linear warmup.",
-        panel="Optimiser",
+        panel=OPTIMISER,
         doc="linear warmup over this fraction of the steps",
     )
     max_grad_norm: float = option(
         1.0,
         help="Clip the global gradient norm (0: no clipping).",
-        panel="Optimiser",
+        panel=OPTIMISER,
     )
-    eps_clip: float = option(0.2, help="PPO clip: ratio lower bound 1 - eps.", panel="GRPO loss")
+    eps_clip: float = option(0.2, help="PPO clip: ratio lower bound 1 - eps.", panel=GRPO_LOSS)
     eps_clip_high: float = option(
         0.28,
         help="PPO clip: ratio upper bound 1 + eps_high.",
-        panel="GRPO loss",
+        panel=GRPO_LOSS,
         flags=("--eps-clip-higher",),
         doc="PPO clip, upper (clip-higher)",
     )
-    reward_bias: float = option(-0.5, help="r' = (r + bias) * scale.", panel="GRPO loss")
-    reward_scale: float = option(10.0, help="r' = (r + bias) * scale.", panel="GRPO loss", flags=("--reward-scaling",))
+    reward_bias: float = option(-0.5, help="r' = (r + bias) * scale.", panel=GRPO_LOSS)
+    reward_scale: float = option(10.0, help="r' = (r + bias) * scale.", panel=GRPO_LOSS, flags=("--reward-scaling",))
     adv_eps: float = option(
         1e-6,
         help="A = (r' - group mean) / (group std + eps).",
-        panel="GRPO loss",
+        panel=GRPO_LOSS,
         doc="epsilon of the group normalisation",
     )
     adv_std: bool = option(
         True,
         help="Divide advantages by the group std (--no-adv-std: centre only, Dr. GRPO).",
-        panel="GRPO loss",
+        panel=GRPO_LOSS,
         negatable=True,
         doc="divide by the group std (off: centre only, Dr. GRPO)",
     )
@@ -172,31 +179,31 @@ class RLTrainConfig(O.Learner):
             "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (constant "
             "normaliser = --max-new-tokens)."
         ),
-        panel="GRPO loss",
+        panel=GRPO_LOSS,
     )
     # KL to the initial model (the recipe uses none)
     kl_coef: float = option(
         0.0,
         help="KL penalty to the initial model (0: none, as released).",
-        panel="GRPO loss",
+        panel=GRPO_LOSS,
         doc="KL penalty to the initial model (a frozen copy is kept when > 0)",
     )
-    kl_estimator: str = option("k3", help="k1 | k2 | k3.", panel="GRPO loss")
+    kl_estimator: str = option("k3", help="k1 | k2 | k3.", panel=GRPO_LOSS)
     behave_cap: float = option(
         5.0,
         help="Cap of the behaviour weight exp(prox - behave) (0: no cap).",
-        panel="Mismatch corrections",
+        panel=MISMATCH_CORRECTIONS,
         flags=("--behav-imp-weight-cap",),
     )
     behave_action: str = option(
         "mask",
         help="Above the cap: mask (train nothing) or clamp (weight = cap).",
-        panel="Mismatch corrections",
+        panel=MISMATCH_CORRECTIONS,
     )
     behave_level: str = option(
         "token",
         help="token, or sequence (geometric mean of the sequence's ratios).",
-        panel="Mismatch corrections",
+        panel=MISMATCH_CORRECTIONS,
     )
     correction: str = option(
         "none",
@@ -204,33 +211,33 @@ class RLTrainConfig(O.Learner):
             "Mismatch correction: none | token-tis | seq-tis | token-mis | seq-mis | geo-rs (verl names "
             "accepted, e.g. token, sequence, seq_mean_k1)."
         ),
-        panel="Mismatch corrections",
+        panel=MISMATCH_CORRECTIONS,
     )
     correction_threshold: float = option(
         2.0,
         help="C: upper truncation (TIS) or rejection (MIS) bound.",
-        panel="Mismatch corrections",
+        panel=MISMATCH_CORRECTIONS,
         flags=("--rollout-is-threshold",),
     )
     # lower bound (MIS: mask below; TIS: clamp below)
     correction_lower: float | None = option(
         None,
         help="Lower bound (MIS masks below it, TIS clamps to it).",
-        panel="Mismatch corrections",
+        panel=MISMATCH_CORRECTIONS,
     )
     geo_lower: float = option(
         0.999,
         help="geo-rs: lower bound on the geometric-mean ratio.",
-        panel="Mismatch corrections",
+        panel=MISMATCH_CORRECTIONS,
         doc="geo-rs bounds",
     )
     geo_upper: float = option(
-        1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel="Mismatch corrections"
+        1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel=MISMATCH_CORRECTIONS
     )
     veto_threshold: float | None = option(
         None,
         help="Mask a whole sequence if any token ratio is below this.",
-        panel="Mismatch corrections",
+        panel=MISMATCH_CORRECTIONS,
         flags=("--rollout-token-veto-threshold",),
         doc="per-token veto",
     )
@@ -238,11 +245,11 @@ class RLTrainConfig(O.Learner):
     max_staleness: int = option(
         4,
         help=("ETA: rollouts run ahead of training by at most this many versions (0: synchronous on-policy)."),
-        panel="Sampling",
+        panel=SAMPLING,
         flags=("--max-head-offpolicyness",),
     )
     # optimizer steps per batch (AReaL ppo_n_minibatches)
-    ppo_minibatches: int = option(1, help="Optimizer steps per batch (each on a slice of it).", panel="Optimiser")
+    ppo_minibatches: int = option(1, help="Optimizer steps per batch (each on a slice of it).", panel=OPTIMISER)
     micro_batch_size: int = option(
         8,
         help="Trajectories per learner forward pass (memory).",
@@ -278,23 +285,23 @@ class RLTrainConfig(O.Learner):
     format_weight: float | None = option(
         None,
         help="Weight of the format reward (default: 0 in stage 1, 0.1 in stage 2).",
-        panel="GRPO loss",
+        panel=GRPO_LOSS,
         default_doc="0 / 0.1",
     )
     system_prompt: bool = option(
         True,
         help="Prepend 'You are a helpful AI assistant.' (the recipe's system prompt).",
-        panel="Sampling",
+        panel=SAMPLING,
         negatable=True,
     )
     # images are downscaled to at most this many pixels (the recipe's 512x512 cap)
     max_pixels: int = option(
         512 * 512,
         help="Downscale images to at most this many pixels (512x512 in the recipe).",
-        panel="Sampling",
+        panel=SAMPLING,
         doc=("images (with `--env`: observation images too) downscaled to at most 512x512 pixels"),
     )
-    freeze_vision: bool = option(False, help="Keep the vision encoder frozen.", panel="Optimiser")
+    freeze_vision: bool = option(False, help="Keep the vision encoder frozen.", panel=OPTIMISER)
     save_every: int = O.save_every(
         250, help="Resumable checkpoint every N steps in OUT.partial/checkpoints (0: only the final model)."
     )

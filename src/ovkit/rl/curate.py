@@ -39,6 +39,11 @@ SELECT_RULES = ("mean", "gap")
 PROMPT_TYPE_STAGE = {"normal": 1, "answer": 1, "default": 2, "think": 2}
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+SAMPLING = "Sampling"
+SELECTION = "Selection"
+
+
 @dataclass
 class CurateConfig(O.ModelLoading):
     """Options of `ovkit rl-curate`."""
@@ -58,11 +63,11 @@ class CurateConfig(O.ModelLoading):
     # the model RL will start from (the SFT checkpoint)
     model: Path | None = option(None, help="The model RL will start from (e.g. the SFT output).", panel=O.IO)
     out: Path | None = O.out(doc="output directory")
-    n: int = option(16, help="Rollouts per prompt.", panel="Sampling")
+    n: int = option(16, help="Rollouts per prompt.", panel=SAMPLING)
     limit: int | None = option(
         None,
         help="At most this many prompts per category (the first ones), to fit a time budget.",
-        panel="Sampling",
+        panel=SAMPLING,
         doc=("at most this many prompts per category (the first ones in the data), to fit a time budget"),
         default_doc="all",
     )
@@ -72,31 +77,31 @@ class CurateConfig(O.ModelLoading):
             "mean: keep min-reward < pass@1 < max-reward (released code); gap: keep pass@N - pass@1 >= "
             "min-gap (the write-up)."
         ),
-        panel="Selection",
+        panel=SELECTION,
     )
     min_reward: float = option(
         0.0,
         help="mean rule: drop prompts whose pass@1 is <= this (never solved).",
-        panel="Selection",
+        panel=SELECTION,
         doc="mean rule: lower bound (exclusive)",
     )
     max_reward: float = option(
         0.6,
         help="mean rule: drop prompts whose pass@1 is >= this (already solved).",
-        panel="Selection",
+        panel=SELECTION,
         doc="mean rule: upper bound (exclusive)",
     )
     min_gap: float = option(
         0.25,
         help="gap rule: keep prompts with pass@N - pass@1 >= this.",
-        panel="Selection",
+        panel=SELECTION,
         doc="gap rule: minimum pass@N - pass@1",
     )
     # sources kept whatever their difficulty
     keep_sources: list[str] = option(
         [],
         help="Keep every prompt whose source contains this tag, whatever its difficulty; repeatable.",
-        panel="Selection",
+        panel=SELECTION,
         flag="--keep-source",
         doc="source tag kept whole (repeatable)",
     )
@@ -106,14 +111,14 @@ class CurateConfig(O.ModelLoading):
             "Categories that go to the stage-2 (thinking) set; repeatable (default: math chart science "
             "diagram svg code stem coding)."
         ),
-        panel="Selection",
+        panel=SELECTION,
         flag="--stage2-category",
     )
     # categories left out of RL (not sampled)
     exclude_categories: list[str] = option(
         [],
         help="Leave this category out of RL (its prompts are not sampled); repeatable.",
-        panel="Selection",
+        panel=SELECTION,
         flag="--exclude-category",
         doc=(
             "leave a category out of RL: its prompts are not sampled, and `stats.json` counts them under "
@@ -128,7 +133,7 @@ class CurateConfig(O.ModelLoading):
             "Instruction the rollouts are sampled with: auto (the row's stage: 1 answer-only, 2 think), "
             "answer or think."
         ),
-        panel="Sampling",
+        panel=SAMPLING,
         doc=(
             "instruction the rollouts are sampled with: auto (each row its stage's: stage 1 answer-only, stage 2 "
             "think, so difficulty is measured in the mode it will be trained in), answer or think"
@@ -147,19 +152,19 @@ class CurateConfig(O.ModelLoading):
         )
     )
     batch_size: int = option(64, help="Sequences per generate call (prompts x n).", panel=O.RUNTIME)
-    max_new_tokens: int = option(1024, help="Completion length limit.", panel="Sampling")
-    temperature: float = option(1.0, help="Sampling temperature.", panel="Sampling")
-    top_p: float = option(1.0, help="Nucleus sampling.", panel="Sampling")
+    max_new_tokens: int = option(1024, help="Completion length limit.", panel=SAMPLING)
+    temperature: float = option(1.0, help="Sampling temperature.", panel=SAMPLING)
+    top_p: float = option(1.0, help="Nucleus sampling.", panel=SAMPLING)
     max_pixels: int = option(
         512 * 512,
         help="Downscale images to at most this many pixels (512x512 in the recipe).",
-        panel="Sampling",
+        panel=SAMPLING,
         doc="images downscaled to at most 512x512 pixels",
     )
     system_prompt: bool = option(
         True,
         help="Prepend the recipe's system prompt.",
-        panel="Sampling",
+        panel=SAMPLING,
         negatable=True,
     )
     # store the prompt images in the rollout table (mismatch-report re-runs the model)

@@ -37,6 +37,11 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
 }
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+OPTIMISER_SCHEDULE = "Optimiser & schedule"
+BATCHES_LENGTH = "Batches & length"
+
+
 @dataclass
 class TrainConfig(O.Learner):
     """Options of `ovkit align | midtrain | sft`. The stage (a class attribute, not an option) picks the presets."""
@@ -77,7 +82,7 @@ class TrainConfig(O.Learner):
             "Group (projector, vision, llm, all) or parameter-name regex to train; repeat for several. "
             "Default: the stage's preset."
         ),
-        panel="Optimiser & schedule",
+        panel=OPTIMISER_SCHEDULE,
         doc="group (`projector`, `vision`, `llm`, `all`) or parameter-name regex; repeatable",
         default_doc="stage preset",
     )
@@ -85,7 +90,7 @@ class TrainConfig(O.Learner):
     freeze_vision: bool = option(
         False,
         help="Keep the vision encoder frozen whatever --trainable selects.",
-        panel="Optimiser & schedule",
+        panel=OPTIMISER_SCHEDULE,
         doc="remove the vision encoder from the trainable set",
     )
     lr: float | None = option(
@@ -94,14 +99,14 @@ class TrainConfig(O.Learner):
             "Peak learning rate. Default: the stage's preset (align 1e-4, midtrain 1e-5, sft 1e-5). Also "
             "--learning-rate (HF/TRL)."
         ),
-        panel="Optimiser & schedule",
+        panel=OPTIMISER_SCHEDULE,
         flags=("--learning-rate",),
         default_doc="stage preset",
     )
     vision_lr: float | None = option(
         None,
         help=("Peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr). Default: --lr."),
-        panel="Optimiser & schedule",
+        panel=OPTIMISER_SCHEDULE,
         doc=(
             "peak learning rate of the vision encoder (LLaVA-OneVision's `mm_vision_tower_lr`); the same schedule"
             " scales it"
@@ -112,19 +117,19 @@ class TrainConfig(O.Learner):
     min_lr: float = option(
         1e-6,
         help="Learning rate at the end of the cosine schedule.",
-        panel="Optimiser & schedule",
+        panel=OPTIMISER_SCHEDULE,
     )
     warmup_ratio: float = option(
         0.002,
         help="Fraction of the steps with linear warmup from 0.",
-        panel="Optimiser & schedule",
+        panel=OPTIMISER_SCHEDULE,
         doc="fraction of the steps warming up linearly from 0 (at least one step when > 0)",
     )
     # AdamW decoupled weight decay on matrices (not on biases/norms)
     weight_decay: float | None = option(
         None,
         help=("AdamW weight decay on weight matrices. Default: the stage's preset (midtrain 0.01, else 0)."),
-        panel="Optimiser & schedule",
+        panel=OPTIMISER_SCHEDULE,
         doc="AdamW decoupled weight decay on matrices",
         default_doc="stage preset",
     )
@@ -132,7 +137,7 @@ class TrainConfig(O.Learner):
     max_grad_norm: float = option(
         1.0,
         help="Clip the global gradient norm to this (0: no clipping).",
-        panel="Optimiser & schedule",
+        panel=OPTIMISER_SCHEDULE,
         doc="clip the global gradient norm (0: off)",
     )
     batch_size: int = option(
@@ -141,7 +146,7 @@ class TrainConfig(O.Learner):
             "Samples (or packed rows with --plan) per micro-batch per process. Also "
             "--per-device-train-batch-size (HF/TRL)."
         ),
-        panel="Batches & length",
+        panel=BATCHES_LENGTH,
         flags=("--per-device-train-batch-size",),
         doc="samples (or packs) per micro-batch per process",
     )
@@ -152,19 +157,19 @@ class TrainConfig(O.Learner):
             "Micro-batches per optimiser step; global batch = batch size x this x processes. Also "
             "--gradient-accumulation-steps (HF/TRL)."
         ),
-        panel="Batches & length",
+        panel=BATCHES_LENGTH,
         flags=("--gradient-accumulation-steps",),
     )
     max_steps: int | None = option(
         None,
         help="Optimiser steps to run (instead of --epochs).",
-        panel="Batches & length",
+        panel=BATCHES_LENGTH,
         doc="optimiser steps (exclusive with `--epochs`)",
     )
     epochs: float | None = option(
         None,
         help=("Passes over the data (default 1 when --max-steps is not given). Also --num-train-epochs (HF/TRL)."),
-        panel="Batches & length",
+        panel=BATCHES_LENGTH,
         flags=("--num-train-epochs",),
         doc="passes over the data (fractions allowed)",
         default_doc="1",
@@ -173,7 +178,7 @@ class TrainConfig(O.Learner):
     max_len: int = option(
         8192,
         help="Skip samples longer than this many tokens (text + image tokens).",
-        panel="Batches & length",
+        panel=BATCHES_LENGTH,
         doc="skip samples longer than this (tokens, image tokens included)",
     )
     precision: str = O.precision(
