@@ -176,3 +176,51 @@ def test_prompt_only_eval_rows_give_a_loss_on_their_gold_answer(assets, rl_asset
     train(config("SFTConfig", assets, out, max_steps=1, eval_data=[rl_assets[1]], eval_limit=2, eval_max_new_tokens=4))
     last = _metrics(out)[-1]
     assert last["eval/loss"] > 0 and set(last) >= {"eval/reward/counting", "eval/reward/math"}
+
+
+@pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])
+def test_sharded_runs_refuse_what_reads_the_learners_weights_directly(
+    rl_assets, tmp_path, one_thread, monkeypatch, engine
+):  # noqa: F811
+    """Under FSDP/DeepSpeed each process holds a shard of the weights: eval-while-training's generate and the HF
+    sampler would read shard-shaped tensors and run another number of collectives per process (a hang). Both are
+    refused before the run directory exists, naming what works instead; vLLM engines gather (generate.full_tensor).
+    (FSDP cannot run on this CPU box through accelerate, so the runtime is told it is sharded.)"""
+    from ovkit.errors import OvkitError
+    from ovkit.rl import loop
+    from ovkit.runtime.core import Runtime
+
+    from ovkit.evaluate.during import evaluator
+
+    monkeypatch.setattr(Runtime, "distributed", property(lambda self: engine))
+    model_dir, data = rl_assets
+    out = tmp_path / "hf"
+    with pytest.raises(OvkitError, match=f"--engine hf under {engine}: .* use --engine vllm"):
+        loop.train_rl(_cfg(model_dir, data, out, max_steps=1, quiet=True))
+    assert not (tmp_path / "hf.partial").exists()
+    rt = type("Rt", (), {"sharded": True, "distributed": engine})()
+    cfg = _cfg(model_dir, data, tmp_path / "eval", eval_data=[data])
+    with pytest.raises(OvkitError, match=f"--eval-data under {engine}: .* DDP"):
+        evaluator(cfg, rt, None, 1, prompt="answer", loss=False, batch_size=1)
+
+
+def test_full_tensor_gathers_an_fsdp2_shard_and_passes_a_tensor_through():
+    """The vLLM engines receive whole tensors from an FSDP2 learner (a one-process gloo group, in a subprocess)."""
+    script = """
+import os, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from ovkit.generate import full_tensor
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+m = torch.nn.Linear(4, 3)
+fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+w = full_tensor(m.weight.detach())
+assert type(m.weight).__name__ == "DTensor" and type(w) is torch.Tensor and w.shape == (3, 4), (type(w), w.shape)
+t = torch.ones(2)
+assert full_tensor(t) is t
+dist.destroy_process_group()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

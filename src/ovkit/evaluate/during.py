@@ -15,7 +15,10 @@ Every N optimiser steps and after the last one, the model being trained scores t
   answer-mode instruction and its target is `<answer>ANSWER</answer>`, the form the instruct split trains on.
 
 Under a launcher each process evaluates its share of the rows (`ovkit.launch.share`; row i is sampled from its own
-seed, as `ovkit eval` does) and the results are gathered, so N processes log what one logs.
+seed, as `ovkit eval` does) and the results are gathered, so N processes log what one logs. That holds for data
+parallelism (DDP: each process holds the whole model). Under FSDP or DeepSpeed, which shard the weights, `--eval-data`
+is refused at start: the greedy generate reads the learner's weights outside its forward and would run another number
+of collectives on each process; evaluate the checkpoints (model directories) with `ovkit eval` instead.
 
 Evaluation is run control: it does not change the trajectory. The model is put in eval mode and back to each
 module's own mode, nothing gets a gradient, and the torch / CUDA / Python / NumPy random states are restored
@@ -63,6 +66,15 @@ def evaluator(
     else {}; the loops merge them into the step's metrics. Without `cfg.eval_data`, always {}."""
     if not cfg.eval_data:
         return never
+    if getattr(rt, "sharded", False):
+        # Generation reads the learner's own weights, which FSDP/DeepSpeed shard, and each process would run another
+        # number of forwards (collectives per forward): refused at start rather than a hang or shard-shaped weights.
+        raise OvkitError(
+            f"--eval-data under {rt.distributed}: evaluation while training reads the learner's "
+            "weights directly, which this engine shards across processes; train with DDP (accelerate launch without "
+            "an FSDP/DeepSpeed config, or torchrun), or evaluate the checkpoints afterwards (--save-every N, then "
+            "`ovkit eval` on each OUT.partial/checkpoints/step-N, a model directory)"
+        )
     held_out = HeldOut(cfg.eval_data, processor, rt.accelerator.unwrap_model, rt, prompt=prompt, loss=loss, limit=cfg.eval_limit,
                        max_new_tokens=cfg.eval_max_new_tokens, batch_size=batch_size, seed=cfg.seed)  # fmt: skip
 

@@ -166,14 +166,16 @@ class VLLMEngine:
 
 def checkpoint_weights(model: Any) -> list[tuple[str, Any]]:
     """(name, tensor) of every parameter under the name `save_pretrained` gives it (the checkpoint layout vLLM
-    loads), detached; a tied output embedding appears once, as in the checkpoint."""
+    loads), detached; a tied output embedding appears once, as in the checkpoint. FSDP2 shards are gathered (every
+    process calls this at the same step), so each colocated engine receives whole tensors."""
+    from ovkit.generate import full_tensor
     from ovkit.runtime import lora
 
     if lora.has_lora(model):  # vLLM serves the merged weights (base + adapter), parameters only
         params = {n.replace(".base_layer.", ".") for n, _ in model.named_parameters() if "lora_" not in n}
         named = {k: v for k, v in lora.merged_state_dict(model).items() if k in params}
     else:
-        named = {name: p.detach() for name, p in model.named_parameters()}
+        named = {name: full_tensor(p.detach()) for name, p in model.named_parameters()}
     try:
         from transformers.core_model_loading import revert_weight_conversion
 

@@ -166,7 +166,7 @@ class VLLMServerEngine:
         from ovkit.generate.vllm import checkpoint_weights
 
         main = int(os.environ.get("RANK", "0")) == 0
-        named = [(name, _full(t)) for name, t in checkpoint_weights(model)]  # collective when sharded: every rank
+        named = checkpoint_weights(model)  # collective when sharded: every rank
         if not main:
             return
         if self.client.communicator is None:
@@ -181,11 +181,6 @@ class VLLMServerEngine:
         self.client.update_named_params(metadata, iter(named))
         self.client.reset_prefix_cache()
         self.synced = True
-
-
-def _full(tensor: Any) -> Any:
-    """A parameter as one tensor: an FSDP2 shard (DTensor) gathered from every process, anything else as it is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _find(tree: Any, key: str) -> Any:
