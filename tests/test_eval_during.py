@@ -187,10 +187,9 @@ def test_sharded_runs_refuse_what_reads_the_learners_weights_directly(
     refused before the run directory exists, naming what works instead; vLLM engines gather (generate.full_tensor).
     (FSDP cannot run on this CPU box through accelerate, so the runtime is told it is sharded.)"""
     from ovkit.errors import OvkitError
+    from ovkit.evaluate.during import evaluator
     from ovkit.rl import loop
     from ovkit.runtime.core import Runtime
-
-    from ovkit.evaluate.during import evaluator
 
     monkeypatch.setattr(Runtime, "distributed", property(lambda self: engine))
     model_dir, data = rl_assets
