@@ -8,7 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from ovkit.balance.assign import TextMatcher, read_concepts, topk_chunked
+from ovkit.balance.assign import TextMatcher, read_concepts
+from ovkit.balance.embed import topk_chunked
 from ovkit.balance.sample import (
     concept_counts,
     image_weights,
@@ -205,7 +206,7 @@ def test_init_model_tiny_clip_preset_builds_a_loadable_encoder(cli, tmp_path, mo
     import functools
 
     from ovkit.balance import encoder
-    from ovkit.balance.assign import Encoder
+    from ovkit.balance.embed import Encoder
 
     monkeypatch.setattr(encoder, "TinyClipSpec", functools.partial(encoder.TinyClipSpec, steps=3, batch_size=8))
     data, _ = corpus(tmp_path, n=12)
