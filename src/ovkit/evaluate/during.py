@@ -163,14 +163,7 @@ class HeldOut:
         engine = HFEngine(model, self.processor, batch_size=self.batch_size)  # the learner's weights, not a copy
         mine = share(len(self.rows))
         with self.rt.autocast():
-            done = score_rows(
-                self.eval_cfg,
-                engine,
-                self.processor,
-                [self.rows[i] for i in mine],
-                self.budgets,
-                [self.eval_cfg.seed * 1_000_003 + i for i in mine],
-            )
+            done = score_rows(self.eval_cfg, engine, self.processor, [self.rows[i] for i in mine], self.budgets)
         every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
         scored = [every[i] for i in range(len(self.rows))]
         records = make_records(self.rows, [s[0] for s in scored], [s[2] for s in scored], [s[3] for s in scored])

@@ -162,7 +162,7 @@ def run_eval(
 
     `engine`/`processor` may be given (tests, or a caller that already holds the model); otherwise they are built
     from `cfg.model` with `cfg.engine`. Under a launcher each process generates and scores its share of the rows
-    (ovkit.launch.share; every row sampled from its own seed, so the share changes no draw) and the main process,
+    (ovkit.launch.share; every row sampled from the seed of its id, so the share changes no draw) and the main process,
     given `out_dir`, writes what one process would; the others pass None and get None."""
     from ovkit.launch import gather, share
 
@@ -176,9 +176,7 @@ def run_eval(
     clock["load"] = time.perf_counter()
     mine = share(len(rows))
     budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)  # from every row: the same on each process
-    done = score_rows(
-        cfg, engine, processor, [rows[i] for i in mine], budgets, [cfg.seed * 1_000_003 + i for i in mine], clock
-    )
+    done = score_rows(cfg, engine, processor, [rows[i] for i in mine], budgets, clock)
     every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
     if out_dir is None:
         return None
@@ -194,11 +192,11 @@ def score_rows(
     processor: Any,
     rows: Sequence[dict[str, Any]],
     budgets: dict[str, int],
-    seeds: Sequence[int],
     clock: dict[str, float] | None = None,
 ) -> list[tuple]:
-    """(prompt text, prompt token ids, completions, rewards) per row: encoded, generated (row i sampled from
-    `seeds[i]`) and scored. The part of an eval that the processes share; `clock` gets each phase's end."""
+    """(prompt text, prompt token ids, completions, rewards) per row: encoded, generated (each row from the streams
+    of its id and the run seed) and scored. The part of an eval that the processes share; `clock` gets each phase's
+    end."""
     from ovkit.rollouts.episodes import env_instruction, env_tools
 
     clock = {} if clock is None else clock
@@ -206,7 +204,7 @@ def score_rows(
         rows, processor, cfg.prompt, progress=not cfg.quiet, extra=env_instruction(cfg), tools=env_tools(cfg)
     )
     clock["encode"] = time.perf_counter()
-    completions = generate_rows(engine, cfg, rows, prompts, images, budgets, processor, seeds)
+    completions = generate_rows(engine, cfg, rows, prompts, images, budgets, processor)
     clock["generate"] = time.perf_counter()
     rewards = score(rows, completions, cfg.prompt)
     clock["score"] = time.perf_counter()
@@ -326,20 +324,12 @@ def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, f
 
 
 def generate_rows(
-    engine: Any,
-    cfg: EvalConfig,
-    rows,
-    prompts,
-    images,
-    budgets: dict[str, int],
-    processor: Any = None,
-    seeds: Sequence[int] | None = None,
+    engine: Any, cfg: EvalConfig, rows, prompts, images, budgets: dict[str, int], processor: Any = None
 ) -> list[list[Any]]:
-    """Completions per row; rows that share a token budget are generated together (one engine call each, or one
-    multi-turn rollout with --env). Row i samples from `seeds[i]` (default: its position), whatever rows share its
-    call; multi-turn rollouts seed per call."""
-    seeds = list(range(len(rows))) if seeds is None else list(seeds)
+    """Completions per row (ovkit.rollouts.sample: single-turn, or multi-turn with --env); rows that share a token
+    budget are sampled together. A row draws from the streams of its id, whatever rows share its call or process."""
     from ovkit.rollouts.episodes import make_runner
+    from ovkit.rollouts.sample import sample
 
     groups: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
@@ -347,24 +337,17 @@ def generate_rows(
     out: list[list[Any]] = [[] for _ in rows]
     mode = "answer" if cfg.prompt == "none" else cfg.prompt
     episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=None) if cfg.env else None
-    for g, (budget, idx) in enumerate(sorted(groups.items())):
-        if episodes is not None:
-            tasks = [_as_prompt(rows[i], prompts[i], images[i]) for i in idx]
-            done = episodes.run(
-                tasks, n=cfg.n, max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + g
-            )
-            for i, completions in zip(idx, done):
-                out[i] = completions
-            continue
-        done = engine.generate(
-            [prompts[i] for i in idx],
+    for budget, idx in sorted(groups.items()):
+        tasks = [_as_prompt(rows[i], prompts[i], images[i]) for i in idx]
+        done = sample(
+            engine,
+            tasks,
             n=cfg.n,
             max_new_tokens=budget,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            seed=cfg.seed + g,
-            seeds=[seeds[i] for i in idx],
-            images=[images[i] for i in idx] if cfg.engine == "vllm" else None,
+            seed=cfg.seed,
+            episodes=episodes,
         )
         for i, completions in zip(idx, done):
             out[i] = completions
