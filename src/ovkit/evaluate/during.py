@@ -6,7 +6,7 @@ Every N optimiser steps and after the last one, the model being trained scores t
 - `eval/reward`, `eval/accuracy` and `eval/reward/<category>`, `eval/accuracy/<category>`: the numbers
   `ovkit eval --prompt MODE --seed SEED` reports for the model of that step (`summary.json`'s `overall`,
   `accuracy` and `categories`), through the same pieces: rows as `ovkit.evaluate.run.load_rows` reads them (`--eval-limit`
-  per category), prompts as `encode_rows` asks them, per-category token budgets (`token_budgets`), greedy
+  per category), prompts as `ovkit eval` asks them (ovkit.rollouts.prompts.encode_prompts), per-category token budgets (`token_budgets`), greedy
   generation with the HF engine on the learner's own weights (no copy), the rewards library's scorers. Rows that
   have a gold `answer`; a supervised held-out set without one gets the loss only.
 - `eval/loss` (supervised stages): the token-mean NLL of the held-out targets, computed as the training loss is
