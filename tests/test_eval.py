@@ -274,6 +274,28 @@ def test_save_logprobs_writes_rollouts_mismatch_report_can_read(tmp_path, eval_s
     assert processor.tokenizer.decode(r["prompt_ids"]).endswith("<|im_start|>assistant\n")
 
 
+def test_eval_asks_a_row_as_rl_train_and_rl_curate_encode_it(tmp_path, eval_set, processor):
+    """One prompt encoder (ovkit.rollouts.prompts.encode_prompts): eval's prompt token ids are those rl-curate and
+    rl-train give the row in the same mode (no system prompt), a gold assistant turn is never asked back, and a row
+    without a category is `uncategorized` for both, the name of its eval task."""
+    from ovkit.data import read_samples
+    from ovkit.rollouts.prompts import UNCATEGORIZED, encode_prompts
+    from ovkit.rollouts.table import read_rollouts
+
+    _, summary, _ = _run(tmp_path, eval_set, processor, save_logprobs=True)
+    asked = {r["prompt_id"]: r["prompt_ids"] for r in read_rollouts(tmp_path).to_pylist()}
+    table = read_samples(eval_set, answers=True).table
+    encoded = encode_prompts(table, processor, mode="answer", system=False)
+    assert asked == {p.id: list(p.encoded.input_ids) for p in encoded}
+    assert {p.category for p in encoded if p.id == "o0"} == {UNCATEGORIZED} and UNCATEGORIZED in summary["categories"]
+    row = {
+        **table.to_pylist()[0],
+        "messages": [*table.to_pylist()[0]["messages"], {"role": "assistant", "content": "3"}],
+    }
+    (with_gold,) = encode_prompts([row], processor, mode="answer", system=False)
+    assert with_gold.encoded.input_ids == encoded[0].encoded.input_ids and with_gold.messages[-1]["role"] == "user"
+
+
 def test_compare_prints_one_table_across_runs(tmp_path, eval_set, processor, cli):
     _run(tmp_path / "eval-sft", eval_set, processor)
     perfect = {q: f"<answer>{a}</answer>" for _, _, _, q, a, _, _, _, _ in ROWS}

@@ -638,3 +638,26 @@ def test_weight_rounding_for_low_precision_samplers_is_bounded_and_device_agnost
         b = torch.log_softmax(engine.model(**inputs).logits[0, -1], -1)
     gap = (a - b).abs().max()
     assert 0 < gap < float("inf")  # a real sampler/learner gap (its size is the model's: these weights are spread wide)
+
+
+def test_one_sampler_draws_a_prompts_completions_from_its_key_not_its_call(tiny, prompts):
+    """ovkit.rollouts.sample: a prompt's n completions are a function of (run seed, its key, sample index). The prompts
+    sampled in two calls (two processes' shares, another batch size) give what one call over all of them gives, the
+    same prompt under two keys draws two sets, and the run seed changes the draws."""
+    from ovkit.rollouts.prompts import Prompt
+    from ovkit.rollouts.sample import prompt_seed, sample
+
+    rows = [Prompt(id=f"r{i}", encoded=p, answer="", answer_type=None, source="", category="") for i, p in enumerate(prompts)]  # fmt: skip
+    kw = dict(n=2, max_new_tokens=6, temperature=1.0, top_p=0.9, seed=4)
+    ids = lambda out: [[c.token_ids for c in cs] for cs in out]  # noqa: E731
+    whole = sample(_engine(tiny, batch_size=8), rows, **kw)
+    split = [None] * len(rows)
+    split[0::2], split[1::2] = (sample(_engine(tiny, batch_size=3), rows[r::2], **kw) for r in (0, 1))
+    assert ids(split) == ids(whole)
+    reversed_ = sample(_engine(tiny), rows[::-1], **kw)[::-1]  # another place in the call
+    assert ids(reversed_) == ids(whole)
+    again = sample(_engine(tiny), rows[:1] * 2, **kw, keys=["r0", "other"])
+    assert ids(again)[0] == ids(whole)[0] and ids(again)[1] != ids(whole)[0]
+    assert ids(sample(_engine(tiny), rows, **{**kw, "seed": 5})) != ids(whole)
+    assert prompt_seed(0, 1) != prompt_seed(1, 0) and prompt_seed(0, "1") != prompt_seed(0, 1)
+    assert all(0 <= prompt_seed(s, k) < 2**62 for s in (0, 7, 2**40) for k in (0, "x", (3, 1)))

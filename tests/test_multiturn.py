@@ -860,3 +860,67 @@ def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tm
     assert [r["grad_norm"] for r in straight] == pytest.approx([r["grad_norm"] for r in rows["cut"]], rel=1e-5)
     a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_a_multi_turn_trajectory_does_not_depend_on_the_prompts_beside_it(zoomer):
+    """#29: every turn of trajectory k of a prompt draws from (run seed, the prompt's key, k, turn), so the prompts
+    rolled out in two calls (two processes' shares, another batch size) give the trajectories of one call over all of
+    them: tokens, masks, turn ids, observation images; prompts alike but for their id draw apart."""
+    from ovkit.envs import ZoomEnv
+    from ovkit.generate import HFEngine
+    from ovkit.rollouts.sample import sample
+
+    model, processor, _ = zoomer
+    prompts = _prompts(processor, n=3, answer="1", extra=ZoomEnv.instruction)
+
+    def roll(chosen, batch_size):
+        engine = HFEngine(model, processor, batch_size=batch_size)
+        runner = _runner(engine, processor, "zoom", model=model)
+        return sample(engine, chosen, n=2, max_new_tokens=16, temperature=1.6, top_p=1.0, seed=3, episodes=runner)
+
+    whole = roll(prompts, 8)
+    split = [None] * len(prompts)
+    split[0::2], split[1::2] = roll(prompts[0::2], 2), roll(prompts[1::2], 3)
+    flat = lambda out: [c for cs in out for c in cs]  # noqa: E731
+    assert any(c.turns == 2 for c in flat(whole))  # real two-turn trajectories
+    for a, b in zip(flat(whole), flat(split)):
+        assert (a.token_ids, a.loss_mask, a.turn_ids, a.termination) == (
+            b.token_ids,
+            b.loss_mask,
+            b.turn_ids,
+            b.termination,
+        )
+        assert len(a.images) == len(b.images) and a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert len({tuple(c.token_ids) for c in flat(whole)}) > 2  # the same prompt under 3 ids x 2 samples draws apart
+
+
+def test_multi_turn_eval_over_two_processes_samples_what_one_process_samples(zoomer, tmp_path):
+    """#29: `ovkit eval --env zoom` under torchrun (gloo, CPU) with 2 processes against 1 at the same seed: every turn
+    of every trajectory draws from its own stream, so the rollouts (tokens, masks, turns, terminations) and the
+    multi-turn summary are one process's, with real two-turn trajectories among them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ovkit.rollouts.table import read_rollouts
+
+    _, _, base = zoomer
+    (tmp_path / "eval.yaml").write_text("n: 2\ntemperature: 1.6\n")  # torchrun's parser takes `--n` for its own
+    args = ["eval", base / "data", "--model", base / "model", "--env", "zoom", "--max-new-tokens", "16",
+            "--config", tmp_path / "eval.yaml", "--save-logprobs", "--quiet"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for n in (1, 2):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), "-m", "ovkit",
+                              *map(str, args), "--out", str(tmp_path / f"p{n}")], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+    keys = ("prompt_id", "response_ids", "loss_mask", "turn_ids", "termination", "reward")
+    one, two = (
+        sorted(
+            tuple(json.dumps(r[k]) for k in keys) for r in read_rollouts(tmp_path / d / "rollouts.parquet").to_pylist()
+        )
+        for d in ("p1", "p2")
+    )
+    assert one == two and len(one) == 4
+    multiturn = lambda d: json.loads((tmp_path / d / "summary.json").read_text())["multiturn"]  # noqa: E731
+    assert multiturn("p1") == multiturn("p2") and multiturn("p1")["turns/max"] >= 2

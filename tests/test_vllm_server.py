@@ -85,6 +85,29 @@ def test_requests_are_token_ids_and_log_probs_are_the_sampled_distributions(serv
             torch.testing.assert_close(learner, torch.tensor(c.logprobs), atol=2e-4, rtol=0)
 
 
+def test_per_prompt_seeds_go_as_one_request_per_prompt_and_split_calls_agree(server, tiny, prompts):  # noqa: F811
+    """#29: the server's API seeds a request, so with `seeds` every prompt is its own request seeded from its seed
+    (`request_seed`, the k-th of its n completions then samples with seed + k on a real server): the prompts sent
+    in two calls (two processes' shares) come back as one call over all of them."""
+    from ovkit.generate.vllm import request_seed
+
+    _, processor = tiny
+    engine = _engine(server, processor)
+    seeds = [101, 7, 2**61 + 5, 33]
+    kw = dict(n=2, max_new_tokens=6, temperature=1.0)
+    whole = engine.generate(prompts, seeds=seeds, images=IMAGES, **kw)
+    sent = [b for path, b in server.requests if path in ("/inference/v1/generate", "/v1/completions")]
+    assert len(sent) == len(prompts)
+    assert sorted(b["sampling_params"]["seed"] if "sampling_params" in b else b["seed"] for b in sent) == sorted(
+        request_seed(s) for s in seeds
+    )
+    assert all(0 <= request_seed(s) + 16 < 2**63 for s in seeds)
+    split = [None] * len(prompts)
+    for r in (0, 1):
+        split[r::2] = engine.generate(prompts[r::2], seeds=seeds[r::2], images=IMAGES[r::2], **kw)
+    assert [[c.token_ids for c in cs] for cs in split] == [[c.token_ids for c in cs] for cs in whole]
+
+
 def test_a_server_reporting_raw_log_probs_is_refused_where_they_differ(server, tiny, prompts):  # noqa: F811
     from ovkit.errors import OvkitError
 

@@ -6,7 +6,7 @@ Every N optimiser steps and after the last one, the model being trained scores t
 - `eval/reward`, `eval/accuracy` and `eval/reward/<category>`, `eval/accuracy/<category>`: the numbers
   `ovkit eval --prompt MODE --seed SEED` reports for the model of that step (`summary.json`'s `overall`,
   `accuracy` and `categories`), through the same pieces: rows as `ovkit.evaluate.run.load_rows` reads them (`--eval-limit`
-  per category), prompts as `encode_rows` asks them, per-category token budgets (`token_budgets`), greedy
+  per category), prompts as `ovkit eval` asks them (ovkit.rollouts.prompts.encode_prompts), per-category token budgets (`token_budgets`), greedy
   generation with the HF engine on the learner's own weights (no copy), the rewards library's scorers. Rows that
   have a gold `answer`; a supervised held-out set without one gets the loss only.
 - `eval/loss` (supervised stages): the token-mean NLL of the held-out targets, computed as the training loss is
@@ -175,14 +175,7 @@ class HeldOut:
         engine = HFEngine(model, self.processor, batch_size=self.batch_size)  # the learner's weights, not a copy
         mine = share(len(self.rows))
         with self.rt.autocast():
-            done = score_rows(
-                self.eval_cfg,
-                engine,
-                self.processor,
-                [self.rows[i] for i in mine],
-                self.budgets,
-                [self.eval_cfg.seed * 1_000_003 + i for i in mine],
-            )
+            done = score_rows(self.eval_cfg, engine, self.processor, [self.rows[i] for i in mine], self.budgets)
         every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
         scored = [every[i] for i in range(len(self.rows))]
         records = make_records(self.rows, [s[0] for s in scored], [s[2] for s in scored], [s[3] for s in scored])
