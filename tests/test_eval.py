@@ -294,6 +294,14 @@ def test_eval_asks_a_row_as_rl_train_and_rl_curate_encode_it(tmp_path, eval_set,
     }
     (with_gold,) = encode_prompts([row], processor, mode="answer", system=False)
     assert with_gold.encoded.input_ids == encoded[0].encoded.input_ids and with_gold.messages[-1]["role"] == "user"
+    first = table.to_pylist()[0]["messages"]  # a conversation: its earlier assistant turn is context, kept
+    follow_up = {"role": "user", "content": "Are you sure?"}
+    talk = {
+        **row,
+        "messages": [*first, {"role": "assistant", "content": "2"}, follow_up, {"role": "assistant", "content": "3"}],
+    }
+    (conversation,) = encode_prompts([talk], processor, mode="answer", system=False)
+    assert [m["role"] for m in conversation.messages] == ["user", "assistant", "user"]
 
 
 def test_compare_prints_one_table_across_runs(tmp_path, eval_set, processor, cli):

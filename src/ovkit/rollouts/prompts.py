@@ -64,8 +64,8 @@ def encode_prompts(
     tools: Any = None,
     progress: bool = False,
 ) -> list[Prompt]:
-    """Encode every row of an RL or eval sample table (a pyarrow table or a list of row dicts): assistant turns
-    dropped (RL and eval rows hold the prompt; a gold answer must not be asked back), the stage instruction of `mode`
+    """Encode every row of an RL or eval sample table (a pyarrow table or a list of row dicts): trailing assistant
+    turns dropped (a gold answer must not be asked back; earlier turns of a conversation stay as its context), the stage instruction of `mode`
     (one for every row, or one per row: eval's `--prompt auto`) appended (ovkit.prompts), then `extra` (an
     environment's instruction, e.g. the zoom tool's syntax), the system prompt with `system`, images capped at
     `max_pixels`; `tools`: an environment's tool schemas for the chat template."""
@@ -99,7 +99,9 @@ def encode_row(
     from ovkit.prompts import with_instruction
 
     rid = str(row["id"])
-    asked = [m for m in row["messages"] if m["role"] != "assistant"]
+    asked = list(row["messages"])
+    while asked and asked[-1]["role"] == "assistant":  # the gold answer is not asked back; earlier turns are context
+        asked.pop()
     messages = with_extra(with_instruction(asked, mode, system=system), extra)
     images = [cap_pixels(im, max_pixels) for im in decode_images(row.get("images"))]
     return Prompt(
