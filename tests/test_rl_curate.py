@@ -9,7 +9,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_rl_train import rl_assets  # noqa: F401  (the shared tiny model + RL table)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +55,7 @@ def test_histogram_bins():
     assert h["0.0-0.1"] == 2 and h["0.1-0.2"] == 1 and h["0.9-1.0"] == 2 and sum(h.values()) == 5
 
 
-def test_curate_end_to_end(rl_assets, tmp_path, cli):  # noqa: F811
+def test_curate_end_to_end(rl_assets, tmp_path, cli):
     from ovkit.rollouts.table import read_rollouts
 
     model_dir, data = rl_assets
@@ -109,7 +108,7 @@ def test_curate_end_to_end(rl_assets, tmp_path, cli):  # noqa: F811
             assert f.read_bytes() == (tmp_path / "b" / f.relative_to(out)).read_bytes(), f  # same seed, same bytes
 
 
-def test_an_excluded_category_is_not_sampled(rl_assets, tmp_path, cli):  # noqa: F811
+def test_an_excluded_category_is_not_sampled(rl_assets, tmp_path, cli):
     from ovkit.rollouts.table import read_rollouts
 
     model_dir, data = rl_assets
