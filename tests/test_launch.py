@@ -107,6 +107,7 @@ def test_a_sharded_output_with_a_missing_or_unfinished_part_is_not_a_dataset(tmp
     assert code == 2 and "--shard 1/3" in err and not (tmp_path / "next").exists()
 
 
+@pytest.mark.timeout(600)  # 66 s on a loaded 2-core box: two torchrun launches of eval
 def test_eval_under_torchrun_shares_the_rows_and_writes_what_one_process_writes(tmp_path, eval_set):
     """Each process samples and scores its share of the rows (every row from its own seed) and the main process
     writes one output: the same scores, samples and results as one process, apart from the timings."""

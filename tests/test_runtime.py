@@ -156,6 +156,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
 """
 
 
+@pytest.mark.timeout(600)  # 69 s on a loaded 2-core box: GB-sized logits, in two subprocesses
 def test_the_loss_over_a_qwen_vocabulary_peaks_at_the_chunk_not_tokens_x_vocab():
     """4,096 target tokens x 151,936 vocabulary: 2.5 GB of fp32 logits (and as much again for their gradient) the
     plain way; the chunked head stays within a few chunks (64 MiB each) plus the head's own gradient (39 MB) and
