@@ -204,6 +204,16 @@ def eval_set(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def eval_tiny(tmp_path_factory):
+    """The tiny preset's model directory, its tokenizer trained on helpers.EVAL_TEXTS (seed 0), for eval commands."""
+    from helpers import EVAL_TEXTS
+
+    from ovkit.models.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("eval-tiny") / "tiny", EVAL_TEXTS, seed=0)
+
+
 @pytest.fixture
 def llava_images(tmp_path):
     """An image folder laid out like LLaVA's (paths in the JSON are relative to it), with one broken file:

@@ -301,11 +301,10 @@ def test_example_config_is_valid():
     assert cfg.prompt in ("answer", "think", "auto") and cfg.engine == "hf"
 
 
-def test_eval_command_end_to_end_on_the_tiny_model(tmp_path, eval_set, cli):
-    from ovkit.models.tiny import build_tiny
+def test_eval_command_end_to_end_on_the_tiny_model(tmp_path, eval_set, eval_tiny, cli):
     from ovkit.rollouts.table import read_rollouts
 
-    model = build_tiny(tmp_path / "tiny", EVAL_TEXTS, seed=0)
+    model = eval_tiny
     out = tmp_path / "eval-tiny"
     args = ["eval", "--model", model, eval_set, "--out", out, "--max-new-tokens", "6", "--save-logprobs", "--quiet"]
     code, stdout, err = cli(*args)
@@ -360,7 +359,7 @@ def test_compare_reads_a_real_lmms_eval_results_file_and_warns_on_tasks_it_canno
     assert "warning: llava: lmms-eval task 'pope'" not in err
 
 
-def test_eval_output_loads_with_load_dataset_dir(tmp_path, eval_set, cli, monkeypatch):
+def test_eval_output_loads_with_load_dataset_dir(tmp_path, eval_set, eval_tiny, cli, monkeypatch):
     """`datasets.load_dataset(DIR)` on an eval output returns its per-row samples, a split per task, from the card
     ovkit writes (#29); `load_dataset(DIR, TASK)` one task; a same-named output elsewhere loads its own rows."""
     import shutil
@@ -369,13 +368,12 @@ def test_eval_output_loads_with_load_dataset_dir(tmp_path, eval_set, cli, monkey
 
     from ovkit.cards import CARD, write_card
     from ovkit.evaluate import load_run
-    from ovkit.models.tiny import build_tiny
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
-    model = build_tiny(tmp_path / "tiny", EVAL_TEXTS, seed=0)
+    model = eval_tiny
     a = tmp_path / "a" / "eval-tiny"
     code, _, err = cli("eval", "--model", model, eval_set, "--out", a, "--max-new-tokens", "6", "--quiet")
     assert code == 0, err

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import EVAL_TEXTS, many_llava
+from helpers import many_llava
 
 from ovkit.data import read_samples
 from ovkit.errors import OvkitError
@@ -108,14 +108,12 @@ def test_a_sharded_output_with_a_missing_or_unfinished_part_is_not_a_dataset(tmp
 
 
 @pytest.mark.timeout(600)  # 66 s on a loaded 2-core box: two torchrun launches of eval
-def test_eval_under_torchrun_shares_the_rows_and_writes_what_one_process_writes(tmp_path, eval_set):
+def test_eval_under_torchrun_shares_the_rows_and_writes_what_one_process_writes(tmp_path, eval_set, eval_tiny):
     """Each process samples and scores its share of the rows (every row from its own seed) and the main process
     writes one output: the same scores, samples and results as one process, apart from the timings."""
     import json
 
-    from ovkit.models.tiny import build_tiny
-
-    model = build_tiny(tmp_path / "tiny", EVAL_TEXTS, seed=0)
+    model = eval_tiny
     (tmp_path / "eval.yaml").write_text(
         "n: 2\ntemperature: 1.0\n"
     )  # torchrun's own parser takes `--n` for an abbreviation of its options
