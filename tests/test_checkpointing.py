@@ -25,7 +25,7 @@ MODES = ("off", "mlp", "every-2", "full")
 
 @pytest.fixture(scope="module")
 def tiny(deep):
-    """test_runtime's model: 4 decoder layers and a 4-block ViT (every-2 checkpoints half of each), small widths,
+    """The `deep` fixture's model (conftest.py): 4 decoder layers and a 4-block ViT (every-2 checkpoints half of each), small widths,
     16 samples with images."""
     return deep[0]
 
