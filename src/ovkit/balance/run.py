@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from ovkit import options as O
-from ovkit.balance.assign import Encoder, TextMatcher, batched, read_concepts, topk_chunked
+from ovkit.balance.assign import TextMatcher, batched, read_concepts
 from ovkit.balance.sample import (
     COMBINE,
     concept_counts,
@@ -171,6 +171,8 @@ def _assign_embed(cfg: BalanceConfig, table: pa.Table, concepts: list[str]):
     import torch
     from PIL import Image
     from tqdm import tqdm
+
+    from ovkit.balance.embed import Encoder, topk_chunked
 
     torch.manual_seed(cfg.seed)
     enc = Encoder(cfg.encoder, device=cfg.device)

@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 from ovkit import options as O
 from ovkit.errors import OvkitError, where
 from ovkit.options import option
+from ovkit.rollouts.prompts import UNCATEGORIZED  # the task of rows without a `category` (light: no torch)
 
-UNCATEGORIZED = "uncategorized"  # the task of rows without a `category`
 MIN_NEW_TOKENS = 32  # the smallest per-category token budget when --max-new-tokens is not given
 THINK_EXTRA_TOKENS = 256  # room for the reasoning with --prompt think
 
@@ -267,7 +267,7 @@ def run_eval(
 
     `engine`/`processor` may be given (tests, or a caller that already holds the model); otherwise they are built
     from `cfg.model` with `cfg.engine`. Under a launcher each process generates and scores its share of the rows
-    (ovkit.launch.share; every row sampled from its own seed, so the share changes no draw) and the main process,
+    (ovkit.launch.share; every row sampled from the seed of its id, so the share changes no draw) and the main process,
     given `out_dir`, writes what one process would; the others pass None and get None."""
     from ovkit.launch import gather, share
 
@@ -281,9 +281,7 @@ def run_eval(
     clock["load"] = time.perf_counter()
     mine = share(len(rows))
     budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)  # from every row: the same on each process
-    done = score_rows(
-        cfg, engine, processor, [rows[i] for i in mine], budgets, [cfg.seed * 1_000_003 + i for i in mine], clock
-    )
+    done = score_rows(cfg, engine, processor, [rows[i] for i in mine], budgets, clock)
     every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
     if out_dir is None:
         return None
@@ -299,23 +297,33 @@ def score_rows(
     processor: Any,
     rows: Sequence[dict[str, Any]],
     budgets: dict[str, int],
-    seeds: Sequence[int],
     clock: dict[str, float] | None = None,
 ) -> list[tuple]:
-    """(prompt text, prompt token ids, completions, rewards) per row: encoded, generated (row i sampled from
-    `seeds[i]`) and scored. The part of an eval that the processes share; `clock` gets each phase's end."""
+    """(prompt text, prompt token ids, completions, rewards) per row: encoded, generated (each row from the streams
+    of its id and the run seed) and scored. The part of an eval that the processes share; `clock` gets each phase's
+    end."""
     from ovkit.rollouts.episodes import env_instruction, env_tools
+    from ovkit.rollouts.prompts import encode_prompts
 
     clock = {} if clock is None else clock
-    prompts, images, inputs = encode_rows(
-        rows, processor, cfg.prompt, progress=not cfg.quiet, extra=env_instruction(cfg), tools=env_tools(cfg)
+    prompts = encode_prompts(
+        rows,
+        processor,
+        mode=[row_mode(r, cfg.prompt) for r in rows],
+        system=False,
+        extra=env_instruction(cfg),
+        tools=env_tools(cfg),
+        progress=not cfg.quiet,
     )
     clock["encode"] = time.perf_counter()
-    completions = generate_rows(engine, cfg, rows, prompts, images, budgets, processor, seeds)
+    completions = generate_rows(engine, cfg, prompts, budgets, processor)
     clock["generate"] = time.perf_counter()
     rewards = score(rows, completions, cfg.prompt)
     clock["score"] = time.perf_counter()
-    return [(text, [int(t) for t in p.input_ids], c, r) for text, p, c, r in zip(inputs, prompts, completions, rewards)]
+    return [
+        (prompt_text(p.messages), [int(t) for t in p.encoded.input_ids], c, r)
+        for p, c, r in zip(prompts, completions, rewards)
+    ]
 
 
 def _write(
@@ -381,31 +389,9 @@ def row_mode(row: dict[str, Any], prompt: str) -> str:
     return mode_of(stage_of(row, STAGE2_CATEGORIES), "auto")
 
 
-def encode_rows(
-    rows: Sequence[dict[str, Any]],
-    processor: Any,
-    prompt: str,
-    *,
-    progress: bool = False,
-    extra: str = "",
-    tools: Any = None,
-) -> tuple[list, list, list[str]]:
-    """(encoded prompts, PIL images, prompt text) per row, the stage instruction (`row_mode`; then an
-    environment's, `extra`) added to the last user turn."""
-    from tqdm.auto import tqdm
-
-    from ovkit.models.encode import decode_images, encode_prompt
-    from ovkit.prompts import with_instruction
-    from ovkit.rollouts.prompts import with_extra
-
-    prompts, images, inputs = [], [], []
-    for row in tqdm(rows, desc="encode", unit="row", leave=False, disable=not progress):
-        messages = with_extra(with_instruction(row["messages"], row_mode(row, prompt)), extra)
-        pics = decode_images(row["images"])
-        prompts.append(encode_prompt(processor, messages, pics, tools=tools))
-        images.append(pics)
-        inputs.append("\n".join(f"{m['role']}: {m['content']}" for m in messages))
-    return prompts, images, inputs
+def prompt_text(messages: Sequence[dict[str, Any]]) -> str:
+    """A prompt as the results files show it (`input`): one `role: content` line per turn."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
 def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, fixed: int | None) -> dict[str, int]:
@@ -431,60 +417,33 @@ def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, f
 
 
 def generate_rows(
-    engine: Any,
-    cfg: EvalConfig,
-    rows,
-    prompts,
-    images,
-    budgets: dict[str, int],
-    processor: Any = None,
-    seeds: Sequence[int] | None = None,
+    engine: Any, cfg: EvalConfig, prompts, budgets: dict[str, int], processor: Any = None
 ) -> list[list[Any]]:
-    """Completions per row; rows that share a token budget are generated together (one engine call each, or one
-    multi-turn rollout with --env). Row i samples from `seeds[i]` (default: its position), whatever rows share its
-    call; multi-turn rollouts seed per call."""
-    seeds = list(range(len(rows))) if seeds is None else list(seeds)
+    """Completions per row (ovkit.rollouts.sample: single-turn, or multi-turn with --env); rows that share a token
+    budget are sampled together. A row draws from the streams of its id, whatever rows share its call or process."""
     from ovkit.rollouts.episodes import make_runner
+    from ovkit.rollouts.sample import sample
 
     groups: dict[int, list[int]] = {}
-    for i, row in enumerate(rows):
-        groups.setdefault(budgets[row["category"]], []).append(i)
-    out: list[list[Any]] = [[] for _ in rows]
+    for i, p in enumerate(prompts):
+        groups.setdefault(budgets[p.category], []).append(i)
+    out: list[list[Any]] = [[] for _ in prompts]
     mode = "answer" if cfg.prompt == "none" else cfg.prompt
     episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=None) if cfg.env else None
-    for g, (budget, idx) in enumerate(sorted(groups.items())):
-        if episodes is not None:
-            tasks = [_as_prompt(rows[i], prompts[i], images[i]) for i in idx]
-            done = episodes.run(
-                tasks, n=cfg.n, max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + g
-            )
-            for i, completions in zip(idx, done):
-                out[i] = completions
-            continue
-        done = engine.generate(
+    for budget, idx in sorted(groups.items()):
+        done = sample(
+            engine,
             [prompts[i] for i in idx],
             n=cfg.n,
             max_new_tokens=budget,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            seed=cfg.seed + g,
-            seeds=[seeds[i] for i in idx],
-            images=[images[i] for i in idx] if cfg.engine == "vllm" else None,
+            seed=cfg.seed,
+            episodes=episodes,
         )
         for i, completions in zip(idx, done):
             out[i] = completions
     return out
-
-
-def _as_prompt(row: dict[str, Any], encoded: Any, images: list) -> Any:
-    """An eval row as the RL Prompt the multi-turn loop (and its environments) read."""
-    from ovkit.rollouts.prompts import Prompt, _reward_kwargs
-
-    return Prompt(
-        id=str(row["id"]), encoded=encoded, answer=str(row.get("answer") or ""), answer_type=row.get("answer_type"),
-        source=str(row.get("source") or ""), category=str(row.get("category") or ""),
-        reward_kwargs=_reward_kwargs(row.get("reward_kwargs"), str(row["id"])), images=images, image_cells=list(row.get("images") or []),
-    )  # fmt: skip
 
 
 def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:

@@ -105,7 +105,8 @@ class VLLMEngine:
     ) -> list[list[Completion]]:
         """Per prompt, `n` completions. `images`: the PIL images of each prompt (needed when prompts have any);
         `suppress_ids`: tokens never sampled (a -100 logit bias, applied before vLLM's processed log-probs);
-        `seeds`: one per prompt (its request's seed), so a prompt samples the same wherever it is in the call."""
+        `seeds`: one per prompt (its request's seed, `request_seed`), so a prompt samples the same wherever it is in
+        the call or whichever process sends it; without them, one per prompt from `seed` and its place in the call."""
         from ovkit.generate.hf import _check_sampling
 
         _check_sampling(n, max_new_tokens, temperature, top_p)
@@ -116,9 +117,7 @@ class VLLMEngine:
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_new_tokens,
-                seed=seed * 1_000_003 + i * n
-                if seeds is None
-                else int(seeds[i]),  # one seed per prompt: reproducible, not shared across prompts
+                seed=seed * 1_000_003 + i * n if seeds is None else request_seed(seeds[i]),
                 logprobs=0,  # the sampled token's log-prob only
                 stop_token_ids=self.stop_ids,
                 skip_special_tokens=True,
@@ -164,16 +163,26 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
 
+def request_seed(seed: int) -> int:
+    """The vLLM request seed of a prompt seeded `seed`. vLLM samples a request's k-th of n completions with the
+    request seed + k (`ParentRequest`, vllm/v1/engine/parallel_sampling.py), so the seed is spread (x 1_000_003, as
+    HFEngine's per-sequence streams) to keep one prompt's children off its neighbour's, and kept under 2**62 so that
+    seed + k fits torch's int64 (the server refuses larger seeds)."""
+    return (int(seed) * 1_000_003) % 2**62
+
+
 def checkpoint_weights(model: Any) -> list[tuple[str, Any]]:
     """(name, tensor) of every parameter under the name `save_pretrained` gives it (the checkpoint layout vLLM
-    loads), detached; a tied output embedding appears once, as in the checkpoint."""
+    loads), detached; a tied output embedding appears once, as in the checkpoint. FSDP2 shards are gathered (every
+    process calls this at the same step), so each colocated engine receives whole tensors."""
+    from ovkit.generate import full_tensor
     from ovkit.runtime import lora
 
     if lora.has_lora(model):  # vLLM serves the merged weights (base + adapter), parameters only
         params = {n.replace(".base_layer.", ".") for n, _ in model.named_parameters() if "lora_" not in n}
         named = {k: v for k, v in lora.merged_state_dict(model).items() if k in params}
     else:
-        named = {name: p.detach() for name, p in model.named_parameters()}
+        named = {name: full_tensor(p.detach()) for name, p in model.named_parameters()}
     try:
         from transformers.core_model_loading import revert_weight_conversion
 

@@ -278,7 +278,6 @@ def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
     `out_dir`; return the headline metrics per run."""
     from ovkit.mismatch.score import data_images
     from ovkit.models import vocab_size
-    from ovkit.runtime.engines import load_for_inference
 
     # Every input is read and checked before the model loads: rollouts (token ids inside the model's vocabulary,
     # finite log-probs, images), prompt rows (answers included) and --data.
@@ -291,6 +290,8 @@ def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
         inputs.append(("rollouts", rows, str(cfg.rollouts)))
     prompt_rows = _prompt_rows(cfg) if cfg.generate is not None else None
     images_for = data_images(cfg.data)
+    from ovkit.runtime.engines import load_for_inference  # torch: after every input is checked (#29)
+
     model, processor = load_for_inference(
         cfg.model,
         precision=cfg.precision,

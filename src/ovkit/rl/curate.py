@@ -277,25 +277,26 @@ def prompt_stats(groups, rows: Sequence[dict[str, Any]], cfg: CurateConfig) -> l
 
 
 def sample_groups(cfg: CurateConfig, engine, prompts, mode: str, bar, episodes=None) -> list:
-    """N scored rollouts for every prompt, in generate calls of about `batch_size` sequences (multi-turn rollouts
-    with `episodes`, an ovkit.rollouts.episodes.EpisodeRunner)."""
+    """N scored rollouts for every prompt, in sampler calls of about `batch_size` sequences (multi-turn rollouts
+    with `episodes`, an ovkit.rollouts.episodes.EpisodeRunner). A prompt's rollouts are drawn from its id's streams
+    (ovkit.rollouts.sample), so --shard, --limit and the stage split change no prompt's samples."""
     from ovkit.rollouts.groups import Group, score_groups
+    from ovkit.rollouts.sample import sample
 
     per_call = max(1, cfg.batch_size // cfg.n)
     groups: list = []
     for start in range(0, len(prompts), per_call):
         chunk = prompts[start : start + per_call]
-        sampling = dict(
+        outs = sample(
+            engine,
+            chunk,
             n=cfg.n,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            seed=cfg.seed * 7919 + start,
+            seed=cfg.seed,
+            episodes=episodes,
         )
-        if episodes is not None:
-            outs = episodes.run(chunk, **sampling)
-        else:
-            outs = engine.generate([p.encoded for p in chunk], images=[p.images for p in chunk], **sampling)
         batch = [Group(p, start + i, 0, list(cs)) for i, (p, cs) in enumerate(zip(chunk, outs))]
         score_groups(batch, mode=mode, format_weight=0.0, workers=cfg.reward_workers)
         groups.extend(batch)
@@ -340,10 +341,11 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
     from ovkit.data import read_samples, write_samples, write_table
     from ovkit.rollouts.groups import groups_table
     from ovkit.rollouts.prompts import limit_per_category
-    from ovkit.runtime.engines import build_engine
 
     table = limit_per_category(read_samples(cfg.data, shard=shard, answers=True).table, cfg.limit)
     table, excluded = exclude_categories(table, cfg.exclude_categories, cfg.data)
+    from ovkit.runtime.engines import build_engine  # torch: once the data is read and checked (#29)
+
     engine = build_engine(
         cfg.engine,
         model_dir=cfg.model,
