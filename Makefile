@@ -29,7 +29,7 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: lint format gpu-suite gpu-suite-smoke setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
+.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
 # Keep every file a rule made: make deletes the intermediate files of chained pattern rules (it removed each science
 # RL run's ovkit.json, its completion mark, once that run's eval was done).
 .SECONDARY:
@@ -56,6 +56,11 @@ lint: setup
 format: setup
 	$(BIN)/ruff check --fix src tests bench examples
 	$(BIN)/ruff format src tests bench examples
+
+# The option table of every commands/NAME.md, generated from the options' declarations (ovkit.options fields of the
+# stage configs); tests/test_cli.py fails while a table is stale.
+pages: setup
+	$(BIN)/python -m ovkit.commands.pages
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow
@@ -217,7 +222,7 @@ pipeline-outputs: $(CAPTIONED) $(foreach s,$(STAGES) sft-blind,$(EVALS)/$(s)/sum
 
 # ---------------------------------------------------------------------------------------------------------------
 # make science: the findings of the seed write-ups on sampler/learner mismatch, rerun with ovkit's own commands on the
-# pipeline's SFT model and RL prompts, in one report ($(RUN)/science/report.html, report.md; python -m ovkit.science).
+# pipeline's SFT model and RL prompts, in one report ($(RUN)/science/report.html, report.md; ovkit science-report).
 #  1. rl-train stage 1 from the SFT model, learner fp32, sampler fp32 / int8 / int4 (4-bit weights), the low-precision
 #     ones without correction and with token-TIS, seq-MIS and geometric rejection; 3 seeds each, synchronous, so a seed
 #     gives the same run; each final model scored on the validation split (the table's eval split stays untouched);
@@ -254,4 +259,4 @@ science-runs: $(SCI_EVALS) $(SCI)/buckets/ovkit.json $(SCI)/turns/ovkit.json
 
 science: setup $(RUN)/rl-data/ovkit.json
 	$(MAKE) -j2 science-runs RUN=$(RUN) SEED=$(SEED)
-	$(BIN)/python -m ovkit.science $(RUN)
+	$(OVKIT) science-report $(RUN)

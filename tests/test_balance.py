@@ -1,5 +1,6 @@
 """Concept balancing: chunked top-K, weights, MetaCLIP rule, sharded == single machine, and the tiny encoder."""
 
+import io
 import json
 
 import numpy as np
@@ -8,7 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from ovkit.balance.assign import TextMatcher, read_concepts, topk_chunked
+from ovkit.balance.assign import TextMatcher, read_concepts
+from ovkit.balance.embed import topk_chunked
 from ovkit.balance.sample import (
     concept_counts,
     image_weights,
@@ -171,10 +173,81 @@ def test_bad_usage_is_exit_2(cli, tmp_path):
     assert code == 2 and "--phase" in err
 
 
-def test_embed_with_tiny_clip_retrieves_better_than_chance(cli, tmp_path):
+def test_tiny_clip_build_is_a_function_of_its_seed(tmp_path):
+    """The same corpus, spec and seed give the same encoder, bit for bit, and the same training metrics; the metrics
+    describe the run (pairs, steps, the chance loss of its batch)."""
+    from safetensors.torch import load_file
+
+    from ovkit.models.tiny_clip import TinyClipSpec, build_tiny_clip
+
+    data, _ = corpus(tmp_path)
+    spec = TinyClipSpec(steps=3, batch_size=16, vision_layers=1, text_layers=1, vision_hidden=64, text_hidden=64)
+    a = build_tiny_clip(tmp_path / "a", [data], spec=spec, seed=0, quiet=True)
+    b = build_tiny_clip(tmp_path / "b", [data], spec=spec, seed=0, quiet=True)
+    assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
+    assert a["preset"] == "tiny-clip" and a["pairs"] == len(TAIL) and a["steps"] == 3 and a["parameters"] > 0
+    assert (
+        a["chance_loss"] == pytest.approx(np.log(16), abs=1e-4) and np.isfinite([a["loss_first"], a["loss_last"]]).all()
+    )
+    wa, wb = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_embed_assigns_each_image_its_nearest_concept_and_reports_that_precision(cli, tmp_path):
+    """`balance --encoder`: each row's concepts are the top-K of its first image's embedding against the embedded
+    concept prompts (recomputed here with the encoder), and the report's retrieval precision is that assignment
+    scored against the corpus's ground truth. Invariants of the pipeline, whatever a briefly trained encoder has
+    learnt (what it retrieves is not asserted: that depends on the machine's training numerics)."""
+    from ovkit.balance.embed import Encoder
     from ovkit.models.tiny_clip import TinyClipSpec, build_tiny_clip
 
     data, concepts = corpus(tmp_path)
+    spec = TinyClipSpec(steps=3, batch_size=16, vision_layers=1, text_layers=1, vision_hidden=64, text_hidden=64)
+    build_tiny_clip(tmp_path / "clip", [data], spec=spec, quiet=True)
+    names = read_concepts(concepts)
+    args = [
+        "--concepts",
+        concepts,
+        "--encoder",
+        tmp_path / "clip",
+        "--top-k",
+        "2",
+        "--concept-template",
+        "a {} picture",
+    ]
+    run_ok(cli, data, *args, "--phase", "assign", "--out", tmp_path / "assign")
+    run_ok(cli, data, *args, "--out", tmp_path / "bal")
+
+    enc = Encoder(tmp_path / "clip")
+    rows = read_table(data).to_pylist()
+    images = [Image.open(io.BytesIO(r["images"][0]["bytes"])) for r in rows]
+    scores = enc.embed_images(images) @ enc.embed_texts([f"a {c} picture" for c in names]).T
+    want_scores, want = torch.topk(scores, 2, dim=1)
+    assigned = pq.read_table(tmp_path / "assign" / "assign.parquet").sort_by("row").to_pylist()
+    assert [r["id"] for r in assigned] == [r["id"] for r in rows]
+    got = [r["concepts"] for r in assigned]
+    for g, w, ws, s in zip(got, want.tolist(), want_scores.tolist(), scores):
+        # the same concepts in order, up to ties between near-equal scores
+        assert len(g) == 2 and (g == w or [float(s[i]) for i in g] == pytest.approx(ws, abs=1e-5)), (g, w)
+    assert [r["scores"] for r in assigned] == [pytest.approx(x, abs=1e-5) for x in want_scores.tolist()]
+
+    truth = [{names.index(c) for c in json.loads(r["concepts"])} for r in rows]
+    report = json.loads((tmp_path / "bal" / "report.json").read_text())
+    assert report["rows_in"] == len(TAIL) and report["vocabulary"] == len(names) == 5
+    assert report["retrieval"] == pytest.approx(retrieval_precision(got, truth, len(names)))
+    assert report["retrieval"]["k"] == 2 and report["retrieval"]["chance_precision"] == pytest.approx(1 / 5)
+    assert 0.0 <= report["retrieval"]["precision_at_k"] <= 1.0
+    by_id = {r["id"]: json.dumps([names[c] for c in g], ensure_ascii=False) for r, g in zip(rows, got)}
+    out = read_table(tmp_path / "bal").to_pylist()
+    assert out and all(r["balance_concepts"] == by_id[r["id"].split("#")[0]] for r in out)
+
+
+def test_tiny_clip_training_lowers_its_loss(tmp_path):
+    """40 steps on the 40-pair corpus: the contrastive loss of the last 10 steps is below that of the first 10
+    (a loss on the training pairs, not a retrieval score of held-out data)."""
+    from ovkit.models.tiny_clip import TinyClipSpec, build_tiny_clip
+
+    data, _ = corpus(tmp_path)
     metrics = build_tiny_clip(
         tmp_path / "clip",
         [data],
@@ -182,29 +255,12 @@ def test_embed_with_tiny_clip_retrieves_better_than_chance(cli, tmp_path):
         quiet=True,
     )
     assert metrics["loss_last"] < metrics["loss_first"]
-    # Concepts are embedded in the captions' own phrasing, as one would prompt a real CLIP ("a photo of {}").
-    run_ok(
-        cli,
-        data,
-        "--concepts",
-        concepts,
-        "--encoder",
-        tmp_path / "clip",
-        "--top-k",
-        "1",
-        "--concept-template",
-        "a {} picture",
-        "--out",
-        tmp_path / "bal",
-    )
-    r = json.loads((tmp_path / "bal" / "report.json").read_text())["retrieval"]
-    assert r["precision_at_k"] > 2 * r["chance_precision"], r
 
 
 def test_init_model_tiny_clip_preset_builds_a_loadable_encoder(cli, tmp_path, monkeypatch):
     import functools
 
-    from ovkit.balance.assign import Encoder
+    from ovkit.balance.embed import Encoder
     from ovkit.models import tiny_clip as encoder
 
     monkeypatch.setattr(encoder, "TinyClipSpec", functools.partial(encoder.TinyClipSpec, steps=3, batch_size=8))

@@ -13,18 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_rl_train import TINY, rl_assets  # noqa: F401 (a session fixture: a tiny model and 6 RL prompts)
-from test_runtime import deep  # noqa: F401 (its module fixture)
-from test_train import _one_thread, weights  # noqa: F401 (autouse: one intra-op thread)
+from helpers import TINY, weights
 
 from ovkit.runtime import checkpointing as ac
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 MODES = ("off", "mlp", "every-2", "full")
 
 
 @pytest.fixture(scope="module")
 def tiny(deep):
-    """test_runtime's model: 4 decoder layers and a 4-block ViT (every-2 checkpoints half of each), small widths,
+    """The `deep` fixture's model (conftest.py): 4 decoder layers and a 4-block ViT (every-2 checkpoints half of each), small widths,
     16 samples with images."""
     return deep[0]
 
@@ -241,7 +242,7 @@ def test_sft_with_full_checkpointing_matches_without(tiny, tmp_path, cli):
     assert json.loads((runs["off"] / "ovkit.json").read_text())["runtime"]["activation_checkpointing"]["mode"] == "off"
 
 
-def test_rl_train_with_full_checkpointing_matches_without(rl_assets, tmp_path, cli):  # noqa: F811
+def test_rl_train_with_full_checkpointing_matches_without(rl_assets, tmp_path, cli):
     model_dir, data = rl_assets
     runs = {}
     for mode in ("off", "full"):

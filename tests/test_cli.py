@@ -95,6 +95,7 @@ MINIMAL = {
     "rl-curate": ["d", "--model", "m", "--out", "o"],
     "rl-train": ["d", "--model", "m", "--out", "o"],
     "mismatch-report": ["r", "--model", "m", "--out", "o"],
+    "science-report": ["r"],
 }
 
 
@@ -261,3 +262,60 @@ def test_help_example_is_a_valid_invocation(name, monkeypatch):
     with command.make_context(name, words[2:]) as ctx:
         cfg = resolve(ctx)
     assert isinstance(cfg, INFO[name].config_class())
+
+
+# -- one declaration per option (ovkit.options) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_is_declared_with_help(name):
+    """Every field of a command's config is an `option(...)` with help text and a panel (or is the INPUT)."""
+    from ovkit.options import specs
+
+    for field, declared in specs(INFO[name].config_class()).items():
+        assert declared.help.strip(), f"{name}: --{field} has no help"
+        assert declared.panel or declared.argument or field == "engine", f"{name}: --{field} has no help panel"
+
+
+def test_an_option_without_help_is_refused():
+    from ovkit.options import option
+
+    with pytest.raises(TypeError, match="help"):
+        option(1, help="")
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Bare:
+        x: int = 1
+
+    from ovkit.options import specs
+
+    with pytest.raises(TypeError, match="not declared with ovkit.options.option"):
+        specs(Bare)
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_declares_its_launcher_policy(name):
+    """ovkit.launch reads what a command does under torchrun / accelerate launch off its config class."""
+    from ovkit import options
+
+    cls = INFO[name].config_class()
+    policies = (options.DATA_PARALLEL, options.RANK_SHARDED, options.ROW_SHARED, options.ONE_PROCESS)
+    assert any("launcher" in vars(c) for c in cls.__mro__) and cls.launcher in policies
+
+
+def test_every_page_option_table_is_the_generated_one():
+    """commands/NAME.md's option table is generated from the declarations (make pages): a stale one, or one missing an
+    option, a spelling or a default, fails here."""
+    from ovkit.commands.pages import stale_pages
+
+    assert stale_pages(write=False) == [], "run `make pages` (python -m ovkit.commands.pages)"
+
+
+def test_a_changed_default_makes_the_page_table_stale(monkeypatch):
+    from ovkit.commands import pages
+
+    command = click_command("sft")
+    assert "| `--min-lr` | 1e-6 |" in pages.table(command)
+    monkeypatch.setattr(pages, "config_defaults", lambda cls: {**config_defaults(cls), "min_lr": 2e-6})
+    assert "| `--min-lr` | 2e-6 |" in pages.table(command)

@@ -18,12 +18,13 @@ import json
 
 import pytest
 import torch
-from test_rl_train import TINY, rl_assets  # noqa: F401 (a session fixture: a tiny model and 6 RL prompts)
-from test_train import _one_thread, assets, config, losses  # noqa: F401 (module fixture; autouse: one intra-op thread)
+from helpers import TINY, config, losses
 
 from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import compiling
 from ovkit.runtime import kernels as kern
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def _loss_and_grads(model, batch):
 
 
 @pytest.mark.parametrize("checkpointing", ["off", "full"])
-def test_compiled_blocks_give_eager_loss_and_gradients(assets, aot_eager, checkpointing, monkeypatch):  # noqa: F811
+def test_compiled_blocks_give_eager_loss_and_gradients(assets, aot_eager, checkpointing, monkeypatch):
     model, (batch,) = _model_and_batches(assets, [4])
     ac.apply(model, checkpointing)
     want, want_grads = _loss_and_grads(model, batch)
@@ -77,7 +78,7 @@ def test_compiled_blocks_give_eager_loss_and_gradients(assets, aot_eager, checkp
     assert "_ovkit_eager_forward" not in layer.__dict__ and ("forward" in layer.__dict__) == (checkpointing == "full")
 
 
-def test_recompiles_stop_growing_with_new_lengths(assets, aot_eager):  # noqa: F811
+def test_recompiles_stop_growing_with_new_lengths(assets, aot_eager):
     # batch sizes and sequence lengths change every step: a shape-specialised graph would recompile each time. What
     # may compile once each: the text and the vision block, with a padding mask and without (a batch of 1)
     model, batches = _model_and_batches(assets, [4, 1, 3, 2, 4, 1, 3, 2])
@@ -96,7 +97,7 @@ def test_recompiles_stop_growing_with_new_lengths(assets, aot_eager):  # noqa: F
     assert compiling.report(info)["frames"] == warm["frames"]
 
 
-def test_deep_copy_and_kv_cache_run_eager(assets, monkeypatch):  # noqa: F811
+def test_deep_copy_and_kv_cache_run_eager(assets, monkeypatch):
     model, _ = _model_and_batches(assets, [])
     compiling.apply(model)
     monkeypatch.setattr(compiling, "_compiled", lambda backend: lambda block, *a, **k: "compiled")
@@ -110,7 +111,7 @@ def test_deep_copy_and_kv_cache_run_eager(assets, monkeypatch):  # noqa: F811
     assert twin(torch.zeros(1)) == "eager"  # the asynchronous sampler's copy
 
 
-def test_sft_with_compile_matches_eager(assets, tmp_path):  # noqa: F811
+def test_sft_with_compile_matches_eager(assets, tmp_path):
     from ovkit.train import train
 
     runs = {}
@@ -131,7 +132,7 @@ def test_sft_with_compile_matches_eager(assets, tmp_path):  # noqa: F811
 
 
 @pytest.mark.slow  # 40 s on 2 busy cores (two rl-train runs and the compile)
-def test_rl_train_with_compile_matches_eager(rl_assets, tmp_path, cli, aot_eager):  # noqa: F811
+def test_rl_train_with_compile_matches_eager(rl_assets, tmp_path, cli, aot_eager):
     rl_model, rl_data = rl_assets
     rows = {}
     for name, flag in (("eager", []), ("compiled", ["--compile"])):
@@ -186,7 +187,7 @@ def test_kernels_liger_is_refused_without_cuda_or_the_package(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
-def test_liger_on_cpu_exits_2_and_options_are_not_trajectory(assets, tmp_path, cli):  # noqa: F811
+def test_liger_on_cpu_exits_2_and_options_are_not_trajectory(assets, tmp_path, cli):
     from ovkit.rl.config import TRAJECTORY as RL_TRAJECTORY
     from ovkit.train.config import TRAJECTORY
 

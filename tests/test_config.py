@@ -9,39 +9,33 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from ovkit.commands._common import CONFIG, OUT, SEED, resolve
+from ovkit import options as O
+from ovkit.commands._common import built_from, resolve
 from ovkit.config import load_yaml, merge
 from ovkit.errors import OvkitError
+from ovkit.options import option
 
 
 @dataclass
 class ToyConfig:
-    out: Path | None = None
-    lr: float = 1e-3
-    steps: int = 10
-    seed: int = 0
-    names: list[str] | None = None
+    out: Path | None = O.out()
+    lr: float = option(1e-3, help="Learning rate.")
+    steps: int = option(10, help="Steps.")
+    seed: int = O.seed()
+    names: list[str] | None = option(None, help="Names.")
 
 
 def toy_app(seen: list) -> typer.Typer:
     app = typer.Typer()
 
-    @app.command()
-    def toy(
-        ctx: typer.Context,
-        out: Path = OUT,
-        lr: float = typer.Option(1e-3, "--lr"),
-        steps: int = typer.Option(10, "--steps"),
-        seed: int = SEED,
-        names: list[str] = typer.Option(None, "--names"),
-        config: Path = CONFIG,
-    ) -> None:
+    def toy(ctx: typer.Context) -> None:
         try:
             seen.append(resolve(ctx, ToyConfig))
         except OvkitError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from e
 
+    app.command()(built_from(toy, ToyConfig))  # the command built from the config, as ovkit's
     return app
 
 

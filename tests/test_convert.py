@@ -9,23 +9,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import jpeg, many_llava, png, write_json
 from PIL import Image
 
 from ovkit.data import formats, read_samples
 
 HF_IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-
-
-def png(color=(255, 0, 0), size=(16, 12)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def jpeg(color=(0, 0, 255), size=(20, 10)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, format="JPEG")
-    return buf.getvalue()
 
 
 def rows_of(out: Path) -> list[dict]:
@@ -40,28 +29,11 @@ def rejects_of(out: Path) -> list[dict]:
     return pq.read_table(out / "rejects.parquet").to_pylist()
 
 
-@pytest.fixture
-def images(tmp_path):
-    """An image folder laid out like LLaVA's: paths in the JSON are relative to it."""
-    root = tmp_path / "images"
-    (root / "coco").mkdir(parents=True)
-    files = {"coco/a.png": png((255, 0, 0)), "coco/b.jpg": jpeg(), "c.png": png((0, 255, 0), (30, 8))}
-    for rel, data in files.items():
-        (root / rel).write_bytes(data)
-    (root / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nthis is not a png")
-    return root, files
-
-
-def write_json(path: Path, records) -> Path:
-    path.write_text(json.dumps(records, indent=1, ensure_ascii=False))
-    return path
-
-
 # ---------------------------------------------------------------- each format, row by row
 
 
-def test_llava_json(tmp_path, images, cli):
-    root, files = images
+def test_llava_json(tmp_path, llava_images, cli):
+    root, files = llava_images
     src = write_json(
         tmp_path / "llava.json",
         [
@@ -122,8 +94,8 @@ def test_llava_json(tmp_path, images, cli):
     assert (m["rows_in"], m["rows_out"], m["rejects"], m["inserted_markers"]) == (4, 4, 0, 1)
 
 
-def test_sharegpt_json_and_jsonl(tmp_path, images, cli):
-    root, files = images
+def test_sharegpt_json_and_jsonl(tmp_path, llava_images, cli):
+    root, files = llava_images
     records = [
         {
             "messages": [
@@ -336,8 +308,8 @@ def bad_llava(tmp_path, root) -> Path:
     )
 
 
-def test_bad_records_skip(tmp_path, images, cli):
-    root, _ = images
+def test_bad_records_skip(tmp_path, llava_images, cli):
+    root, _ = llava_images
     out = tmp_path / "out"
     code, stdout, err = cli(
         "convert", bad_llava(tmp_path, root), "--image-root", root, "--out", out, "--on-error", "skip", "--quiet"
@@ -378,8 +350,8 @@ def test_bad_parquet_bytes_skip(tmp_path, cli):
     "first_bad, field",
     [("missing", "image"), ("broken", "image"), ("twomarks", "conversations")],
 )
-def test_bad_records_fail(tmp_path, images, cli, first_bad, field):
-    root, _ = images
+def test_bad_records_fail(tmp_path, llava_images, cli, first_bad, field):
+    root, _ = llava_images
     records = json.loads(bad_llava(tmp_path, root).read_text())
     records = [r for r in records if r["id"] in ("ok1", first_bad)]
     src = write_json(tmp_path / "one_bad.json", records)
@@ -403,8 +375,8 @@ def test_bad_json_line_is_a_record_error(tmp_path, cli):
     assert code == 2 and "index 1" in err and "column 'record'" in err
 
 
-def test_duplicate_ids_are_renamed_and_said_so(tmp_path, images, cli):
-    root, _ = images
+def test_duplicate_ids_are_renamed_and_said_so(tmp_path, llava_images, cli):
+    root, _ = llava_images
     rec = {"id": "7", "conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]}
     src = write_json(tmp_path / "dup.json", [rec, rec, {**rec, "id": 8}])
     code, _, err = cli("convert", src, "--out", tmp_path / "out", "--quiet")
@@ -453,22 +425,8 @@ def test_ambiguous_input_exits_2(tmp_path, cli):
 # ---------------------------------------------------------------- output layout, shards, streaming
 
 
-def many_llava(tmp_path, n: int) -> Path:
-    return write_json(
-        tmp_path / "many.json",
-        [
-            {
-                "id": f"r{i}",
-                "image": "c.png" if i % 3 else "coco/a.png",
-                "conversations": [{"from": "human", "value": f"<image>\nQ{i}"}, {"from": "gpt", "value": f"A{i}"}],
-            }
-            for i in range(n)
-        ],
-    )
-
-
-def test_part_files_and_shards_read_as_one_dataset(tmp_path, images, cli):
-    root, _ = images
+def test_part_files_and_shards_read_as_one_dataset(tmp_path, llava_images, cli):
+    root, _ = llava_images
     src = many_llava(tmp_path, 11)
     whole = tmp_path / "whole"
     assert cli("convert", src, "--image-root", root, "--out", whole, "--rows-per-file", "4", "--quiet")[0] == 0
@@ -501,10 +459,10 @@ def test_part_files_and_shards_read_as_one_dataset(tmp_path, images, cli):
     assert code == 0 and "skipped" in stdout
 
 
-def test_load_dataset_decodes_pil_images(tmp_path, images, cli):
+def test_load_dataset_decodes_pil_images(tmp_path, llava_images, cli):
     """The data layer's promise: `datasets` reads converted output with images decoded as PIL images."""
     datasets = pytest.importorskip("datasets")
-    root, files = images
+    root, files = llava_images
     assert (
         cli(
             "convert",
@@ -574,8 +532,8 @@ def test_parquet_directory_shards_match_one_run(tmp_path, cli):
     assert read_samples(tmp_path / "sh").table.equals(expected)
 
 
-def test_options_from_config_file(tmp_path, images, cli):
-    root, _ = images
+def test_options_from_config_file(tmp_path, llava_images, cli):
+    root, _ = llava_images
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"from-format: llava\non-error: skip\nimage-root: {root}\nsource: from-yaml\n")
     code, stdout, err = cli("convert", bad_llava(tmp_path, root), "--out", tmp_path / "out", "--config", cfg, "--quiet")

@@ -389,6 +389,7 @@ RL = [
 ]
 
 
+@pytest.mark.timeout(600)  # 86 s on a loaded 2-core box: four RL steps, each killed and resumed
 def test_rl_train(corpus, tmp_path):
     _train_stage(
         corpus, tmp_path, "rl-train", [corpus / "data" / "rl", "--model", corpus / "model", *RL], steps=4, exact=False

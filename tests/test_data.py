@@ -1,13 +1,11 @@
 """The sample table: round trip, shards, --shard splits, --on-error skip accounting, and bad input messages."""
 
-import io
 import json
-import struct
-import zlib
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import bomb_png, truncated_jpeg
 from PIL import Image
 
 from ovkit.data import (
@@ -111,18 +109,6 @@ def test_fail_names_file_row_and_column(tmp_path):
     assert "part-00000-of-00001.parquet" in msg and "row 'r1' (index 1)" in msg and "column 'images'" in msg
 
 
-def bomb_png(width=100_000, height=100_000):
-    """A valid PNG header declaring a huge canvas, in a few hundred bytes."""
-
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
-    )
-
-
 def write_raw(path, table):
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)
@@ -208,16 +194,6 @@ def test_bad_inputs_exit_2_through_a_command_and_write_nothing(cli, tmp_path, ca
         assert "column '" in lines[0]
     if case in ("corrupt_image", "bomb"):
         assert "row 'r0' (index 0)" in lines[0]
-
-
-def truncated_jpeg():
-    """Cut in its entropy-coded data: the header parses, only decoding the picture finds the end missing."""
-    import random
-
-    noise = Image.frombytes("RGB", (56, 56), random.Random(0).randbytes(56 * 56 * 3))
-    buf = io.BytesIO()
-    noise.save(buf, "JPEG", quality=95)
-    return buf.getvalue()[:-300]
 
 
 def test_a_truncated_jpeg_passes_the_header_check_and_fails_the_decode(tmp_path):

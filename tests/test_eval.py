@@ -7,79 +7,17 @@ import math
 from pathlib import Path
 
 import pytest
+from helpers import EVAL_ROWS, EVAL_TEXTS
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXTS = ["How many circles? <answer>3</answer>", "Where is the red circle? [10, 10, 30, 30]", "cat moon A B C"] * 20
-BOX = {"coords": "pixel", "image_size": [84, 84]}
-
-# (id, category, source, question, answer, answer_type, reward_kwargs, forced completion, expected reward)
-ROWS = [
-    ("c0", "counting", "synth/counting", "Q-c0 how many?", "3", "number", None, "<answer>3</answer>", 1.0),
-    ("c1", "counting", "other/counting", "Q-c1 how many?", "2", "number", None, "<answer>5</answer>", 0.0),
-    ("s0", "spatial", "synth/spatial", "Q-s0 where? A. B. C.", "B", "multiple_choice", None, "<answer>B</answer>", 1.0),
-    ("s1", "spatial", "synth/spatial", "Q-s1 where? A. B. C.", "A", "multiple_choice", None, "<answer>A</answer>", 1.0),
-    ("s2", "spatial", "synth/spatial", "Q-s2 where? A. B. C.", "C", "multiple_choice", None, "I do not know", 0.0),
-    (
-        "g0",
-        "grounding",
-        "synth/grounding",
-        "Q-g0 box?",
-        "[10, 10, 30, 30]",
-        "bbox",
-        BOX,
-        "<answer>[10, 10, 20, 30]</answer>",
-        0.5,
-    ),
-    (
-        "g1",
-        "grounding",
-        "synth/grounding",
-        "Q-g1 box?",
-        "[10, 10, 30, 30]",
-        "bbox",
-        BOX,
-        "<answer>[10, 10, 20, 20]</answer>",
-        0.25,
-    ),
-    ("o0", None, "synth/ocr", "Q-o0 read it", "cat moon", "ocr", None, "<answer>cat moon</answer>", 1.0),
-]
-FORCED = {q: completion for _, _, _, q, _, _, _, completion, _ in ROWS}
-
-
-def _img(colour=(200, 30, 30)):
-    from PIL import Image
-
-    return Image.new("RGB", (84, 84), colour)
-
-
-@pytest.fixture(scope="module")
-def eval_set(tmp_path_factory):
-    from ovkit.data import image_cell, samples_table, write_samples
-
-    rows = []
-    for rid, cat, src, q, answer, atype, kwargs, _, _ in ROWS:
-        row = {
-            "id": rid,
-            "images": [image_cell(_img())],
-            "messages": [{"role": "user", "content": f"<image>\n{q}"}],
-            "source": src,
-            "answer": answer,
-            "answer_type": atype,
-            "reward_kwargs": json.dumps(kwargs) if kwargs else None,
-        }
-        if cat:
-            row["category"] = cat
-        rows.append(row)
-    out = tmp_path_factory.mktemp("eval")
-    write_samples(samples_table(rows), out)
-    return out
+FORCED = {q: completion for _, _, _, q, _, _, _, completion, _ in EVAL_ROWS}
 
 
 @pytest.fixture(scope="module")
 def processor():
     from ovkit.models.tiny import tiny_processor, train_tokenizer
 
-    return tiny_processor(train_tokenizer(TEXTS))
+    return tiny_processor(train_tokenizer(EVAL_TEXTS))
 
 
 class ForcedEngine:
@@ -117,7 +55,7 @@ def _run(tmp_path, eval_set, processor, answers=FORCED, **kw):
 
 def test_scores_and_aggregates_forced_completions(tmp_path, eval_set, processor):
     metrics, summary, _ = _run(tmp_path, eval_set, processor)
-    rewards = [r[-1] for r in ROWS]
+    rewards = [r[-1] for r in EVAL_ROWS]
     assert summary["overall"] == pytest.approx(sum(rewards) / len(rewards))  # mean over rows, not over categories
     assert summary["categories"] == pytest.approx(
         {"counting": 0.5, "spatial": 2 / 3, "grounding": 0.375, "uncategorized": 1.0}
@@ -190,7 +128,7 @@ def test_prompt_auto_asks_each_row_in_the_mode_of_its_rl_stage(tmp_path, eval_se
     rows = [{"category": "svg", "answer": "<svg/>"}, {"category": "counting", "answer": "3"}]
     budgets = token_budgets(rows, processor, "auto", None)
     assert budgets["svg"] == budgets["counting"] + 256  # svg is a stage-2 (think) category, counting is not
-    science = {q: f"<think>it tips left</think><answer>{a}</answer>" for _, _, _, q, a, _, _, _, _ in ROWS}
+    science = {q: f"<think>it tips left</think><answer>{a}</answer>" for _, _, _, q, a, _, _, _, _ in EVAL_ROWS}
     _, summary, _ = _run(tmp_path, eval_set, processor, answers=science, prompt="auto")
     lines = [json.loads(x) for f in tmp_path.glob("*/*_samples_*.jsonl") for x in f.read_text().splitlines()]
     assert all(
@@ -274,9 +212,39 @@ def test_save_logprobs_writes_rollouts_mismatch_report_can_read(tmp_path, eval_s
     assert processor.tokenizer.decode(r["prompt_ids"]).endswith("<|im_start|>assistant\n")
 
 
+def test_eval_asks_a_row_as_rl_train_and_rl_curate_encode_it(tmp_path, eval_set, processor):
+    """One prompt encoder (ovkit.rollouts.prompts.encode_prompts): eval's prompt token ids are those rl-curate and
+    rl-train give the row in the same mode (no system prompt), a gold assistant turn is never asked back, and a row
+    without a category is `uncategorized` for both, the name of its eval task."""
+    from ovkit.data import read_samples
+    from ovkit.rollouts.prompts import UNCATEGORIZED, encode_prompts
+    from ovkit.rollouts.table import read_rollouts
+
+    _, summary, _ = _run(tmp_path, eval_set, processor, save_logprobs=True)
+    asked = {r["prompt_id"]: r["prompt_ids"] for r in read_rollouts(tmp_path).to_pylist()}
+    table = read_samples(eval_set, answers=True).table
+    encoded = encode_prompts(table, processor, mode="answer", system=False)
+    assert asked == {p.id: list(p.encoded.input_ids) for p in encoded}
+    assert {p.category for p in encoded if p.id == "o0"} == {UNCATEGORIZED} and UNCATEGORIZED in summary["categories"]
+    row = {
+        **table.to_pylist()[0],
+        "messages": [*table.to_pylist()[0]["messages"], {"role": "assistant", "content": "3"}],
+    }
+    (with_gold,) = encode_prompts([row], processor, mode="answer", system=False)
+    assert with_gold.encoded.input_ids == encoded[0].encoded.input_ids and with_gold.messages[-1]["role"] == "user"
+    first = table.to_pylist()[0]["messages"]  # a conversation: its earlier assistant turn is context, kept
+    follow_up = {"role": "user", "content": "Are you sure?"}
+    talk = {
+        **row,
+        "messages": [*first, {"role": "assistant", "content": "2"}, follow_up, {"role": "assistant", "content": "3"}],
+    }
+    (conversation,) = encode_prompts([talk], processor, mode="answer", system=False)
+    assert [m["role"] for m in conversation.messages] == ["user", "assistant", "user"]
+
+
 def test_compare_prints_one_table_across_runs(tmp_path, eval_set, processor, cli):
     _run(tmp_path / "eval-sft", eval_set, processor)
-    perfect = {q: f"<answer>{a}</answer>" for _, _, _, q, a, _, _, _, _ in ROWS}
+    perfect = {q: f"<answer>{a}</answer>" for _, _, _, q, a, _, _, _, _ in EVAL_ROWS}
     _run(tmp_path / "eval-rl", eval_set, processor, answers=perfect)
     code, out, err = cli(
         "eval", "--compare", tmp_path / "eval-sft", f"rl={tmp_path / 'eval-rl'}", "--out", tmp_path / "final.md"
@@ -363,11 +331,10 @@ def test_example_config_is_valid():
     assert cfg.prompt in ("answer", "think", "auto") and cfg.engine == "hf"
 
 
-def test_eval_command_end_to_end_on_the_tiny_model(tmp_path, eval_set, cli):
-    from ovkit.models.tiny import build_tiny
+def test_eval_command_end_to_end_on_the_tiny_model(tmp_path, eval_set, eval_tiny, cli):
     from ovkit.rollouts.table import read_rollouts
 
-    model = build_tiny(tmp_path / "tiny", TEXTS, seed=0)
+    model = eval_tiny
     out = tmp_path / "eval-tiny"
     args = ["eval", "--model", model, eval_set, "--out", out, "--max-new-tokens", "6", "--save-logprobs", "--quiet"]
     code, stdout, err = cli(*args)
@@ -422,7 +389,7 @@ def test_compare_reads_a_real_lmms_eval_results_file_and_warns_on_tasks_it_canno
     assert "warning: llava: lmms-eval task 'pope'" not in err
 
 
-def test_eval_output_loads_with_load_dataset_dir(tmp_path, eval_set, cli, monkeypatch):
+def test_eval_output_loads_with_load_dataset_dir(tmp_path, eval_set, eval_tiny, cli, monkeypatch):
     """`datasets.load_dataset(DIR)` on an eval output returns its per-row samples, a split per task, from the card
     ovkit writes (#29); `load_dataset(DIR, TASK)` one task; a same-named output elsewhere loads its own rows."""
     import shutil
@@ -431,13 +398,12 @@ def test_eval_output_loads_with_load_dataset_dir(tmp_path, eval_set, cli, monkey
 
     from ovkit.cards import CARD, write_card
     from ovkit.evaluate import load_run
-    from ovkit.models.tiny import build_tiny
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
-    model = build_tiny(tmp_path / "tiny", TEXTS, seed=0)
+    model = eval_tiny
     a = tmp_path / "a" / "eval-tiny"
     code, _, err = cli("eval", "--model", model, eval_set, "--out", a, "--max-new-tokens", "6", "--quiet")
     assert code == 0, err

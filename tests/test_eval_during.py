@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_rl_train import _cfg, one_thread, rl_assets  # noqa: F401 (fixtures)
-from test_train import ENV, _one_thread, assets, config, losses, make_rows, weights  # noqa: F401 (fixtures)
+from helpers import ENV, config, losses, make_rows, rl_cfg, weights
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -20,7 +21,7 @@ def _metrics(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def eval_data(assets):  # noqa: F811
+def eval_data(tmp_path_factory):
     """8 held-out rows of the train table's kind (other seed), with the gold answer and category `ovkit eval` reads."""
     from ovkit.data.parts import write_samples
     from ovkit.data.schema import samples_table
@@ -32,9 +33,8 @@ def eval_data(assets):  # noqa: F811
         r.update(
             answer=answer, answer_type="string" if colour else "number", category="colour" if colour else "counting"
         )
-    path = assets / "eval"
-    if not path.exists():
-        write_samples(samples_table(rows), path, None)
+    path = tmp_path_factory.mktemp("eval-data") / "eval"
+    write_samples(samples_table(rows), path, None)
     return path
 
 
@@ -59,7 +59,7 @@ def _held_out_nll(model_dir: Path, data: Path) -> float:
     return nll / n
 
 
-def test_supervised_eval_is_logged_at_its_steps_and_leaves_the_trajectory_alone(assets, eval_data, tmp_path):  # noqa: F811
+def test_supervised_eval_is_logged_at_its_steps_and_leaves_the_trajectory_alone(assets, eval_data, tmp_path):
     from ovkit.train import train
 
     plain, with_eval = tmp_path / "plain", tmp_path / "eval"
@@ -96,7 +96,7 @@ def test_supervised_eval_is_logged_at_its_steps_and_leaves_the_trajectory_alone(
     assert rows[1]["eval/loss"] != rows[-1]["eval/loss"]  # the model of step 2, not the final one
 
 
-def test_eval_options_are_checked(assets, tmp_path):  # noqa: F811
+def test_eval_options_are_checked(assets, tmp_path):
     from ovkit.errors import OvkitError
 
     with pytest.raises(OvkitError, match="--eval-every needs --eval-data"):
@@ -107,7 +107,7 @@ def test_eval_options_are_checked(assets, tmp_path):  # noqa: F811
         config("SFTConfig", assets, tmp_path / "x", eval_data=[assets / "data"], eval_limit=0)
 
 
-def test_rl_eval_equals_ovkit_eval_on_the_saved_model(rl_assets, tmp_path, one_thread, monkeypatch):  # noqa: F811
+def test_rl_eval_equals_ovkit_eval_on_the_saved_model(rl_assets, tmp_path, one_thread, monkeypatch):
     """Rollouts from a scripted policy (right and wrong answers in every group: real updates), the eval greedy from
     the learner's weights: after 4 steps at lr 1e-2 the tiny model answers some held-out counts right."""
     from rl_ddp_runner import answer
@@ -120,8 +120,8 @@ def test_rl_eval_equals_ovkit_eval_on_the_saved_model(rl_assets, tmp_path, one_t
     model_dir, data = rl_assets
     plain, with_eval = tmp_path / "plain", tmp_path / "eval"
     opts = dict(max_steps=4, lr=1e-2, precision="fp32", quiet=True)
-    loop.train_rl(_cfg(model_dir, data, plain, **opts))
-    loop.train_rl(_cfg(model_dir, data, with_eval, **opts, eval_data=[data], eval_every=2, eval_max_new_tokens=8))
+    loop.train_rl(rl_cfg(model_dir, data, plain, **opts))
+    loop.train_rl(rl_cfg(model_dir, data, with_eval, **opts, eval_data=[data], eval_every=2, eval_max_new_tokens=8))
 
     rows = _metrics(with_eval)
     assert [r["step"] for r in rows if "eval/reward" in r] == [2, 4]
@@ -147,7 +147,7 @@ def test_rl_eval_equals_ovkit_eval_on_the_saved_model(rl_assets, tmp_path, one_t
 
 
 @pytest.mark.slow
-def test_two_processes_log_the_eval_of_one(assets, eval_data, tmp_path):  # noqa: F811
+def test_two_processes_log_the_eval_of_one(assets, eval_data, tmp_path):
     """torchrun, 2 CPU processes (gloo): each evaluates its share of the held-out rows; gathered, the same numbers."""
     one, two = tmp_path / "one", tmp_path / "two"
     base = ["sft", str(assets / "data"), "--model", str(assets / "model"), "--max-steps", "2", "--lr", "1e-2", "--precision", "fp32",
@@ -168,7 +168,7 @@ def test_two_processes_log_the_eval_of_one(assets, eval_data, tmp_path):  # noqa
         assert b["eval/reward"] == pytest.approx(a["eval/reward"], abs=1e-6)
 
 
-def test_prompt_only_eval_rows_give_a_loss_on_their_gold_answer(assets, rl_assets, tmp_path):  # noqa: F811
+def test_prompt_only_eval_rows_give_a_loss_on_their_gold_answer(assets, rl_assets, tmp_path):
     """synth's val/ and eval/ rows hold the prompt only: the target is the answer in the form sft trains on."""
     from ovkit.train import train
 
@@ -176,3 +176,50 @@ def test_prompt_only_eval_rows_give_a_loss_on_their_gold_answer(assets, rl_asset
     train(config("SFTConfig", assets, out, max_steps=1, eval_data=[rl_assets[1]], eval_limit=2, eval_max_new_tokens=4))
     last = _metrics(out)[-1]
     assert last["eval/loss"] > 0 and set(last) >= {"eval/reward/counting", "eval/reward/math"}
+
+
+@pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])
+def test_sharded_runs_refuse_what_reads_the_learners_weights_directly(
+    rl_assets, tmp_path, one_thread, monkeypatch, engine
+):
+    """Under FSDP/DeepSpeed each process holds a shard of the weights: eval-while-training's generate and the HF
+    sampler would read shard-shaped tensors and run another number of collectives per process (a hang). Both are
+    refused before the run directory exists, naming what works instead; vLLM engines gather (generate.full_tensor).
+    (FSDP cannot run on this CPU box through accelerate, so the runtime is told it is sharded.)"""
+    from ovkit.errors import OvkitError
+    from ovkit.evaluate.during import evaluator
+    from ovkit.rl import loop
+    from ovkit.runtime.core import Runtime
+
+    monkeypatch.setattr(Runtime, "distributed", property(lambda self: engine))
+    model_dir, data = rl_assets
+    out = tmp_path / "hf"
+    with pytest.raises(OvkitError, match=f"--engine hf under {engine}: .* use --engine vllm"):
+        loop.train_rl(rl_cfg(model_dir, data, out, max_steps=1, quiet=True))
+    assert not (tmp_path / "hf.partial").exists()
+    rt = type("Rt", (), {"sharded": True, "distributed": engine})()
+    cfg = rl_cfg(model_dir, data, tmp_path / "eval", eval_data=[data])
+    with pytest.raises(OvkitError, match=f"--eval-data under {engine}: .* DDP"):
+        evaluator(cfg, rt, None, 1, prompt="answer", loss=False, batch_size=1)
+
+
+def test_full_tensor_gathers_an_fsdp2_shard_and_passes_a_tensor_through():
+    """The vLLM engines receive whole tensors from an FSDP2 learner (a one-process gloo group, in a subprocess)."""
+    script = """
+import os, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from ovkit.generate import full_tensor
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+m = torch.nn.Linear(4, 3)
+fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+w = full_tensor(m.weight.detach())
+assert type(m.weight).__name__ == "DTensor" and type(w) is torch.Tensor and w.shape == (3, 4), (type(w), w.shape)
+t = torch.ones(2)
+assert full_tensor(t) is t
+dist.destroy_process_group()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -73,6 +73,19 @@ def model_dir(tmp_path):
             "--sampler-precision must be one of",
         ),
         ("rl-train", ["{data}", "--model", "{model}", "--engine", "sglang"], "--engine must be one of"),
+        # every command that loads a model checks --precision and --attn-implementation at start, as the learners do
+        *(
+            (command, ["{data}", "--model", "{model}", option, value], f"{option} must be one of")
+            for command in ("eval", "caption", "rl-curate", "mismatch-report")
+            for option, value in (("--precision", "bf17"), ("--attn-implementation", "flash"))
+        ),
+        # the sampling and data commands: DATA is read and checked before the engine or encoder loads
+        ("rl-curate", ["{missing}", "--model", "{model}"], "{missing}: no such file or directory"),
+        ("eval", ["{missing}", "--model", "{model}"], "{missing}: no such file or directory"),
+        ("caption", ["{missing}", "--model", "{model}"], "{missing}: no such file or directory"),
+        ("mismatch-report", ["{missing}", "--model", "{model}"], "{missing}: no such file or directory"),
+        ("pack", ["{missing}", "--model", "{model}"], "{missing}: no such file or directory"),
+        ("balance", ["{missing}", "--concepts", "{missing}", "--method", "text"], "{missing}"),
     ],
 )
 def test_an_input_error_exits_2_before_torch_imports(tmp_path, model_dir, command, args, message):

@@ -30,9 +30,11 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import ENV, _one_thread, assets, config, losses, weights  # noqa: F401 (fixtures)
+from helpers import ENV, config, losses, weights
 
 from ovkit.errors import OvkitError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _holder(out: Path, command: str = "sft") -> subprocess.Popen:

@@ -19,11 +19,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import bomb_png, truncated_jpeg
 from PIL import Image, ImageDraw
-from test_data import bomb_png, truncated_jpeg
-from test_train import _one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
 from ovkit.data import REJECTS, image_cell, samples_table, write_samples
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 N_ROWS = 6
 
@@ -54,7 +56,7 @@ def good_rows() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def fuzz_assets(tmp_path_factory):
     from ovkit.models.tiny import TinySpec, build_tiny
     from ovkit.models.tiny_clip import TinyClipSpec, build_tiny_clip
 
@@ -318,26 +320,26 @@ def file_case(directory: Path, case: str, a: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", sorted(ROW_CASES))
-def test_bad_rows_exit_2_naming_file_row_and_column(cli, assets, tmp_path, case):
+def test_bad_rows_exit_2_naming_file_row_and_column(cli, fuzz_assets, tmp_path, case):
     data, rid, column = mutated_table(tmp_path / "data", case, ROW_CASES)
     for name in TABLE_COMMANDS:
         out = tmp_path / f"out-{name}"
         if name == "convert" and case in CONVERT_REPAIRS:  # documented mappings of foreign data, not errors
-            code, _, err = cli(*command(name, assets, data, out))
+            code, _, err = cli(*command(name, fuzz_assets, data, out))
             ids = pq.read_table(sorted(out.glob("part-*.parquet"))).column("id").to_pylist()
             assert code == 0 and len(set(ids)) == N_ROWS and all(ids), err
             assert case != "duplicate_id" or "repeat an earlier id and were renamed" in err, err
             continue
         named = CONVERT_COLUMN.get(case, column) if name == "convert" else column
         msg = refused(
-            cli, command(name, assets, data, out), out, "part-0000", f"column '{named}"
+            cli, command(name, fuzz_assets, data, out), out, "part-0000", f"column '{named}"
         )  # convert: 'images[0]'
         if name != "convert":  # convert names the input record by its index and id (before any renaming)
             assert f"row '{rid}'" in msg, msg
 
 
 @pytest.mark.parametrize("case", sorted(ANSWER_CASES))
-def test_unscorable_answers_exit_2_before_a_model_loads(cli, assets, tmp_path, case, monkeypatch):
+def test_unscorable_answers_exit_2_before_a_model_loads(cli, fuzz_assets, tmp_path, case, monkeypatch):
     import ovkit.models
 
     data, rid, column = mutated_table(tmp_path / "data", case, ANSWER_CASES)
@@ -346,11 +348,11 @@ def test_unscorable_answers_exit_2_before_a_model_loads(cli, assets, tmp_path, c
     )
     for name in ANSWER_COMMANDS:
         out = tmp_path / f"out-{name}"
-        refused(cli, command(name, assets, data, out), out, "part-0000", f"row '{rid}'", f"column '{column}'")
+        refused(cli, command(name, fuzz_assets, data, out), out, "part-0000", f"row '{rid}'", f"column '{column}'")
 
 
 @pytest.mark.parametrize("case", sorted(COLUMN_CASES))
-def test_mistyped_or_missing_columns_exit_2_naming_file_and_column(cli, assets, tmp_path, case):
+def test_mistyped_or_missing_columns_exit_2_naming_file_and_column(cli, fuzz_assets, tmp_path, case):
     build, column, convert = COLUMN_CASES[case]
     f = tmp_path / "data" / "bad.parquet"
     f.parent.mkdir()
@@ -358,12 +360,12 @@ def test_mistyped_or_missing_columns_exit_2_naming_file_and_column(cli, assets, 
     for name in TABLE_COMMANDS:
         out = tmp_path / f"out-{name}"
         if name == "convert" and convert == "mapped":
-            code, _, err = cli(*command(name, assets, f, out))
+            code, _, err = cli(*command(name, fuzz_assets, f, out))
             assert code == 0, err
             continue
         refused(
             cli,
-            command(name, assets, f, out),
+            command(name, fuzz_assets, f, out),
             out,
             "bad.parquet",
             "column '" + ("prompt" if name == "convert" and case == "missing_messages" else column),
@@ -371,25 +373,27 @@ def test_mistyped_or_missing_columns_exit_2_naming_file_and_column(cli, assets, 
 
 
 @pytest.mark.parametrize("case", ["zero_bytes", "truncated"])
-def test_broken_parquet_files_exit_2_naming_the_file(cli, assets, tmp_path, case):
-    data = file_case(tmp_path / "data", case, assets)
+def test_broken_parquet_files_exit_2_naming_the_file(cli, fuzz_assets, tmp_path, case):
+    data = file_case(tmp_path / "data", case, fuzz_assets)
     for name in TABLE_COMMANDS:
         out = tmp_path / f"out-{name}"
-        refused(cli, command(name, assets, data, out), out, "part-00001-of-00002.parquet")
+        refused(cli, command(name, fuzz_assets, data, out), out, "part-00001-of-00002.parquet")
 
 
-def test_every_table_command_accepts_the_unbroken_inputs(cli, assets, tmp_path):
+def test_every_table_command_accepts_the_unbroken_inputs(cli, fuzz_assets, tmp_path):
     """The control: the same commands on the good table (and a good rollout table) succeed."""
     for name in TABLE_COMMANDS:
-        code, _, err = cli(*command(name, assets, assets / "good", tmp_path / name))
+        code, _, err = cli(*command(name, fuzz_assets, fuzz_assets / "good", tmp_path / name))
         assert code == 0, f"{name}: {err[-2000:]}"
-    rollouts = rollout_table(tmp_path / "rollouts.parquet", assets)
-    code, _, err = cli(*command("mismatch-rollouts", assets, assets / "good", tmp_path / "mm", rollouts=rollouts))
+    rollouts = rollout_table(tmp_path / "rollouts.parquet", fuzz_assets)
+    code, _, err = cli(
+        *command("mismatch-rollouts", fuzz_assets, fuzz_assets / "good", tmp_path / "mm", rollouts=rollouts)
+    )
     assert code == 0, err[-2000:]
 
 
 @pytest.mark.parametrize("name", ["pack", "balance-text", "caption", "convert"])
-def test_skip_moves_every_bad_row_to_rejects(cli, assets, tmp_path, name):
+def test_skip_moves_every_bad_row_to_rejects(cli, fuzz_assets, tmp_path, name):
     """--on-error skip: every broken row of every kind is a reject with its column named; rows in == out + rejects."""
     rows = good_rows()
     cases = [c for c in ROW_CASES if c != "duplicate_id" and not (name == "convert" and c in CONVERT_REPAIRS)]
@@ -403,7 +407,7 @@ def test_skip_moves_every_bad_row_to_rejects(cli, assets, tmp_path, name):
     write_samples(samples_table(rows), tmp_path / "data")
     out = tmp_path / "out"
     extra = ["--keep-original-on-reject"] if name == "caption" else []  # only input rows are rejects here
-    code, stdout, err = cli(*command(name, assets, tmp_path / "data", out), "--on-error", "skip", *extra)
+    code, stdout, err = cli(*command(name, fuzz_assets, tmp_path / "data", out), "--on-error", "skip", *extra)
     assert code == 0, err[-2000:]
     rejects = pq.read_table(out / REJECTS).to_pylist()
     assert len(rejects) == len(bad)
@@ -485,12 +489,15 @@ def test_binary_yaml_config_exits_2_naming_the_file(cli, tmp_path, content):
         refused(cli, [name, "--config", config, "--out", out], out, str(config))
 
 
-def test_binary_concepts_file_exits_2_naming_the_file(cli, assets, tmp_path):
+def test_binary_concepts_file_exits_2_naming_the_file(cli, fuzz_assets, tmp_path):
     concepts = tmp_path / "concepts.bin"
     concepts.write_bytes(bytes(range(256)))
     out = tmp_path / "out"
     refused(
-        cli, ["balance", assets / "good", "--concepts", concepts, "--method", "text", "--out", out], out, "concepts.bin"
+        cli,
+        ["balance", fuzz_assets / "good", "--concepts", concepts, "--method", "text", "--out", out],
+        out,
+        "concepts.bin",
     )
 
 
@@ -579,18 +586,18 @@ ROLLOUT_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(ROLLOUT_CASES))
-def test_bad_rollout_tables_exit_2_before_the_model_loads(cli, assets, tmp_path, case, monkeypatch):
+def test_bad_rollout_tables_exit_2_before_the_model_loads(cli, fuzz_assets, tmp_path, case, monkeypatch):
     import ovkit.models
 
     mutate, column = ROLLOUT_CASES[case]
-    path = rollout_table(tmp_path / "rollouts.parquet", assets, mutate)
+    path = rollout_table(tmp_path / "rollouts.parquet", fuzz_assets, mutate)
     monkeypatch.setattr(
         ovkit.models, "load", lambda *a, **kw: pytest.fail("a model loaded before the rollouts were checked")
     )
     out = tmp_path / "out"
     refused(
         cli,
-        command("mismatch-rollouts", assets, assets / "good", out, rollouts=path),
+        command("mismatch-rollouts", fuzz_assets, fuzz_assets / "good", out, rollouts=path),
         out,
         "rollouts.parquet",
         f"column '{column}'",
@@ -621,29 +628,37 @@ MODEL_CASES = ["truncated_weights", "weights_header_cut", "no_weights", "no_conf
 
 
 @pytest.mark.parametrize("case", MODEL_CASES)
-def test_damaged_model_directories_exit_2_naming_the_directory(cli, assets, tmp_path, case):
-    model = _model_dir(tmp_path, assets / "model", case)
-    rollouts = rollout_table(tmp_path / "rollouts.parquet", assets)
+def test_damaged_model_directories_exit_2_naming_the_directory(cli, fuzz_assets, tmp_path, case):
+    model = _model_dir(tmp_path, fuzz_assets / "model", case)
+    rollouts = rollout_table(tmp_path / "rollouts.parquet", fuzz_assets)
     # pack reads the processor alone: damaged weights do not concern it, a missing tokenizer or bad config does
     names = MODEL_COMMANDS + (["pack"] if case in ("config_not_json", "no_tokenizer") else [])
     for name in names:
         out = tmp_path / f"out-{name}"
         refused(
-            cli, command(name, assets, assets / "good", out, model=model, rollouts=rollouts), out, f"--model {model}"
+            cli,
+            command(name, fuzz_assets, fuzz_assets / "good", out, model=model, rollouts=rollouts),
+            out,
+            f"--model {model}",
         )
 
 
 @pytest.mark.parametrize("case", ["truncated_weights", "no_config", "no_weights"])
-def test_damaged_encoder_exits_2_naming_the_directory(cli, assets, tmp_path, case):
-    encoder = _model_dir(tmp_path, assets / "clip", case)
+def test_damaged_encoder_exits_2_naming_the_directory(cli, fuzz_assets, tmp_path, case):
+    encoder = _model_dir(tmp_path, fuzz_assets / "clip", case)
     out = tmp_path / "out"
-    refused(cli, command("balance-embed", assets, assets / "good", out, encoder=encoder), out, f"--encoder {encoder}")
+    refused(
+        cli,
+        command("balance-embed", fuzz_assets, fuzz_assets / "good", out, encoder=encoder),
+        out,
+        f"--encoder {encoder}",
+    )
 
 
 @pytest.mark.parametrize(
     "name", ["./missing-model", "runs/a/missing-model", "~/missing-model", "missing-org/missing-model"]
 )
-def test_missing_model_paths_are_never_sent_to_the_hub(cli, assets, tmp_path, name, monkeypatch):
+def test_missing_model_paths_are_never_sent_to_the_hub(cli, fuzz_assets, tmp_path, name, monkeypatch):
     """A local-looking name that does not exist is an error at once; an ORG/NAME id is looked up in the HF cache
     only (HF_HUB_OFFLINE=1 here): nothing reaches the network or transformers' retries."""
     import huggingface_hub
@@ -654,14 +669,16 @@ def test_missing_model_paths_are_never_sent_to_the_hub(cli, assets, tmp_path, na
         out = tmp_path / f"out-{cmd}"
         msg = refused(
             cli,
-            command(cmd, assets, assets / "good", out, model=Path(name) if not name.startswith("./") else name),
+            command(
+                cmd, fuzz_assets, fuzz_assets / "good", out, model=Path(name) if not name.startswith("./") else name
+            ),
             out,
             "--model",
         )
         assert "no such directory" in msg, msg
 
 
-def test_a_hub_id_without_a_reachable_hub_fails_after_one_probe(cli, assets, tmp_path, monkeypatch):
+def test_a_hub_id_without_a_reachable_hub_fails_after_one_probe(cli, fuzz_assets, tmp_path, monkeypatch):
     import huggingface_hub
 
     class Down:
@@ -674,7 +691,10 @@ def test_a_hub_id_without_a_reachable_hub_fails_after_one_probe(cli, assets, tmp
     monkeypatch.setattr(huggingface_hub, "get_session", lambda: Down())
     out = tmp_path / "out"
     refused(
-        cli, command("sft", assets, assets / "good", out, model="missing-org/missing-model"), out, "cannot be reached"
+        cli,
+        command("sft", fuzz_assets, fuzz_assets / "good", out, model="missing-org/missing-model"),
+        out,
+        "cannot be reached",
     )
 
 

@@ -4,99 +4,43 @@ are those of the distribution sampled from, low-precision samplers and weight sy
 import math
 
 import pytest
-
-TEXTS = [
-    "<image>\nHow many circles are there?",
-    "What colour is the square? red green blue yellow",
-    "Put ONLY your final answer within <answer></answer>.",
-    "<answer>3</answer> <think>one two three</think>",
-    "the words cat moon, a bar chart: A is 3, B is 5",
-] * 20
+from helpers import PROMPT_IMAGES, marked_image
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The tiny preset with weights spread wider than its init, so greedy decoding picks varied tokens (an untrained
-    model repeats one token, which would make batch/cache comparisons vacuous)."""
-    import torch
-
-    from ovkit.models import load
-    from ovkit.models.tiny import build_tiny
-
-    model, processor = load(build_tiny(tmp_path_factory.mktemp("tiny"), TEXTS, seed=0))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model.eval(), processor
-
-
-def _img(w=84, h=84, colour=(200, 30, 30)):
-    from PIL import Image
-
-    img = Image.new("RGB", (w, h), colour)
-    for x in range(10, 30):  # some structure, so images differ beyond their colour
-        img.putpixel((x, x), (255 - colour[0], 255, 0))
-    return img
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny):
-    """Prompts of different lengths: one image, a wide image, two images, text only."""
-    from ovkit.models.encode import encode_prompt
-
-    _, processor = tiny
-    return [
-        encode_prompt(processor, [{"role": "user", "content": "<image>\nHow many circles are there?"}], [_img()]),
-        encode_prompt(processor, [{"role": "user", "content": "What colour is the square?"}], []),
-        encode_prompt(
-            processor,
-            [{"role": "user", "content": "<image>\nthe words\n<image>\ncompare"}],
-            [_img(168, 84, (0, 90, 200)), _img()],
-        ),
-        encode_prompt(
-            processor,
-            [{"role": "user", "content": "<image>\nA bar chart: A is 3, B is 5. What is B?"}],
-            [_img(colour=(20, 200, 20))],
-        ),
-    ]
-
-
-def _engine(tiny, **kw):
+def _engine(spread_tiny, **kw):
     from ovkit.generate import HFEngine
 
-    model, processor = tiny
+    model, processor = spread_tiny
     return HFEngine(model, processor, **kw)
 
 
-def test_batched_greedy_equals_one_prompt_at_a_time(tiny, prompts):
-    batched = _engine(tiny, batch_size=8).generate(prompts, temperature=0, max_new_tokens=10)
-    single = _engine(tiny, batch_size=1).generate(prompts, temperature=0, max_new_tokens=10)
+def test_batched_greedy_equals_one_prompt_at_a_time(spread_tiny, spread_prompts):
+    batched = _engine(spread_tiny, batch_size=8).generate(spread_prompts, temperature=0, max_new_tokens=10)
+    single = _engine(spread_tiny, batch_size=1).generate(spread_prompts, temperature=0, max_new_tokens=10)
     assert len({tuple(c[0].token_ids) for c in batched}) > 1  # the prompts really lead to different outputs
     for b, s in zip(batched, single):
         assert b[0].token_ids == s[0].token_ids
         assert b[0].logprobs == pytest.approx(s[0].logprobs, abs=1e-4)
 
 
-def test_greedy_with_and_without_kv_cache_agree(tiny, prompts):
-    cached = _engine(tiny, use_cache=True).generate(prompts, temperature=0, max_new_tokens=10)
-    uncached = _engine(tiny, use_cache=False).generate(prompts, temperature=0, max_new_tokens=10)
+def test_greedy_with_and_without_kv_cache_agree(spread_tiny, spread_prompts):
+    cached = _engine(spread_tiny, use_cache=True).generate(spread_prompts, temperature=0, max_new_tokens=10)
+    uncached = _engine(spread_tiny, use_cache=False).generate(spread_prompts, temperature=0, max_new_tokens=10)
     for a, b in zip(cached, uncached):
         assert a[0].token_ids == b[0].token_ids
         assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
 
 
-def test_shared_prefill_equals_prefilling_every_sequence(tiny, prompts):
+def test_shared_prefill_equals_prefilling_every_sequence(spread_tiny, spread_prompts):
     """A prompt sampled n times is prefilled once (images encoded once) and its KV cache copied: the same seeded
     samples and log-probs as prefilling each of the n sequences on its own, in a batch of mixed lengths."""
     from ovkit.runtime.syncs import SyncCounter
 
     kw = dict(n=3, temperature=1.0, max_new_tokens=8, seed=5)
     with SyncCounter() as shared_syncs:
-        shared = _engine(tiny, batch_size=12).generate(prompts, **kw)  # shared prefill is the default
+        shared = _engine(spread_tiny, batch_size=12).generate(spread_prompts, **kw)  # shared prefill is the default
     with SyncCounter() as own_syncs:
-        own = _engine(tiny, batch_size=12, prefill="per-sequence").generate(prompts, **kw)
+        own = _engine(spread_tiny, batch_size=12, prefill="per-sequence").generate(spread_prompts, **kw)
     assert len({tuple(c.token_ids) for cs in shared for c in cs}) > 4  # really different samples
     for a, b in zip(shared, own):
         for x, y in zip(a, b):
@@ -105,19 +49,19 @@ def test_shared_prefill_equals_prefilling_every_sequence(tiny, prompts):
     assert shared_syncs.total < own_syncs.total  # 3D RoPE positions are computed once per prompt, not per sequence
 
 
-def test_shared_prefill_greedy_equals_one_prompt_at_a_time(tiny, prompts):
+def test_shared_prefill_greedy_equals_one_prompt_at_a_time(spread_tiny, spread_prompts):
     """The same prompt twice in one greedy batch (shared prefill) and each prompt alone give the same tokens."""
-    repeated = [prompts[2], prompts[0], prompts[2], prompts[1]]
-    shared = _engine(tiny, batch_size=8, prefill="shared").generate(repeated, temperature=0, max_new_tokens=10)
-    single = _engine(tiny, batch_size=1).generate(repeated, temperature=0, max_new_tokens=10)
+    repeated = [spread_prompts[2], spread_prompts[0], spread_prompts[2], spread_prompts[1]]
+    shared = _engine(spread_tiny, batch_size=8, prefill="shared").generate(repeated, temperature=0, max_new_tokens=10)
+    single = _engine(spread_tiny, batch_size=1).generate(repeated, temperature=0, max_new_tokens=10)
     for a, b in zip(shared, single):
         assert a[0].token_ids == b[0].token_ids
         assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
 
 
-def test_static_cache_gives_the_greedy_tokens_of_the_dynamic_cache(tiny, prompts):
-    static = _engine(tiny, static_cache=True).generate(prompts, temperature=0, max_new_tokens=8)
-    dynamic = _engine(tiny).generate(prompts, temperature=0, max_new_tokens=8)
+def test_static_cache_gives_the_greedy_tokens_of_the_dynamic_cache(spread_tiny, spread_prompts):
+    static = _engine(spread_tiny, static_cache=True).generate(spread_prompts, temperature=0, max_new_tokens=8)
+    dynamic = _engine(spread_tiny).generate(spread_prompts, temperature=0, max_new_tokens=8)
     for a, b in zip(static, dynamic):
         assert a[0].token_ids == b[0].token_ids
         assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
@@ -141,16 +85,16 @@ def _teacher_forced_logits(model, prompt, response):
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
-def test_sampler_logprobs_equal_teacher_forced_logprobs(tiny, prompts, temperature, top_p):
+def test_sampler_logprobs_equal_teacher_forced_logprobs(spread_tiny, spread_prompts, temperature, top_p):
     import torch
 
     from ovkit.generate import sampling_logprobs
 
-    model, _ = tiny
-    out = _engine(tiny, batch_size=8).generate(
-        prompts, n=2, temperature=temperature, top_p=top_p, max_new_tokens=8, seed=3
+    model, _ = spread_tiny
+    out = _engine(spread_tiny, batch_size=8).generate(
+        spread_prompts, n=2, temperature=temperature, top_p=top_p, max_new_tokens=8, seed=3
     )
-    for prompt, completions in zip(prompts, out):
+    for prompt, completions in zip(spread_prompts, out):
         assert len(completions) == 2
         for c in completions:
             assert len(c.logprobs) == len(c.token_ids) > 0
@@ -179,28 +123,31 @@ def test_sampling_logprobs_renormalise_the_top_p_set():
     assert hot.tolist() == pytest.approx((want / want.sum()).tolist())
 
 
-def test_seed_makes_sampling_reproducible_and_n_gives_n_completions(tiny, prompts):
-    engine = _engine(tiny)
-    a = engine.generate(prompts[:2], n=3, temperature=1.0, max_new_tokens=6, seed=7)
-    b = engine.generate(prompts[:2], n=3, temperature=1.0, max_new_tokens=6, seed=7)
-    c = engine.generate(prompts[:2], n=3, temperature=1.0, max_new_tokens=6, seed=8)
+def test_seed_makes_sampling_reproducible_and_n_gives_n_completions(spread_tiny, spread_prompts):
+    engine = _engine(spread_tiny)
+    a = engine.generate(spread_prompts[:2], n=3, temperature=1.0, max_new_tokens=6, seed=7)
+    b = engine.generate(spread_prompts[:2], n=3, temperature=1.0, max_new_tokens=6, seed=7)
+    c = engine.generate(spread_prompts[:2], n=3, temperature=1.0, max_new_tokens=6, seed=8)
     assert [len(x) for x in a] == [3, 3]
     ids = lambda out: [[s.token_ids for s in x] for x in out]  # noqa: E731
     assert ids(a) == ids(b)
     assert ids(a) != ids(c)
-    greedy = engine.generate(prompts[:1], n=2, temperature=0, max_new_tokens=6)[0]
+    greedy = engine.generate(spread_prompts[:1], n=2, temperature=0, max_new_tokens=6)[0]
     assert greedy[0].token_ids == greedy[1].token_ids and greedy[0] is not greedy[1]
 
 
-def test_per_prompt_seeds_sample_the_same_whatever_the_batch_or_the_split(tiny, prompts):
+def test_per_prompt_seeds_sample_the_same_whatever_the_batch_or_the_split(spread_tiny, spread_prompts):
     """With `seeds`, completion k of prompt i draws from its own stream: the prompts split in two calls (two
     processes' shares) and cut into other batches sample the tokens and log-probs of one call over all of them, and
     top-p's dropped tokens are never drawn (the Gumbel-max draw is from the recorded distribution)."""
-    seeds = [11 * i + 3 for i in range(len(prompts))]
+    seeds = [11 * i + 3 for i in range(len(spread_prompts))]
     kw = dict(n=2, temperature=1.0, top_p=0.9, max_new_tokens=6)
-    whole = _engine(tiny, batch_size=8).generate(prompts, seeds=seeds, **kw)
-    parts = [_engine(tiny, batch_size=3).generate(prompts[r::2], seeds=seeds[r::2], seed=r, **kw) for r in (0, 1)]
-    split = [None] * len(prompts)
+    whole = _engine(spread_tiny, batch_size=8).generate(spread_prompts, seeds=seeds, **kw)
+    parts = [
+        _engine(spread_tiny, batch_size=3).generate(spread_prompts[r::2], seeds=seeds[r::2], seed=r, **kw)
+        for r in (0, 1)
+    ]
+    split = [None] * len(spread_prompts)
     split[0::2], split[1::2] = parts
     ids = lambda out: [[c.token_ids for c in x] for x in out]  # noqa: E731
     assert ids(split) == ids(whole)
@@ -208,65 +155,65 @@ def test_per_prompt_seeds_sample_the_same_whatever_the_batch_or_the_split(tiny, 
         for x, y in zip(a, b):
             assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)  # another padding: float noise
             assert all(math.isfinite(v) for v in x.logprobs)
-    other = _engine(tiny).generate(prompts, seeds=[s + 1 for s in seeds], **kw)
+    other = _engine(spread_tiny).generate(spread_prompts, seeds=[s + 1 for s in seeds], **kw)
     assert ids(other) != ids(whole)
     assert ids(whole)[0][0] != ids(whole)[0][1]  # the samples of a prompt are not one stream twice
 
 
-def test_generation_stops_at_a_stop_token(tiny, prompts):
-    engine = _engine(tiny)
-    free = engine.generate(prompts[:1], temperature=0, max_new_tokens=10)[0][0]
+def test_generation_stops_at_a_stop_token(spread_tiny, spread_prompts):
+    engine = _engine(spread_tiny)
+    free = engine.generate(spread_prompts[:1], temperature=0, max_new_tokens=10)[0][0]
     assert free.finish_reason == "length" and len(free.token_ids) == 10
     k = next(i for i, t in enumerate(free.token_ids) if i >= 2 and t not in free.token_ids[:i])
     engine.stop_ids = [*engine.stop_ids, free.token_ids[k]]  # make the k-th greedy token a stop token
-    stopped = engine.generate(prompts[:1], temperature=0, max_new_tokens=10)[0][0]
+    stopped = engine.generate(spread_prompts[:1], temperature=0, max_new_tokens=10)[0][0]
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[: k + 1]  # the stop token is kept (the learner trains on it)
     assert stopped.logprobs == pytest.approx(free.logprobs[: k + 1], abs=1e-5)
     assert stopped.text == engine.tokenizer.decode(free.token_ids[:k], skip_special_tokens=True)
 
 
-def test_stop_tokens_include_im_end(tiny):
+def test_stop_tokens_include_im_end(spread_tiny):
     from ovkit.generate.hf import stop_token_ids
 
-    _, processor = tiny
+    _, processor = spread_tiny
     assert processor.tokenizer.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(processor.tokenizer)
 
 
-def test_collate_left_pads_tokens_and_concatenates_images(tiny, prompts):
+def test_collate_left_pads_tokens_and_concatenates_images(spread_tiny, spread_prompts):
     from ovkit.generate.hf import collate_prompts
 
-    batch = collate_prompts(prompts, pad_id=0)
-    width = max(p.length for p in prompts)
+    batch = collate_prompts(spread_prompts, pad_id=0)
+    width = max(p.length for p in spread_prompts)
     assert batch["input_ids"].shape == batch["attention_mask"].shape == batch["mm_token_type_ids"].shape == (4, width)
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(spread_prompts):
         pad = width - p.length
         assert batch["attention_mask"][i].tolist() == [0] * pad + [1] * p.length
         assert batch["input_ids"][i, pad:].tolist() == p.input_ids
         assert batch["mm_token_type_ids"][i, pad:].tolist() == p.per_token["mm_token_type_ids"]
-    grids = [g for p in prompts if "image_grid_thw" in p.mm for g in p.mm["image_grid_thw"].tolist()]
+    grids = [g for p in spread_prompts if "image_grid_thw" in p.mm for g in p.mm["image_grid_thw"].tolist()]
     assert batch["image_grid_thw"].tolist() == grids  # images in batch order: 1 + 0 + 2 + 1
-    assert batch["pixel_values"].shape[0] == sum(p.mm["pixel_values"].shape[0] for p in prompts if p.mm)
+    assert batch["pixel_values"].shape[0] == sum(p.mm["pixel_values"].shape[0] for p in spread_prompts if p.mm)
 
 
-def test_engine_samples_from_the_learner_itself_unless_asked_otherwise(tiny):
-    model, _ = tiny
-    assert _engine(tiny).model is model
-    assert _engine(tiny, dtype="float32").model is model
+def test_engine_samples_from_the_learner_itself_unless_asked_otherwise(spread_tiny):
+    model, _ = spread_tiny
+    assert _engine(spread_tiny).model is model
+    assert _engine(spread_tiny, dtype="float32").model is model
 
 
-def test_bfloat16_sampler_is_a_synced_copy(tiny, prompts):
+def test_bfloat16_sampler_is_a_synced_copy(spread_tiny, spread_prompts):
     import copy
 
     import torch
 
-    learner = copy.deepcopy(tiny[0])
+    learner = copy.deepcopy(spread_tiny[0])
     from ovkit.generate import HFEngine
 
-    engine = HFEngine(learner, tiny[1], dtype="bfloat16")
+    engine = HFEngine(learner, spread_tiny[1], dtype="bfloat16")
     assert engine.model is not learner and next(engine.model.parameters()).dtype == torch.bfloat16
     assert next(learner.parameters()).dtype == torch.float32
-    out = engine.generate(prompts[:2], temperature=1.0, max_new_tokens=5)
+    out = engine.generate(spread_prompts[:2], temperature=1.0, max_new_tokens=5)
     assert all(math.isfinite(x) for c in out for x in c[0].logprobs)
     with torch.no_grad():
         for p in learner.parameters():
@@ -276,7 +223,7 @@ def test_bfloat16_sampler_is_a_synced_copy(tiny, prompts):
         assert torch.equal(mine, theirs.to(torch.bfloat16)), name
 
 
-def _quantised_sampler_differs_and_requantises(tiny, prompts, quant):
+def _quantised_sampler_differs_and_requantises(spread_tiny, spread_prompts, quant):
     """A quantised sampler is a copy (the learner untouched) whose log-probs differ from fp32 by less than 1 nat on
     the first greedy token, and `update_weights` rebuilds it from the learner's new weights."""
     import copy
@@ -285,12 +232,12 @@ def _quantised_sampler_differs_and_requantises(tiny, prompts, quant):
 
     from ovkit.generate import HFEngine
 
-    learner = copy.deepcopy(tiny[0])
-    engine = HFEngine(learner, tiny[1], quant=quant)
+    learner = copy.deepcopy(spread_tiny[0])
+    engine = HFEngine(learner, spread_tiny[1], quant=quant)
     assert engine.model is not learner
-    assert all(torch.equal(a, b) for a, b in zip(learner.parameters(), tiny[0].parameters()))
-    fp32 = _engine(tiny).generate(prompts[:2], temperature=0, max_new_tokens=4)
-    low = engine.generate(prompts[:2], temperature=0, max_new_tokens=4)
+    assert all(torch.equal(a, b) for a, b in zip(learner.parameters(), spread_tiny[0].parameters()))
+    fp32 = _engine(spread_tiny).generate(spread_prompts[:2], temperature=0, max_new_tokens=4)
+    low = engine.generate(spread_prompts[:2], temperature=0, max_new_tokens=4)
     for a, b in zip(fp32, low):
         assert len(b[0].logprobs) == 4 and all(math.isfinite(x) for x in b[0].logprobs)
         assert a[0].logprobs[0] != b[0].logprobs[0]  # low precision really changes the distribution
@@ -301,21 +248,21 @@ def _quantised_sampler_differs_and_requantises(tiny, prompts, quant):
             p.mul_(0.5)
     engine.update_weights(learner)
     assert engine.model is not before
-    after = engine.generate(prompts[:1], temperature=0, max_new_tokens=4)[0][0]
+    after = engine.generate(spread_prompts[:1], temperature=0, max_new_tokens=4)[0][0]
     assert after.logprobs != low[0][0].logprobs
     return engine
 
 
-def test_int8_sampler_is_close_to_fp32_and_requantises_on_update(tiny, prompts):
+def test_int8_sampler_is_close_to_fp32_and_requantises_on_update(spread_tiny, spread_prompts):
     import torch
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
-    engine = _quantised_sampler_differs_and_requantises(tiny, prompts, "int8")
+    engine = _quantised_sampler_differs_and_requantises(spread_tiny, spread_prompts, "int8")
     assert any(isinstance(m, DynamicQuantizedLinear) for m in engine.model.modules())
     assert not any(type(m) is torch.nn.Linear for m in engine.model.modules())
 
 
-def test_int4_sampler_has_16_levels_per_group_and_requantises_on_update(tiny, prompts):
+def test_int4_sampler_has_16_levels_per_group_and_requantises_on_update(spread_tiny, spread_prompts):
     import torch
 
     from ovkit.generate.quant import INT4_GROUP, round_weights
@@ -329,36 +276,36 @@ def test_int4_sampler_has_16_levels_per_group_and_requantises_on_update(tiny, pr
             group, orig = q[row, start : start + INT4_GROUP], w[row, start : start + INT4_GROUP]
             assert len(torch.unique(group)) <= 16
             assert float((group - orig).abs().max()) <= float(orig.abs().max()) / 7 / 2 + 1e-6
-    _quantised_sampler_differs_and_requantises(tiny, prompts, "int4")
+    _quantised_sampler_differs_and_requantises(spread_tiny, spread_prompts, "int4")
 
 
-def test_bad_options_are_user_errors(tiny, prompts):
+def test_bad_options_are_user_errors(spread_tiny, spread_prompts):
     from ovkit.errors import OvkitError
     from ovkit.generate.engines import build_engine
 
     with pytest.raises(OvkitError, match="--engine"):
-        build_engine("nope", model=tiny[0], processor=tiny[1])
+        build_engine("nope", model=spread_tiny[0], processor=spread_tiny[1])
     with pytest.raises(OvkitError, match="--sampler-precision"):
-        build_engine("hf", model=tiny[0], processor=tiny[1], precision="int4")
+        build_engine("hf", model=spread_tiny[0], processor=spread_tiny[1], precision="int4")
     with pytest.raises(OvkitError, match="dtype must be one of"):
-        _engine(tiny, dtype="int4")
+        _engine(spread_tiny, dtype="int4")
     with pytest.raises(OvkitError, match="--quant"):
-        _engine(tiny, quant="int2")
+        _engine(spread_tiny, quant="int2")
     with pytest.raises(OvkitError, match="prefill must be one of"):
-        _engine(tiny, prefill="twice")
+        _engine(spread_tiny, prefill="twice")
     with pytest.raises(OvkitError, match="--top-p"):
-        _engine(tiny).generate(prompts[:1], top_p=0)
+        _engine(spread_tiny).generate(spread_prompts[:1], top_p=0)
     with pytest.raises(OvkitError, match="--temperature"):
-        _engine(tiny).generate(prompts[:1], temperature=-1)
+        _engine(spread_tiny).generate(spread_prompts[:1], temperature=-1)
 
 
-def test_build_engine_loads_a_model_directory_in_the_asked_precision(tiny, tmp_path):
+def test_build_engine_loads_a_model_directory_in_the_asked_precision(spread_tiny, tmp_path):
     import torch
 
     from ovkit.generate import HFEngine
     from ovkit.generate.engines import build_engine
 
-    model, processor = tiny
+    model, processor = spread_tiny
     model.save_pretrained(tmp_path)
     processor.save_pretrained(tmp_path)
     engine = build_engine("hf", model_dir=tmp_path)
@@ -423,25 +370,30 @@ def test_rollouts_reject_misaligned_rows(tmp_path):
 
 
 @pytest.mark.gpu
-def test_vllm_engine_matches_hf_greedy_and_reports_sampled_logprobs(tiny, prompts, tmp_path):
+def test_vllm_engine_matches_hf_greedy_and_reports_sampled_logprobs(spread_tiny, spread_prompts, tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("vLLM needs a CUDA GPU")
     from ovkit.generate import HFEngine, VLLMEngine
 
-    model, processor = tiny
+    model, processor = spread_tiny
     model.save_pretrained(tmp_path)
     processor.save_pretrained(tmp_path)
-    images = [[_img()], [], [_img(168, 84, (0, 90, 200)), _img()], [_img(colour=(20, 200, 20))]]
+    images = [
+        [marked_image()],
+        [],
+        [marked_image(168, 84, (0, 90, 200)), marked_image()],
+        [marked_image(colour=(20, 200, 20))],
+    ]
     engine = VLLMEngine(tmp_path, processor, dtype="float32", gpu_memory_utilization=0.2, max_model_len=512)
-    hf = HFEngine(model.to("cuda"), processor).generate(prompts, temperature=0, max_new_tokens=8)
-    out = engine.generate(prompts, temperature=0, max_new_tokens=8, images=images)
+    hf = HFEngine(model.to("cuda"), processor).generate(spread_prompts, temperature=0, max_new_tokens=8)
+    out = engine.generate(spread_prompts, temperature=0, max_new_tokens=8, images=images)
     for a, b in zip(hf, out):
         assert b[0].token_ids == a[0].token_ids
         assert b[0].logprobs == pytest.approx(a[0].logprobs, abs=1e-2)
-    sampled = engine.generate(prompts, n=2, temperature=1.0, max_new_tokens=8, images=images)
-    for prompt, completions in zip(prompts, sampled):
+    sampled = engine.generate(spread_prompts, n=2, temperature=1.0, max_new_tokens=8, images=images)
+    for prompt, completions in zip(spread_prompts, sampled):
         for c in completions:
             logits = _teacher_forced_logits(model, prompt, c.token_ids)
             want = (
@@ -452,26 +404,26 @@ def test_vllm_engine_matches_hf_greedy_and_reports_sampled_logprobs(tiny, prompt
             assert c.logprobs == pytest.approx(want.tolist(), abs=1e-2)
     engine.update_weights(model)  # in-place reload keeps generating
     assert (
-        engine.generate(prompts[:1], temperature=0, max_new_tokens=8, images=images[:1])[0][0].token_ids
+        engine.generate(spread_prompts[:1], temperature=0, max_new_tokens=8, images=images[:1])[0][0].token_ids
         == hf[0][0].token_ids
     )
 
 
-def test_a_sampler_copy_is_built_in_its_own_dtype_and_follows_the_learner(tiny, prompts):
+def test_a_sampler_copy_is_built_in_its_own_dtype_and_follows_the_learner(spread_tiny, spread_prompts):
     """The asynchronous sampler's copy (and a bf16 one): parameters in the sampler's dtype, the tied embedding still
     tied (one tensor, not two), no gradients, the learner untouched; update_weights copies the learner in."""
     import torch
 
     from ovkit.generate.hf import cast_copy
 
-    model, _ = tiny
+    model, _ = spread_tiny
     copy16 = cast_copy(model, torch.bfloat16)
     assert {p.dtype for p in copy16.parameters()} == {torch.bfloat16} and {p.dtype for p in model.parameters()} == {
         torch.float32
     }
     assert copy16.get_output_embeddings().weight is copy16.get_input_embeddings().weight  # still tied
     assert not any(p.requires_grad for p in copy16.parameters())
-    separate = _engine(tiny, separate=True)
+    separate = _engine(spread_tiny, separate=True)
     assert separate.model is not model and next(separate.model.parameters()).dtype == torch.float32
     before = model.lm_head.weight.detach().clone()
     with torch.no_grad():
@@ -494,7 +446,7 @@ def test_a_sampler_copy_is_built_in_its_own_dtype_and_follows_the_learner(tiny, 
     ],
 )
 def test_the_async_sampler_copy_holds_the_learner_compute_dtype(
-    tiny, tmp_path, precision, learner_dtype, staleness, want
+    spread_tiny, tmp_path, precision, learner_dtype, staleness, want
 ):
     """rl-train's asynchronous sampler holds its own weights in the learner's compute dtype: bytes per learner
     parameter of the copy (tied weights counted once)."""
@@ -504,7 +456,7 @@ def test_the_async_sampler_copy_holds_the_learner_compute_dtype(
     from ovkit.rl.config import RLTrainConfig
     from ovkit.rl.loop import make_sampler
 
-    model, processor = tiny
+    model, processor = spread_tiny
     learner = cast_copy(model, getattr(torch, learner_dtype))
     cfg = RLTrainConfig(
         data=[tmp_path], model=tmp_path, out=tmp_path / "out", precision=precision, max_staleness=staleness
@@ -516,11 +468,9 @@ def test_the_async_sampler_copy_holds_the_learner_compute_dtype(
 
 # -- the vLLM engine, against a stand-in with vLLM's shapes (tests/fake_vllm.py) -------------------------------------
 
-IMAGES = [[_img()], [], [_img(168, 84, (0, 90, 200)), _img()], [_img(colour=(20, 200, 20))]]
-
 
 @pytest.fixture
-def fake_vllm(monkeypatch, tiny, tmp_path):
+def fake_vllm(monkeypatch, spread_tiny, tmp_path):
     import fake_vllm as fake
 
     fake.install(monkeypatch)
@@ -529,25 +479,32 @@ def fake_vllm(monkeypatch, tiny, tmp_path):
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(key, "unset")
         monkeypatch.delenv(key)
-    model, processor = tiny
+    model, processor = spread_tiny
     model.save_pretrained(tmp_path / "model")
     processor.save_pretrained(tmp_path / "model")
     return fake, tmp_path / "model"
 
 
-def test_vllm_requests_are_token_ids_images_and_the_sampled_distribution(fake_vllm, tiny, prompts):
+def test_vllm_requests_are_token_ids_images_and_the_sampled_distribution(fake_vllm, spread_tiny, spread_prompts):
     """prompt_token_ids = the encoded ids (placeholders expanded), images as multi_modal_data, processed log-probs of
     the sampled token only, one seed per prompt, suppressed ids as a -100 bias; log-probs come back aligned with
     the tokens, the stop token included."""
     from ovkit.generate import VLLMEngine
 
     fake, path = fake_vllm
-    engine = VLLMEngine(path, tiny[1], dtype="float32")
+    engine = VLLMEngine(path, spread_tiny[1], dtype="float32")
     out = engine.generate(
-        prompts, n=2, max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3, images=IMAGES, suppress_ids=[5]
+        spread_prompts,
+        n=2,
+        max_new_tokens=6,
+        temperature=0.8,
+        top_p=0.9,
+        seed=3,
+        images=PROMPT_IMAGES,
+        suppress_ids=[5],
     )
     ((_, ids, params),) = [c for c in fake.LLM.calls if c[0] == "generate"]
-    assert ids == [list(p.input_ids) for p in prompts]
+    assert ids == [list(p.input_ids) for p in spread_prompts]
     assert [p["seed"] for p in params] == [3 * 1_000_003 + i * 2 for i in range(4)]
     assert all(
         p["n"] == 2 and p["logprobs"] == 0 and p["temperature"] == 0.8 and p["top_p"] == 0.9 and p["max_tokens"] == 6
@@ -562,10 +519,10 @@ def test_vllm_requests_are_token_ids_images_and_the_sampled_distribution(fake_vl
             )
             assert (c.finish_reason == "stop") == (c.token_ids[-1] in engine.stop_ids)
     with pytest.raises(Exception, match="images"):
-        engine.generate(prompts[:1], max_new_tokens=2)  # a multimodal prompt without its images
+        engine.generate(spread_prompts[:1], max_new_tokens=2)  # a multimodal prompt without its images
 
 
-def test_vllm_weight_updates_use_checkpoint_names_and_reach_the_model(fake_vllm, tiny):
+def test_vllm_weight_updates_use_checkpoint_names_and_reach_the_model(fake_vllm, spread_tiny):
     import torch
     from safetensors import safe_open
 
@@ -573,7 +530,7 @@ def test_vllm_weight_updates_use_checkpoint_names_and_reach_the_model(fake_vllm,
     from ovkit.generate.vllm import checkpoint_weights
 
     fake, path = fake_vllm
-    model, processor = tiny
+    model, processor = spread_tiny
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         assert {n for n, _ in checkpoint_weights(model)} == set(f.keys())  # the names vLLM loads
     engine = VLLMEngine(path, processor, dtype="float32")
@@ -584,17 +541,17 @@ def test_vllm_weight_updates_use_checkpoint_names_and_reach_the_model(fake_vllm,
     assert [c[0] for c in fake.LLM.calls[-2:]] == ["load_weights", "reset_prefix_cache"]
 
 
-def test_vllm_sleeps_while_the_learner_updates(fake_vllm, tiny, prompts):
+def test_vllm_sleeps_while_the_learner_updates(fake_vllm, spread_tiny, spread_prompts):
     """sleep=True: each generate call ends with vLLM asleep; the weight update wakes it first."""
     from ovkit.generate import VLLMEngine
 
     fake, path = fake_vllm
-    engine = VLLMEngine(path, tiny[1], dtype="float32", sleep=True)
+    engine = VLLMEngine(path, spread_tiny[1], dtype="float32", sleep=True)
     assert fake.LLM.calls[0][1]["enable_sleep_mode"] is True
-    engine.generate(prompts[1:2], max_new_tokens=2)
-    engine.update_weights(tiny[0])
-    engine.generate(prompts[1:2], max_new_tokens=2)
-    engine.generate(prompts[1:2], max_new_tokens=2)
+    engine.generate(spread_prompts[1:2], max_new_tokens=2)
+    engine.update_weights(spread_tiny[0])
+    engine.generate(spread_prompts[1:2], max_new_tokens=2)
+    engine.generate(spread_prompts[1:2], max_new_tokens=2)
     names = [c[0] for c in fake.LLM.calls[1:]]
     assert names == [
         "generate",
@@ -610,7 +567,7 @@ def test_vllm_sleeps_while_the_learner_updates(fake_vllm, tiny, prompts):
     ]
 
 
-def test_weight_rounding_for_low_precision_samplers_is_bounded_and_device_agnostic(tiny, prompts):
+def test_weight_rounding_for_low_precision_samplers_is_bounded_and_device_agnostic(spread_tiny, spread_prompts):
     """int8 (weight-only, the GPU path) and fp8 round every Linear weight to their grid, within the grid's step, the
     learner untouched; an fp8 sampler generates and its log-probs differ from fp32's, but not wildly."""
     import torch
@@ -618,7 +575,7 @@ def test_weight_rounding_for_low_precision_samplers_is_bounded_and_device_agnost
     from ovkit.generate.hf import cast_copy
     from ovkit.generate.quant import FP8_MAX, round_weights
 
-    model, _ = tiny
+    model, _ = spread_tiny
     for kind, step in (("int8", 1 / 127), ("fp8", 2**-3)):
         rounded = round_weights(cast_copy(model, torch.float32), kind)
         for (name, a), (_, b) in zip(model.named_parameters(), rounded.named_parameters()):
@@ -629,12 +586,35 @@ def test_weight_rounding_for_low_precision_samplers_is_bounded_and_device_agnost
                 assert not torch.equal(a, b) or kind == "fp8"
         assert {tuple(v.shape) for v in rounded.parameters()} == {tuple(v.shape) for v in model.parameters()}
     assert FP8_MAX == float(torch.finfo(torch.float8_e4m3fn).max)
-    engine = _engine(tiny, quant="fp8")
-    out = engine.generate(prompts[:2], n=2, max_new_tokens=6, seed=1)
+    engine = _engine(spread_tiny, quant="fp8")
+    out = engine.generate(spread_prompts[:2], n=2, max_new_tokens=6, seed=1)
     assert all(len(c.logprobs) == len(c.token_ids) > 0 for cs in out for c in cs)
-    inputs = prompts[0].model_inputs(labels=False)
+    inputs = spread_prompts[0].model_inputs(labels=False)
     with torch.no_grad():
         a = torch.log_softmax(model(**inputs).logits[0, -1], -1)
         b = torch.log_softmax(engine.model(**inputs).logits[0, -1], -1)
     gap = (a - b).abs().max()
     assert 0 < gap < float("inf")  # a real sampler/learner gap (its size is the model's: these weights are spread wide)
+
+
+def test_one_sampler_draws_a_prompts_completions_from_its_key_not_its_call(spread_tiny, spread_prompts):
+    """ovkit.rollouts.sample: a prompt's n completions are a function of (run seed, its key, sample index). The prompts
+    sampled in two calls (two processes' shares, another batch size) give what one call over all of them gives, the
+    same prompt under two keys draws two sets, and the run seed changes the draws."""
+    from ovkit.rollouts.prompts import Prompt
+    from ovkit.rollouts.sample import prompt_seed, sample
+
+    rows = [Prompt(id=f"r{i}", encoded=p, answer="", answer_type=None, source="", category="") for i, p in enumerate(spread_prompts)]  # fmt: skip
+    kw = dict(n=2, max_new_tokens=6, temperature=1.0, top_p=0.9, seed=4)
+    ids = lambda out: [[c.token_ids for c in cs] for cs in out]  # noqa: E731
+    whole = sample(_engine(spread_tiny, batch_size=8), rows, **kw)
+    split = [None] * len(rows)
+    split[0::2], split[1::2] = (sample(_engine(spread_tiny, batch_size=3), rows[r::2], **kw) for r in (0, 1))
+    assert ids(split) == ids(whole)
+    reversed_ = sample(_engine(spread_tiny), rows[::-1], **kw)[::-1]  # another place in the call
+    assert ids(reversed_) == ids(whole)
+    again = sample(_engine(spread_tiny), rows[:1] * 2, **kw, keys=["r0", "other"])
+    assert ids(again)[0] == ids(whole)[0] and ids(again)[1] != ids(whole)[0]
+    assert ids(sample(_engine(spread_tiny), rows, **{**kw, "seed": 5})) != ids(whole)
+    assert prompt_seed(0, 1) != prompt_seed(1, 0) and prompt_seed(0, "1") != prompt_seed(0, 1)
+    assert all(0 <= prompt_seed(s, k) < 2**62 for s in (0, 7, 2**40) for k in (0, "x", (3, 1)))

@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_convert import images, many_llava  # noqa: F401 (a fixture)
-from test_eval import TEXTS, eval_set  # noqa: F401 (a fixture)
+from helpers import many_llava
 
 from ovkit.data import read_samples
 from ovkit.errors import OvkitError
@@ -26,8 +25,8 @@ def _torchrun(n: int, *args) -> subprocess.CompletedProcess:
                           env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
-def test_a_data_stage_under_torchrun_writes_one_part_per_process(tmp_path, images):  # noqa: F811
-    root, _ = images
+def test_a_data_stage_under_torchrun_writes_one_part_per_process(tmp_path, llava_images):
+    root, _ = llava_images
     src = many_llava(tmp_path, 9)
     run = _torchrun(2, "convert", src, "--image-root", root, "--out", tmp_path / "out", "--quiet")
     assert run.returncode == 0, run.stderr[-2000:]
@@ -48,11 +47,11 @@ def test_a_one_process_command_refuses_a_launcher(tmp_path, command):
     assert not (tmp_path / "out").exists()
 
 
-def test_accelerate_asking_for_two_processes_and_starting_one_is_an_error(tmp_path, images):  # noqa: F811
+def test_accelerate_asking_for_two_processes_and_starting_one_is_an_error(tmp_path, llava_images):
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
     if accelerate is None:
         pytest.skip("accelerate's launcher is not on this environment's PATH")
-    root, _ = images
+    root, _ = llava_images
     src = many_llava(tmp_path, 3)
     run = subprocess.run([accelerate, "launch", "--num_processes", "2", "--cpu", "-m", "ovkit", "convert", str(src), "--image-root",
                           str(root), "--out", str(tmp_path / "out"), "--quiet"], env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -93,8 +92,8 @@ def test_an_engine_the_machine_cannot_run_is_named_in_a_warning(monkeypatch, tmp
     assert launch.requested_engine() == "DEEPSPEED" and "asked for DEEPSPEED" in launch.engine_warning("NO")
 
 
-def test_a_sharded_output_with_a_missing_or_unfinished_part_is_not_a_dataset(tmp_path, images, cli):  # noqa: F811
-    root, _ = images
+def test_a_sharded_output_with_a_missing_or_unfinished_part_is_not_a_dataset(tmp_path, llava_images, cli):
+    root, _ = llava_images
     src = many_llava(tmp_path, 6)
     out = tmp_path / "out"
     for i in (0, 2):
@@ -108,14 +107,13 @@ def test_a_sharded_output_with_a_missing_or_unfinished_part_is_not_a_dataset(tmp
     assert code == 2 and "--shard 1/3" in err and not (tmp_path / "next").exists()
 
 
-def test_eval_under_torchrun_shares_the_rows_and_writes_what_one_process_writes(tmp_path, eval_set):  # noqa: F811
+@pytest.mark.timeout(600)  # 66 s on a loaded 2-core box: two torchrun launches of eval
+def test_eval_under_torchrun_shares_the_rows_and_writes_what_one_process_writes(tmp_path, eval_set, eval_tiny):
     """Each process samples and scores its share of the rows (every row from its own seed) and the main process
     writes one output: the same scores, samples and results as one process, apart from the timings."""
     import json
 
-    from ovkit.models.tiny import build_tiny
-
-    model = build_tiny(tmp_path / "tiny", TEXTS, seed=0)
+    model = eval_tiny
     (tmp_path / "eval.yaml").write_text(
         "n: 2\ntemperature: 1.0\n"
     )  # torchrun's own parser takes `--n` for an abbreviation of its options

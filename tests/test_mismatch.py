@@ -13,8 +13,6 @@ import statistics
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
-from test_rl_train import rl_assets  # noqa: F401  (the shared tiny model + RL table)
 
 L = math.log
 
@@ -255,15 +253,7 @@ def test_cli_option_errors(cli, tmp_path):
     assert code == 2 and "--sampler must be one of" in err
 
 
-@pytest.fixture()
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 contended cores: one OpenMP thread each is far faster than a spinning team
-    yield
-    torch.set_num_threads(n)
-
-
-def test_end_to_end_on_the_tiny_model(rl_assets, tmp_path, cli, one_thread):  # noqa: F811
+def test_end_to_end_on_the_tiny_model(rl_assets, tmp_path, cli, one_thread):
     from ovkit.rollouts.table import read_rollouts, write_rollouts
 
     model, data = rl_assets
@@ -320,7 +310,7 @@ def test_end_to_end_on_the_tiny_model(rl_assets, tmp_path, cli, one_thread):  # 
     assert via_data["k3_kl"] == pytest.approx(int8["k3_kl"], rel=1e-9)
 
 
-def test_multi_turn_rollouts_split_first_and_later_turns(rl_assets, tmp_path, cli, one_thread):  # noqa: F811
+def test_multi_turn_rollouts_split_first_and_later_turns(rl_assets, tmp_path, cli, one_thread):
     """A two-turn trajectory built by hand: turn 1, an observation (loss_mask 0, read as context), turn 2 whose
     sampler log-probs are made up. The report finds the turns from the loss mask and puts the gap in the later turn."""
     from ovkit.rollouts.table import read_rollouts, write_rollouts

@@ -49,11 +49,25 @@ def _train_step_and_generate(model, processor, unused=()):
     model.zero_grad()
     model.eval()
     prompt = encode_prompt(processor, QA, [_img()])
+    inputs = prompt.model_inputs(labels=False)
     with torch.no_grad():
-        seq = model.generate(**prompt.model_inputs(labels=False), max_new_tokens=4, do_sample=False)
-    assert seq.shape == (1, prompt.length + 4) or seq.shape[1] < prompt.length + 4  # stopped early at eos
-    assert seq[0, : prompt.length].tolist() == prompt.input_ids
-    return seq
+        seq = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    # What greedy decoding must give, one full forward per token (no KV cache): the argmax continuation, cut after
+    # the first end-of-sequence token, else 4 new tokens.
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    want = list(prompt.input_ids)
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.tensor([want])
+            step = {**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            for key in prompt.per_token:  # per-token inputs (token types): text after the prompt
+                step[key] = torch.cat([inputs[key], inputs[key].new_zeros(1, len(want) - prompt.length)], dim=1)
+            want.append(int(model(**step, use_cache=False).logits[0, -1].argmax()))
+            if want[-1] in eos:
+                break
+    assert seq.shape == (1, len(want)) and prompt.length < len(want) <= prompt.length + 4
+    assert seq[0].tolist() == want
 
 
 def test_tiny_saves_and_loads_offline_with_auto_classes(tiny_dir):

@@ -555,10 +555,33 @@ def test_an_image_returned_on_turn_two_changes_the_turn_two_logits(spread):
     assert torch.allclose(logp[0], logp[1], atol=1e-5)
 
 
+def _assert_learnt(model, examples, at_least=0.99):
+    """Every assistant token of the taught conversation has probability >= `at_least` under the model, teacher-forced.
+
+    What the engine tests below need from the zoomer, stated as a property of its weights rather than of what it
+    happens to sample: with every scripted token at p >= 0.99, greedy decoding follows the script exactly (p > 0.5
+    makes it the argmax), and sampling at temperature 0.5 (p_T proportional to p^2, so p_T >= 0.9999) leaves the
+    22-token script with probability under 3e-3 per trajectory (measured: p >= 0.997). If training ever stops
+    reaching this on some machine, this fails here, naming the weakest probability, instead of a test below failing
+    on what was sampled."""
+    with torch.no_grad():
+        for k, e in enumerate(examples):
+            inputs = e.model_inputs()
+            labels = inputs.pop("labels")[0, 1:]
+            logp = model(**inputs).logits[0, :-1].float().log_softmax(-1)
+            taught = labels != -100
+            p = logp[taught].gather(-1, labels[taught][:, None])[:, 0].exp()
+            assert taught.any() and p.min() >= at_least, (
+                f"example {k}: the zoomer learnt its script only to p={p.min():.3f}"
+            )
+
+
 @pytest.fixture(scope="module")
 def zoomer(tmp_path_factory):
     """The tiny model taught (150 steps, ~15 s) to call the zoom tool on turn 1 and answer after the zoomed image:
-    real two-turn rollouts with an image observation. Saved, with a 2-prompt RL table, for the command tests."""
+    real two-turn rollouts with an image observation (the fixture checks it learnt the script, _assert_learnt).
+    Saved, with a 2-prompt RL table, for the command tests, which sample from the scripted policy instead
+    (`scripted_zoomer`): what they assert is then what the script says, on any machine."""
     from ovkit.data import write_samples
     from ovkit.envs import ZoomEnv
     from ovkit.models import load
@@ -591,6 +614,7 @@ def zoomer(tmp_path_factory):
         loss.backward()
         optimizer.step()
     model.eval()
+    _assert_learnt(model, examples)
     model.save_pretrained(base / "model")
     processor.save_pretrained(base / "model")
     rows = [
@@ -600,6 +624,22 @@ def zoomer(tmp_path_factory):
     ]  # fmt: skip
     write_samples(samples_table(rows), base / "data")
     return model, processor, base
+
+
+@pytest.fixture
+def scripted_zoomer(zoomer, monkeypatch):
+    """The zoomer, with every HF engine (whichever command builds it) saying the zoom script instead of sampling
+    (tests/scripted_policy.py: log-probs are the engine's model's own, teacher-forced at the sampling temperature).
+    Samples 0 and 2 of every 4 zoom, then answer: each generate call has two-turn episodes, whatever the machine."""
+    from scripted_policy import ScriptedEngine
+
+    from ovkit.generate import HFEngine
+
+    def generate(self, prompts, **kw):
+        return ScriptedEngine(self.model, self.processor, _zoom_script).generate(prompts, **kw)
+
+    monkeypatch.setattr(HFEngine, "generate", generate)
+    return zoomer
 
 
 def test_the_learner_re_reads_multi_turn_trajectories_exactly(zoomer):
@@ -669,14 +709,15 @@ def test_multi_turn_rollouts_through_vllm_are_token_in_token_out(zoomer, monkeyp
     )
 
 
-def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_path):
+def test_rl_train_with_the_zoom_env_and_its_mismatch_report(scripted_zoomer, cli, tmp_path):
     """`ovkit rl-train --env zoom` end to end: per-turn metrics are logged, the saved rollouts carry loss masks,
-    turn ids, terminations and the observation images, and mismatch-report splits first vs later turns on them."""
+    turn ids, terminations and the observation images, and mismatch-report splits first vs later turns on them.
+    The sampler says the zoom script (the first sample of every generate call zooms, then answers)."""
     import json
 
     from ovkit.rollouts.table import read_rollouts
 
-    _, _, base = zoomer
+    _, _, base = scripted_zoomer
     out = tmp_path / "rl"
     args = ["--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "16", "--max-steps", "2", "--lr", "1e-4",
             "--warmup-ratio", "0", "--max-staleness", "0", "--temperature", "0.5", "--reward-workers", "1", "--quiet"]  # fmt: skip
@@ -701,7 +742,8 @@ def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_pat
         == pytest.approx(1.0)
         for r in rows
     )
-    assert all(sum(r["ovkit/turns/hist"].values()) == 6 for r in rows) and any(r["ovkit/turns/max"] >= 2 for r in rows)
+    assert all(sum(r["ovkit/turns/hist"].values()) == 6 for r in rows)
+    assert all(r["ovkit/turns/max"] == 2 and r["ovkit/turns/hist"]["2"] > 0 for r in rows)  # the script zooms once
     assert any("ovkit/mismatch/later_turns/vllm_kl" in r for r in rows) and any(
         k.startswith("ovkit/reward/by_turns/") for k in rows[0]
     )
@@ -733,23 +775,25 @@ def test_rl_train_with_the_zoom_env_and_its_mismatch_report(zoomer, cli, tmp_pat
     assert all(r["tokens"] > 0 for r in by_turn)
 
 
-def test_eval_and_rl_curate_run_the_same_loop(zoomer, cli, tmp_path):
+def test_eval_and_rl_curate_run_the_same_loop(scripted_zoomer, cli, tmp_path, monkeypatch):
     """`eval --env` and `rl-curate --env` roll out through the environment: records and rollouts carry the turns,
-    and the multi-turn summary adds up."""
+    and the multi-turn summary adds up. eval samples the zoom script (2 of its 4 episodes zoom, then answer);
+    rl-curate samples the zoomer itself: what it asserts holds whatever is sampled."""
     import json
 
     from ovkit.rollouts.table import read_rollouts
 
-    _, _, base = zoomer
+    _, _, base = scripted_zoomer
     code, _, err = cli("eval", base / "data", "--model", base / "model", "--out", tmp_path / "ev", "--env", "zoom", "--max-new-tokens", "16",
                        "--n", "2", "--temperature", "0.5", "--save-logprobs", "--quiet")  # fmt: skip
     assert code == 0, err
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())["multiturn"]
-    assert summary["turns/max"] >= 2 and sum(summary["turns/hist"].values()) == 4
+    assert summary["turns/max"] == 2 and sum(summary["turns/hist"].values()) == 4
+    assert {k: v for k, v in summary["turns/hist"].items() if v} == {"1": 2, "2": 2}
     rollouts = read_rollouts(tmp_path / "ev" / "rollouts.parquet").to_pylist()
-    assert any(r["turns"] == 2 and 0 in r["loss_mask"] for r in rollouts) and all(
-        len(r["images"]) >= 1 for r in rollouts
-    )
+    assert sum(r["turns"] == 2 and 0 in r["loss_mask"] and len(r["images"]) == 2 for r in rollouts) == 2
+    assert all(len(r["images"]) >= 1 for r in rollouts)
+    monkeypatch.undo()  # rl-curate below samples from the model
     code, _, err = cli("rl-curate", base / "data", "--model", base / "model", "--out", tmp_path / "cu", "--env", "verifier", "--env-arg", "max_attempts=2",
                        "--n", "2", "--max-new-tokens", "16", "--reward-workers", "1", "--quiet")  # fmt: skip
     assert code == 0, err
@@ -775,12 +819,13 @@ def test_asynchronous_multi_turn_rl_train(zoomer, cli, tmp_path):
     assert all(sum(r["ovkit/turns/hist"].values()) == 4 and r["ovkit/turns/max"] <= 2 for r in rows)
 
 
-def test_mismatch_report_generates_multi_turn_rollouts_per_sampler(zoomer, cli, tmp_path):
+def test_mismatch_report_generates_multi_turn_rollouts_per_sampler(scripted_zoomer, cli, tmp_path):
     """`mismatch-report --generate DATA --env zoom`: each sampler rolls out the same episodes' prompts through the
-    environment, and every run's by-turn table has first and later turns."""
+    environment (saying the zoom script, so every run has zooms), and every run's by-turn table has first and later
+    turns."""
     import json
 
-    _, _, base = zoomer
+    _, _, base = scripted_zoomer
     out = tmp_path / "mm"
     code, stdout, err = cli("mismatch-report", "--generate", base / "data", "--model", base / "model", "--env", "zoom", "--sampler", "fp32",
                             "--sampler", "bf16", "--n", "3", "--max-new-tokens", "16", "--temperature", "0.5", "--quiet", "--out", out)  # fmt: skip
@@ -861,3 +906,67 @@ def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tm
     assert [r["grad_norm"] for r in straight] == pytest.approx([r["grad_norm"] for r in rows["cut"]], rel=1e-5)
     a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_a_multi_turn_trajectory_does_not_depend_on_the_prompts_beside_it(zoomer):
+    """#29: every turn of trajectory k of a prompt draws from (run seed, the prompt's key, k, turn), so the prompts
+    rolled out in two calls (two processes' shares, another batch size) give the trajectories of one call over all of
+    them: tokens, masks, turn ids, observation images; prompts alike but for their id draw apart."""
+    from ovkit.envs import ZoomEnv
+    from ovkit.generate import HFEngine
+    from ovkit.rollouts.sample import sample
+
+    model, processor, _ = zoomer
+    prompts = _prompts(processor, n=3, answer="1", extra=ZoomEnv.instruction)
+
+    def roll(chosen, batch_size):
+        engine = HFEngine(model, processor, batch_size=batch_size)
+        runner = _runner(engine, processor, "zoom", model=model)
+        return sample(engine, chosen, n=2, max_new_tokens=16, temperature=1.6, top_p=1.0, seed=3, episodes=runner)
+
+    whole = roll(prompts, 8)
+    split = [None] * len(prompts)
+    split[0::2], split[1::2] = roll(prompts[0::2], 2), roll(prompts[1::2], 3)
+    flat = lambda out: [c for cs in out for c in cs]  # noqa: E731
+    assert any(c.turns == 2 for c in flat(whole))  # real two-turn trajectories
+    for a, b in zip(flat(whole), flat(split)):
+        assert (a.token_ids, a.loss_mask, a.turn_ids, a.termination) == (
+            b.token_ids,
+            b.loss_mask,
+            b.turn_ids,
+            b.termination,
+        )
+        assert len(a.images) == len(b.images) and a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert len({tuple(c.token_ids) for c in flat(whole)}) > 2  # the same prompt under 3 ids x 2 samples draws apart
+
+
+def test_multi_turn_eval_over_two_processes_samples_what_one_process_samples(zoomer, tmp_path):
+    """#29: `ovkit eval --env zoom` under torchrun (gloo, CPU) with 2 processes against 1 at the same seed: every turn
+    of every trajectory draws from its own stream, so the rollouts (tokens, masks, turns, terminations) and the
+    multi-turn summary are one process's, with real two-turn trajectories among them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ovkit.rollouts.table import read_rollouts
+
+    _, _, base = zoomer
+    (tmp_path / "eval.yaml").write_text("n: 2\ntemperature: 1.6\n")  # torchrun's parser takes `--n` for its own
+    args = ["eval", base / "data", "--model", base / "model", "--env", "zoom", "--max-new-tokens", "16",
+            "--config", tmp_path / "eval.yaml", "--save-logprobs", "--quiet"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for n in (1, 2):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), "-m", "ovkit",
+                              *map(str, args), "--out", str(tmp_path / f"p{n}")], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+    keys = ("prompt_id", "response_ids", "loss_mask", "turn_ids", "termination", "reward")
+    one, two = (
+        sorted(
+            tuple(json.dumps(r[k]) for k in keys) for r in read_rollouts(tmp_path / d / "rollouts.parquet").to_pylist()
+        )
+        for d in ("p1", "p2")
+    )
+    assert one == two and len(one) == 4
+    multiturn = lambda d: json.loads((tmp_path / d / "summary.json").read_text())["multiturn"]  # noqa: E731
+    assert multiturn("p1") == multiturn("p2") and multiturn("p1")["turns/max"] >= 2

@@ -9,10 +9,12 @@ import json
 
 import pytest
 import torch
-from test_rl_train import rl_assets  # noqa: F401 (a fixture)
-from test_train import _one_thread, assets, config, weights  # noqa: F401 (fixtures)
+from helpers import config, rl_cfg, weights
 
 from ovkit.errors import OvkitError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 # (--optim, --precision) -> bytes per trainable parameter on a model of large tensors (weights + grads + state):
 #   fp32 AdamW                 4 + 4 + 8 (m, v fp32)                                   = 16
@@ -134,7 +136,7 @@ def _interrupted_then_resumed(monkeypatch, make_cfg, train) -> None:
         ("adamw_bf16", "bf16-true", "KahanAdamW"),
     ],
 )
-def test_every_optimiser_trains_and_resumes_bit_identically(assets, tmp_path, monkeypatch, optim, precision, kind):  # noqa: F811
+def test_every_optimiser_trains_and_resumes_bit_identically(assets, tmp_path, monkeypatch, optim, precision, kind):
     """4 steps straight vs 2 + a checkpoint + a crash + 2 resumed: every saved weight equal, bit for bit, and the
     loss lower at the end; ovkit.json records the optimiser and its measured bytes per parameter."""
     from ovkit.train import train
@@ -160,7 +162,7 @@ def test_every_optimiser_trains_and_resumes_bit_identically(assets, tmp_path, mo
         assert measured["total"] == pytest.approx(EXPECTED.get((optim, precision), 18.0), abs=0.05)
 
 
-def test_sft_adamw_bf16_resumes_bit_identically_through_the_cli(assets, tmp_path, cli, monkeypatch):  # noqa: F811
+def test_sft_adamw_bf16_resumes_bit_identically_through_the_cli(assets, tmp_path, cli, monkeypatch):
     """The real command line: `ovkit sft --optim adamw_bf16 --precision bf16-true`, straight and cut + --resume."""
     from ovkit.runtime import Runtime
 
@@ -247,14 +249,13 @@ def test_adamw_8bit_without_bitsandbytes_says_how_to_install_it(monkeypatch):
         adamw(_wide_model().parameters(), lr=1e-3, weight_decay=0.0, optim="adamw_8bit")
 
 
-def test_rl_train_runs_the_chosen_optimiser_and_records_its_bytes(rl_assets, tmp_path):  # noqa: F811
-    from test_rl_train import _cfg
+def test_rl_train_runs_the_chosen_optimiser_and_records_its_bytes(rl_assets, tmp_path):
 
     from ovkit.rl.loop import train_rl
 
     model_dir, data = rl_assets
     train_rl(
-        _cfg(
+        rl_cfg(
             model_dir,
             data,
             tmp_path / "rl",

@@ -49,13 +49,8 @@ def conversations():
     ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny float64 models run faster on one thread than fighting over two busy cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny float64 models run faster on one thread than fighting over two busy cores.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

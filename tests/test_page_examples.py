@@ -39,6 +39,7 @@ ORDER = [
     "rl-curate",
     "rl-train",
     "mismatch-report",
+    "science-report",
 ]
 
 # Lines that are examples but cannot run here: (a substring of the line, why).

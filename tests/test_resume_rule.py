@@ -9,9 +9,9 @@ import json
 import os
 
 import pytest
-from test_rl_train import _cfg as rl_cfg
-from test_rl_train import rl_assets  # noqa: F401 (a fixture)
-from test_train import _one_thread, assets, config  # noqa: F401 (fixtures)
+from helpers import config, rl_cfg
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("module", ["ovkit.train.config", "ovkit.rl.config"])

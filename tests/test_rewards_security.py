@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_rewards_helpers import allocate, buggy, crash, echo_length, ours_or_orphaned, record_pid_then_sleep
+from reward_scorers import allocate, buggy, crash, echo_length, ours_or_orphaned, record_pid_then_sleep
 
 import ovkit.rewards as rewards
 from ovkit.rewards import score, score_batch

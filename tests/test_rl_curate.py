@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import torch
-from test_rl_train import rl_assets  # noqa: F401  (the shared tiny model + RL table)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,37 +54,32 @@ def test_histogram_bins():
     assert h["0.0-0.1"] == 2 and h["0.1-0.2"] == 1 and h["0.9-1.0"] == 2 and sum(h.values()) == 5
 
 
-def test_curate_end_to_end(rl_assets, tmp_path, cli):  # noqa: F811
+def test_curate_end_to_end(rl_assets, tmp_path, cli, one_thread):
     from ovkit.rollouts.table import read_rollouts
 
     model_dir, data = rl_assets
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        args = [
-            "rl-curate",
-            data,
-            "--model",
-            model_dir,
-            "--n",
-            "3",
-            "--max-new-tokens",
-            "5",
-            "--min-reward",
-            "-0.01",
-            "--max-reward",
-            "0.5",
-            "--no-system-prompt",
-            "--reward-workers",
-            "1",
-            "--quiet",
-        ]
-        code, stdout, err = cli(*args, "--out", tmp_path / "a")
-        assert code == 0, err
-        code2, _, err2 = cli(*args, "--out", tmp_path / "b")
-        assert code2 == 0, err2
-    finally:
-        torch.set_num_threads(n)
+    args = [
+        "rl-curate",
+        data,
+        "--model",
+        model_dir,
+        "--n",
+        "3",
+        "--max-new-tokens",
+        "5",
+        "--min-reward",
+        "-0.01",
+        "--max-reward",
+        "0.5",
+        "--no-system-prompt",
+        "--reward-workers",
+        "1",
+        "--quiet",
+    ]
+    code, stdout, err = cli(*args, "--out", tmp_path / "a")
+    assert code == 0, err
+    code2, _, err2 = cli(*args, "--out", tmp_path / "b")
+    assert code2 == 0, err2
     out = tmp_path / "a"
     assert re.search(r"rl-curate: 6 prompts, .*kept \d+ \(stage 1: \d+, stage 2: \d+\)", stdout)
     stats = json.loads((out / "stats.json").read_text())
@@ -109,7 +102,7 @@ def test_curate_end_to_end(rl_assets, tmp_path, cli):  # noqa: F811
             assert f.read_bytes() == (tmp_path / "b" / f.relative_to(out)).read_bytes(), f  # same seed, same bytes
 
 
-def test_an_excluded_category_is_not_sampled(rl_assets, tmp_path, cli):  # noqa: F811
+def test_an_excluded_category_is_not_sampled(rl_assets, tmp_path, cli):
     from ovkit.rollouts.table import read_rollouts
 
     model_dir, data = rl_assets

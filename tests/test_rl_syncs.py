@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_rl_train import _cfg, rl_assets  # noqa: F401 (a fixture)
+from helpers import rl_cfg, rl_groups
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # reads inside transformers' Qwen-VL forward (none since the learner builds its input embeddings from host-computed
@@ -53,7 +53,7 @@ def test_a_learner_step_reads_the_device_once_whatever_the_batch(rl_assets, tmp_
     model, data = rl_assets
     counts = {}
     for g in (group_size, 2 * group_size):
-        cfg = _cfg(
+        cfg = rl_cfg(
             model,
             data,
             tmp_path / f"g{g}",
@@ -75,7 +75,7 @@ def test_several_micro_batches_and_minibatches_read_once_per_optimiser_step(rl_a
     """Each optimiser step reads once (its skip guard; the last one carries the metrics), whatever the micro-batches
     and forwards (reference and proximal passes over the batch included)."""
     model, data = rl_assets
-    cfg = _cfg(
+    cfg = rl_cfg(
         model,
         data,
         tmp_path / "mb",
@@ -108,7 +108,6 @@ class _Devices(TorchDispatchMode):
 def test_the_loss_lives_on_the_models_device_with_no_host_read_in_the_gradient_pass(rl_assets, tmp_path, monkeypatch):
     """Between the first forward and the optimiser step, no op outputs a tensor off the model's device and the host
     reads nothing but inside transformers' forward, until the step's one read (after the clipping)."""
-    from test_rl_train import _groups
 
     from ovkit.models import load
     from ovkit.rl import update
@@ -119,11 +118,11 @@ def test_the_loss_lives_on_the_models_device_with_no_host_read_in_the_gradient_p
 
     model_dir, data = rl_assets
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = _cfg(model_dir, data, tmp_path / "unused", kl_coef=0.01, correction="token-tis")
+    cfg = rl_cfg(model_dir, data, tmp_path / "unused", kl_coef=0.01, correction="token-tis")
     model, processor = load(model_dir)
     attn.apply(model, attn.resolve("auto", device, train=True))  # the learner's attention, as rl-train loads it
     model.eval()
-    groups = _groups(model, processor, data, cfg, [[1, 0, 1, 0], [0, 1, 0.5, 0]])
+    groups = rl_groups(model, processor, data, cfg, [[1, 0, 1, 0], [0, 1, 0.5, 0]])
     model.to(device)
     params = trainable(model, cfg)
     optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -13,119 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import ROOT, TINY, rl_cfg, rl_groups, rl_rows
 
-from ovkit.data import image_cell, samples_table, write_samples
-
-ROOT = Path(__file__).resolve().parents[1]
-COLOURS = {"red": (220, 40, 40), "blue": (40, 60, 220), "green": (40, 170, 60)}
-
-
-def _image(n: int, colour: str):
-    from PIL import Image, ImageDraw
-
-    img = Image.new("RGB", (56, 56), "white")
-    draw = ImageDraw.Draw(img)
-    for k in range(n):
-        x, y = 4 + (k % 2) * 26, 4 + (k // 2) * 26
-        draw.rectangle([x, y, x + 20, y + 20], fill=COLOURS[colour])
-    return img
-
-
-def _rows():
-    rows = []
-    for i, (n, colour) in enumerate([(1, "red"), (2, "blue"), (3, "green"), (4, "red"), (2, "green"), (1, "blue")]):
-        rows.append(
-            {
-                "id": f"count-{i}",
-                "images": [image_cell(_image(n, colour))],
-                "messages": [{"role": "user", "content": "<image>\nHow many squares are there?"}],
-                "source": "test/count",
-                "category": "counting" if i % 2 == 0 else "math",
-                "answer": str(n),
-                "answer_type": "number",
-            }
-        )
-    return rows
-
-
-@pytest.fixture(scope="session")
-def rl_assets(tmp_path_factory):
-    """A tiny model and a 6-prompt RL table, built once per session (shared with test_rl_curate)."""
-    from ovkit.models.tiny import build_tiny
-
-    base = tmp_path_factory.getbasetemp() / "rl-assets"
-    if not (base / "model" / "config.json").is_file():
-        rows = _rows()
-        texts = [m["content"] for r in rows for m in r["messages"]] + [
-            "<answer>3</answer>",
-            "<think>count</think><answer>2</answer>",
-        ] * 20
-        build_tiny(base / "model", texts, seed=0)
-        write_samples(samples_table(rows), base / "data")
-    return base / "model", base / "data"
-
-
-@pytest.fixture()
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 contended cores: one OpenMP thread each is far faster than a spinning team
-    yield
-    torch.set_num_threads(n)
-
-
-TINY = [
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "6",
-    "--lr",
-    "1e-3",
-    "--warmup-ratio",
-    "0",
-    "--no-system-prompt",
-    "--rollout-batch-size",
-    "16",
-    "--micro-batch-size",
-    "8",
-    "--reward-workers",
-    "1",
-]
-
-
-def _cfg(model, data, out, **kw):
-    from ovkit.rl.config import RLTrainConfig
-
-    base = dict(
-        data=[data],
-        model=model,
-        out=out,
-        prompts_per_step=2,
-        group_size=4,
-        max_new_tokens=6,
-        lr=1e-3,
-        warmup_ratio=0.0,
-        weight_decay=0.0,
-        system_prompt=False,
-        max_staleness=0,
-        micro_batch_size=8,
-        reward_workers=1,
-    )
-    return RLTrainConfig(**{**base, **kw})
-
-
-def _groups(model, processor, data, cfg, rewards):
-    from ovkit.data import read_samples
-    from ovkit.generate import HFEngine
-    from ovkit.rollouts.groups import Sampling, generate_groups
-    from ovkit.rollouts.prompts import encode_prompts
-
-    prompts = encode_prompts(read_samples(data).table, processor, mode="answer", system=False)
-    groups = generate_groups(HFEngine(model, processor), prompts, [0, 1], 0, Sampling(4, 6, seed=1))
-    for g, r in zip(groups, rewards):
-        g.task_rewards, g.rewards, g.format_rewards, g.parts = list(r), list(r), [0.0] * 4, [{"accuracy": x} for x in r]
-    return groups
+from ovkit.data import samples_table, write_samples
 
 
 def _step(model_dir, data, tmp_path, rewards, **kw):
@@ -134,10 +24,10 @@ def _step(model_dir, data, tmp_path, rewards, **kw):
     from ovkit.rl.update import train_step
     from ovkit.runtime.optim import adamw
 
-    cfg = _cfg(model_dir, data, tmp_path / "unused", **kw)
+    cfg = rl_cfg(model_dir, data, tmp_path / "unused", **kw)
     model, processor = load(model_dir)
     model.eval()
-    groups = _groups(model, processor, data, cfg, rewards)
+    groups = rl_groups(model, processor, data, cfg, rewards)
     params = trainable(model, cfg)
     optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -267,12 +157,12 @@ def test_fewer_prompts_than_a_step_needs_warns(rl_assets, tmp_path, capfd, one_t
 
     model_dir, _ = rl_assets
     one = tmp_path / "one"
-    write_samples(samples_table(_rows()[:1]), one)
-    train_rl(_cfg(model_dir, one, tmp_path / "out", max_steps=1, group_size=2))  # --prompts-per-step 2, one prompt
+    write_samples(samples_table(rl_rows()[:1]), one)
+    train_rl(rl_cfg(model_dir, one, tmp_path / "out", max_steps=1, group_size=2))  # --prompts-per-step 2, one prompt
     err = capfd.readouterr().err
     line = next(x for x in err.splitlines() if x.startswith("warning: DATA has"))
     assert "1 prompt(s), fewer than --prompts-per-step 2" in line and "prompts repeat within a step" in line
-    warn_few_prompts(_cfg(model_dir, one, tmp_path / "o2"), 6)  # enough prompts: silent
+    warn_few_prompts(rl_cfg(model_dir, one, tmp_path / "o2"), 6)  # enough prompts: silent
     assert "warning" not in capfd.readouterr().err
 
 
@@ -282,7 +172,7 @@ def test_async_eta2_never_consumes_a_sample_staler_than_2(rl_assets, tmp_path, o
 
     model_dir, data = rl_assets
     out = tmp_path / "async"
-    summary = train_rl(_cfg(model_dir, data, out, max_staleness=2, max_steps=5, save_rollouts=True, quiet=True))
+    summary = train_rl(rl_cfg(model_dir, data, out, max_staleness=2, max_steps=5, save_rollouts=True, quiet=True))
     rows = _metrics(out)
     assert max(r["ovkit/staleness/max"] for r in rows) <= 2
     assert summary["max_staleness_seen"] >= 1  # the rollout thread did run ahead of the learner
@@ -303,7 +193,7 @@ def test_interrupted_run_resumes_on_the_same_trajectory(rl_assets, tmp_path, mon
 
     model_dir, data = rl_assets
     kw = dict(max_steps=4, save_every=1, keep_checkpoints=1, quiet=True)
-    trainer.train_rl(_cfg(model_dir, data, tmp_path / "straight", **kw))
+    trainer.train_rl(rl_cfg(model_dir, data, tmp_path / "straight", **kw))
 
     save = Runtime.save_checkpoint
 
@@ -315,11 +205,11 @@ def test_interrupted_run_resumes_on_the_same_trajectory(rl_assets, tmp_path, mon
 
     monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        trainer.train_rl(_cfg(model_dir, data, tmp_path / "cut", **kw))
+        trainer.train_rl(rl_cfg(model_dir, data, tmp_path / "cut", **kw))
     monkeypatch.setattr(Runtime, "save_checkpoint", save)
     with pytest.raises(OvkitError, match="--resume"):
-        trainer.train_rl(_cfg(model_dir, data, tmp_path / "cut", **kw))
-    summary = trainer.train_rl(_cfg(model_dir, data, tmp_path / "cut", resume=True, **kw))
+        trainer.train_rl(rl_cfg(model_dir, data, tmp_path / "cut", **kw))
+    summary = trainer.train_rl(rl_cfg(model_dir, data, tmp_path / "cut", resume=True, **kw))
     assert summary["resumed_from"].endswith("step-000002")
     assert [r["step"] for r in _metrics(tmp_path / "cut")] == [1, 2, 3, 4]
     a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
@@ -380,7 +270,7 @@ def test_low_precision_sampler_shows_up_as_mismatch(rl_assets, tmp_path, sampler
     from ovkit.rl.loop import train_rl
 
     model_dir, data = rl_assets
-    train_rl(_cfg(model_dir, data, tmp_path / "out", max_steps=2, correction="token-tis", quiet=True, **sampler))
+    train_rl(rl_cfg(model_dir, data, tmp_path / "out", max_steps=2, correction="token-tis", quiet=True, **sampler))
     rows = _metrics(tmp_path / "out")
     assert all(r["sampling/sampling_logp_difference/max"] > 1e-3 and r["ovkit/mismatch/vllm_kl"] > 0 for r in rows)
     assert all(r["sampling/importance_sampling_ratio/max"] <= 2.0 + 1e-6 for r in rows)  # token-TIS truncates at C = 2
@@ -520,7 +410,7 @@ def test_rl_train_with_the_vllm_engine_colocated(rl_assets, tmp_path, monkeypatc
 
     fake_vllm.install(monkeypatch)
     model_dir, data = rl_assets
-    train_rl(_cfg(model_dir, data, tmp_path / "out", engine="vllm", max_steps=2, temperature=0.9, quiet=True))
+    train_rl(rl_cfg(model_dir, data, tmp_path / "out", engine="vllm", max_steps=2, temperature=0.9, quiet=True))
     rows = _metrics(tmp_path / "out")
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows)
     names = [c[0] for c in fake_vllm.LLM.calls[1:]]

@@ -14,54 +14,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from test_rl_train import _cfg as rl_cfg
-from test_rl_train import rl_assets  # noqa: F401 (a fixture)
-from test_train import ENV, _one_thread, config, make_rows, weights  # noqa: F401 (_one_thread: an autouse fixture)
+from helpers import ENV, config, make_rows, pack_plan, rl_cfg, weights
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def deep(tmp_path_factory):
-    """The tiny default's depth (4 LLM layers, a 4-block ViT), small widths, and a 16-sample table with a pack plan
-    of two rows."""
-    from ovkit.data.parts import write_samples
-    from ovkit.data.schema import samples_table
-    from ovkit.models.tiny import TinySpec, build_tiny
-
-    root = tmp_path_factory.mktemp("runtime")
-    rows = make_rows(16)
-    write_samples(samples_table(rows), root / "data", None)
-    spec = TinySpec(
-        hidden_size=32,
-        num_layers=4,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        mrope_section=(2, 3, 3),
-        vision_hidden_size=32,
-        vision_depth=4,
-        vision_heads=2,
-        vision_intermediate_size=64,
-    )
-    build_tiny(root / "model", [m["content"] for r in rows for m in r["messages"]] * 4, spec=spec)
-    return root, spec
-
-
-def _pack(cli, root: Path, max_len: int) -> tuple[Path, int]:
-    import pyarrow.parquet as pq
-
-    plan = root / f"plan-{max_len}"
-    if not plan.exists():
-        code, _, err = cli(
-            "pack", root / "data", "--model", root / "model", "--max-len", str(max_len), "--out", plan, "--quiet"
-        )
-        assert code == 0, err
-    return plan, len(set(pq.read_table(plan / "plan.parquet").column("pack").to_pylist()))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _attention_calls(cfg) -> tuple[int, int]:
@@ -85,7 +43,7 @@ def test_attention_calls_per_step_are_bounded_by_layers(deep, tmp_path, cli, lay
     root, spec = deep
     kw = dict(data=root / "data", model=root / "model", max_steps=1, batch_size=16)
     if layout == "packed":
-        plan, n_packs = _pack(cli, root, 512)
+        plan, n_packs = pack_plan(cli, root, 512)
         assert n_packs == 2
         kw.update(plan=plan, batch_size=2)
     bound = 2 * (spec.num_layers + spec.vision_depth)
@@ -102,7 +60,7 @@ def _cpu_attention() -> list[str]:
 @pytest.mark.parametrize("attn", _cpu_attention())
 def test_packed_equals_padded_for_every_cpu_attention(deep, tmp_path, cli, attn):
     root, _ = deep
-    plan, n_packs = _pack(cli, root, 160)
+    plan, n_packs = pack_plan(cli, root, 160)
     from ovkit.train import train
 
     padded = train(
@@ -198,6 +156,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
 """
 
 
+@pytest.mark.timeout(600)  # 69 s on a loaded 2-core box: GB-sized logits, in two subprocesses
 def test_the_loss_over_a_qwen_vocabulary_peaks_at_the_chunk_not_tokens_x_vocab():
     """4,096 target tokens x 151,936 vocabulary: 2.5 GB of fp32 logits (and as much again for their gradient) the
     plain way; the chunked head stays within a few chunks (64 MiB each) plus the head's own gradient (39 MB) and
@@ -216,7 +175,7 @@ def test_the_loss_over_a_qwen_vocabulary_peaks_at_the_chunk_not_tokens_x_vocab()
 
 def test_gradient_checkpointing_with_packed_rows_and_a_frozen_group_changes_nothing(deep, tmp_path, cli):
     root, _ = deep
-    plan, n_packs = _pack(cli, root, 160)
+    plan, n_packs = pack_plan(cli, root, 160)
     from ovkit.train import train
 
     kw = dict(plan=plan, batch_size=n_packs, max_steps=1, lr=1e-2, freeze_vision=True)
@@ -269,7 +228,7 @@ def test_bf16_mixed_keeps_fp32_masters_and_resumes_from_them_exactly(deep, tmp_p
     assert all(torch.equal(a[k], b[k]) for k in a)  # the fp32 masters came back bit for bit
 
 
-def test_sft_and_the_rl_learner_go_through_the_same_runtime(deep, rl_assets, tmp_path, monkeypatch):  # noqa: F811
+def test_sft_and_the_rl_learner_go_through_the_same_runtime(deep, rl_assets, tmp_path, monkeypatch):
     from ovkit.rl.loop import train_rl
     from ovkit.runtime import Runtime
     from ovkit.train import train
@@ -345,7 +304,7 @@ def test_lora_trains_adapters_only_and_saves_a_merged_model_and_the_adapter(deep
         torch.testing.assert_close(plain.eval()(**inputs).logits, adapted(**inputs).logits, rtol=1e-4, atol=1e-5)
 
 
-def test_rl_train_with_lora_samples_from_the_adapted_model(rl_assets, tmp_path):  # noqa: F811
+def test_rl_train_with_lora_samples_from_the_adapted_model(rl_assets, tmp_path):
     """rl-train --lora-r: the synchronous sampler is the adapted learner (on-policy: the learner re-reads the
     sampler's tokens exactly), an asynchronous sampler's copy carries the adapters; the output is the merged model."""
     from ovkit.rl.loop import train_rl

@@ -20,7 +20,7 @@ import time
 import uuid
 
 import pytest
-from test_rewards_helpers import ours_or_orphaned
+from reward_scorers import ours_or_orphaned
 
 from ovkit.rewards import score
 from ovkit.rewards.codeexec import run_sandboxed

@@ -1,4 +1,4 @@
-"""The science report (`python -m ovkit.science`): its statistics on hand-made values, and the whole report built
+"""The science report (`ovkit science-report`): its statistics on hand-made values, and the whole report built
 from a fake run directory laid out as `make science` leaves it (no training: invariants, not learned numbers)."""
 
 import json
@@ -127,8 +127,7 @@ def test_report_reads_what_make_science_writes_and_says_one_line_per_finding(tmp
     assert doc["findings"] == rep.findings
 
 
-def test_cli_entry_errors_on_a_missing_run(tmp_path, capsys):
-    from ovkit.science.__main__ import main
-
-    assert main([str(tmp_path / "missing")]) == 2
-    assert "no such run directory" in capsys.readouterr().err
+def test_cli_entry_errors_on_a_missing_run(tmp_path, cli):
+    code, _, err = cli("science-report", tmp_path / "missing")
+    assert code == 2
+    assert "no such run directory" in err

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime import _pack, deep  # noqa: F401 (a fixture)
-from test_train import _one_thread, assets, config, make_rows  # noqa: F401 (fixtures)
+from helpers import config, make_rows, pack_plan
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trainable_model(root):
@@ -67,7 +68,7 @@ def test_packed_rows_with_host_boundaries_give_the_loss_of_the_boundary_search(d
 
     root, _ = deep
     model, processor = _trainable_model(root)
-    plan, n_packs = _pack(cli, root, 128)
+    plan, n_packs = pack_plan(cli, root, 128)
     source = PackedSource(plan, root / "data", processor, model, max_len=128)
     assert source.dataset.layout.attention == "positions"
     batch = source.collate([source[0]], 0)

@@ -9,107 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ENV, config, losses, weights
 
 from ovkit.errors import OvkitError
 
-ROOT = Path(__file__).resolve().parents[1]
-# One intra-op thread: tiny matrices on a shared 2-core box run several times faster than with two.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def make_rows(n: int, seed: int = 0) -> list[dict]:
-    """Count / colour questions about squares, some answers padded with extra words so lengths differ."""
-    from PIL import Image, ImageDraw
-
-    from ovkit.data.schema import image_cell
-
-    colours = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        colour, count = rng.choice(sorted(colours)), rng.randint(1, 3)
-        img = Image.new("RGB", (56 + 28 * (i % 2), 56), "white")
-        draw = ImageDraw.Draw(img)
-        for k in range(count):
-            draw.rectangle([4 + 16 * k, 4, 16 + 16 * k, 20], fill=colours[colour])
-        question, answer = ("What colour are the squares?", colour) if i % 2 else ("How many squares?", str(count))
-        rows.append(
-            {
-                "id": f"s{i}",
-                "images": [image_cell(img)],
-                "messages": [
-                    {"role": "user", "content": "<image>\n" + question},
-                    {"role": "assistant", "content": f"<answer>{answer}</answer>" + " and so on" * (i % 3)},
-                ],
-                "source": "test/squares",
-            }
-        )
-    return rows
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    """A micro model (Qwen2.5-VL architecture, ~90K parameters) and a 16-sample table."""
-    from ovkit.data.parts import write_samples
-    from ovkit.data.schema import samples_table
-    from ovkit.models.tiny import TinySpec, build_tiny
-
-    root = tmp_path_factory.mktemp("train")
-    rows = make_rows(16)
-    write_samples(samples_table(rows), root / "data", None)
-    spec = TinySpec(
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        mrope_section=(2, 3, 3),
-        vision_hidden_size=32,
-        vision_depth=1,
-        vision_heads=2,
-        vision_intermediate_size=64,
-    )
-    texts = [m["content"] for r in rows for m in r["messages"]] * 4
-    build_tiny(root / "model", texts, spec=spec)
-    return root
-
-
-def weights(path: Path) -> dict[str, torch.Tensor]:
-    """The saved tensors (transformers saves Qwen2.5-VL under its original names: visual.*, model.*, lm_head)."""
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "model.safetensors"))
-
-
-def losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def config(cls_name: str, assets: Path, out: Path, **kw):
-    from ovkit import train
-
-    opts = dict(
-        data=assets / "data", model=assets / "model", out=out, batch_size=4, max_steps=3, precision="fp32", quiet=True
-    )
-    opts.update(kw)
-    return getattr(train, cls_name)(**opts)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------------- groups

@@ -53,20 +53,19 @@ def _register() -> None:
     if _registered:
         return
     _registered = True
-    from ovkit.commands import (  # one module per command; add yours here
-        align,
+    from ovkit.commands import (  # one module per command (align, midtrain and sft: train); add yours here
         balance,
         caption,
         convert,
         eval,
         init_model,
-        midtrain,
         mismatch_report,
         pack,
         rl_curate,
         rl_train,
-        sft,
+        science_report,
         synth,
+        train,
     )
     from ovkit.commands._common import StageCommand
 
@@ -79,13 +78,14 @@ def _register() -> None:
     command("convert")(convert.convert)
     command("init-model")(init_model.init_model)
     command("pack")(pack.pack)
-    command("align")(align.align)
-    command("midtrain")(midtrain.midtrain)
-    command("sft")(sft.sft)
+    command("align")(train.align)
+    command("midtrain")(train.midtrain)
+    command("sft")(train.sft)
     command("eval")(eval.evaluate)
     command("rl-curate")(rl_curate.rl_curate)
     command("rl-train")(rl_train.rl_train)
     command("mismatch-report")(mismatch_report.mismatch_report)
+    command("science-report")(science_report.science_report)
 
 
 def _command() -> str:

@@ -22,6 +22,8 @@ import yaml
 
 from ovkit.errors import OvkitError
 from ovkit.hub import check_exists, check_model
+from ovkit.options import aliases as declared_aliases
+from ovkit.options import validate
 
 # Options that steer the CLI itself rather than the stage; never part of a stage config or of config.yaml.
 CLI_ONLY = frozenset({"config"})
@@ -61,7 +63,8 @@ def merge(
     `lr`, from the command's option declarations); an unknown key is an error naming it and the nearest option.
     Where `cls.exclusive` pairs options, one typed on the command line replaces the file's whole pair."""
     names = [f.name for f in dataclasses.fields(cls)]
-    file_values = _canonical_keys(file_values, names, aliases or {}, config_path)
+    aliases = {**declared_aliases(cls), **(aliases or {})}  # the declarations' other spellings, and the command's
+    file_values = _canonical_keys(file_values, names, aliases, config_path)
     for group in getattr(
         cls, "exclusive", ()
     ):  # `--max-steps 5` over a file with `epochs: 3`: the flag wins, as any flag does
@@ -75,9 +78,11 @@ def merge(
         elif name in file_values:
             values[name] = convert(file_values[name], hints.get(name), f"config file {config_path}: key '{name}'")
     try:
-        return cls(**values)
+        cfg = cls(**values)
     except TypeError as e:
         raise OvkitError(str(e)) from None
+    validate(cfg)  # every declared choice and range, before any model loads
+    return cfg
 
 
 def _canonical_keys(

@@ -1,6 +1,6 @@
 """What each command does under a launcher (`torchrun --nproc_per_node N` or `accelerate launch`).
 
-| commands | under N processes |
+| commands (their config's `launcher`) | under N processes |
 |---|---|
 | align, midtrain, sft, rl-train | one run over N processes (data-parallel; ovkit.runtime), written once by the main process after every process has finished |
 | convert, balance, pack, caption, rl-curate | process r runs `--shard r/N`: it writes OUT/part-r-of-N/ (complete or absent on its own), the output N machines with `--shard I/N` would write; the next stage reads OUT as one dataset only when every part is complete (ovkit.data.io) |
@@ -22,10 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
-
-DATA_PARALLEL = frozenset({"align", "midtrain", "sft", "rl-train"})
-RANK_SHARDED = frozenset({"convert", "balance", "pack", "caption", "rl-curate"})
-ROW_SHARED = frozenset({"eval"})
+from ovkit.options import DATA_PARALLEL, ONE_PROCESS, RANK_SHARDED, ROW_SHARED
 
 
 def processes() -> tuple[int, int]:
@@ -34,7 +31,8 @@ def processes() -> tuple[int, int]:
 
 
 def check(command: str, cfg: Any) -> None:
-    """Refuse what a command cannot do under the launcher, and give a rank-sharded command its shard."""
+    """Refuse what a command cannot do under the launcher, and give a rank-sharded command its shard. The policy is
+    the stage config's `launcher` class attribute (ovkit.options: DATA_PARALLEL, RANK_SHARDED, ROW_SHARED, ONE_PROCESS)."""
     rank, world = processes()
     if world == 1:
         asked = _accelerate_asked()
@@ -47,9 +45,10 @@ def check(command: str, cfg: Any) -> None:
             )
         return
     launcher = f"a launcher started {world} processes (WORLD_SIZE={world})"
-    if command in DATA_PARALLEL or (command in ROW_SHARED and not getattr(cfg, "compare", False)):
+    policy = getattr(type(cfg), "launcher", ONE_PROCESS)
+    if policy == DATA_PARALLEL or (policy == ROW_SHARED and not getattr(cfg, "compare", False)):
         return
-    if command in RANK_SHARDED and hasattr(cfg, "shard"):
+    if policy == RANK_SHARDED and hasattr(cfg, "shard"):
         if cfg.shard not in (None, ""):
             raise OvkitError(
                 f"ovkit {command}: --shard {cfg.shard} under {launcher}: the processes are the shards; drop --shard"

@@ -16,14 +16,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
-import torch
-from tqdm import tqdm
 
-from ovkit.balance.assign import Encoder, TextMatcher, batched, read_concepts, topk_chunked
+from ovkit import options as O
+from ovkit.balance.assign import TextMatcher, batched, read_concepts
 from ovkit.balance.sample import (
     COMBINE,
     concept_counts,
@@ -37,36 +36,91 @@ from ovkit.balance.sample import (
 )
 from ovkit.data import read_samples, read_table, write_rejects, write_samples, write_table
 from ovkit.errors import OvkitError
+from ovkit.options import option
 
 METHODS = ("embed", "text", "metaclip")
 PHASES = ("all", "assign", "sample")
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+METHOD = "Method"
+SHARDED_RUNS = "Sharded runs"
+
+
 @dataclass
 class BalanceConfig:
-    data: Path | None = None  # input sample table (not used with --merge)
-    concepts: Path | None = None  # concept vocabulary, one per line
-    out: Path | None = None
-    method: str = "embed"  # embed: top-K by CLIP-family similarity; text: concept strings in captions; metaclip
-    encoder: Path | None = (
-        None  # CLIP / SigLIP / MetaCLIP directory (embed); `init-model --preset tiny-clip` builds one
+    launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
+
+    # input sample table (not used with --merge)
+    data: Path | None = option(
+        None, help="Sample table (parquet file or directory of shards).", argument=True, doc="input sample table"
     )
-    top_k: int = 3  # concepts per image (embed)
-    combine: str = "mean"  # how an image's per-concept inverse frequencies combine into its weight: mean|max|sum
-    target: int | None = None  # rows after resampling (default: as many as the input)
-    threshold: float = 20.0  # MetaCLIP t: a concept's matches are kept with probability min(1, t / count)
-    concept_template: str = "{}"  # text embedded for each concept, e.g. "a photo of {}."
-    chunk: int = 65536  # concepts per similarity chunk (bounds memory at batch x chunk)
-    batch_size: int = 64  # images per encoder batch
-    phase: str = "all"  # all | assign | sample
-    merge: list[Path] | None = None  # assignment outputs to reduce into a plan
-    plan: Path | None = None  # the merge output (for --phase sample)
-    shard: str | None = None
-    on_error: str = "fail"
-    device: str = "cpu"
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    concepts: Path | None = option(None, help="Concept vocabulary: a text file, one concept per line.", panel=O.IO)
+    out: Path | None = O.out(doc="output directory")
+    # embed: top-K by CLIP-family similarity; text: concept strings in captions; metaclip
+    method: str = option(
+        "embed",
+        help="embed (top-K by encoder similarity), text (concepts in captions) or metaclip.",
+        panel=METHOD,
+    )
+    # CLIP / SigLIP / MetaCLIP directory (embed); `init-model --preset tiny-clip` builds one
+    encoder: Path | None = option(
+        None, help="CLIP / SigLIP / MetaCLIP directory for --method embed.", panel=O.IO, doc="encoder directory (embed)"
+    )
+    top_k: int = option(3, help="Concepts per image (embed).", panel=METHOD)
+    # how an image's per-concept inverse frequencies combine into its weight: mean|max|sum
+    combine: str = option(
+        "mean",
+        help="How an image's per-concept inverse frequencies combine: mean, max or sum.",
+        panel=METHOD,
+    )
+    target: int | None = option(
+        None,
+        help="Rows after resampling (default: as many as the input).",
+        panel=METHOD,
+        doc="rows after resampling (embed, text)",
+        default_doc="input rows",
+    )
+    # MetaCLIP t: a concept's matches are kept with probability min(1, t / count)
+    threshold: float = option(
+        20.0,
+        help="MetaCLIP t: keep a concept's matches with probability min(1, t/count).",
+        panel=METHOD,
+        doc="MetaCLIP `t` (MetaCLIP used 20,000 for 400M pairs)",
+    )
+    concept_template: str = option(
+        "{}",
+        help="Text embedded per concept, e.g. 'a photo of {}.'",
+        panel=METHOD,
+        doc="text embedded for each concept, e.g. `a photo of {}.`",
+    )
+    chunk: int = option(
+        65536,
+        help="Concepts per similarity chunk (memory = batch x chunk).",
+        panel=O.RUNTIME,
+    )
+    batch_size: int = option(64, help="Images per encoder batch.", panel=O.RUNTIME)
+    phase: str = option(
+        "all",
+        help="all, or for sharded runs: assign (per shard), then --merge, then sample (per shard).",
+        panel=SHARDED_RUNS,
+    )
+    merge: list[Path] | None = option(
+        None,
+        help="Assignment outputs (of --phase assign) to reduce into a plan.",
+        panel=SHARDED_RUNS,
+    )
+    plan: Path | None = option(
+        None,
+        help="The output of --merge, for --phase sample.",
+        panel=SHARDED_RUNS,
+    )
+    shard: str | None = O.shard(doc="`I/N`: this machine's part (with `--phase assign` or `sample`)")
+    on_error: str = O.on_error(doc="`fail` or `skip` (bad rows to `rejects.parquet`)")
+    device: str = option("cpu", help="Device for the encoder (cpu, cuda).", panel=O.RUNTIME)
+    seed: int = O.seed(doc="seed of the draw")
+    overwrite: bool = O.overwrite(doc="redo a complete output")
+    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self):
         if self.out is None:
@@ -114,8 +168,12 @@ def assign(cfg: BalanceConfig, table: pa.Table, concepts: list[str]) -> tuple[li
 
 
 def _assign_embed(cfg: BalanceConfig, table: pa.Table, concepts: list[str]):
-    # heavy: PIL loads on first use, not at CLI start or in config checks
+    # heavy: torch (and the encoder) load when the embedding way runs, not for balance's --help or input checks
+    import torch
     from PIL import Image
+    from tqdm import tqdm
+
+    from ovkit.balance.embed import Encoder, topk_chunked
 
     torch.manual_seed(cfg.seed)
     enc = Encoder(cfg.encoder, device=cfg.device)

@@ -33,18 +33,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ovkit import options as O
 from ovkit.caption.filter import CaptionFilter, rule
 from ovkit.caption.quality import has_cjk, mean_recall, parse_concepts
 from ovkit.data import IMAGE_TOKEN, MESSAGE, parse_shard, read_samples, write_rejects, write_samples, write_table
 from ovkit.errors import OvkitError
 from ovkit.files import fingerprint, write_json
 from ovkit.models.encode import decode_images, encode_prompt
+from ovkit.options import option
 
 DEFAULT_PROMPTS = {"en": "Describe this image in detail.", "zh": "请详细描述这张图片。"}
 DEFAULT_SHARES = {"en": 0.75, "zh": 0.25}  # the recipe's recaptions: ~65M English, ~20M Chinese
@@ -62,39 +64,113 @@ CHUNK_SCHEMA = pa.schema(
 )
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+CAPTIONING = "Captioning"
+CAPTION_FILTER = "Caption filter"
+
+
 @dataclass
-class CaptionConfig:
-    data: Path | None = None  # input sample table (parquet file or directory of shards)
-    model: Path | None = None  # the captioner: any HF VLM directory (save_pretrained) or hub id
-    out: Path | None = None
-    lang: str = "en,zh"  # caption languages, one per image, drawn by --lang-ratio
-    lang_ratio: str | None = None  # shares of the --lang languages (default 0.75,0.25 for en,zh; else equal)
-    prompt: list[str] | None = None  # LANG=TEXT: the prompt of a language (defaults exist for en and zh)
-    engine: str = "hf"  # hf (transformers, any device) | vllm (GPU)
-    batch_size: int = 32  # sequences per generate call, hf engine
-    max_new_tokens: int = 512  # the recipe's filter allows 3500 characters, about 800 tokens
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    min_chars: int = 50  # filter: shorter captions are rejected
-    max_chars: int = 3500  # filter: longer captions are rejected
-    repeat_limit: int = 8  # filter: a run of this many identical consecutive words rejects the caption
-    keep_original_on_reject: bool = (
-        False  # a rejected recaption keeps its row (original caption) instead of rejecting it
+class CaptionConfig(O.ModelLoading):
+    launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
+
+    data: Path | None = option(
+        None,
+        help="Sample table to recaption (parquet file or directory of shards).",
+        argument=True,
+        doc="input sample table",
     )
-    replace_if_better: bool = (
-        True  # with a `concepts` column: replace targets only if recaption concept recall >= original's
+    model: Path | None = option(
+        None,
+        help="Captioner: any VLM directory (save_pretrained) or hub id.",
+        panel=O.IO,
     )
-    chunk_rows: int = 256  # rows per saved chunk of generations (the resume granularity)
-    shard: str | None = None
-    on_error: str = "fail"
-    precision: str = "auto"  # the captioner's compute precision (ovkit.runtime.precision)
-    attn_implementation: str = (
-        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    out: Path | None = O.out(doc="output directory")
+    lang: str = option(
+        "en,zh",
+        help="Caption languages; each image gets one, drawn by --lang-ratio.",
+        panel=CAPTIONING,
+        doc="caption languages, one per image",
     )
-    trust_remote_code: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    lang_ratio: str | None = option(
+        None,
+        help="Shares of the --lang languages, e.g. 0.75,0.25 (default for en,zh; else equal).",
+        panel=CAPTIONING,
+        default_doc="0.75,0.25 for en,zh; else equal",
+    )
+    prompt: list[str] | None = option(
+        None,
+        help="LANG=TEXT: the prompt of a language (repeatable; en and zh have defaults).",
+        panel=CAPTIONING,
+        default_doc="see above",
+    )
+    engine: str = option(
+        "hf",
+        help="hf (transformers, any device) or vllm (GPU).",
+        panel=O.RUNTIME,
+        doc="`hf` (transformers, any device; the GPU when there is one) or `vllm` (GPU)",
+    )
+    batch_size: int = option(
+        32,
+        help="Sequences per generate call, hf engine.",
+        panel=O.RUNTIME,
+        doc="sequences per generate call (hf engine; vLLM batches itself)",
+    )
+    # the recipe's filter allows 3500 characters, about 800 tokens
+    max_new_tokens: int = option(
+        512,
+        help="Tokens per caption.",
+        panel=CAPTIONING,
+        doc="tokens per caption (3500 characters is about 800 tokens)",
+    )
+    temperature: float = option(0.0, help="0 = greedy.", panel=CAPTIONING)
+    top_p: float = option(
+        1.0,
+        help="Nucleus sampling mass (with --temperature > 0).",
+        panel=CAPTIONING,
+    )
+    min_chars: int = option(
+        50, help="Filter: captions shorter than this are rejected.", panel=CAPTION_FILTER, doc="filter lower bound"
+    )
+    max_chars: int = option(
+        3500, help="Filter: captions longer than this are rejected.", panel=CAPTION_FILTER, doc="filter upper bound"
+    )
+    # filter: a run of this many identical consecutive words rejects the caption
+    repeat_limit: int = option(
+        8,
+        help="Filter: this many identical consecutive words reject a caption.",
+        panel=CAPTION_FILTER,
+    )
+    keep_original_on_reject: bool = option(
+        False,
+        help=("A rejected recaption keeps its row with the original caption instead of moving it to rejects."),
+        panel=CAPTION_FILTER,
+        doc="keep a row whose recaption was rejected, with its original caption",
+    )
+    # with a `concepts` column: replace targets only if recaption concept recall >= original's
+    replace_if_better: bool = option(
+        True,
+        help=("With a `concepts` column: replace the targets only if recaption concept recall >= the originals'."),
+        panel=CAPTION_FILTER,
+        negatable=True,
+        doc="replace only when concept recall does not drop / always replace",
+    )
+    chunk_rows: int = option(
+        256,
+        help="Rows per saved chunk of generations (a rerun resumes after the last one).",
+        panel=O.RUN,
+        doc="rows per saved chunk (resume granularity)",
+    )
+    shard: str | None = O.shard(doc="`I/N`: caption part I of N into `OUT/part-I-of-N/`")
+    on_error: str = O.on_error(doc="`fail` or `skip` (invalid input rows to `rejects.parquet`)")
+    precision: str = O.precision(
+        doc=(
+            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
+            "`bf16-mixed` (bf16 weights)"
+        )
+    )
+    seed: int = O.seed(doc="language draw and sampling seed")
+    overwrite: bool = O.overwrite(doc="redo a complete output (and discard saved chunks)")
+    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.generate import ENGINES

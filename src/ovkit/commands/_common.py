@@ -1,17 +1,25 @@
-"""Options every command shares, the one helper that turns a typer context into a stage config, and the click
-command class that gives every command's --help its defaults, required marks and worked example.
+"""The builder of every command from its stage config, the one helper that turns a typer context into that config,
+and the click command class that gives every command's --help its defaults, required marks and worked example.
 
-One source of truth for defaults: the stage's config dataclass. Options are declared here and in the command
-modules with a default of None and never repeat a value; `resolve` takes what the user typed, then the --config
-file, and leaves everything else to the dataclass. `--help` shows the dataclass's defaults (StageCommand reads
-them when help is asked for: several config modules import torch, which `ovkit --help` should not pay for).
+One declaration per option: the stage config's dataclass field (ovkit.options.option) holds its type, default, help,
+panel, flag spellings and what it accepts. A command module declares only what is special (`@stage`: the config,
+a worked example, the required inputs; the body that calls the library); `signature` turns the fields into the
+parameters typer reads, as HfArgumentParser / TRL's TrlParser build their parsers from dataclasses. Each option's
+CLI default is None, so `resolve` takes what the user typed, then the --config file, and leaves everything else to the
+dataclass; `--help` shows the dataclass's defaults. A command's options are built when it is first used (parsed,
+completed or its help shown), not at `ovkit --help`: several config modules import torch (balance's encoder), which
+neither `ovkit --help` nor a learner's input check should pay for (#29).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
+import inspect
+import types
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,146 +28,12 @@ import typer
 from typer.core import TyperCommand
 
 from ovkit.config import CLI_ONLY, load_yaml, merge
+from ovkit.options import IO, RUN, specs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Help panels shared by every command (each command adds its own between inputs and run control).
-IO = "Inputs/outputs"
-RUNTIME = "Runtime/precision"
-MULTI_TURN = "Multi-turn"
-CHECKPOINTS = "Checkpoints & logging"
-RUN = "Run control"
-
-# Declared once so every command spells them the same way. Required inputs are declared optional here and checked
-# by the stage config, so that they can come from --config as well as from the command line; `stage(required=...)`
-# marks them in --help. No default is repeated here: the stage's dataclass holds them all.
 CONFIG = typer.Option(
     None, "--config", help="YAML file of option values (keys = option names); flags override it.", rich_help_panel=IO
-)
-OUT = typer.Option(
-    None,
-    "--out",
-    "--output-dir",
-    help="Output directory (written atomically: complete or absent). Also --output-dir (HF/TRL).",
-    rich_help_panel=IO,
-)
-SEED = typer.Option(
-    None, "--seed", help="Random seed; the same inputs and seed give byte-identical data outputs.", rich_help_panel=RUN
-)
-OVERWRITE = typer.Option(
-    None, "--overwrite", help="Replace a complete output instead of skipping.", rich_help_panel=RUN
-)
-QUIET = typer.Option(
-    None,
-    "--quiet",
-    help="No progress bars (ovkit's, nor those of transformers, huggingface_hub and datasets).",
-    rich_help_panel=RUN,
-)
-SHARD = typer.Option(
-    None, "--shard", help="Process only part I of N ('I/N', 0-based I), e.g. '3/8'.", rich_help_panel=RUN
-)
-# Every command that loads a model: how it computes (ovkit.runtime.precision, ovkit.runtime.attention).
-PRECISION = typer.Option(
-    None,
-    "--precision",
-    help="auto (bf16-mixed on a bf16 GPU, else fp32) | fp32 | bf16-mixed (bf16 compute, fp32 master weights) | bf16-true (pure bf16). Aliases: bf16 = bf16-mixed, 32 = fp32.",
-    rich_help_panel=RUNTIME,
-)
-OPTIM = typer.Option(
-    None,
-    "--optim",
-    help="adamw_torch_fused (fused AdamW; foreach where fused is unsupported) | adamw_torch (foreach) | adamw_8bit (bitsandbytes 8-bit state) | adamw_bf16 (bf16 weights and state with Kahan-compensated updates; implies --precision bf16-true).",
-    rich_help_panel=RUNTIME,
-)
-ATTN_IMPLEMENTATION = typer.Option(
-    None,
-    "--attn-implementation",
-    help="auto (flash_attention_2 on CUDA with flash-attn, else sdpa) | sdpa | flash_attention_2 | flex_attention | eager. The ViT attends varlen (one call per layer) except with eager.",
-    rich_help_panel=RUNTIME,
-)
-ACTIVATION_CHECKPOINTING = typer.Option(
-    None,
-    "--activation-checkpointing",
-    help="Recompute activations in backward, in the LLM's decoder layers and the ViT's blocks alike: off | full (every block) | every-K (every K-th block) | mlp (only each block's MLP) | auto (off on CPU; on CUDA full when a micro-batch's estimated activations exceed the memory free after weights and optimiser state). Less memory, more time; the same gradients.",
-    rich_help_panel=RUNTIME,
-)
-GRADIENT_CHECKPOINTING = typer.Option(
-    None,
-    "--gradient-checkpointing",
-    help="TRL/HF's spelling of --activation-checkpointing full.",
-    rich_help_panel=RUNTIME,
-)
-COMPILE = typer.Option(
-    None,
-    "--compile",
-    help="torch.compile each decoder layer and vision block (after activation checkpointing; symbolic shapes, the attention's varlen planning left eager). The same losses within float tolerance; pays off after the first steps' compilation.",
-    rich_help_panel=RUNTIME,
-)
-KERNELS = typer.Option(
-    None,
-    "--kernels",
-    help="auto (liger on CUDA when liger-kernel is installed, else torch) | liger (Liger-Kernel: fused RMSNorm, SwiGLU and RoPE in the model, fused linear cross-entropy for the supervised loss; CUDA only) | torch (PyTorch ops; the loss's chunked head).",
-    rich_help_panel=RUNTIME,
-)
-USE_LIGER_KERNEL = typer.Option(
-    None, "--use-liger-kernel", help="TRL/HF's spelling of --kernels liger.", rich_help_panel=RUNTIME
-)
-# LoRA (ovkit.runtime.lora) on every training command.
-LORA = "LoRA"
-LORA_R = typer.Option(
-    None,
-    "--lora-r",
-    help="LoRA rank: train low-rank adapters on the selection's attention/MLP projections instead of every weight (0: full fine-tuning).",
-    rich_help_panel=LORA,
-)
-LORA_ALPHA = typer.Option(
-    None, "--lora-alpha", help="LoRA scale alpha (the update is alpha / r x B A).", rich_help_panel=LORA
-)
-LORA_DROPOUT = typer.Option(None, "--lora-dropout", help="Dropout on the LoRA branch.", rich_help_panel=LORA)
-LOAD_IN_4BIT = typer.Option(
-    None,
-    "--load-in-4bit",
-    help="QLoRA: load the language model's Linear weights in 4-bit NF4 (bitsandbytes) and train LoRA adapters on them; needs --lora-r > 0.",
-    rich_help_panel=LORA,
-)
-LORA_TARGETS = typer.Option(
-    None,
-    "--lora-targets",
-    help="Regex over module names to adapt instead of the per-architecture default; repeatable.",
-    rich_help_panel=LORA,
-)
-# Evaluation while training (ovkit.evaluate.during) on align, midtrain, sft and rl-train.
-EVALUATION = "Evaluation while training"
-EVAL_DATA = typer.Option(
-    None,
-    "--eval-data",
-    help="Held-out table(s) scored while training, as `ovkit eval` scores them (rows with a gold answer: eval/reward, eval/accuracy per category; supervised stages also eval/loss on the target turn). Repeatable.",
-    rich_help_panel=EVALUATION,
-)
-EVAL_EVERY = typer.Option(
-    None,
-    "--eval-every",
-    "--eval-steps",
-    help="Evaluate on --eval-data every N steps and after the last (0: after the last only). Also --eval-steps (HF/TRL). Run control: the training trajectory is unchanged.",
-    rich_help_panel=EVALUATION,
-)
-EVAL_LIMIT = typer.Option(
-    None,
-    "--eval-limit",
-    help="At most this many --eval-data rows per category (the first ones, as `ovkit eval --limit`).",
-    rich_help_panel=EVALUATION,
-)
-EVAL_MAX_NEW_TOKENS = typer.Option(
-    None,
-    "--eval-max-new-tokens",
-    help="Generation budget of the eval. Default: per category, from its longest gold answer (as `ovkit eval`).",
-    rich_help_panel=EVALUATION,
-)
-ON_ERROR = typer.Option(
-    None,
-    "--on-error",
-    help="fail: stop at the first bad row; skip: move bad rows to OUT/rejects.parquet.",
-    rich_help_panel=RUN,
 )
 
 
@@ -195,6 +69,48 @@ def stage_of(command: Any) -> Stage:
     return info
 
 
+def cli_type(hint: Any) -> Any:
+    """The type typer parses a field as: its declared type without None (`float | None` -> float). A field typed
+    Any or dict (--env-arg) is a repeatable string option (key=value), converted by the config."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return cli_type(rest[0]) if len(rest) == 1 else str
+    if hint is Any or hint is dict or origin is dict:
+        return list[str]
+    return hint
+
+
+def signature(cls: type) -> tuple[inspect.Signature, dict[str, Any]]:
+    """The command function's signature (and annotations) typer reads: `ctx`, one parameter per field of `cls`
+    (default None: typer's value when not typed), then --config."""
+    hints = typing.get_type_hints(cls)
+    params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)]
+    for name, o in specs(cls).items():
+        if o.argument:
+            default = typer.Argument(None, help=o.help, show_default=False, metavar=o.metavar)
+        else:
+            flag = o.cli_name(name) + (f"/--no-{o.cli_name(name)[2:]}" if o.negatable else "")
+            default = typer.Option(None, flag, *o.flags, help=o.help, rich_help_panel=o.panel, metavar=o.metavar)
+        params.append(
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=cli_type(hints[name]))
+        )
+    params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=CONFIG, annotation=Path))
+    return inspect.Signature(params, return_annotation=None), {p.name: p.annotation for p in params}
+
+
+def built_from(fn: Callable[[typer.Context], Any], cls: type) -> Callable[..., Any]:
+    """`fn(ctx)` as the command function typer reads: the signature of `cls`'s options (the body reads them through
+    `resolve(ctx)`, so their values as keyword arguments are dropped)."""
+
+    @functools.wraps(fn)
+    def command(ctx: typer.Context, **options: Any) -> Any:
+        return fn(ctx)
+
+    command.__signature__, command.__annotations__ = signature(cls)  # type: ignore[attr-defined]
+    return command
+
+
 def config_defaults(cls: type) -> dict[str, Any]:
     """Every field's default as the dataclass declares it (default_factory called)."""
     out: dict[str, Any] = {}
@@ -211,13 +127,40 @@ class StageCommand(TyperCommand):
     and marks its required inputs. Parsing is untouched: defaults and marks exist only while help is formatted, so
     an option left out still means "the dataclass's value" and an input given in --config satisfies a mark."""
 
+    _options: list[Any] | None = None  # the built options (None until first used)
+    _ready = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._ready = True
         info = stage_of(self)
         self.help = f"{(self.help or '').rstrip()}\n\nExample:\n\n{info.example}"
         self.epilog = (
             "\\[required] inputs may also come from --config FILE; flags given on the command line override the file."
         )
+
+    @property  # type: ignore[override]
+    def params(self) -> list[Any]:
+        if self._options is None and self._ready:
+            self._build()
+        return self._options if self._options is not None else self._stub
+
+    @params.setter
+    def params(self, value: list[Any]) -> None:
+        self._stub = value  # what typer built from the bare function: ctx only
+
+    def _build(self) -> None:
+        """The options, from the stage config's fields: typer builds them from the generated signature."""
+        from typer.main import get_command_from_info
+        from typer.models import CommandInfo
+
+        fn = built_from(self.callback.__wrapped__, stage_of(self).config_class())  # typer's wrapper's function
+        built = get_command_from_info(
+            CommandInfo(name=self.name, callback=fn),
+            pretty_exceptions_short=True,
+            rich_markup_mode=self.rich_markup_mode,
+        )
+        self._options, self.callback = built.params, built.callback
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         try:
@@ -301,40 +244,3 @@ def done(msg: str) -> None:
 
 def skipped(out: Path) -> None:
     typer.echo(f"{out} is complete; skipped (use --overwrite to redo it)")
-
-
-# Multi-turn rollouts (ovkit.envs, ovkit.rollouts.episodes): the same six options on rl-train, rl-curate, eval and
-# mismatch-report.
-ENV = typer.Option(
-    None,
-    "--env",
-    help="Multi-turn rollouts with an environment: zoom, verifier, or package.module:factory (see docs/environments.md).",
-    rich_help_panel=MULTI_TURN,
-)
-ENV_ARG = typer.Option(
-    None,
-    "--env-arg",
-    help="Environment argument key=value (repeatable), e.g. --env-arg max_attempts=3.",
-    rich_help_panel=MULTI_TURN,
-)
-MAX_TURNS = typer.Option(
-    None,
-    "--max-turns",
-    help="Multi-turn: assistant turns at most (then the rollout ends as max_turns).",
-    rich_help_panel=MULTI_TURN,
-)
-MAX_RESPONSE_TOKENS = typer.Option(
-    None,
-    "--max-response-tokens",
-    help="Multi-turn: token budget after the prompt, sampled + observation tokens (then truncated).",
-    rich_help_panel=MULTI_TURN,
-)
-ENV_RETRIES = typer.Option(
-    None,
-    "--env-retries",
-    help="Multi-turn: extra tries of an environment call that raised or timed out (then env_error).",
-    rich_help_panel=MULTI_TURN,
-)
-ENV_TIMEOUT = typer.Option(
-    None, "--env-timeout", help="Multi-turn: seconds per environment call.", rich_help_panel=MULTI_TURN
-)

@@ -1,30 +1,6 @@
-from pathlib import Path
-
 import typer
 
-from ovkit.commands._common import (
-    ATTN_IMPLEMENTATION,
-    CONFIG,
-    IO,
-    ON_ERROR,
-    OUT,
-    OVERWRITE,
-    PRECISION,
-    QUIET,
-    RUN,
-    RUNTIME,
-    SEED,
-    SHARD,
-    done,
-    resolve,
-    skipped,
-    stage,
-)
-
-_O = typer.Option
-
-
-CAPTIONING, FILTER = "Captioning", "Caption filter"
+from ovkit.commands._common import done, resolve, skipped, stage
 
 
 @stage(
@@ -32,80 +8,7 @@ CAPTIONING, FILTER = "Captioning", "Caption filter"
     required=("data", "model", "out"),
     example="ovkit caption runs/tiny/data/pretrain-balanced --model runs/tiny/models/stage0 --shard 0/8 --out runs/tiny/data/pretrain-captioned --config examples/tiny/caption.yaml",
 )
-def caption(
-    ctx: typer.Context,
-    data: Path = typer.Argument(None, help="Sample table to recaption (parquet file or directory of shards)."),
-    model: Path = _O(
-        None, "--model", help="Captioner: any VLM directory (save_pretrained) or hub id.", rich_help_panel=IO
-    ),
-    out: Path = OUT,
-    lang: str = _O(
-        None,
-        "--lang",
-        help="Caption languages; each image gets one, drawn by --lang-ratio.",
-        rich_help_panel=CAPTIONING,
-    ),
-    lang_ratio: str = _O(
-        None,
-        "--lang-ratio",
-        help="Shares of the --lang languages, e.g. 0.75,0.25 (default for en,zh; else equal).",
-        rich_help_panel=CAPTIONING,
-    ),
-    prompt: list[str] = _O(
-        None,
-        "--prompt",
-        help="LANG=TEXT: the prompt of a language (repeatable; en and zh have defaults).",
-        rich_help_panel=CAPTIONING,
-    ),
-    max_new_tokens: int = _O(None, "--max-new-tokens", help="Tokens per caption.", rich_help_panel=CAPTIONING),
-    temperature: float = _O(None, "--temperature", help="0 = greedy.", rich_help_panel=CAPTIONING),
-    top_p: float = _O(
-        None, "--top-p", help="Nucleus sampling mass (with --temperature > 0).", rich_help_panel=CAPTIONING
-    ),
-    min_chars: int = _O(
-        None, "--min-chars", help="Filter: captions shorter than this are rejected.", rich_help_panel=FILTER
-    ),
-    max_chars: int = _O(
-        None, "--max-chars", help="Filter: captions longer than this are rejected.", rich_help_panel=FILTER
-    ),
-    repeat_limit: int = _O(
-        None,
-        "--repeat-limit",
-        help="Filter: this many identical consecutive words reject a caption.",
-        rich_help_panel=FILTER,
-    ),
-    keep_original_on_reject: bool = _O(
-        None,
-        "--keep-original-on-reject",
-        help="A rejected recaption keeps its row with the original caption instead of moving it to rejects.",
-        rich_help_panel=FILTER,
-    ),
-    replace_if_better: bool = _O(
-        None,
-        "--replace-if-better/--no-replace-if-better",
-        help="With a `concepts` column: replace the targets only if recaption concept recall >= the originals'.",
-        rich_help_panel=FILTER,
-    ),
-    engine: str = _O(None, "--engine", help="hf (transformers, any device) or vllm (GPU).", rich_help_panel=RUNTIME),
-    batch_size: int = _O(None, "--batch-size", help="Sequences per generate call, hf engine.", rich_help_panel=RUNTIME),
-    precision: str = PRECISION,
-    attn_implementation: str = ATTN_IMPLEMENTATION,
-    trust_remote_code: bool = _O(
-        None, "--trust-remote-code", help="Allow model code from the model directory / hub.", rich_help_panel=RUNTIME
-    ),
-    chunk_rows: int = _O(
-        None,
-        "--chunk-rows",
-        help="Rows per saved chunk of generations (a rerun resumes after the last one).",
-        rich_help_panel=RUN,
-    ),
-    shard: str = SHARD,
-    on_error: str = ON_ERROR,
-    seed: int = SEED,
-    overwrite: bool = OVERWRITE,
-    quiet: bool = QUIET,
-    config: Path = CONFIG,
-) -> None:
+def caption(ctx: typer.Context) -> None:
     """Recaption every image with a VLM: one caption per image in a language drawn per row, the released caption filter, originals kept beside."""
     from ovkit.caption.run import remove_work, run, work_dir
     from ovkit.data import parse_shard, shard_out

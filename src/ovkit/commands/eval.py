@@ -6,31 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import (
-    ATTN_IMPLEMENTATION,
-    CONFIG,
-    ENV,
-    ENV_ARG,
-    ENV_RETRIES,
-    ENV_TIMEOUT,
-    IO,
-    MAX_RESPONSE_TOKENS,
-    MAX_TURNS,
-    OVERWRITE,
-    PRECISION,
-    QUIET,
-    RUNTIME,
-    SEED,
-    done,
-    resolve,
-    skipped,
-    stage,
-)
-
-_O = typer.Option
-
-
-GENERATION, COMPARE = "Generation", "Compare finished evals"
+from ovkit.commands._common import done, resolve, skipped, stage
 
 
 @stage(
@@ -38,82 +14,7 @@ GENERATION, COMPARE = "Generation", "Compare finished evals"
     required=("data",),
     example="ovkit eval runs/tiny/data/eval --model runs/tiny/models/sft --out runs/tiny/eval/sft --config examples/tiny/eval.yaml",
 )
-def evaluate(
-    ctx: typer.Context,
-    data: list[Path] = typer.Argument(
-        None, help="Eval datasets (parquet file or directory); with --compare: eval outputs (DIR or LABEL=DIR)."
-    ),
-    model: Path = _O(None, "--model", help="Model directory (save_pretrained) or hub id.", rich_help_panel=IO),
-    out: Path = _O(
-        None,
-        "--out",
-        "--output-dir",
-        help="Output directory (written atomically); with --compare: a markdown file for the table.",
-        rich_help_panel=IO,
-    ),
-    compare: bool = _O(
-        None,
-        "--compare",
-        help="Tabulate finished evals (the DATA arguments) instead of running one.",
-        rich_help_panel=COMPARE,
-    ),
-    metric: str = _O(
-        None, "--metric", help="--compare: reward, accuracy, pass@K or truncated.", rich_help_panel=COMPARE
-    ),
-    prompt: str = _O(
-        None,
-        "--prompt",
-        help="Instruction added to each prompt: answer, think, none, or auto (each row in the mode of its RL stage: think for rl-curate's stage-2 categories).",
-        rich_help_panel=GENERATION,
-    ),
-    engine: str = _O(None, "--engine", help="hf (transformers, any device) or vllm (GPU).", rich_help_panel=RUNTIME),
-    batch_size: int = _O(
-        None, "--batch-size", help="Sequences per generate call (rows x n), hf engine.", rich_help_panel=RUNTIME
-    ),
-    max_new_tokens: int = _O(
-        None,
-        "--max-new-tokens",
-        help="Tokens per completion (default: per category, 1.25 x its longest gold answer, at least 32; +256 with --prompt think).",
-        rich_help_panel=GENERATION,
-    ),
-    n: int = _O(None, "--n", help="Completions per row; more than 1 reports pass@k.", rich_help_panel=GENERATION),
-    temperature: float = _O(
-        None, "--temperature", help="0 = greedy (default: 0 for --n 1, 1.0 for --n > 1).", rich_help_panel=GENERATION
-    ),
-    top_p: float = _O(
-        None, "--top-p", help="Nucleus sampling mass (with --temperature > 0).", rich_help_panel=GENERATION
-    ),
-    limit: int = _O(
-        None, "--limit", help="At most this many rows per category (the first ones).", rich_help_panel=GENERATION
-    ),
-    shuffle_images: bool = _O(
-        None,
-        "--shuffle-images",
-        help="Give each row another row's images (same category, seeded): the drop from the plain eval is what the model reads from the image.",
-        rich_help_panel=GENERATION,
-    ),
-    save_logprobs: bool = _O(
-        None,
-        "--save-logprobs",
-        help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards).",
-        rich_help_panel=IO,
-    ),
-    precision: str = PRECISION,
-    attn_implementation: str = ATTN_IMPLEMENTATION,
-    env: str = ENV,
-    env_arg: list[str] = ENV_ARG,
-    max_turns: int = MAX_TURNS,
-    max_response_tokens: int = MAX_RESPONSE_TOKENS,
-    env_retries: int = ENV_RETRIES,
-    env_timeout: float = ENV_TIMEOUT,
-    trust_remote_code: bool = _O(
-        None, "--trust-remote-code", help="Allow model code from the model directory / hub.", rich_help_panel=RUNTIME
-    ),
-    seed: int = SEED,
-    overwrite: bool = OVERWRITE,
-    quiet: bool = QUIET,
-    config: Path = CONFIG,
-) -> None:
+def evaluate(ctx: typer.Context) -> None:
     """Evaluate a model on held-out rows: mean reward and accuracy per category, per source and overall."""
     from ovkit.evaluate import compare_table, load_run, run_eval
     from ovkit.evaluate.results import unmapped

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
-from ovkit.commands._common import CONFIG, OUT, OVERWRITE, QUIET, SEED, done, resolve, skipped, stage
+from ovkit.commands._common import done, resolve, skipped, stage
 
 
 @stage("ovkit.data.synth:SynthConfig", required=("out",), example="ovkit synth --out runs/tiny/data")
-def synth(
-    ctx: typer.Context,
-    out: Path = OUT,
-    scale: float = typer.Option(
-        None, "--scale", help="Multiplies every split's size (1.0: about 8,000 images).", rich_help_panel="Corpus"
-    ),
-    seed: int = SEED,
-    overwrite: bool = OVERWRITE,
-    quiet: bool = QUIET,
-    config: Path = CONFIG,
-) -> None:
+def synth(ctx: typer.Context) -> None:
     """Render the embedded synthetic corpus: pretrain, instruct, rl, val (for tuning) and eval (held out) splits, and
     concepts.txt."""
     from ovkit.data.synth import build_corpus

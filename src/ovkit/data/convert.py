@@ -27,15 +27,17 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 
+from ovkit import options as O
 from ovkit.data.formats import BATCH, FORMATS, Input, Record, detect_format
 from ovkit.data.parts import REJECTS, parse_shard, part_name, shard_bounds, write_table
 from ovkit.data.schema import IMAGE_TOKEN, OPTIONAL, REQUIRED, conform, read_image_file, row_problems
 from ovkit.data.sources import open_input
 from ovkit.errors import OvkitError, where
+from ovkit.options import option
 from ovkit.rewards import resolve_scorer
 
 TO_FORMATS = ("ovkit", "trl")
@@ -70,22 +72,71 @@ ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": 
 FILE_BYTES = 512 << 20  # a part file is also closed once its images reach this size
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+RECORDS = "Records"
+
+
 @dataclass
 class ConvertConfig:
-    input: str | None = (
-        None  # a JSON / JSON-lines / parquet file, a directory of parquet files, or a `datasets` source (Hub id, card dir, saved dir)
+    launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
+
+    input: str | None = option(
+        None,
+        help=(
+            "A JSON / JSON-lines / parquet file, a directory of parquet files, a directory with a dataset "
+            "card or saved by `datasets` (DIR[:CONFIG]\\[@SPLIT]), or a Hub dataset id "
+            "(ORG/NAME[:CONFIG]\\[@SPLIT])."
+        ),
+        argument=True,
+        doc="the file or directory to convert",
     )
-    from_format: str = "auto"  # one of FORMATS (or an alias); auto = detect from the keys/columns
-    to_format: str = "ovkit"  # ovkit: the sample table; trl: TRL's conversational VLM format (images + content parts)
-    out: Path | None = None  # dataset directory written (with --shard: OUT/part-I-of-N/)
-    image_root: Path | None = None  # relative image paths are resolved against it (default: the input's folder)
-    source: str | None = None  # `source` of rows whose input names none (default: the input's file name stem)
-    caption_prompt: str = "Describe the image."  # ov-midtrain: the user turn after `<image>\n`
-    rows_per_file: int = 10_000  # rows per output part file
-    shard: str | None = None  # 'I/N': convert records [I*n/N, (I+1)*n/N) only
-    on_error: str = "fail"  # fail | skip
-    overwrite: bool = False
-    quiet: bool = False
+    # one of FORMATS (or an alias); auto = detect from the keys/columns
+    from_format: str = option(
+        "auto",
+        help=(
+            "auto (detect from the keys/columns) | llava | sharegpt | onevision | ov-midtrain | ov-rl | verl "
+            "(= roll) | trl | ovkit."
+        ),
+        panel=O.IO,
+        flags=("--from",),
+        doc="the input format (table above); in a `--config` file the key is `from-format`",
+    )
+    to_format: str = option(
+        "ovkit",
+        help=(
+            "ovkit (the sample table) | trl (TRL's conversational VLM format: images + messages with content parts)."
+        ),
+        panel=O.IO,
+        flags=("--to",),
+        doc=(
+            "`ovkit`: the sample table; `trl`: TRL's conversational VLM format (above); in a `--config` file the "
+            "key is `to-format`"
+        ),
+    )
+    out: Path | None = O.out(doc="output dataset directory")
+    # relative image paths are resolved against it (default: the input's folder)
+    image_root: Path | None = option(
+        None,
+        help="Folder that relative image paths start from (default: the input's folder).",
+        panel=O.IO,
+        default_doc="the input's folder",
+    )
+    source: str | None = option(
+        None,
+        help="`source` of rows whose input names none (default: the input's file name).",
+        panel=RECORDS,
+        default_doc="the input's name",
+    )
+    caption_prompt: str = option(
+        "Describe the image.", help="ov-midtrain: the user turn after '<image>\\n'.", panel=RECORDS
+    )
+    rows_per_file: int = option(10_000, help="Rows per output part file.", panel=RECORDS)
+    shard: str | None = O.shard(
+        doc="convert only records `[I*n/N, (I+1)*n/N)`, into `OUT/part-I-of-N/`", default_doc="all"
+    )
+    on_error: str = O.on_error()
+    overwrite: bool = O.overwrite(doc="redo a complete output instead of skipping")
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         if self.input is None:

@@ -30,11 +30,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
+from ovkit import options as O
 from ovkit.data import image_cell, parquet_files, samples_table, write_samples
 from ovkit.data.synth_tasks import (
     ANSWER_TYPES,
@@ -48,6 +49,7 @@ from ovkit.data.synth_tasks import (
     font,
 )
 from ovkit.errors import OvkitError
+from ovkit.options import option
 from ovkit.prompts import with_instruction
 
 Rows = list[dict[str, Any]]
@@ -81,11 +83,20 @@ CAPTION_PROMPTS = {
 
 @dataclass
 class SynthConfig:
-    out: Path | None = None  # output directory: pretrain/, instruct/, rl/, val/, eval/, concepts.txt, preview.png
-    scale: float = 1.0  # multiplies every split's size (at least one row per category and split)
-    seed: int = 0  # the same seed gives byte-identical files; held-out compositions do not depend on it
-    overwrite: bool = False
-    quiet: bool = False
+    launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
+
+    out: Path | None = O.out(doc="output directory, written atomically (complete or absent)")
+    scale: float = option(
+        1.0,
+        help="Multiplies every split's size (1.0: about 8,000 images).",
+        panel="Corpus",
+        doc="multiplies every split's size (at least one row per category and split)",
+    )
+    seed: int = O.seed(
+        doc="random seed; the same seed gives byte-identical parquet files, `concepts.txt` and `preview.png`"
+    )
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         if self.out is None:

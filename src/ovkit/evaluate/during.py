@@ -6,7 +6,7 @@ Every N optimiser steps and after the last one, the model being trained scores t
 - `eval/reward`, `eval/accuracy` and `eval/reward/<category>`, `eval/accuracy/<category>`: the numbers
   `ovkit eval --prompt MODE --seed SEED` reports for the model of that step (`summary.json`'s `overall`,
   `accuracy` and `categories`), through the same pieces: rows as `ovkit.evaluate.run.load_rows` reads them (`--eval-limit`
-  per category), prompts as `encode_rows` asks them, per-category token budgets (`token_budgets`), greedy
+  per category), prompts as `ovkit eval` asks them (ovkit.rollouts.prompts.encode_prompts), per-category token budgets (`token_budgets`), greedy
   generation with the HF engine on the learner's own weights (no copy), the rewards library's scorers. Rows that
   have a gold `answer`; a supervised held-out set without one gets the loss only.
 - `eval/loss` (supervised stages): the token-mean NLL of the held-out targets, computed as the training loss is
@@ -15,7 +15,10 @@ Every N optimiser steps and after the last one, the model being trained scores t
   answer-mode instruction and its target is `<answer>ANSWER</answer>`, the form the instruct split trains on.
 
 Under a launcher each process evaluates its share of the rows (`ovkit.launch.share`; row i is sampled from its own
-seed, as `ovkit eval` does) and the results are gathered, so N processes log what one logs.
+seed, as `ovkit eval` does) and the results are gathered, so N processes log what one logs. That holds for data
+parallelism (DDP: each process holds the whole model). Under FSDP or DeepSpeed, which shard the weights, `--eval-data`
+is refused at start: the greedy generate reads the learner's weights outside its forward and would run another number
+of collectives on each process; evaluate the checkpoints (model directories) with `ovkit eval` instead.
 
 Evaluation is run control: it does not change the trajectory. The model is put in eval mode and back to each
 module's own mode, nothing gets a gradient, and the torch / CUDA / Python / NumPy random states are restored
@@ -61,6 +64,15 @@ def evaluator(
     else {}; the loops merge them into the step's metrics. Without `cfg.eval_data`, always {}."""
     if not cfg.eval_data:
         return never
+    if getattr(rt, "sharded", False):
+        # Generation reads the learner's own weights, which FSDP/DeepSpeed shard, and each process would run another
+        # number of forwards (collectives per forward): refused at start rather than a hang or shard-shaped weights.
+        raise OvkitError(
+            f"--eval-data under {rt.distributed}: evaluation while training reads the learner's "
+            "weights directly, which this engine shards across processes; train with DDP (accelerate launch without "
+            "an FSDP/DeepSpeed config, or torchrun), or evaluate the checkpoints afterwards (--save-every N, then "
+            "`ovkit eval` on each OUT.partial/checkpoints/step-N, a model directory)"
+        )
     held_out = HeldOut(cfg.eval_data, processor, rt.accelerator.unwrap_model, rt, prompt=prompt, loss=loss, limit=cfg.eval_limit,
                        max_new_tokens=cfg.eval_max_new_tokens, batch_size=batch_size, seed=cfg.seed)  # fmt: skip
 
@@ -149,14 +161,7 @@ class HeldOut:
         engine = HFEngine(model, self.processor, batch_size=self.batch_size)  # the learner's weights, not a copy
         mine = share(len(self.rows))
         with self.rt.autocast():
-            done = score_rows(
-                self.eval_cfg,
-                engine,
-                self.processor,
-                [self.rows[i] for i in mine],
-                self.budgets,
-                [self.eval_cfg.seed * 1_000_003 + i for i in mine],
-            )
+            done = score_rows(self.eval_cfg, engine, self.processor, [self.rows[i] for i in mine], self.budgets)
         every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
         scored = [every[i] for i in range(len(self.rows))]
         records = make_records(self.rows, [s[0] for s in scored], [s[2] for s in scored], [s[3] for s in scored])

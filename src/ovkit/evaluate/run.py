@@ -8,55 +8,160 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from ovkit import options as O
 from ovkit.errors import OvkitError, where
 from ovkit.files import write_json
+from ovkit.options import option
+from ovkit.rollouts.prompts import UNCATEGORIZED  # the task of rows without a `category` (light: no torch)
 
-UNCATEGORIZED = "uncategorized"  # the task of rows without a `category`
 MIN_NEW_TOKENS = 32  # the smallest per-category token budget when --max-new-tokens is not given
 THINK_EXTRA_TOKENS = 256  # room for the reasoning with --prompt think
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+GENERATION = "Generation"
+
+
 @dataclass
-class EvalConfig:
+class EvalConfig(O.ModelLoading):
     """Options of `ovkit eval` (evaluate a model) and `ovkit eval --compare` (tabulate finished evals)."""
 
-    data: list[Path] | None = (
-        None  # eval datasets; with --compare: eval outputs (summary.json dirs), LABEL=PATH allowed
+    launcher: ClassVar[str] = O.ROW_SHARED  # what it does under torchrun / accelerate launch (ovkit.launch)
+
+    # eval datasets; with --compare: eval outputs (summary.json dirs), LABEL=PATH allowed
+    data: list[Path] | None = option(
+        None,
+        help=("Eval datasets (parquet file or directory); with --compare: eval outputs (DIR or LABEL=DIR)."),
+        argument=True,
     )
-    model: Path | None = None  # model directory (save_pretrained) or hub id
-    out: Path | None = None  # output directory; with --compare: a markdown file to write the table to (optional)
-    compare: bool = False  # tabulate finished evals instead of running one
-    metric: str = "reward"  # --compare: reward | accuracy | pass@K | truncated
-    prompt: str = "answer"  # stage instruction added to each prompt: answer | think | none | auto (the row's RL stage)
-    engine: str = "hf"  # hf (transformers, any device) | vllm (GPU)
-    batch_size: int = 64  # sequences per generate call (prompts x n); hf engine
-    max_new_tokens: int | None = None  # default: per category, from its longest gold answer (token_budgets)
-    n: int = 1  # completions per row; > 1 reports pass@k
-    temperature: float | None = None  # default: 0 (greedy) for --n 1, 1.0 for --n > 1
-    top_p: float = 1.0
-    limit: int | None = None  # at most this many rows per category (the first ones), like lmms-eval's --limit
-    shuffle_images: bool = (
-        False  # each row gets another row's images (same category): how much the score needs the image
+    model: Path | None = option(
+        None,
+        help="Model directory (save_pretrained) or hub id.",
+        panel=O.IO,
+        default_doc="required (not with --compare)",
     )
-    save_logprobs: bool = False  # also write OUT/rollouts.parquet (token ids, sampler logprobs, rewards)
-    precision: str = (
-        "auto"  # the weights' compute precision (ovkit.runtime.precision): auto | fp32 | bf16-true | bf16-mixed
+    out: Path | None = O.out(
+        help="Output directory (written atomically); with --compare: a markdown file for the table.",
+        doc="output directory, written atomically; with `--compare`: optional markdown file for the table",
+        default_doc="required (with --compare: none)",
     )
-    attn_implementation: str = (
-        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    compare: bool = option(
+        False,
+        help="Tabulate finished evals (the DATA arguments) instead of running one.",
+        panel="Compare finished evals",
     )
-    env: str | None = None  # multi-turn: evaluate under an environment's loop (ovkit.envs)
-    env_arg: Any = None
-    max_turns: int = 3
-    max_response_tokens: int | None = None
-    env_retries: int = 2
-    env_timeout: float = 30.0
-    trust_remote_code: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    metric: str = option(
+        "reward",
+        help="--compare: reward, accuracy, pass@K or truncated.",
+        panel="Compare finished evals",
+        doc=("with `--compare`: `reward`, `accuracy`, `pass@K` (runs with `--n` >= K) or `truncated`"),
+    )
+    prompt: str = option(
+        "answer",
+        help=(
+            "Instruction added to each prompt: answer, think, none, or auto (each row in the mode of its RL "
+            "stage: think for rl-curate's stage-2 categories)."
+        ),
+        panel=GENERATION,
+        doc=(
+            'instruction appended to each prompt: `answer` (RL stage 1, "Put ONLY your final answer within '
+            '<answer></answer>."), `think` (RL stage 2), `none`, or `auto`: each row in the mode of the RL stage '
+            "it belongs to (rl-curate's split: its `prompt_type`, else think for the stage-2 categories math, "
+            "chart, science, diagram, svg, code, stem, coding); `normal`/`default` are accepted as in the "
+            "released data"
+        ),
+    )
+    engine: str = option(
+        "hf",
+        help="hf (transformers, any device) or vllm (GPU).",
+        panel=O.RUNTIME,
+        doc=(
+            "`hf`: transformers `generate` on left-padded batches, any device (CUDA when available); `vllm`: a "
+            "colocated vLLM engine (GPU, `pip install 'ovkit[vllm]'`)"
+        ),
+    )
+    batch_size: int = option(
+        64,
+        help="Sequences per generate call (rows x n), hf engine.",
+        panel=O.RUNTIME,
+        doc=("sequences (rows x `--n`) per `generate` call of the hf engine; lower it when memory runs out"),
+    )
+    max_new_tokens: int | None = option(
+        None,
+        help=(
+            "Tokens per completion (default: per category, 1.25 x its longest gold answer, at least 32; +256 "
+            "with --prompt think)."
+        ),
+        panel=GENERATION,
+        doc='token budget of every completion (default: see "Token budget")',
+        default_doc="per category",
+    )
+    n: int = option(
+        1,
+        help="Completions per row; more than 1 reports pass@k.",
+        panel=GENERATION,
+    )
+    temperature: float | None = option(
+        None,
+        help="0 = greedy (default: 0 for --n 1, 1.0 for --n > 1).",
+        panel=GENERATION,
+        doc="0 = greedy; `--n` > 1 needs T > 0",
+        default_doc="0 for `--n 1`, 1.0 otherwise",
+    )
+    top_p: float = option(
+        1.0,
+        help="Nucleus sampling mass (with --temperature > 0).",
+        panel=GENERATION,
+        doc="nucleus sampling mass (with T > 0)",
+    )
+    limit: int | None = option(
+        None,
+        help="At most this many rows per category (the first ones).",
+        panel=GENERATION,
+        doc="the first N rows of each category (lmms-eval's `--limit` is per task too)",
+        default_doc="all",
+    )
+    # each row gets another row's images (same category): how much the score needs the image
+    shuffle_images: bool = option(
+        False,
+        help=(
+            "Give each row another row's images (same category, seeded): the drop from the plain eval is what"
+            " the model reads from the image."
+        ),
+        panel=GENERATION,
+    )
+    save_logprobs: bool = option(
+        False,
+        help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards).",
+        panel=O.IO,
+    )
+    precision: str = O.precision(
+        doc=(
+            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
+            "`bf16-mixed` (bf16 weights)"
+        )
+    )
+    env: str | None = O.env(
+        doc=(
+            "evaluate under an environment's loop: `zoom`, `verifier` or `package.module:factory` "
+            "([docs/environments.md](../docs/environments.md))"
+        )
+    )
+    env_arg: Any = O.env_arg(
+        doc=(
+            "environment argument, value parsed as YAML (repeatable); in a config file a mapping `env-arg: {key: "
+            "value}`"
+        )
+    )
+    max_turns: int = O.max_turns(3)
+    max_response_tokens: int | None = O.max_response_tokens()
+    env_retries: int = O.env_retries(2)
+    env_timeout: float = O.env_timeout()
+    seed: int = O.seed(doc="sampling seed")
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.generate import ENGINES
@@ -163,7 +268,7 @@ def run_eval(
 
     `engine`/`processor` may be given (tests, or a caller that already holds the model); otherwise they are built
     from `cfg.model` with `cfg.engine`. Under a launcher each process generates and scores its share of the rows
-    (ovkit.launch.share; every row sampled from its own seed, so the share changes no draw) and the main process,
+    (ovkit.launch.share; every row sampled from the seed of its id, so the share changes no draw) and the main process,
     given `out_dir`, writes what one process would; the others pass None and get None."""
     from ovkit.launch import gather, share
 
@@ -177,9 +282,7 @@ def run_eval(
     clock["load"] = time.perf_counter()
     mine = share(len(rows))
     budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)  # from every row: the same on each process
-    done = score_rows(
-        cfg, engine, processor, [rows[i] for i in mine], budgets, [cfg.seed * 1_000_003 + i for i in mine], clock
-    )
+    done = score_rows(cfg, engine, processor, [rows[i] for i in mine], budgets, clock)
     every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
     if out_dir is None:
         return None
@@ -195,23 +298,33 @@ def score_rows(
     processor: Any,
     rows: Sequence[dict[str, Any]],
     budgets: dict[str, int],
-    seeds: Sequence[int],
     clock: dict[str, float] | None = None,
 ) -> list[tuple]:
-    """(prompt text, prompt token ids, completions, rewards) per row: encoded, generated (row i sampled from
-    `seeds[i]`) and scored. The part of an eval that the processes share; `clock` gets each phase's end."""
+    """(prompt text, prompt token ids, completions, rewards) per row: encoded, generated (each row from the streams
+    of its id and the run seed) and scored. The part of an eval that the processes share; `clock` gets each phase's
+    end."""
     from ovkit.rollouts.episodes import env_instruction, env_tools
+    from ovkit.rollouts.prompts import encode_prompts
 
     clock = {} if clock is None else clock
-    prompts, images, inputs = encode_rows(
-        rows, processor, cfg.prompt, progress=not cfg.quiet, extra=env_instruction(cfg), tools=env_tools(cfg)
+    prompts = encode_prompts(
+        rows,
+        processor,
+        mode=[row_mode(r, cfg.prompt) for r in rows],
+        system=False,
+        extra=env_instruction(cfg),
+        tools=env_tools(cfg),
+        progress=not cfg.quiet,
     )
     clock["encode"] = time.perf_counter()
-    completions = generate_rows(engine, cfg, rows, prompts, images, budgets, processor, seeds)
+    completions = generate_rows(engine, cfg, prompts, budgets, processor)
     clock["generate"] = time.perf_counter()
     rewards = score(rows, completions, cfg.prompt)
     clock["score"] = time.perf_counter()
-    return [(text, [int(t) for t in p.input_ids], c, r) for text, p, c, r in zip(inputs, prompts, completions, rewards)]
+    return [
+        (prompt_text(p.messages), [int(t) for t in p.encoded.input_ids], c, r)
+        for p, c, r in zip(prompts, completions, rewards)
+    ]
 
 
 def _write(
@@ -276,31 +389,9 @@ def row_mode(row: dict[str, Any], prompt: str) -> str:
     return mode_of(stage_of(row, STAGE2_CATEGORIES), "auto")
 
 
-def encode_rows(
-    rows: Sequence[dict[str, Any]],
-    processor: Any,
-    prompt: str,
-    *,
-    progress: bool = False,
-    extra: str = "",
-    tools: Any = None,
-) -> tuple[list, list, list[str]]:
-    """(encoded prompts, PIL images, prompt text) per row, the stage instruction (`row_mode`; then an
-    environment's, `extra`) added to the last user turn."""
-    from tqdm.auto import tqdm
-
-    from ovkit.models.encode import decode_images, encode_prompt
-    from ovkit.prompts import with_instruction
-    from ovkit.rollouts.prompts import with_extra
-
-    prompts, images, inputs = [], [], []
-    for row in tqdm(rows, desc="encode", unit="row", leave=False, disable=not progress):
-        messages = with_extra(with_instruction(row["messages"], row_mode(row, prompt)), extra)
-        pics = decode_images(row["images"])
-        prompts.append(encode_prompt(processor, messages, pics, tools=tools))
-        images.append(pics)
-        inputs.append("\n".join(f"{m['role']}: {m['content']}" for m in messages))
-    return prompts, images, inputs
+def prompt_text(messages: Sequence[dict[str, Any]]) -> str:
+    """A prompt as the results files show it (`input`): one `role: content` line per turn."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
 def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, fixed: int | None) -> dict[str, int]:
@@ -326,60 +417,33 @@ def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, f
 
 
 def generate_rows(
-    engine: Any,
-    cfg: EvalConfig,
-    rows,
-    prompts,
-    images,
-    budgets: dict[str, int],
-    processor: Any = None,
-    seeds: Sequence[int] | None = None,
+    engine: Any, cfg: EvalConfig, prompts, budgets: dict[str, int], processor: Any = None
 ) -> list[list[Any]]:
-    """Completions per row; rows that share a token budget are generated together (one engine call each, or one
-    multi-turn rollout with --env). Row i samples from `seeds[i]` (default: its position), whatever rows share its
-    call; multi-turn rollouts seed per call."""
-    seeds = list(range(len(rows))) if seeds is None else list(seeds)
+    """Completions per row (ovkit.rollouts.sample: single-turn, or multi-turn with --env); rows that share a token
+    budget are sampled together. A row draws from the streams of its id, whatever rows share its call or process."""
     from ovkit.rollouts.episodes import make_runner
+    from ovkit.rollouts.sample import sample
 
     groups: dict[int, list[int]] = {}
-    for i, row in enumerate(rows):
-        groups.setdefault(budgets[row["category"]], []).append(i)
-    out: list[list[Any]] = [[] for _ in rows]
+    for i, p in enumerate(prompts):
+        groups.setdefault(budgets[p.category], []).append(i)
+    out: list[list[Any]] = [[] for _ in prompts]
     mode = "answer" if cfg.prompt == "none" else cfg.prompt
     episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=None) if cfg.env else None
-    for g, (budget, idx) in enumerate(sorted(groups.items())):
-        if episodes is not None:
-            tasks = [_as_prompt(rows[i], prompts[i], images[i]) for i in idx]
-            done = episodes.run(
-                tasks, n=cfg.n, max_new_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + g
-            )
-            for i, completions in zip(idx, done):
-                out[i] = completions
-            continue
-        done = engine.generate(
+    for budget, idx in sorted(groups.items()):
+        done = sample(
+            engine,
             [prompts[i] for i in idx],
             n=cfg.n,
             max_new_tokens=budget,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            seed=cfg.seed + g,
-            seeds=[seeds[i] for i in idx],
-            images=[images[i] for i in idx] if cfg.engine == "vllm" else None,
+            seed=cfg.seed,
+            episodes=episodes,
         )
         for i, completions in zip(idx, done):
             out[i] = completions
     return out
-
-
-def _as_prompt(row: dict[str, Any], encoded: Any, images: list) -> Any:
-    """An eval row as the RL Prompt the multi-turn loop (and its environments) read."""
-    from ovkit.rollouts.prompts import Prompt, _reward_kwargs
-
-    return Prompt(
-        id=str(row["id"]), encoded=encoded, answer=str(row.get("answer") or ""), answer_type=row.get("answer_type"),
-        source=str(row.get("source") or ""), category=str(row.get("category") or ""),
-        reward_kwargs=_reward_kwargs(row.get("reward_kwargs"), str(row["id"])), images=images, image_cells=list(row.get("images") or []),
-    )  # fmt: skip
 
 
 def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:
@@ -416,7 +480,7 @@ def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:
 
 
 def build_engine(cfg: EvalConfig) -> tuple[Any, Any]:
-    """(engine, processor) for `cfg.model` (ovkit.runtime.engines: one device rule, one precision vocabulary)."""
+    """(engine, processor) for `cfg.model` (ovkit.generate.engines: one device rule, one precision vocabulary)."""
     from ovkit.generate.engines import build_engine as build
 
     engine = build(

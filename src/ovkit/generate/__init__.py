@@ -45,6 +45,12 @@ class Completion:
         return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.token_ids)
 
 
+def full_tensor(tensor: Any) -> Any:
+    """A parameter as one tensor: an FSDP2 shard (DTensor) gathered from every process (a collective: every process
+    calls it, in the same order), anything else as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 # Engines that sample from the --model directory itself (eval, caption, rl-curate, mismatch-report) ...
 ENGINES = ("hf", "vllm")  # built by ovkit.generate.engines.build_engine
 # ... and rl-train's, which can also sample from a running vLLM server that it keeps in sync with the learner.

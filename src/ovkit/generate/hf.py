@@ -457,7 +457,7 @@ def _seeded(seed: int, model: Any) -> Iterator[None]:
     device = next(model.parameters()).device
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+        torch.manual_seed(int(seed) % 2**63)  # any int: seeds of ovkit.rollouts.sample are 62-bit, x 1_000_003 here
         yield
 
 

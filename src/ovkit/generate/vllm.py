@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
-from ovkit.generate import Completion
+from ovkit.generate import Completion, full_tensor
 from ovkit.models import lora
 
 
@@ -108,7 +108,8 @@ class VLLMEngine:
     ) -> list[list[Completion]]:
         """Per prompt, `n` completions. `images`: the PIL images of each prompt (needed when prompts have any);
         `suppress_ids`: tokens never sampled (a -100 logit bias, applied before vLLM's processed log-probs);
-        `seeds`: one per prompt (its request's seed), so a prompt samples the same wherever it is in the call."""
+        `seeds`: one per prompt (its request's seed, `request_seed`), so a prompt samples the same wherever it is in
+        the call or whichever process sends it; without them, one per prompt from `seed` and its place in the call."""
         # heavy: transformers, PIL, yaml, huggingface_hub load on first use, not at CLI start or in config checks
         from ovkit.generate.hf import _check_sampling
 
@@ -120,9 +121,7 @@ class VLLMEngine:
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_new_tokens,
-                seed=seed * 1_000_003 + i * n
-                if seeds is None
-                else int(seeds[i]),  # one seed per prompt: reproducible, not shared across prompts
+                seed=seed * 1_000_003 + i * n if seeds is None else request_seed(seeds[i]),
                 logprobs=0,  # the sampled token's log-prob only
                 stop_token_ids=self.stop_ids,
                 skip_special_tokens=True,
@@ -168,14 +167,23 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
 
+def request_seed(seed: int) -> int:
+    """The vLLM request seed of a prompt seeded `seed`. vLLM samples a request's k-th of n completions with the
+    request seed + k (`ParentRequest`, vllm/v1/engine/parallel_sampling.py), so the seed is spread (x 1_000_003, as
+    HFEngine's per-sequence streams) to keep one prompt's children off its neighbour's, and kept under 2**62 so that
+    seed + k fits torch's int64 (the server refuses larger seeds)."""
+    return (int(seed) * 1_000_003) % 2**62
+
+
 def checkpoint_weights(model: Any) -> list[tuple[str, Any]]:
     """(name, tensor) of every parameter under the name `save_pretrained` gives it (the checkpoint layout vLLM
-    loads), detached; a tied output embedding appears once, as in the checkpoint."""
+    loads), detached; a tied output embedding appears once, as in the checkpoint. FSDP2 shards are gathered (every
+    process calls this at the same step), so each colocated engine receives whole tensors."""
     if lora.has_lora(model):  # vLLM serves the merged weights (base + adapter), parameters only
         params = {n.replace(".base_layer.", ".") for n, _ in model.named_parameters() if "lora_" not in n}
         named = {k: v for k, v in lora.merged_state_dict(model).items() if k in params}
     else:
-        named = {name: p.detach() for name, p in model.named_parameters()}
+        named = {name: full_tensor(p.detach()) for name, p in model.named_parameters()}
     try:
         # optional: the package (or this name in it) may be missing; imported only where it is used
         from transformers.core_model_loading import revert_weight_conversion

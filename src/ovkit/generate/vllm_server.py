@@ -98,11 +98,16 @@ class VLLMServerEngine:
         suppress_ids: Sequence[int] = (),
         seeds: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
-        """Per prompt, `n` completions (the contract of HFEngine.generate, except `seeds`: the server's API seeds a
-        request, not each prompt in it, so `seed` seeds the call and N processes draw otherwise than one)."""
+        """Per prompt, `n` completions (the contract of HFEngine.generate). The server's API seeds a request, not each
+        prompt in it: with `seeds` every prompt goes as its own request (sent concurrently, the server batches them)
+        seeded `request_seed(seeds[i])`, so a prompt samples the same whichever process or call sends it; without
+        them one request seeded `seed` carries every prompt."""
         from ovkit.generate.hf import _check_sampling
+        from ovkit.generate.vllm import request_seed
 
         _check_sampling(n, max_new_tokens, temperature, top_p)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
         if not prompts:
             return []
         plain = temperature == 1.0 and top_p == 1.0
@@ -119,19 +124,32 @@ class VLLMServerEngine:
                     "VLLMServerEngine.generate: a prompt has images; pass them as images=[[PIL images], ...]"
                 )
             features = self.client.image_features([list(im) if im else None for im in images])
-        extra = {"seed": seed, "stop_token_ids": list(self.stop_ids), "skip_special_tokens": True}
+        extra = {"stop_token_ids": list(self.stop_ids), "skip_special_tokens": True}
         if suppress_ids:
             extra["logit_bias"] = {str(int(t)): -100.0 for t in suppress_ids}
-        out = self.client.generate(
-            ids,
-            features=features,
-            n=n,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_new_tokens,
-            logprobs=0,
-            generation_kwargs=extra,
-        )
+
+        def ask(which: Sequence[int], request: int) -> dict[str, Any]:
+            return self.client.generate(
+                [ids[i] for i in which],
+                features=None if features is None else [features[i] for i in which],
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                generation_kwargs={"seed": request, **extra},
+            )
+
+        if seeds is None:
+            parts = [ask(range(len(prompts)), seed)]
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=min(32, len(prompts))) as pool:
+                parts = list(pool.map(lambda i: ask([i], request_seed(seeds[i])), range(len(prompts))))
+        out = {
+            key: [x for part in parts for x in part[key]] for key in ("completion_ids", "logprobs", "logprob_token_ids")
+        }
         seqs = out["completion_ids"]
         if len(seqs) != len(prompts) * n:
             raise OvkitError(
@@ -166,7 +184,7 @@ class VLLMServerEngine:
         from ovkit.generate.vllm import checkpoint_weights
 
         main = int(os.environ.get("RANK", "0")) == 0
-        named = [(name, _full(t)) for name, t in checkpoint_weights(model)]  # collective when sharded: every rank
+        named = checkpoint_weights(model)  # collective when sharded: every rank
         if not main:
             return
         if self.client.communicator is None:
@@ -181,11 +199,6 @@ class VLLMServerEngine:
         self.client.update_named_params(metadata, iter(named))
         self.client.reset_prefix_cache()
         self.synced = True
-
-
-def _full(tensor: Any) -> Any:
-    """A parameter as one tensor: an FSDP2 shard (DTensor) gathered from every process, anything else as it is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _find(tree: Any, key: str) -> Any:

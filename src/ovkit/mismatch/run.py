@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from ovkit import options as O
 from ovkit.errors import OvkitError
 from ovkit.files import read_provenance, write_json
 from ovkit.mismatch.analyses import analyse
@@ -16,53 +17,172 @@ from ovkit.mismatch.report import html_page, markdown
 from ovkit.mismatch.sample import generate_rollouts, make_sampler
 from ovkit.mismatch.score import data_images, rescore
 from ovkit.models import vocab_size
+from ovkit.options import option
 from ovkit.rollouts.prompts import encode_prompts, limit_per_category
 
 PROMPT_MODES = ("answer", "think", "none")
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+FRESH_ROLLOUTS = "Fresh rollouts (--generate)"
+LEARNER = "Learner"
+RL_TRAIN_CORRECTIONS = "rl-train corrections reported"
+
+
 @dataclass
-class MismatchConfig:
+class MismatchConfig(O.ModelLoading):
     """Options of `ovkit mismatch-report`."""
 
-    rollouts: Path | None = None  # a rollout table (eval --save-logprobs, rl-curate, rl-train --save-rollouts)
-    model: Path | None = None  # the learner: a model directory
-    out: Path | None = None
-    generate: Path | None = None  # sample fresh rollouts from these prompt rows instead of reading ROLLOUTS
-    sampler: list[str] = field(
-        default_factory=list
-    )  # with --generate: fp32 | bf16 | fp16 | int8 | vllm (repeatable; default bf16)
-    data: Path | None = None  # prompt rows for the images of rollout tables that carry none (matched by prompt_id)
-    temperature: float | None = None  # default: the rollouts' producer's (its config.yaml), else 1.0
-    top_p: float | None = None  # --generate: nucleus mass (default 1.0); ROLLOUTS: read from the producer for the note
-    n: int = 4  # --generate: completions per prompt
-    limit: int | None = None  # --generate: at most this many prompt rows per category (the first ones)
-    max_new_tokens: int = 64  # --generate
-    prompt: str = "answer"  # --generate: stage instruction (answer | think | none)
-    system_prompt: bool = True  # --generate: prepend the recipe's system prompt, as rl-train does
-    max_pixels: int = 512 * 512  # images downscaled to at most this many pixels, as rl-curate / rl-train do (0: never)
-    batch_size: int = 16  # rollouts per learner forward pass (and sequences per generate call)
-    precision: str = "fp32"  # the learner's compute precision (ovkit.runtime.precision); fp32 is the reference
-    attn_implementation: str = (
-        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
+
+    rollouts: Path | None = option(
+        None,
+        help=(
+            "Rollout table: eval --save-logprobs OUT, rl-curate OUT/rollouts, rl-train OUT/rollouts, or one "
+            "parquet file."
+        ),
+        argument=True,
+        doc=(
+            "rollout table (file, directory, or run directory holding `rollouts.parquet`); exclusive with `--generate`"
+        ),
     )
-    correction_threshold: float = 2.0  # rl-train's C (TIS truncation / MIS rejection)
-    correction_lower: float | None = None
-    geo_lower: float = 0.999
-    geo_upper: float = 1.001
-    behave_cap: float = 5.0  # rl-train's behaviour-weight cap (0: not reported)
-    veto_threshold: float | None = None
-    max_points: int = 20000  # tokens drawn in the scatter plots (a seeded sample beyond that)
-    env: str | None = None  # --generate: multi-turn rollouts with an environment (ovkit.envs)
-    env_arg: Any = None
-    max_turns: int = 3
-    max_response_tokens: int | None = None
-    env_retries: int = 2
-    env_timeout: float = 30.0
-    trust_remote_code: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    model: Path | None = option(None, help="The learner: a model directory (save_pretrained).", panel=O.IO)
+    out: Path | None = O.out(doc="output directory, written atomically (complete or absent)")
+    generate: Path | None = option(
+        None,
+        help="Sample fresh rollouts from these prompt rows (RL/eval table) instead of reading ROLLOUTS.",
+        panel=FRESH_ROLLOUTS,
+    )
+    sampler: list[str] = option(
+        [],
+        help=(
+            "With --generate: fp32, bf16, fp16, int8, fp8, int4 (4-bit weights) or vllm (GPU); repeat to "
+            "compare (default bf16)."
+        ),
+        panel=FRESH_ROLLOUTS,
+        doc=(
+            "with `--generate`: `fp32`, `bf16`, `fp16`, `int8`, `fp8` or `vllm`; repeat to compare several (one "
+            "run each)"
+        ),
+        default_doc="`bf16`",
+    )
+    data: Path | None = option(
+        None,
+        help=("Prompt rows (matched by prompt_id) for the images of rollout tables that store none (rl-train)."),
+        panel=O.IO,
+    )
+    # default: the rollouts' producer's (its config.yaml), else 1.0
+    temperature: float | None = option(
+        None,
+        help=(
+            "Sampling temperature; the learner divides its logits by it (default: the rollouts' producer's, else 1.0)."
+        ),
+        panel=LEARNER,
+        default_doc="producer's, else 1.0",
+    )
+    # --generate: nucleus mass (default 1.0); ROLLOUTS: read from the producer for the note
+    top_p: float | None = option(
+        None,
+        help="With --generate: nucleus sampling mass (default 1.0).",
+        panel=FRESH_ROLLOUTS,
+        doc="with `--generate`: nucleus mass of the samplers",
+        default_doc="1.0",
+    )
+    n: int = option(4, help="With --generate: completions per prompt.", panel=FRESH_ROLLOUTS)
+    limit: int | None = option(
+        None,
+        help="With --generate: at most this many prompt rows per category (the first ones).",
+        panel=FRESH_ROLLOUTS,
+        doc="with `--generate`: at most N prompt rows per category (the first ones)",
+        default_doc="all",
+    )
+    max_new_tokens: int = option(64, help="With --generate: tokens per completion.", panel=FRESH_ROLLOUTS)
+    prompt: str = option(
+        "answer",
+        help="With --generate: stage instruction added to prompts: answer, think or none.",
+        panel=FRESH_ROLLOUTS,
+    )
+    system_prompt: bool = option(
+        True,
+        help="With --generate: prepend the recipe's system prompt (as rl-train).",
+        panel=FRESH_ROLLOUTS,
+        negatable=True,
+        doc="with `--generate`: prepend the recipe's system prompt, as rl-train does",
+    )
+    # images downscaled to at most this many pixels, as rl-curate / rl-train do (0: never)
+    max_pixels: int = option(
+        512 * 512,
+        help=("Downscale images to at most this many pixels, as the sampler did (0: never; eval does not downscale)."),
+        panel=LEARNER,
+        doc=(
+            "downscale images to at most N pixels as the sampler did (rl-curate / rl-train: 262144; eval does not"
+            " downscale: 0)"
+        ),
+    )
+    batch_size: int = option(
+        16, help="Rollouts per learner forward pass (and sequences per generate call).", panel=LEARNER
+    )
+    precision: str = O.precision(
+        "fp32",
+        help=(
+            "The learner's precision: fp32 (the default, the reference), bf16-true or bf16-mixed (both "
+            "compute in bf16)."
+        ),
+        panel=LEARNER,
+        doc=("the learner's compute precision: `fp32` (the reference), `bf16-true` / `bf16-mixed` (bf16 weights)"),
+    )
+    correction_threshold: float = option(
+        2.0,
+        help="rl-train's C: TIS truncation / MIS rejection bound.",
+        panel=RL_TRAIN_CORRECTIONS,
+        flags=("--rollout-is-threshold",),
+    )
+    correction_lower: float | None = option(
+        None,
+        help="rl-train's lower bound (MIS masks below it, TIS clamps to it).",
+        panel=RL_TRAIN_CORRECTIONS,
+    )
+    geo_lower: float = option(
+        0.999,
+        help="geo-rs: lower bound on the geometric-mean ratio.",
+        panel=RL_TRAIN_CORRECTIONS,
+        doc="geo-rs bounds on the geometric-mean ratio (verl's Geo-RS preset)",
+    )
+    geo_upper: float = option(
+        1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel=RL_TRAIN_CORRECTIONS
+    )
+    behave_cap: float = option(
+        5.0,
+        help="rl-train's behaviour-weight cap, reported as a mask rate (0: not reported).",
+        panel=RL_TRAIN_CORRECTIONS,
+    )
+    veto_threshold: float | None = option(
+        None,
+        help="Also report the veto: sequences with any token ratio below this.",
+        panel=RL_TRAIN_CORRECTIONS,
+        flags=("--rollout-token-veto-threshold",),
+        doc="also report the veto: responses with any token ratio below X",
+    )
+    max_points: int = option(
+        20000,
+        help="Tokens drawn in the scatter plots (a seeded sample beyond that).",
+        panel=O.IO,
+    )
+    env: str | None = O.env(
+        doc=(
+            "with `--generate`: multi-turn rollouts with an environment: `zoom`, `verifier` or `package.module:factory`"
+        )
+    )
+    env_arg: Any = O.env_arg(doc="environment argument (repeatable; YAML-parsed value)")
+    max_turns: int = O.max_turns(3, doc="with `--env`: assistant turns at most")
+    max_response_tokens: int | None = O.max_response_tokens(
+        doc="with `--env`: token budget after the prompt, sampled + observation tokens"
+    )
+    env_retries: int = O.env_retries(2, doc="with `--env`: extra tries of an environment call that raised or timed out")
+    env_timeout: float = O.env_timeout()
+    seed: int = O.seed(doc="sampling seed with `--generate`; scatter-plot sample")
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.mismatch.sample import canonical_sampler
@@ -161,9 +281,6 @@ def check_not_empty(rows: Sequence[dict[str, Any]], source: str) -> None:
 def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
     """Write report.json, report.md, report.html, figures/, logprobs.parquet (and rollouts/ with --generate) into
     `out_dir`; return the headline metrics per run."""
-    # heavy: torch loads on first use, not at CLI start or in config checks
-    from ovkit.generate.engines import load_for_inference
-
     # Every input is read and checked before the model loads: rollouts (token ids inside the model's vocabulary,
     # finite log-probs, images), prompt rows (answers included) and --data.
     inputs: list[tuple[str, list[dict[str, Any]], str]] = []
@@ -176,6 +293,8 @@ def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
         inputs.append(("rollouts", rows, str(cfg.rollouts)))
     prompt_rows = _prompt_rows(cfg) if cfg.generate is not None else None
     images_for = data_images(cfg.data)
+    from ovkit.generate.engines import load_for_inference  # torch: after every input is checked (#29)
+
     model, processor = load_for_inference(
         cfg.model,
         precision=cfg.precision,

@@ -65,18 +65,21 @@ def generate_rollouts(
     episodes: Any = None,
 ) -> Any:
     """`n` scored completions per prompt -> a rollout table (with the prompt images); multi-turn trajectories with
-    `episodes` (an ovkit.rollouts.episodes.EpisodeRunner over `engine`)."""
+    `episodes` (an ovkit.rollouts.episodes.EpisodeRunner over `engine`). Every sampler draws a prompt's completions
+    from the same streams (keyed by its id: ovkit.rollouts.sample), so the samplers' rollouts pair up."""
     from ovkit.rollouts.groups import Group, groups_table, score_groups
+    from ovkit.rollouts.sample import sample
 
-    if episodes is not None:
-        outs = episodes.run(
-            prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
-        )
-    else:
-        outs = engine.generate(
-            [p.encoded for p in prompts], n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            seed=seed, images=[p.images for p in prompts],
-        )  # fmt: skip
+    outs = sample(
+        engine,
+        prompts,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        episodes=episodes,
+    )
     groups = [Group(p, i, 0, list(cs)) for i, (p, cs) in enumerate(zip(prompts, outs))]
     score_groups(groups, mode=prompt_mode, format_weight=0.0, workers=1)
     return groups_table(groups, with_images=True, tokenizer=getattr(engine, "tokenizer", None))

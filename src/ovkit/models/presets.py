@@ -11,13 +11,15 @@ smoke-test a cluster without a download.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from ovkit import options as O
 from ovkit.errors import OvkitError
 from ovkit.models.compose import compose
 from ovkit.models.tiny import TINY, build_tiny, tiny_processor, train_tokenizer
+from ovkit.options import option
 from ovkit.prompts import ANSWER_PROMPT, SYSTEM_PROMPT, THINK_PROMPT
 
 
@@ -165,23 +167,80 @@ def presets_table() -> str:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+MODEL = "Model"
+
+
 @dataclass
 class InitModelConfig:
     """Options of `ovkit init-model` (see commands/init-model.md)."""
 
-    out: Path | None = None  # the model directory to write
-    preset: str | None = None  # tiny (default without --vision/--llm) or a published name
-    corpus: list[Path] = field(default_factory=list)  # tiny: datasets whose text trains the tokenizer
-    vision: Path | None = None  # compose: a local vision encoder directory
-    llm: Path | None = None  # compose: a local causal LM directory
-    dtype: str = "auto"  # compose: weight dtype of the composed model ("auto" keeps the checkpoints')
-    vision_feature_layer: int = -2  # compose: which encoder layer feeds the projector (LLaVA uses the penultimate)
-    random_init: bool = False  # build a published architecture with random weights (presets with an `arch`)
-    processor: Path | None = None  # random-init: a processor directory to use (default: the tiny tokenizer)
-    list_presets: bool = False  # print the preset table and exit
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
+
+    out: Path | None = O.out(doc="the model directory (written atomically; a complete one is skipped)")
+    # tiny (default without --vision/--llm) or a published name
+    preset: str | None = option(
+        None,
+        help="tiny (default), or a published name (see --list-presets).",
+        panel=MODEL,
+        doc="a row of the preset table",
+        default_doc="`tiny` (`compose` with `--vision/--llm`)",
+    )
+    # tiny: datasets whose text trains the tokenizer
+    corpus: list[Path] = option(
+        [],
+        help=("tiny: dataset(s) whose text trains the tokenizer (repeatable), e.g. data/ from `ovkit synth`."),
+        panel=O.IO,
+        default_doc="required for tiny",
+    )
+    vision: Path | None = option(
+        None,
+        help="Compose: local vision encoder directory (CLIP, SigLIP, ...).",
+        panel=O.IO,
+    )
+    llm: Path | None = option(None, help="Compose: local causal LM directory (with its tokenizer).", panel=O.IO)
+    # compose: weight dtype of the composed model ("auto" keeps the checkpoints')
+    dtype: str = option(
+        "auto",
+        help=("Compose / random init: weight dtype (auto keeps the checkpoints' / float32; float32, bfloat16, ...)."),
+        panel=MODEL,
+        doc=(
+            "compose: `auto` (keep the checkpoints'), `float32`, `bfloat16`, `float16`; random init: the weights'"
+            " dtype (`auto` = float32)"
+        ),
+    )
+    vision_feature_layer: int = option(
+        -2,
+        help="Compose: encoder layer that feeds the projector.",
+        panel=MODEL,
+        doc=("compose: encoder hidden state fed to the projector (LLaVA uses the penultimate layer)"),
+    )
+    # build a published architecture with random weights (presets with an `arch`)
+    random_init: bool = option(
+        False,
+        help="Build a published architecture (qwen2.5-vl-2b/3b/7b) with random weights, offline.",
+        panel=MODEL,
+        doc=(
+            "build a published architecture with random weights, offline: `qwen2.5-vl-2b` (2.21B, a benchmark "
+            "size), `qwen2.5-vl-3b` (3.75B), `qwen2.5-vl-7b` (8.29B), the dimensions of their config.json files; "
+            "vocabulary padded to the published size"
+        ),
+    )
+    processor: Path | None = option(
+        None,
+        help=("Random init: a processor directory to save with it (default: the tiny tokenizer, vocabulary padded)."),
+        panel=O.IO,
+        doc=(
+            "random init: the processor to save with the model (it must have Qwen-VL's special tokens); default: "
+            "the tiny byte-level BPE (trained on `--corpus` if given, else on ovkit's prompts) with Qwen2.5-VL's "
+            "image processing capped at 448x448 (256 visual tokens)"
+        ),
+        default_doc="tiny tokenizer",
+    )
+    list_presets: bool = option(False, help="Print the preset table and exit.", panel=MODEL)
+    seed: int = O.seed(doc=("tokenizer/model initialisation (tiny), projector and new embedding rows (compose)"))
+    overwrite: bool = O.overwrite(doc="rebuild a complete output")
+    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         self.corpus = [Path(p) for p in (self.corpus or [])]

@@ -15,14 +15,17 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ovkit import options as O
 from ovkit.data import read_samples
 from ovkit.errors import OvkitError
 from ovkit.files import fingerprint, write_json
+from ovkit.options import option
 from ovkit.pack.binpack import best_fit_decreasing, pack_loads
 from ovkit.pack.lengths import cache_key, compute_lengths, default_cache_dir, read_cached, write_cached
 from ovkit.pack.stats import fill_histogram, merge_stats, pack_stats
@@ -40,21 +43,55 @@ REJECT_SCHEMA = pa.schema(
 )
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+PACKING = "Packing"
+
+
 @dataclass
 class PackConfig:
-    data: Path | None = None  # the sample table to pack (a parquet file or a directory of shards)
-    model: Path | None = None  # model directory whose processor measures the samples
-    max_len: int = 8192  # pack capacity L in tokens; longer samples are rejected
-    out: Path | None = None  # plan directory (with --shard: PLAN/part-I-of-N/)
-    shard: str | None = None  # 'I/N': pack only the I-th of N equal parts of the input
-    workers: int = 1  # processes measuring lengths
-    exact_lengths: bool = False  # encode every sample with the processor instead of using image header sizes
-    cache: Path | None = None  # lengths cache directory (default $OVKIT_CACHE/lengths or ~/.cache/ovkit/lengths)
-    baseline_batch: int = 8  # B of the "pad to the longest in random batches of B" padding baseline
-    on_error: str = "fail"  # fail | skip: bad rows stop the run or go to rejects.parquet
-    seed: int = 0  # shuffles the random-batch padding baseline (the plan itself does not depend on it)
-    overwrite: bool = False
-    quiet: bool = False
+    launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
+
+    data: Path | None = option(
+        None,
+        help="Sample table to pack (a parquet file or a directory of shards).",
+        argument=True,
+    )
+    model: Path | None = option(
+        None,
+        help="Model directory whose processor measures each sample.",
+        panel=O.IO,
+        doc="model directory whose processor measures the samples",
+    )
+    # pack capacity L in tokens; longer samples are rejected
+    max_len: int = option(8192, help="Pack capacity L in tokens; longer samples go to rejects.", panel=PACKING)
+    out: Path | None = O.out(doc="plan directory (with `--shard`, the part goes to `OUT/part-I-of-N/`)")
+    shard: str | None = O.shard()
+    workers: int = option(
+        1,
+        help="Processes measuring lengths.",
+        panel=O.RUNTIME,
+        doc="processes measuring lengths (results do not depend on it)",
+    )
+    # encode every sample with the processor instead of using image header sizes
+    exact_lengths: bool = option(
+        False, help="Encode every image with the processor instead of counting from image sizes.", panel=PACKING
+    )
+    cache: Path | None = option(
+        None,
+        help="Lengths cache directory (default $OVKIT_CACHE or ~/.cache/ovkit).",
+        panel=O.IO,
+        default_doc="`$OVKIT_CACHE/lengths`",
+    )
+    baseline_batch: int = option(
+        8,
+        help="B of the 'pad to longest in random batches' baseline.",
+        panel=PACKING,
+        doc='B of the "pad to the longest in random batches of B" padding baseline',
+    )
+    on_error: str = O.on_error(doc="`fail`: stop at the first bad row; `skip`: move it to `rejects.parquet`")
+    seed: int = O.seed(doc="shuffles the random-batch padding baseline (the plan does not depend on it)")
+    overwrite: bool = O.overwrite(doc="replace a complete plan instead of skipping")
+    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.data import parse_shard

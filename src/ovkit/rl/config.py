@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ovkit import options as O
 from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
 from ovkit.generate import RL_ENGINES
+from ovkit.options import option, run_control_names
 from ovkit.runtime.log import check_trackers
 from ovkit.runtime.options import (  # torch-free: a bad option fails before torch imports (#29)
     AGGREGATIONS,
@@ -34,131 +36,306 @@ STAGE_MODES = {1: "answer", 2: "think"}  # stage 1: answer-only prompts; stage 2
 STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 
 
-# Options a resumed run may change: where it writes and reports, how it checkpoints, how many reward workers score,
-# where a vLLM server listens, and how the same numbers are computed (learner micro-batches, attention kernel,
-# activation checkpointing). Every other option shapes the trajectory (sampling, rewards, the loss, its corrections,
-# the optimiser), so a resumed run must keep it: TRAJECTORY is derived below, and an option added later is covered
-# without being listed (Runtime.resume exits 2 naming it).
-RUN_CONTROL = frozenset(
-    {
-        "out",
-        "resume",
-        "overwrite",
-        "quiet",
-        "report_to",
-        "save_every",
-        "keep_checkpoints",
-        "save_rollouts",
-        "reward_workers",
-        "trust_remote_code",
-        "vllm_server_url",
-        "vllm_server_timeout",
-        "micro_batch_size",
-        "activation_checkpointing",
-        "gradient_checkpointing",
-        "compile",
-        "kernels",
-        "use_liger_kernel",
-        "eval_data",
-        "eval_every",
-        "eval_limit",
-        "eval_max_new_tokens",  # evaluation restores the RNG: same trajectory
-    }
-)
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+SAMPLING = "Sampling"
+OPTIMISER = "Optimiser"
+GRPO_LOSS = "GRPO loss"
+MISMATCH_CORRECTIONS = "Mismatch corrections"
 
 
 @dataclass
-class RLTrainConfig:
+class RLTrainConfig(O.Learner):
     """Options of `ovkit rl-train`. Defaults are the published LLaVA-OneVision-1.5-RL values (anchors.md section 1)."""
+
+    launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     # Options that exclude each other: one given on the command line drops the config file's other (flags override the file)
     exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
 
-    data: list[Path] | None = None  # RL sample tables (answer, answer_type): e.g. rl-curate's OUT/stage1
-    model: Path | None = None  # HF model directory: the SFT model for stage 1, the stage-1 output for stage 2
-    out: Path | None = None
-    stage: int = 1  # 1: answer-only prompts; 2: think prompts + format reward (the curriculum)
-    engine: str = "hf"  # hf | vllm (colocated) | vllm-server (ovkit.generate)
-    precision: str = "auto"  # the learner's: auto | fp32 | bf16-mixed | bf16-true (ovkit.runtime.precision)
-    optim: str = "adamw_torch_fused"  # adamw_torch_fused | adamw_torch | adamw_8bit | adamw_bf16 (x --precision: ovkit.runtime.optim)
-    attn_implementation: str = "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager
-    activation_checkpointing: str = "auto"  # auto | off | full | mlp | every-K: the learner's blocks recomputed in backward (ovkit.runtime.checkpointing)
-    gradient_checkpointing: bool = False  # TRL's spelling of --activation-checkpointing full
-    compile: bool = False  # torch.compile each decoder layer and vision block (ovkit.runtime.compiling); run control, not trajectory
-    kernels: str = "auto"  # auto | liger | torch: Liger-Kernel's fused RMSNorm/SwiGLU/RoPE and linear cross-entropy on CUDA (ovkit.runtime.kernels)
-    use_liger_kernel: bool = False  # TRL/HF's spelling of --kernels liger
-    sampler_precision: str | None = None  # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
-    sampler_quant: str | None = None  # int8 | fp8: a low-precision sampler (the INT8-rollout ablation of Yao et al.)
-    prompts_per_step: int = 32  # GRPO groups per step (batch size 32)
-    group_size: int = 16  # completions per prompt (G)
-    max_new_tokens: int = 4096
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_steps: int | None = None  # exclusive with --epochs
-    epochs: float | None = None  # passes over the prompts (30 when neither is given)
-    lr: float = 2e-6
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.001  # constant learning rate after a linear warmup over this fraction of the steps
-    max_grad_norm: float = 1.0
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
-    reward_bias: float = -0.5  # r' = (r + bias) * scale
-    reward_scale: float = 10.0
-    adv_eps: float = 1e-6  # A = (r' - mean) / (std + eps)
-    adv_std: bool = True  # divide by the group std (--no-adv-std: centre only, Dr. GRPO)
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-    kl_coef: float = 0.0  # KL to the initial model (the recipe uses none)
-    kl_estimator: str = "k3"  # k1 | k2 | k3
-    behave_cap: float = 5.0  # behaviour-weight cap exp(prox - behave) (0: no cap)
-    behave_action: str = "mask"  # mask: tokens above the cap train nothing; clamp: weight = cap
-    behave_level: str = "token"  # token | sequence (geometric mean of the sequence's ratios)
-    correction: str = "none"  # none | token-tis | seq-tis | token-mis | seq-mis | geo-rs (verl names accepted)
-    correction_threshold: float = 2.0  # C: upper truncation (TIS) / rejection (MIS) bound
-    correction_lower: float | None = None  # lower bound (MIS: mask below; TIS: clamp below)
-    geo_lower: float = 0.999  # geo-rs bounds on the geometric-mean ratio
-    geo_upper: float = 1.001
-    veto_threshold: float | None = None  # mask a sequence with any token ratio below this
-    max_staleness: int = 4  # ETA: max versions between the sampler that made a sample and the learner using it
-    ppo_minibatches: int = 1  # optimizer steps per batch (AReaL ppo_n_minibatches)
-    micro_batch_size: int = 8  # trajectories per learner forward (memory)
-    rollout_batch_size: int = 64  # sequences per generate call of the hf engine
-    vllm_gpu_memory_utilization: float = 0.3  # --engine vllm (colocated): the GPU share vLLM takes (TRL's default)
-    vllm_server_url: str = "http://localhost:8000"  # --engine vllm-server: where `vllm serve` listens
-    vllm_server_timeout: float = 240.0  # --engine vllm-server: seconds to wait for the server to answer at start
-    format_weight: float | None = None  # weight of the format reward; None = 0 in stage 1, 0.1 in stage 2
-    system_prompt: bool = True  # prepend "You are a helpful AI assistant." (the recipe's system prompt)
-    max_pixels: int = 512 * 512  # images are downscaled to at most this many pixels (the recipe's 512x512 cap)
-    freeze_vision: bool = False
-    lora_r: int = (
-        0  # LoRA rank (0: full fine-tuning); adapters on the selection's attention/MLP projections (ovkit.runtime.lora)
+    data: list[Path] | None = option(
+        None,
+        help=(
+            "RL sample tables with answer/answer_type (e.g. rl-curate's OUT/stage1, or OUT/part-*/stage1 of a"
+            " sharded curate)."
+        ),
+        argument=True,
     )
-    lora_alpha: float = 16.0  # LoRA scale alpha (the update is alpha / r * B A)
-    lora_dropout: float = 0.0
-    lora_targets: list[str] | None = None  # regexes over module names to adapt instead of the per-architecture default
-    save_every: int = 250  # checkpoint every N steps (0: only at the end)
-    keep_checkpoints: int = 2
-    save_rollouts: bool = False  # write every step's trajectories to OUT/rollouts/
-    resume: bool = False  # continue the run in OUT.partial/ from its last checkpoint
-    report_to: list[str] = field(default_factory=list)  # experiment trackers: tensorboard, wandb, mlflow, trackio
-    eval_data: list[Path] | None = (
-        None  # held-out tables scored while training (ovkit.evaluate.during): eval/reward, eval/accuracy, ...
+    model: Path | None = option(
+        None,
+        help="Model directory: the SFT model for stage 1, the stage-1 output for stage 2.",
+        panel=O.IO,
+        doc="model to start from",
     )
-    eval_every: int = 0  # evaluate on --eval-data every N steps, and after the last (0: only after the last)
-    eval_limit: int | None = None  # at most this many eval rows per category (the first ones, as `ovkit eval --limit`)
-    eval_max_new_tokens: int | None = (
-        None  # the eval's generation budget; default: per category (`ovkit eval`'s token_budgets)
+    out: Path | None = O.out(doc="output directory")
+    stage: int = option(
+        1,
+        help="1: answer-only prompts; 2: think prompts + format reward (the curriculum).",
+        panel=O.IO,
     )
-    reward_workers: int = 2
-    env: str | None = None  # multi-turn: an environment (ovkit.envs: zoom, verifier, or package.module:factory)
-    env_arg: Any = None  # its arguments: key=value strings (--env-arg, repeatable) or a mapping (YAML)
-    max_turns: int = 3  # multi-turn: assistant turns at most
-    max_response_tokens: int | None = None  # multi-turn: token budget after the prompt (sampled + observation)
-    env_retries: int = 2  # multi-turn: extra tries of a failed environment call
-    env_timeout: float = 30.0  # multi-turn: seconds per environment call
-    trust_remote_code: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    # hf | vllm (colocated) | vllm-server (ovkit.generate)
+    engine: str = option(
+        "hf",
+        help=(
+            "Rollout engine: hf (transformers, CPU or GPU), vllm (colocated, GPU) or vllm-server (a running "
+            "`vllm serve`, see --vllm-server-url)."
+        ),
+        panel=SAMPLING,
+    )
+    # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
+    sampler_precision: str | None = option(
+        None,
+        help="Sample from a copy in another precision than the learner: fp32, bf16, fp16.",
+        panel=SAMPLING,
+        default_doc="learner's (an asynchronous run's own copy: its compute dtype)",
+    )
+    # int8 | fp8: a low-precision sampler (the INT8-rollout ablation of Yao et al.)
+    sampler_quant: str | None = option(
+        None,
+        help=(
+            "int8, fp8 or int4: sample from a quantised copy (hf engine: int8 is dynamic W8A8 on CPU, "
+            "weight-only on GPU; fp8 weight-only; int4 group-wise 4-bit weights; vllm: fp8)."
+        ),
+        panel=SAMPLING,
+        doc=(
+            "`int8` (hf engine: dynamic W8A8 on CPU, weight-only per-channel rounding on GPU) or `fp8` "
+            "(weight-only e4m3 on any device; with `--engine vllm`, vLLM's own fp8 quantisation)"
+        ),
+    )
+    # GRPO groups per step (batch size 32)
+    prompts_per_step: int = option(
+        32,
+        help="GRPO groups (prompts) per step.",
+        panel=SAMPLING,
+        doc=("prompts (groups) per step; a DATA with fewer prompts repeats them within a step, with a warning"),
+    )
+    group_size: int = option(16, help="Completions per prompt (G).", panel=SAMPLING, flags=("--n-samples",))
+    max_new_tokens: int = option(4096, help="Completion length limit.", panel=SAMPLING)
+    temperature: float = option(
+        1.0,
+        help="Sampling temperature (the learner divides its logits by it too).",
+        panel=SAMPLING,
+    )
+    top_p: float = option(
+        1.0,
+        help="Nucleus sampling (the learner does not truncate: top-p < 1 shows up as mismatch).",
+        panel=SAMPLING,
+    )
+    # exclusive with --epochs
+    max_steps: int | None = option(None, help="GRPO steps to run (instead of --epochs).", panel=OPTIMISER)
+    # passes over the prompts (30 when neither is given)
+    epochs: float | None = option(
+        None,
+        help=("Passes over the prompts (default 30 when --max-steps is not given). Also --num-train-epochs (HF/TRL)."),
+        panel=OPTIMISER,
+        flags=("--num-train-epochs",),
+        default_doc="30",
+    )
+    lr: float = option(
+        2e-6,
+        help="Constant learning rate after warmup (AdamW). Also --learning-rate (HF/TRL).",
+        panel=OPTIMISER,
+        flags=("--learning-rate",),
+        doc="constant after warmup (AdamW, eps 1e-5)",
+    )
+    weight_decay: float = option(0.01, help="AdamW weight decay on weight matrices.", panel=OPTIMISER)
+    # constant learning rate after a linear warmup over this fraction of the steps
+    warmup_ratio: float = option(
+        0.001,
+        help="Fraction of the steps with linear warmup.",
+        panel=OPTIMISER,
+        doc="linear warmup over this fraction of the steps",
+    )
+    max_grad_norm: float = option(
+        1.0,
+        help="Clip the global gradient norm (0: no clipping).",
+        panel=OPTIMISER,
+    )
+    eps_clip: float = option(0.2, help="PPO clip: ratio lower bound 1 - eps.", panel=GRPO_LOSS)
+    eps_clip_high: float = option(
+        0.28,
+        help="PPO clip: ratio upper bound 1 + eps_high.",
+        panel=GRPO_LOSS,
+        flags=("--eps-clip-higher",),
+        doc="PPO clip, upper (clip-higher)",
+    )
+    reward_bias: float = option(-0.5, help="r' = (r + bias) * scale.", panel=GRPO_LOSS)
+    reward_scale: float = option(10.0, help="r' = (r + bias) * scale.", panel=GRPO_LOSS, flags=("--reward-scaling",))
+    adv_eps: float = option(
+        1e-6,
+        help="A = (r' - group mean) / (group std + eps).",
+        panel=GRPO_LOSS,
+        doc="epsilon of the group normalisation",
+    )
+    adv_std: bool = option(
+        True,
+        help="Divide advantages by the group std (--no-adv-std: centre only, Dr. GRPO).",
+        panel=GRPO_LOSS,
+        negatable=True,
+        doc="divide by the group std (off: centre only, Dr. GRPO)",
+    )
+    loss_agg: str = option(
+        "token-mean",
+        help=(
+            "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (constant "
+            "normaliser = --max-new-tokens)."
+        ),
+        panel=GRPO_LOSS,
+    )
+    # KL to the initial model (the recipe uses none)
+    kl_coef: float = option(
+        0.0,
+        help="KL penalty to the initial model (0: none, as released).",
+        panel=GRPO_LOSS,
+        doc="KL penalty to the initial model (a frozen copy is kept when > 0)",
+    )
+    kl_estimator: str = option("k3", help="k1 | k2 | k3.", panel=GRPO_LOSS)
+    behave_cap: float = option(
+        5.0,
+        help="Cap of the behaviour weight exp(prox - behave) (0: no cap).",
+        panel=MISMATCH_CORRECTIONS,
+        flags=("--behav-imp-weight-cap",),
+    )
+    behave_action: str = option(
+        "mask",
+        help="Above the cap: mask (train nothing) or clamp (weight = cap).",
+        panel=MISMATCH_CORRECTIONS,
+    )
+    behave_level: str = option(
+        "token",
+        help="token, or sequence (geometric mean of the sequence's ratios).",
+        panel=MISMATCH_CORRECTIONS,
+    )
+    correction: str = option(
+        "none",
+        help=(
+            "Mismatch correction: none | token-tis | seq-tis | token-mis | seq-mis | geo-rs (verl names "
+            "accepted, e.g. token, sequence, seq_mean_k1)."
+        ),
+        panel=MISMATCH_CORRECTIONS,
+    )
+    correction_threshold: float = option(
+        2.0,
+        help="C: upper truncation (TIS) or rejection (MIS) bound.",
+        panel=MISMATCH_CORRECTIONS,
+        flags=("--rollout-is-threshold",),
+    )
+    # lower bound (MIS: mask below; TIS: clamp below)
+    correction_lower: float | None = option(
+        None,
+        help="Lower bound (MIS masks below it, TIS clamps to it).",
+        panel=MISMATCH_CORRECTIONS,
+    )
+    geo_lower: float = option(
+        0.999,
+        help="geo-rs: lower bound on the geometric-mean ratio.",
+        panel=MISMATCH_CORRECTIONS,
+        doc="geo-rs bounds",
+    )
+    geo_upper: float = option(
+        1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel=MISMATCH_CORRECTIONS
+    )
+    veto_threshold: float | None = option(
+        None,
+        help="Mask a whole sequence if any token ratio is below this.",
+        panel=MISMATCH_CORRECTIONS,
+        flags=("--rollout-token-veto-threshold",),
+        doc="per-token veto",
+    )
+    # ETA: max versions between the sampler that made a sample and the learner using it
+    max_staleness: int = option(
+        4,
+        help=("ETA: rollouts run ahead of training by at most this many versions (0: synchronous on-policy)."),
+        panel=SAMPLING,
+        flags=("--max-head-offpolicyness",),
+    )
+    # optimizer steps per batch (AReaL ppo_n_minibatches)
+    ppo_minibatches: int = option(1, help="Optimizer steps per batch (each on a slice of it).", panel=OPTIMISER)
+    micro_batch_size: int = option(
+        8,
+        help="Trajectories per learner forward pass (memory).",
+        panel=O.RUNTIME,
+        run_control=True,
+    )
+    rollout_batch_size: int = option(
+        64,
+        help="Sequences per generate call of the hf engine.",
+        panel=O.RUNTIME,
+    )
+    # --engine vllm (colocated): the GPU share vLLM takes (TRL's default)
+    vllm_gpu_memory_utilization: float = option(
+        0.3,
+        help="--engine vllm: the GPU memory share the colocated vLLM takes.",
+        panel=O.RUNTIME,
+        doc=(
+            "`--engine vllm`: the share of GPU memory the colocated vLLM takes (KV cache included); in "
+            "synchronous runs vLLM sleeps (KV cache freed, weights offloaded) while the learner updates, and its "
+            "weights are written in place after every step under their checkpoint names"
+        ),
+    )
+    vllm_server_url: str = option(
+        "http://localhost:8000",
+        help="--engine vllm-server: the server's address (default http://localhost:8000).",
+        panel=O.RUNTIME,
+        run_control=True,
+        doc="`--engine vllm-server`: where `vllm serve` listens",
+    )
+    vllm_server_timeout: float = option(
+        240.0, help="--engine vllm-server: seconds to wait for the server at start.", panel=O.RUNTIME, run_control=True
+    )
+    format_weight: float | None = option(
+        None,
+        help="Weight of the format reward (default: 0 in stage 1, 0.1 in stage 2).",
+        panel=GRPO_LOSS,
+        default_doc="0 / 0.1",
+    )
+    system_prompt: bool = option(
+        True,
+        help="Prepend 'You are a helpful AI assistant.' (the recipe's system prompt).",
+        panel=SAMPLING,
+        negatable=True,
+    )
+    # images are downscaled to at most this many pixels (the recipe's 512x512 cap)
+    max_pixels: int = option(
+        512 * 512,
+        help="Downscale images to at most this many pixels (512x512 in the recipe).",
+        panel=SAMPLING,
+        doc=("images (with `--env`: observation images too) downscaled to at most 512x512 pixels"),
+    )
+    freeze_vision: bool = option(False, help="Keep the vision encoder frozen.", panel=OPTIMISER)
+    save_every: int = O.save_every(
+        250, help="Resumable checkpoint every N steps in OUT.partial/checkpoints (0: only the final model)."
+    )
+    keep_checkpoints: int = O.keep_checkpoints(doc="newest checkpoints kept")
+    save_rollouts: bool = option(
+        False,
+        help="Write every step's trajectories to OUT/rollouts/step-N.parquet.",
+        panel=O.CHECKPOINTS,
+        run_control=True,
+    )
+    resume: bool = O.resume(help="Continue the unfinished run in OUT.partial/ from its last checkpoint.")
+    eval_data: list[Path] | None = O.eval_data(
+        doc=(
+            "held-out table(s) scored while training as `ovkit eval` scores them (answer-mode prompts, greedy, "
+            "the learner's weights): the stage's prompt mode (`ovkit eval --prompt answer` for stage 1, `think` "
+            "for stage 2; single-turn), every row needs a gold `answer`: `eval/reward`, `eval/accuracy`, "
+            "`eval/reward/<category>`, `eval/accuracy/<category>`; repeatable"
+        )
+    )
+    reward_workers: int = option(
+        2,
+        help="Processes for the sandboxed scorers (math, svg, code).",
+        panel=O.RUNTIME,
+        run_control=True,
+    )
+    env: str | None = O.env()
+    env_arg: Any = O.env_arg()
+    max_turns: int = O.max_turns(3)
+    max_response_tokens: int | None = O.max_response_tokens()
+    env_retries: int = O.env_retries(2)
+    env_timeout: float = O.env_timeout()
+    seed: int = O.seed(doc="prompt order and sampling seeds")
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet(doc="no console line (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.rollouts.episodes import check_env_options
@@ -268,4 +445,10 @@ class RLTrainConfig:
         )
 
 
+# Options a resumed run may change (declared `run_control=True` where the field is): where it writes and reports, how it checkpoints, how many reward workers score,
+# where a vLLM server listens, and how the same numbers are computed (learner micro-batches, attention kernel,
+# activation checkpointing). Every other option shapes the trajectory (sampling, rewards, the loss, its corrections,
+# the optimiser), so a resumed run must keep it: TRAJECTORY is derived below, and an option added later is covered
+# without being listed (Runtime.resume exits 2 naming it).
+RUN_CONTROL = run_control_names(RLTrainConfig)
 TRAJECTORY = trajectory_options(RLTrainConfig, RUN_CONTROL)

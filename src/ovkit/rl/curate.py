@@ -26,59 +26,169 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from ovkit import options as O
 from ovkit.errors import OvkitError
+from ovkit.options import option
 from ovkit.prompts import STAGE2_CATEGORIES, mode_of, stage_of
 
 SELECT_RULES = ("mean", "gap")
 
 
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+SAMPLING = "Sampling"
+SELECTION = "Selection"
+
+
 @dataclass
-class CurateConfig:
+class CurateConfig(O.ModelLoading):
     """Options of `ovkit rl-curate`."""
 
-    data: Path | None = None  # RL prompts (answer, answer_type)
-    model: Path | None = None  # the model RL will start from (the SFT checkpoint)
-    out: Path | None = None
-    n: int = 16  # rollouts per prompt
-    limit: int | None = None  # at most this many prompts per category (the first ones), to fit a budget
-    select: str = "mean"  # mean: min_reward < pass@1 < max_reward; gap: pass@N - pass@1 >= min_gap
-    min_reward: float = 0.0
-    max_reward: float = 0.6
-    min_gap: float = 0.25
-    keep_sources: list[str] = field(default_factory=list)  # sources kept whatever their difficulty
-    stage2_categories: list[str] = field(default_factory=lambda: list(STAGE2_CATEGORIES))
-    exclude_categories: list[str] = field(default_factory=list)  # categories left out of RL (not sampled)
-    prompt: str = (
-        "auto"  # instruction the rollouts are sampled with: auto (the row's stage: 1 answer, 2 think) | answer | think
+    launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
+
+    data: Path | None = option(
+        None,
+        help="RL prompts (sample table with answer/answer_type).",
+        argument=True,
+        doc=(
+            "RL prompts: sample table with `answer`, `answer_type`; also a Hub dataset id "
+            "(`ORG/NAME[:CONFIG][@SPLIT]`), a directory with a dataset card (`DIR:CONFIG`, `DIR@SPLIT`) or a "
+            '`save_to_disk` directory (README.md, "Datasets and other tools")'
+        ),
     )
-    engine: str = "hf"
-    precision: str = "auto"  # the sampler's compute precision (ovkit.runtime.precision)
-    attn_implementation: str = (
-        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    # the model RL will start from (the SFT checkpoint)
+    model: Path | None = option(None, help="The model RL will start from (e.g. the SFT output).", panel=O.IO)
+    out: Path | None = O.out(doc="output directory")
+    n: int = option(16, help="Rollouts per prompt.", panel=SAMPLING)
+    limit: int | None = option(
+        None,
+        help="At most this many prompts per category (the first ones), to fit a time budget.",
+        panel=SAMPLING,
+        doc=("at most this many prompts per category (the first ones in the data), to fit a time budget"),
+        default_doc="all",
     )
-    batch_size: int = 64  # sequences per generate call (prompts x n)
-    max_new_tokens: int = 1024
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_pixels: int = 512 * 512
-    system_prompt: bool = True
-    rollout_images: bool = True  # store the prompt images in the rollout table (mismatch-report re-runs the model)
-    reward_workers: int = 2
-    env: str | None = None  # multi-turn rollouts with an environment (ovkit.envs): difficulty under the tool loop
-    env_arg: Any = None
-    max_turns: int = 3
-    max_response_tokens: int | None = None
-    env_retries: int = 2
-    env_timeout: float = 30.0
-    shard: str | None = None
-    trust_remote_code: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    select: str = option(
+        "mean",
+        help=(
+            "mean: keep min-reward < pass@1 < max-reward (released code); gap: keep pass@N - pass@1 >= "
+            "min-gap (the write-up)."
+        ),
+        panel=SELECTION,
+    )
+    min_reward: float = option(
+        0.0,
+        help="mean rule: drop prompts whose pass@1 is <= this (never solved).",
+        panel=SELECTION,
+        doc="mean rule: lower bound (exclusive)",
+    )
+    max_reward: float = option(
+        0.6,
+        help="mean rule: drop prompts whose pass@1 is >= this (already solved).",
+        panel=SELECTION,
+        doc="mean rule: upper bound (exclusive)",
+    )
+    min_gap: float = option(
+        0.25,
+        help="gap rule: keep prompts with pass@N - pass@1 >= this.",
+        panel=SELECTION,
+        doc="gap rule: minimum pass@N - pass@1",
+    )
+    # sources kept whatever their difficulty
+    keep_sources: list[str] = option(
+        [],
+        help="Keep every prompt whose source contains this tag, whatever its difficulty; repeatable.",
+        panel=SELECTION,
+        flag="--keep-source",
+        doc="source tag kept whole (repeatable)",
+    )
+    stage2_categories: list[str] = option(
+        list(STAGE2_CATEGORIES),
+        help=(
+            "Categories that go to the stage-2 (thinking) set; repeatable (default: math chart science "
+            "diagram svg code stem coding)."
+        ),
+        panel=SELECTION,
+        flag="--stage2-category",
+    )
+    # categories left out of RL (not sampled)
+    exclude_categories: list[str] = option(
+        [],
+        help="Leave this category out of RL (its prompts are not sampled); repeatable.",
+        panel=SELECTION,
+        flag="--exclude-category",
+        doc=(
+            "leave a category out of RL: its prompts are not sampled, and `stats.json` counts them under "
+            "`excluded` (repeatable). For a category whose rollouts at the sampling temperature are mostly "
+            "malformed: on the embedded default, sampled SVGs score ~0.1 against 0.73 greedy, and RL stage 2 on "
+            "them took held-out SVG from 73 to 13-26 (BENCHMARKS.md)"
+        ),
+    )
+    prompt: str = option(
+        "auto",
+        help=(
+            "Instruction the rollouts are sampled with: auto (the row's stage: 1 answer-only, 2 think), "
+            "answer or think."
+        ),
+        panel=SAMPLING,
+        doc=(
+            "instruction the rollouts are sampled with: auto (each row its stage's: stage 1 answer-only, stage 2 "
+            "think, so difficulty is measured in the mode it will be trained in), answer or think"
+        ),
+    )
+    engine: str = option(
+        "hf",
+        help="hf (transformers, CPU or GPU) or vllm (GPU).",
+        panel=O.RUNTIME,
+        doc="hf or vllm (the hf engine runs on the GPU when there is one)",
+    )
+    precision: str = O.precision(
+        doc=(
+            "the sampler's compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
+            "`bf16-mixed` (bf16 weights)"
+        )
+    )
+    batch_size: int = option(64, help="Sequences per generate call (prompts x n).", panel=O.RUNTIME)
+    max_new_tokens: int = option(1024, help="Completion length limit.", panel=SAMPLING)
+    temperature: float = option(1.0, help="Sampling temperature.", panel=SAMPLING)
+    top_p: float = option(1.0, help="Nucleus sampling.", panel=SAMPLING)
+    max_pixels: int = option(
+        512 * 512,
+        help="Downscale images to at most this many pixels (512x512 in the recipe).",
+        panel=SAMPLING,
+        doc="images downscaled to at most 512x512 pixels",
+    )
+    system_prompt: bool = option(
+        True,
+        help="Prepend the recipe's system prompt.",
+        panel=SAMPLING,
+        negatable=True,
+    )
+    # store the prompt images in the rollout table (mismatch-report re-runs the model)
+    rollout_images: bool = option(
+        True,
+        help="Store prompt images in OUT/rollouts (mismatch-report needs them for multimodal prompts).",
+        panel=O.IO,
+        negatable=True,
+        doc="store prompt images in the rollout table",
+    )
+    reward_workers: int = option(
+        2,
+        help="Processes for the sandboxed scorers (math, svg, code).",
+        panel=O.RUNTIME,
+    )
+    env: str | None = O.env()
+    env_arg: Any = O.env_arg()
+    max_turns: int = O.max_turns(3)
+    max_response_tokens: int | None = O.max_response_tokens()
+    env_retries: int = O.env_retries(2)
+    env_timeout: float = O.env_timeout()
+    shard: str | None = O.shard(doc="process part I of N (`I/N`); writes `OUT/part-I-of-N/`")
+    seed: int = O.seed(doc="sampling seed")
+    overwrite: bool = O.overwrite(doc="replace a complete output")
+    quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
         from ovkit.rollouts.episodes import check_env_options
@@ -149,25 +259,26 @@ def prompt_stats(groups, rows: Sequence[dict[str, Any]], cfg: CurateConfig) -> l
 
 
 def sample_groups(cfg: CurateConfig, engine, prompts, mode: str, bar, episodes=None) -> list:
-    """N scored rollouts for every prompt, in generate calls of about `batch_size` sequences (multi-turn rollouts
-    with `episodes`, an ovkit.rollouts.episodes.EpisodeRunner)."""
+    """N scored rollouts for every prompt, in sampler calls of about `batch_size` sequences (multi-turn rollouts
+    with `episodes`, an ovkit.rollouts.episodes.EpisodeRunner). A prompt's rollouts are drawn from its id's streams
+    (ovkit.rollouts.sample), so --shard, --limit and the stage split change no prompt's samples."""
     from ovkit.rollouts.groups import Group, score_groups
+    from ovkit.rollouts.sample import sample
 
     per_call = max(1, cfg.batch_size // cfg.n)
     groups: list = []
     for start in range(0, len(prompts), per_call):
         chunk = prompts[start : start + per_call]
-        sampling = dict(
+        outs = sample(
+            engine,
+            chunk,
             n=cfg.n,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            seed=cfg.seed * 7919 + start,
+            seed=cfg.seed,
+            episodes=episodes,
         )
-        if episodes is not None:
-            outs = episodes.run(chunk, **sampling)
-        else:
-            outs = engine.generate([p.encoded for p in chunk], images=[p.images for p in chunk], **sampling)
         batch = [Group(p, start + i, 0, list(cs)) for i, (p, cs) in enumerate(zip(chunk, outs))]
         score_groups(batch, mode=mode, format_weight=0.0, workers=cfg.reward_workers)
         groups.extend(batch)
@@ -216,6 +327,7 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
 
     table = limit_per_category(read_samples(cfg.data, shard=shard, answers=True).table, cfg.limit)
     table, excluded = exclude_categories(table, cfg.exclude_categories, cfg.data)
+
     engine = build_engine(
         cfg.engine,
         model_dir=cfg.model,

@@ -70,6 +70,14 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
         raise OvkitError(
             f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of the {rt.processes} processes (each samples an equal share)"
         )
+    if rt.sharded and cfg.engine == "hf":
+        # The HF engine samples from the learner's parameters (or a copy made from them): under FSDP/DeepSpeed each
+        # process holds a shard, and each would decode another number of steps (one collective per forward).
+        raise OvkitError(
+            f"--engine hf under {rt.distributed}: the HF engine samples from the learner's "
+            "own weights, which this engine shards across processes; use --engine vllm (colocated, weights gathered "
+            "every step) or --engine vllm-server, or DDP (accelerate launch without an FSDP/DeepSpeed config, torchrun)"
+        )
     warn_few_prompts(cfg, len(prompts), rt.is_main)
     n_steps = total_steps(cfg, len(prompts))
     response = cfg.max_response_tokens or cfg.max_new_tokens

@@ -44,6 +44,7 @@ from ovkit.errors import OvkitError
 from ovkit.generate import Completion
 from ovkit.models.encode import Encoded, encode_messages, merge_mm, multimodal_token_ids, placeholder_ids
 from ovkit.rollouts.prompts import cap_pixels
+from ovkit.rollouts.sample import prompt_seed
 from ovkit.rollouts.table import TERMINATIONS  # completed, env_done, max_turns, truncated, env_error
 
 DUMMY = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
@@ -124,6 +125,8 @@ class Episode:
 
     prompt: Any  # ovkit.rollouts.prompts.Prompt
     env: Any
+    seed: int = 0  # the prompt's seed (ovkit.rollouts.sample.prompt_seed)
+    sample: int = 0  # which of the prompt's n trajectories: turn t draws from prompt_seed(seed, (sample, t))
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -297,11 +300,24 @@ class EpisodeRunner:
         self.failures: list[str] = []  # environment failures of the last run, for the log
 
     def run(
-        self, prompts: Sequence[Any], *, n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int
+        self,
+        prompts: Sequence[Any],
+        *,
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        seeds: Sequence[int] | None = None,
     ) -> list[list[Any]]:
-        """Per prompt, `n` multi-turn trajectories as Completions (token_ids after the prompt, loss_mask, turn_ids)."""
+        """Per prompt, `n` multi-turn trajectories as Completions (token_ids after the prompt, loss_mask, turn_ids).
+        `seeds`: one per prompt (default: `prompt_seed(seed, its id)`); every turn of trajectory k draws from its own
+        stream (ovkit.rollouts.sample), so a trajectory does not depend on which others share its calls."""
         self.failures = []
-        episodes = [self._episode(p) for p in prompts for _ in range(n)]
+        seeds = [prompt_seed(seed, p.id) for p in prompts] if seeds is None else list(seeds)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
+        episodes = [self._episode(p, s, k) for p, s in zip(prompts, seeds) for k in range(n)]
         starting = [e for e in episodes if e.termination is None]
         for e, result in zip(starting, self._call([(e.env.reset, ()) for e in starting])):
             if isinstance(result, EnvFailure):
@@ -310,7 +326,7 @@ class EpisodeRunner:
             running = [e for e in episodes if e.termination is None]
             if not running:
                 break
-            acting = self._generate(running, turn, max_new_tokens, temperature, top_p, seed)
+            acting = self._generate(running, turn, max_new_tokens, temperature, top_p)
             for e, result in zip(acting, self._call([(e.env.step, (e.turn_texts[-1],)) for e in acting])):
                 self._observe(e, turn, result)
         for e in episodes:
@@ -323,9 +339,9 @@ class EpisodeRunner:
         done = [e.completion() for e in episodes]
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _episode(self, prompt: Any) -> Episode:
+    def _episode(self, prompt: Any, seed: int = 0, sample: int = 0) -> Episode:
         """A trajectory with its own environment; a factory that raises ends it as env_error (the rollout goes on)."""
-        e = Episode(prompt, None)
+        e = Episode(prompt, None, seed, sample)
         try:
             e.env = self.cfg.env.build(task_of(prompt, self.cfg.mode))
         except OvkitError:
@@ -347,7 +363,7 @@ class EpisodeRunner:
         return left
 
     def _generate(
-        self, running: list[Episode], turn: int, max_new_tokens: int, temperature: float, top_p: float, seed: int
+        self, running: list[Episode], turn: int, max_new_tokens: int, temperature: float, top_p: float
     ) -> list[Episode]:
         """One assistant turn for every running trajectory; returns those whose turn ended with a stop token."""
         ready = []
@@ -361,7 +377,8 @@ class EpisodeRunner:
         cap = min(max_new_tokens, max(self._budget(e) for e in ready))
         outs = self.engine.generate(
             [e.context() for e in ready], n=1, max_new_tokens=cap, temperature=temperature, top_p=top_p,
-            seed=seed * 7919 + turn, images=[list(e.prompt.images) + e.images for e in ready], suppress_ids=self.suppress,
+            seed=turn, seeds=[prompt_seed(e.seed, (e.sample, turn)) for e in ready],
+            images=[list(e.prompt.images) + e.images for e in ready], suppress_ids=self.suppress,
         )  # fmt: skip
         acting = []
         for e, (c,) in zip(ready, outs):

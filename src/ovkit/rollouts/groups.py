@@ -85,30 +85,23 @@ class Sampling:
 def generate_groups(
     engine: Any, prompts: Sequence[Prompt], indices: Sequence[int], version: int, s: Sampling
 ) -> list[Group]:
-    """Sample `group_size` completions for the prompts at stream positions `indices` (one generate call, or one
-    multi-turn rollout of all of them). Each group is seeded by its stream position, not by the call, so the groups
-    of a step split over N processes get the completions one process samples (multi-turn rollouts still seed per
-    call)."""
+    """Sample `group_size` completions for the prompts at stream positions `indices` (ovkit.rollouts.sample, single-
+    or multi-turn). A group's key is its stream position, not its prompt (a row comes back every epoch and must draw
+    anew) nor its place in the call, so the groups of a step split over N processes get the completions one process
+    samples."""
+    from ovkit.rollouts.sample import sample
+
     chosen = [prompts[prompt_order(len(prompts), k, s.seed)] for k in indices]
-    if s.episodes is not None:
-        outs = s.episodes.run(
-            chosen,
-            n=s.group_size,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed * 7919 + indices[0],
-        )
-        return [Group(p, k, version, list(cs)) for p, k, cs in zip(chosen, indices, outs)]
-    outs = engine.generate(
-        [p.encoded for p in chosen],
+    outs = sample(
+        engine,
+        chosen,
         n=s.group_size,
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
-        seed=s.seed * 7919 + indices[0],
-        seeds=[s.seed * 7919 + k for k in indices],  # per group: N processes sample what one process samples
-        images=[p.images for p in chosen],
+        seed=s.seed,
+        keys=list(indices),
+        episodes=s.episodes,
     )
     return [Group(p, k, version, list(cs)) for p, k, cs in zip(chosen, indices, outs)]
 

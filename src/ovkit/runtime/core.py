@@ -176,6 +176,17 @@ class Runtime:
     def processes(self) -> int:
         return self.accelerator.num_processes
 
+    @property
+    def distributed(self) -> str:
+        """What ran: accelerate's distributed_type (NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED, ...)."""
+        return self.accelerator.distributed_type.value
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP or DeepSpeed: each process holds a shard of the parameters, so code that reads the model's weights
+        outside its forward (a sampler, a generate loop of uneven length per process) cannot use them as they are."""
+        return self.distributed in ("FSDP", "DEEPSPEED")
+
     def info(self) -> dict[str, Any]:
         """What ran: recorded in ovkit.json (`runtime`)."""
         return {

@@ -1,4 +1,4 @@
-"""`python -m ovkit.science RUN`: the science report of `make science`, from the files ovkit's own commands wrote.
+"""`ovkit science-report RUN`: the science report of `make science`, from the files ovkit's own commands wrote.
 
 Nothing here trains or samples: the Makefile's `science` target runs rl-train (one directory per sampler/correction
 variant and seed), eval, mismatch-report, and this module reads what they left under RUN/science/ (plus the

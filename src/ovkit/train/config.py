@@ -9,13 +9,15 @@ resolved `config.yaml` always shows the numbers that were used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from ovkit import options as O
 from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
 from ovkit.models.groups import STAGE_TRAINABLE
+from ovkit.options import option, run_control_names
 from ovkit.runtime.log import check_trackers
 from ovkit.runtime.options import (
     ATTENTION,
@@ -33,98 +35,192 @@ STAGE_DEFAULTS: dict[str, dict[str, float]] = {
     "midtrain": {"lr": 1e-5, "weight_decay": 0.01},
     "sft": {"lr": 1e-5, "weight_decay": 0.0},
 }
-# Options a resumed run may change: where it writes and reports, how it checkpoints, and how the same numbers are
-# computed (memory and speed). Every other option shapes the trajectory, so a resumed run must keep it: TRAJECTORY is
-# derived below, and an option added later is covered without being listed (Runtime.resume exits 2 naming it).
-RUN_CONTROL = frozenset(
-    {
-        "out",
-        "resume",
-        "overwrite",
-        "quiet",
-        "report_to",
-        "save_every",
-        "keep_checkpoints",
-        "trust_remote_code",
-        "activation_checkpointing",
-        "gradient_checkpointing",
-        "compile",
-        "kernels",
-        "use_liger_kernel",
-        "eval_data",
-        "eval_every",
-        "eval_limit",
-        "eval_max_new_tokens",  # evaluation restores the RNG: same trajectory
-    }
-)
+
+
+# --help panels of this config's own options (ovkit.options holds the shared ones)
+OPTIMISER_SCHEDULE = "Optimiser & schedule"
+BATCHES_LENGTH = "Batches & length"
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(O.Learner):
     """Options of `ovkit align | midtrain | sft`. The stage (a class attribute, not an option) picks the presets."""
+
+    launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     stage: ClassVar[str] = "sft"
     # Options that exclude each other: one given on the command line drops the config file's other (flags override the file)
     exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
 
-    data: list[Path] | None = (
-        None  # sample tables (parquet files or dirs of shards), read as one; the last assistant turn is the target
+    # sample tables (parquet files or dirs of shards), read as one; the last assistant turn is the target
+    data: list[Path] | None = option(
+        None,
+        help=(
+            "Sample table(s) (parquet file or directory of shards), read as one; the last assistant turn is the target."
+        ),
+        argument=True,
+        doc="sample table(s) (parquet files or directories of shards), read as one",
     )
-    model: Path | None = None  # HF model directory (save_pretrained layout) to start from
-    out: Path | None = None  # final model directory; checkpoints live in OUT.partial/ until the run completes
-    plan: Path | None = None  # pack plan of DATA (`ovkit pack`): train on packed rows instead of padded batches
-    trainable: list[str] | None = None  # groups (projector, vision, llm, all) or regexes; None = the stage's preset
-    freeze_vision: bool = False  # drop the vision encoder from the trainable set
-    lr: float | None = None  # peak learning rate; None = the stage's preset
-    vision_lr: float | None = (
-        None  # peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr); None = --lr
+    model: Path | None = option(
+        None,
+        help=(
+            "Model directory to start from (save_pretrained layout, e.g. from `ovkit init-model` or the "
+            "previous stage)."
+        ),
+        panel=O.IO,
     )
-    min_lr: float = 1e-6  # the cosine schedule ends here
-    warmup_ratio: float = 0.002  # fraction of the steps spent warming up linearly from 0
-    weight_decay: float | None = None  # AdamW decoupled weight decay on matrices (not on biases/norms)
-    max_grad_norm: float = 1.0  # gradient clipping (global L2 norm); 0 disables
-    batch_size: int = 8  # samples (or packed rows) per micro-batch per process
-    grad_accum: int = 1  # micro-batches per optimiser step; global batch = batch_size * grad_accum * processes
-    max_steps: int | None = None  # optimiser steps; exclusive with --epochs
-    epochs: float | None = None  # passes over the data (default 1 when --max-steps is not given)
-    max_len: int = 8192  # samples longer than this many tokens are skipped (counted in the summary)
-    precision: str = "auto"  # auto | fp32 | bf16-mixed | bf16-true (ovkit.runtime.precision)
-    optim: str = "adamw_torch_fused"  # adamw_torch_fused | adamw_torch | adamw_8bit | adamw_bf16 (x --precision: ovkit.runtime.optim)
-    attn_implementation: str = (
-        "auto"  # auto | sdpa | flash_attention_2 | flex_attention | eager (ovkit.runtime.attention)
+    out: Path | None = O.out(doc="final model directory; the run lives in `OUT.partial/` until done")
+    plan: Path | None = option(
+        None,
+        help=("Pack plan of DATA (`ovkit pack`): train on packed rows instead of length-bucketed padded batches."),
+        panel=O.IO,
     )
-    lora_r: int = (
-        0  # LoRA rank (0: full fine-tuning); adapters on the selection's attention/MLP projections (ovkit.runtime.lora)
+    # groups (projector, vision, llm, all) or regexes; None = the stage's preset
+    trainable: list[str] | None = option(
+        None,
+        help=(
+            "Group (projector, vision, llm, all) or parameter-name regex to train; repeat for several. "
+            "Default: the stage's preset."
+        ),
+        panel=OPTIMISER_SCHEDULE,
+        doc="group (`projector`, `vision`, `llm`, `all`) or parameter-name regex; repeatable",
+        default_doc="stage preset",
     )
-    lora_alpha: float = 16.0  # LoRA scale alpha (the update is alpha / r * B A)
-    lora_dropout: float = 0.0
-    lora_targets: list[str] | None = None  # regexes over module names to adapt instead of the per-architecture default
-    load_in_4bit: bool = (
-        False  # QLoRA: the language model's Linear weights in 4-bit NF4 (bitsandbytes), adapters on top
+    # drop the vision encoder from the trainable set
+    freeze_vision: bool = option(
+        False,
+        help="Keep the vision encoder frozen whatever --trainable selects.",
+        panel=OPTIMISER_SCHEDULE,
+        doc="remove the vision encoder from the trainable set",
     )
-    activation_checkpointing: str = (
-        "auto"  # auto | off | full | mlp | every-K: blocks recomputed in backward (ovkit.runtime.checkpointing)
+    lr: float | None = option(
+        None,
+        help=(
+            "Peak learning rate. Default: the stage's preset (align 1e-4, midtrain 1e-5, sft 1e-5). Also "
+            "--learning-rate (HF/TRL)."
+        ),
+        panel=OPTIMISER_SCHEDULE,
+        flags=("--learning-rate",),
+        default_doc="stage preset",
     )
-    gradient_checkpointing: bool = False  # TRL/HF's spelling of --activation-checkpointing full
-    compile: bool = False  # torch.compile each decoder layer and vision block (ovkit.runtime.compiling); run control, not trajectory
-    kernels: str = "auto"  # auto | liger | torch: Liger-Kernel's fused RMSNorm/SwiGLU/RoPE and linear cross-entropy on CUDA (ovkit.runtime.kernels)
-    use_liger_kernel: bool = False  # TRL/HF's spelling of --kernels liger
-    save_every: int = 0  # write a checkpoint every N steps (0: only at the end)
-    keep_checkpoints: int = 2  # how many intermediate checkpoints to keep (oldest deleted first)
-    resume: bool = False  # continue the run found in OUT.partial/ from its last checkpoint
-    report_to: list[str] = field(default_factory=list)  # experiment trackers: tensorboard, wandb, mlflow, trackio
-    eval_data: list[Path] | None = (
-        None  # held-out tables scored while training (ovkit.evaluate.during): eval/loss, eval/reward, ...
+    vision_lr: float | None = option(
+        None,
+        help=("Peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr). Default: --lr."),
+        panel=OPTIMISER_SCHEDULE,
+        doc=(
+            "peak learning rate of the vision encoder (LLaVA-OneVision's `mm_vision_tower_lr`); the same schedule"
+            " scales it"
+        ),
+        default_doc="`--lr`",
     )
-    eval_every: int = 0  # evaluate on --eval-data every N steps, and after the last (0: only after the last)
-    eval_limit: int | None = None  # at most this many eval rows per category (the first ones, as `ovkit eval --limit`)
-    eval_max_new_tokens: int | None = (
-        None  # the eval's generation budget; default: per category (`ovkit eval`'s token_budgets)
+    # the cosine schedule ends here
+    min_lr: float = option(
+        1e-6,
+        help="Learning rate at the end of the cosine schedule.",
+        panel=OPTIMISER_SCHEDULE,
     )
-    trust_remote_code: bool = False
-    seed: int = 0
-    overwrite: bool = False
-    quiet: bool = False
+    warmup_ratio: float = option(
+        0.002,
+        help="Fraction of the steps with linear warmup from 0.",
+        panel=OPTIMISER_SCHEDULE,
+        doc="fraction of the steps warming up linearly from 0 (at least one step when > 0)",
+    )
+    # AdamW decoupled weight decay on matrices (not on biases/norms)
+    weight_decay: float | None = option(
+        None,
+        help=("AdamW weight decay on weight matrices. Default: the stage's preset (midtrain 0.01, else 0)."),
+        panel=OPTIMISER_SCHEDULE,
+        doc="AdamW decoupled weight decay on matrices",
+        default_doc="stage preset",
+    )
+    # gradient clipping (global L2 norm); 0 disables
+    max_grad_norm: float = option(
+        1.0,
+        help="Clip the global gradient norm to this (0: no clipping).",
+        panel=OPTIMISER_SCHEDULE,
+        doc="clip the global gradient norm (0: off)",
+    )
+    batch_size: int = option(
+        8,
+        help=(
+            "Samples (or packed rows with --plan) per micro-batch per process. Also "
+            "--per-device-train-batch-size (HF/TRL)."
+        ),
+        panel=BATCHES_LENGTH,
+        flags=("--per-device-train-batch-size",),
+        doc="samples (or packs) per micro-batch per process",
+    )
+    # micro-batches per optimiser step; global batch = batch_size * grad_accum * processes
+    grad_accum: int = option(
+        1,
+        help=(
+            "Micro-batches per optimiser step; global batch = batch size x this x processes. Also "
+            "--gradient-accumulation-steps (HF/TRL)."
+        ),
+        panel=BATCHES_LENGTH,
+        flags=("--gradient-accumulation-steps",),
+    )
+    max_steps: int | None = option(
+        None,
+        help="Optimiser steps to run (instead of --epochs).",
+        panel=BATCHES_LENGTH,
+        doc="optimiser steps (exclusive with `--epochs`)",
+    )
+    epochs: float | None = option(
+        None,
+        help=("Passes over the data (default 1 when --max-steps is not given). Also --num-train-epochs (HF/TRL)."),
+        panel=BATCHES_LENGTH,
+        flags=("--num-train-epochs",),
+        doc="passes over the data (fractions allowed)",
+        default_doc="1",
+    )
+    # samples longer than this many tokens are skipped (counted in the summary)
+    max_len: int = option(
+        8192,
+        help="Skip samples longer than this many tokens (text + image tokens).",
+        panel=BATCHES_LENGTH,
+        doc="skip samples longer than this (tokens, image tokens included)",
+    )
+    precision: str = O.precision(
+        doc=(
+            "`auto` (bf16-mixed on a GPU with bf16, else fp32), `fp32`, `bf16-mixed` (bf16 weights in compute, "
+            "fp32 master weights, gradients and AdamW state: no per-op casts), `bf16-true` (pure bf16); `bf16` = "
+            "bf16-mixed, `32` = fp32 (ovkit.runtime.precision)"
+        )
+    )
+    load_in_4bit: bool = O.load_in_4bit()
+    activation_checkpointing: str = O.activation_checkpointing(
+        doc=(
+            "recompute activations in backward, in the LLM's decoder layers and the ViT's blocks alike "
+            "(`ovkit.runtime.checkpointing`): `off`; `full` (every block keeps only its input); `every-K` (the "
+            "K-th, 2K-th, ... block, torchtitan's selective layer checkpointing); `mlp` (only each block's MLP: "
+            "its wide intermediate activations are recomputed, attention keeps what it saved); `auto`: off on "
+            "CPU, on CUDA `full` when a micro-batch's estimated activations (bytes per token per block measured "
+            "by `bench/activation_bytes.py` x tokens x blocks) exceed the memory free after weights and optimiser"
+            " state, else off. The gradients are the same; the mode used and why are in ovkit.json "
+            "`runtime.activation_checkpointing`; it may change on `--resume`"
+        )
+    )
+    kernels: str = O.kernels(
+        doc=(
+            "`liger`: Liger-Kernel's Triton kernels (CUDA only; `pip install 'ovkit[liger]'`): RMSNorm, SwiGLU "
+            "and RoPE patched into the model, and the supervised loss through its fused linear cross-entropy "
+            "instead of ovkit's chunked head; `torch`: PyTorch ops and the chunked head; `auto`: liger on CUDA "
+            "when liger-kernel is installed, else torch. `liger` on a machine without CUDA or without the package"
+            " exits 2. What was applied is in ovkit.json `runtime.kernels`"
+        )
+    )
+    eval_every: int = O.eval_every(
+        doc=(
+            "evaluate every N steps and after the last (0: after the last only); also `--eval-steps` (HF/TRL). "
+            "Run control: the losses and weights are bit-identical with and without it"
+        )
+    )
+    seed: int = O.seed(doc="sample order, dropout; every process seeds with seed + rank")
+    overwrite: bool = O.overwrite(doc="replace a complete OUT / discard OUT.partial")
+    quiet: bool = O.quiet(
+        doc=("no step lines, no progress bars (transformers', huggingface_hub's and datasets' bars included)")
+    )
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -208,4 +304,8 @@ class SFTConfig(TrainConfig):
 
 
 STAGE_CONFIGS: dict[str, type[TrainConfig]] = {"align": AlignConfig, "midtrain": MidtrainConfig, "sft": SFTConfig}
+# Options a resumed run may change, declared `run_control=True` where each field is: where it writes and reports, how
+# it checkpoints, and how the same numbers are computed (memory and speed). Every other option shapes the trajectory,
+# so a resumed run must keep it: TRAJECTORY is derived below, and an option added later is covered without being listed (Runtime.resume exits 2 naming it).
+RUN_CONTROL = run_control_names(TrainConfig)
 TRAJECTORY = trajectory_options(TrainConfig, RUN_CONTROL)

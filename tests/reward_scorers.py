@@ -1,4 +1,5 @@
-"""Scorers for the worker-pool tests (tests/test_rewards_security.py); no tests here.
+"""Scorers for the worker-pool tests (tests/test_rewards_security.py, tests/test_sandbox_escapes.py); no tests here,
+and not named test_*: pytest does not collect it, and no test module imports another.
 
 They live in their own small module because worker processes import a scorer by name: importing this module is
 cheap, importing a test module (pytest and all) in every fresh worker is not.

@@ -1,0 +1,509 @@
+"""One declaration per option: a stage config's dataclass field carries everything ovkit knows about the option.
+
+`option(default, help=..., panel=...)` returns a `dataclasses.field` whose metadata holds the help text, the --help
+panel, extra flag spellings (HF/TRL's `--learning-rate` for `lr`), what it accepts (choices, a range), whether a
+resumed run may change it (`run_control`), and an optional longer `doc` for its command page. Everything reads it:
+the typer command is built from the fields (ovkit.commands._common, as HfArgumentParser / TRL's TrlParser build
+theirs), YAML keys and their aliases, `validate` at start, the resume rule (`run_control_names`) and the option
+tables of commands/*.md (ovkit.commands.pages).
+
+The options several commands share are declared once below (`trust_remote_code()`, `precision()`, ...): a config
+calls the function where it declares the field. Torch-free and typer-free: library configs import this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ovkit.errors import OvkitError
+from ovkit.runtime.options import ATTENTION, OPTIMS, PRECISION_ALIASES, PRECISIONS  # torch-free
+
+# Help panels shared by every command (each command adds its own between inputs and run control).
+IO = "Inputs/outputs"
+RUNTIME = "Runtime/precision"
+MULTI_TURN = "Multi-turn"
+CHECKPOINTS = "Checkpoints & logging"
+RUN = "Run control"
+LORA = "LoRA"
+EVALUATION = "Evaluation while training"
+
+KEY = "ovkit"  # the metadata key of a field's Option
+
+# What a stage does under a launcher (torchrun / accelerate launch): its config's `launcher` class attribute, read by
+# ovkit.launch.check (the table of commands and policies is in ovkit.launch's docstring).
+DATA_PARALLEL = "data-parallel"  # one run over N processes (align, midtrain, sft, rl-train)
+RANK_SHARDED = "rank-sharded"  # process r runs --shard r/N (convert, balance, pack, caption, rl-curate)
+ROW_SHARED = "row-shared"  # the processes share the rows, the main process writes (eval; --compare: one process)
+ONE_PROCESS = "one-process"  # refused under a launcher (synth, init-model, mismatch-report)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """What a field declares beyond its type and default (see `option`)."""
+
+    help: str
+    panel: str | None = None
+    flag: str | None = None  # the flag's spelling where it is not the field's name (--keep-source for keep_sources)
+    flags: tuple[str, ...] = ()  # other spellings of the flag (HF/TRL names); also accepted as YAML keys
+    negatable: bool = False  # a bool that also takes --no-NAME (one whose default is on)
+    choices: tuple[str, ...] | None = None  # the values accepted (each item, for a list)
+    min: float | None = None  # inclusive range of a number
+    max: float | None = None
+    run_control: bool = False  # a resumed run may change it (it does not change the trajectory)
+    argument: bool = False  # positional (the command's INPUT), not a --flag
+    metavar: str | None = None
+    doc: str | None = None  # the command page's longer text (default: help)
+    default_doc: str | None = None  # the page's words for a default computed at run time (None in the dataclass)
+
+    def cli_name(self, name: str) -> str:
+        """How the command line spells field `name`: --lr, or DATA for an argument."""
+        return name.upper() if self.argument else self.flag or f"--{name.replace('_', '-')}"
+
+
+def option(
+    default: Any = None,
+    *,
+    help: str,
+    panel: str | None = None,
+    flag: str | None = None,
+    flags: Sequence[str] = (),
+    negatable: bool = False,
+    choices: Sequence[str] | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    run_control: bool = False,
+    argument: bool = False,
+    metavar: str | None = None,
+    doc: str | None = None,
+    default_doc: str | None = None,
+) -> Any:
+    """A config field declaring one option (a list default is copied per instance)."""
+    if not help or not help.strip():
+        raise TypeError("an option needs help text")
+    meta = Option(
+        help=help,
+        panel=panel,
+        flag=flag,
+        flags=tuple(flags),
+        negatable=negatable,
+        choices=tuple(choices) if choices is not None else None,
+        min=min,
+        max=max,
+        run_control=run_control,
+        argument=argument,
+        metavar=metavar,
+        doc=doc,
+        default_doc=default_doc,
+    )
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={KEY: meta})
+    return dataclasses.field(default=default, metadata={KEY: meta})
+
+
+def spec(f: dataclasses.Field) -> Option:
+    """A field's Option; a field declared without `option(...)` is a bug (every field is an option with help)."""
+    meta = f.metadata.get(KEY)
+    if meta is None:
+        raise TypeError(f"field {f.name!r} is not declared with ovkit.options.option(..., help=...)")
+    return meta
+
+
+def specs(cls: type) -> dict[str, Option]:
+    """{field name: Option} of a config class: its own options in declaration order, then those of the shared groups
+    it inherits (ModelLoading, Learner), so --help and the page start with what is particular to the command, and the
+    run-control panel (seed, overwrite, quiet) closes them."""
+    inherited = {f.name for base in cls.__mro__ if base in MIXINS for f in dataclasses.fields(base)}
+    fields = dataclasses.fields(cls)
+    order = sorted(fields, key=lambda f: (spec(f).panel == RUN, f.name in inherited))  # run control last
+    return {f.name: spec(f) for f in order}
+
+
+def aliases(cls: type) -> dict[str, str]:
+    """{other spelling as a config-file key: field}: `learning_rate` -> `lr`, `keep_source` -> `keep_sources`."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get(KEY)
+        if meta is not None and not meta.argument:
+            for flag in (meta.flag, *meta.flags):
+                if flag and flag.lstrip("-").replace("-", "_") != f.name:
+                    out[flag.lstrip("-").replace("-", "_")] = f.name
+    return out
+
+
+def run_control_names(cls: type) -> frozenset[str]:
+    """The options a resumed run may change (declared `run_control=True`); every other one shapes the trajectory."""
+    return frozenset(name for name, o in specs(cls).items() if o.run_control)
+
+
+def validate(cfg: Any) -> None:
+    """Every option's declared choices and range, checked at start (before any model loads), naming the flag."""
+    for f in dataclasses.fields(cfg):
+        meta = f.metadata.get(KEY)
+        value = getattr(cfg, f.name)
+        if meta is None or value is None:
+            continue
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if meta.choices is not None and str(item) not in meta.choices:
+                raise OvkitError(f"{meta.cli_name(f.name)} must be one of {', '.join(meta.choices)}, got {item!r}")
+            if isinstance(item, (int, float)) and not isinstance(item, bool):
+                if meta.min is not None and item < meta.min:
+                    raise OvkitError(f"{meta.cli_name(f.name)} must be >= {meta.min:g}, got {item}")
+                if meta.max is not None and item > meta.max:
+                    raise OvkitError(f"{meta.cli_name(f.name)} must be <= {meta.max:g}, got {item}")
+
+
+# -- options several commands share, declared once -----------------------------------------------------------------
+# A config declares one as `trust_remote_code: bool = O.trust_remote_code()`; a command whose default or wording
+# differs says so in the call (`O.precision("fp32")`, `O.out(help=...)`).
+
+
+def _shared(default: Any = None, **declared: Any) -> Any:
+    def declare(default: Any = default, **override: Any) -> Any:
+        return option(default, **{**declared, **override})
+
+    return declare
+
+
+out = _shared(
+    help="Output directory (written atomically: complete or absent). Also --output-dir (HF/TRL).",
+    panel=IO,
+    flags=("--output-dir",),
+    run_control=True,
+)
+seed = _shared(
+    0,
+    help="Random seed; the same inputs and seed give byte-identical data outputs.",
+    panel=RUN,
+)
+overwrite = _shared(
+    False,
+    help="Replace a complete output instead of skipping.",
+    panel=RUN,
+    run_control=True,
+    doc="replace a complete OUT (and discard an unfinished OUT.partial)",
+)
+quiet = _shared(
+    False,
+    help="No progress bars (ovkit's, nor those of transformers, huggingface_hub and datasets).",
+    panel=RUN,
+    run_control=True,
+    doc=("no progress bar and no notes on stderr (transformers', huggingface_hub's and datasets' bars included)"),
+)
+shard = _shared(
+    help="Process only part I of N ('I/N', 0-based I), e.g. '3/8'.",
+    panel=RUN,
+    doc="`I/N`: pack only the I-th of N equal contiguous parts of DATA, independently",
+)
+on_error = _shared(
+    "fail",
+    help="fail: stop at the first bad row; skip: move bad rows to OUT/rejects.parquet.",
+    panel=RUN,
+    choices=("fail", "skip"),
+    doc=("`fail`: exit 2 at the first bad record; `skip`: move bad records to `rejects.parquet`"),
+)
+trust_remote_code = _shared(
+    False,
+    help="Allow model code from the model directory (e.g. LLaVA-OneVision-1.5).",
+    panel=RUNTIME,
+    run_control=True,
+    doc="allow model code from the model directory / hub",
+)
+precision = _shared(
+    "auto",
+    help="auto (bf16-mixed on a bf16 GPU, else fp32) | fp32 | bf16-mixed (bf16 compute, fp32 master weights) | "
+    "bf16-true (pure bf16). Aliases: bf16 = bf16-mixed, 32 = fp32.",
+    panel=RUNTIME,
+    choices=(*PRECISIONS, *PRECISION_ALIASES),
+    doc=(
+        "the learner's: `auto` (bf16-mixed on a GPU with bf16, else fp32), `fp32`, `bf16-mixed` (bf16 weights"
+        " in compute, fp32 master weights, gradients and AdamW state: no per-op casts), `bf16-true` (pure "
+        "bf16); `bf16` = bf16-mixed, `32` = fp32 (ovkit.runtime.precision)"
+    ),
+)
+attn_implementation = _shared(
+    "auto",
+    help="auto (flash_attention_2 on CUDA with flash-attn, else sdpa) | sdpa | flash_attention_2 | flex_attention | "
+    "eager. The ViT attends varlen (one call per layer) except with eager.",
+    panel=RUNTIME,
+    choices=ATTENTION,
+    doc=(
+        "`auto` (flash_attention_2 on CUDA with flash-attn installed, else sdpa), `sdpa`, "
+        "`flash_attention_2`, `flex_attention`, `eager`; the vision tower attends varlen, one call per layer "
+        "(except `eager`); a missing kernel falls back to sdpa with one warning; the choice used is in "
+        "ovkit.json `runtime.attention`"
+    ),
+)
+optim = _shared(
+    "adamw_torch_fused",
+    help="adamw_torch_fused (fused AdamW; foreach where fused is unsupported) | adamw_torch (foreach) | adamw_8bit "
+    "(bitsandbytes 8-bit state) | adamw_bf16 (bf16 weights and state with Kahan-compensated updates; implies "
+    "--precision bf16-true).",
+    panel=RUNTIME,
+    choices=OPTIMS,
+    doc=(
+        "the AdamW implementation (transformers' Trainer names; EasyR1's for the last): `adamw_torch_fused` "
+        "(torch's fused kernel, foreach where it is unsupported), `adamw_torch` (foreach), `adamw_8bit` "
+        "(bitsandbytes' block-wise 8-bit state, CPU or CUDA; `pip install 'ovkit[qlora]'`; with bf16-mixed it"
+        " runs over fp32 weights under bf16 autocast, no master copy), `adamw_bf16` (bf16 weights, m, v and a"
+        " Kahan compensation buffer, 10 bytes per parameter, deterministic; implies `--precision bf16-true`, "
+        "refused with fp32 or bf16-mixed). The precision x optimiser table and what each costs: "
+        "ovkit.runtime.optim; the measured bytes per parameter are in ovkit.json `runtime.bytes_per_param`"
+    ),
+)
+activation_checkpointing = _shared(
+    "auto",
+    help="Recompute activations in backward, in the LLM's decoder layers and the ViT's blocks alike: off | full (every "
+    "block) | every-K (every K-th block) | mlp (only each block's MLP) | auto (off on CPU; on CUDA full when a "
+    "micro-batch's estimated activations exceed the memory free after weights and optimiser state). Less memory, more "
+    "time; the same gradients.",
+    panel=RUNTIME,
+    run_control=True,
+    doc=(
+        "recompute activations in backward, in the LLM's decoder layers and the ViT's blocks alike "
+        "(`ovkit.runtime.checkpointing`): `off`; `full` (every block keeps only its input); `every-K` (the "
+        "K-th, 2K-th, ... block, torchtitan's selective layer checkpointing); `mlp` (only each block's MLP: "
+        "its wide intermediate activations are recomputed, attention keeps what it saved); `auto`: off on "
+        "CPU, on CUDA `full` when a learner micro-batch's (--micro-batch-size x (longest prompt + "
+        "--max-new-tokens)) estimated activations (bytes per token per block measured by "
+        "`bench/activation_bytes.py` x tokens x blocks) exceed the memory free after weights and optimiser "
+        "state, else off. The gradients are the same; the mode used and why are in ovkit.json "
+        "`runtime.activation_checkpointing`; it may change on `--resume`"
+    ),
+)
+gradient_checkpointing = _shared(
+    False,
+    help="TRL/HF's spelling of --activation-checkpointing full.",
+    panel=RUNTIME,
+    run_control=True,
+    doc="TRL's spelling of `--activation-checkpointing full`",
+)
+compile = _shared(
+    False,
+    help="torch.compile each decoder layer and vision block (after activation checkpointing; symbolic shapes, the "
+    "attention's varlen planning left eager). The same losses within float tolerance; pays off after the first steps' "
+    "compilation.",
+    panel=RUNTIME,
+    run_control=True,
+    doc=(
+        "`torch.compile` each decoder layer and vision block (`ovkit.runtime.compiling`, torchtitan's "
+        "per-block compile) with symbolic shapes, after activation checkpointing (a checkpointed block's "
+        "checkpoint calls the compiled block); the learner attention's varlen planning stays eager (one graph"
+        " break per attention call); generation with a KV cache and the asynchronous sampler's copy run "
+        "eager. The same losses as eager within float tolerance, so it may change on `--resume`; compiled "
+        "blocks, graphs, graph breaks and compiled frames are in ovkit.json `runtime.compile`. The first "
+        "steps pay the compilation (about 30-60 s for the tiny model on 2 CPU cores: BENCHMARKS.md)"
+    ),
+)
+kernels = _shared(
+    "auto",
+    help="auto (liger on CUDA when liger-kernel is installed, else torch) | liger (Liger-Kernel: fused RMSNorm, SwiGLU "
+    "and RoPE in the model, fused linear cross-entropy for the supervised loss; CUDA only) | torch (PyTorch ops; the "
+    "loss's chunked head).",
+    panel=RUNTIME,
+    run_control=True,
+    doc=(
+        "`liger`: Liger-Kernel's Triton kernels (CUDA only; `pip install 'ovkit[liger]'`): RMSNorm, SwiGLU "
+        "and RoPE patched into the model, (rl-train's token log-probs keep ovkit's chunked head: Liger's "
+        "fused loss returns a reduced loss, not per-token log-probs); `torch`: PyTorch ops and the chunked "
+        "head; `auto`: liger on CUDA when liger-kernel is installed, else torch. `liger` on a machine without"
+        " CUDA or without the package exits 2. What was applied is in ovkit.json `runtime.kernels`"
+    ),
+)
+use_liger_kernel = _shared(False, help="TRL/HF's spelling of --kernels liger.", panel=RUNTIME, run_control=True)
+# LoRA (ovkit.models.lora) on every training command.
+lora_r = _shared(
+    0,
+    help="LoRA rank: train low-rank adapters on the selection's attention/MLP projections instead of every weight (0: "
+    "full fine-tuning).",
+    panel=LORA,
+    doc=(
+        "LoRA rank: low-rank adapters (peft) on the attention/MLP projections of the selection instead of "
+        "full fine-tuning; the projector, when selected, still trains in full; OUT holds the merged model and"
+        " OUT/adapter/ the adapter (`peft.PeftModel.from_pretrained`)"
+    ),
+)
+lora_alpha = _shared(
+    16.0, help="LoRA scale alpha (the update is alpha / r x B A).", panel=LORA, doc="LoRA scale (update = A / r x B A)"
+)
+lora_dropout = _shared(0.0, help="Dropout on the LoRA branch.", panel=LORA)
+lora_targets = _shared(
+    help="Regex over module names to adapt instead of the per-architecture default; repeatable.",
+    panel=LORA,
+    doc="module names to adapt instead (repeatable)",
+)
+load_in_4bit = _shared(
+    False,
+    help="QLoRA: load the language model's Linear weights in 4-bit NF4 (bitsandbytes) and train LoRA adapters on them; "
+    "needs --lora-r > 0.",
+    panel=LORA,
+    doc=(
+        "QLoRA: the language model's Linear weights load as 4-bit NF4 with double quantisation (bitsandbytes,"
+        " CPU or CUDA; `pip install 'ovkit[qlora]'`), the vision tower, projector and head stay full "
+        "precision, and the `--lora-r` adapters train on top; OUT holds the merged model with the dequantised"
+        " base (a plain checkpoint) and OUT/adapter/ the adapter, which applies to the 4-bit base too. Not in"
+        " rl-train: its learner scores in eval mode, where bitsandbytes' CPU path repacks the weights"
+    ),
+)
+# Checkpoints of the learners (align, midtrain, sft, rl-train): run control.
+save_every = _shared(
+    0,
+    help="Write a resumable checkpoint every N steps into OUT.partial/checkpoints (0: only the final model).",
+    panel=CHECKPOINTS,
+    run_control=True,
+    doc="checkpoint every N steps (0: only the final model)",
+)
+keep_checkpoints = _shared(
+    2,
+    help="Keep the newest N intermediate checkpoints.",
+    panel=CHECKPOINTS,
+    run_control=True,
+    doc="intermediate checkpoints kept",
+)
+resume = _shared(
+    False,
+    help="Continue the unfinished run in OUT.partial/ from its last checkpoint (starts fresh if there is none).",
+    panel=CHECKPOINTS,
+    run_control=True,
+    doc="continue the run in `OUT.partial/`",
+)
+report_to = _shared(
+    [],
+    help="Experiment tracker through accelerate: tensorboard, wandb, mlflow or trackio; repeatable (metrics.jsonl is "
+    "always written).",
+    panel=CHECKPOINTS,
+    run_control=True,
+    doc=(
+        "`tensorboard`, `wandb`, `mlflow`, `trackio` (repeatable): accelerate's experiment trackers, offline "
+        "where they allow (TensorBoard in OUT/trackers/, MLflow a file store in OUT/mlruns unless "
+        "MLFLOW_TRACKING_URI is set, W&B in OUT/wandb: set WANDB_MODE=offline); metrics.jsonl is always "
+        "written"
+    ),
+)
+# Evaluation while training (ovkit.evaluate.during) on align, midtrain, sft and rl-train: run control (evaluation
+# restores the RNG, so the trajectory is unchanged).
+eval_data = _shared(
+    help="Held-out table(s) scored while training, as `ovkit eval` scores them (rows with a gold answer: eval/reward, "
+    "eval/accuracy per category; supervised stages also eval/loss on the target turn). Repeatable.",
+    panel=EVALUATION,
+    run_control=True,
+    doc=(
+        "held-out table(s) scored while training as `ovkit eval` scores them (answer-mode prompts, greedy, "
+        "the learner's weights): `eval/loss` on each row's target (its last assistant turn; a prompt-only "
+        "row's `<answer>ANSWER</answer>`), and for rows with a gold `answer` `eval/reward`, `eval/accuracy`, "
+        "`eval/reward/<category>`, `eval/accuracy/<category>`; repeatable"
+    ),
+)
+eval_every = _shared(
+    0,
+    help="Evaluate on --eval-data every N steps and after the last (0: after the last only). Also --eval-steps "
+    "(HF/TRL). Run control: the training trajectory is unchanged.",
+    panel=EVALUATION,
+    flags=("--eval-steps",),
+    run_control=True,
+    doc=(
+        "evaluate every N steps and after the last (0: after the last only); also `--eval-steps` (HF/TRL). "
+        "Run control: the rewards, losses and weights are bit-identical with and without it"
+    ),
+)
+eval_limit = _shared(
+    help="At most this many --eval-data rows per category (the first ones, as `ovkit eval --limit`).",
+    panel=EVALUATION,
+    run_control=True,
+    doc="at most N eval rows per category (the first ones, as `ovkit eval --limit`)",
+)
+eval_max_new_tokens = _shared(
+    help="Generation budget of the eval. Default: per category, from its longest gold answer (as `ovkit eval`).",
+    panel=EVALUATION,
+    run_control=True,
+    doc=("the eval's generation budget (default: `ovkit eval`'s, from the category's longest gold answer)"),
+)
+# Multi-turn rollouts (ovkit.envs, ovkit.rollouts.episodes) on rl-train, rl-curate, eval and mismatch-report.
+env = _shared(
+    help="Multi-turn rollouts with an environment: zoom, verifier, or package.module:factory (see "
+    "docs/environments.md).",
+    panel=MULTI_TURN,
+    doc=(
+        "multi-turn rollouts with an environment: `zoom`, `verifier` or `package.module:factory` "
+        "([docs/environments.md](../docs/environments.md))"
+    ),
+)
+env_arg = _shared(
+    help="Environment argument key=value (repeatable), e.g. --env-arg max_attempts=3.",
+    panel=MULTI_TURN,
+    doc=(
+        "environment argument `key=value`, value parsed as YAML (repeatable); in a config file a mapping "
+        "`env-arg: {key: value}`"
+    ),
+)
+max_turns = _shared(
+    1,
+    help="Multi-turn: assistant turns at most (then the rollout ends as max_turns).",
+    panel=MULTI_TURN,
+    doc="with `--env`: assistant turns at most (then `max_turns`)",
+)
+max_response_tokens = _shared(
+    help="Multi-turn: token budget after the prompt, sampled + observation tokens (then truncated).",
+    panel=MULTI_TURN,
+    doc=("with `--env`: token budget after the prompt, sampled + observation tokens (then `truncated`)"),
+)
+env_retries = _shared(
+    0,
+    help="Multi-turn: extra tries of an environment call that raised or timed out (then env_error).",
+    panel=MULTI_TURN,
+    doc=("with `--env`: extra tries of an environment call that raised or timed out (then `env_error`)"),
+)
+env_timeout = _shared(
+    30.0,
+    help="Multi-turn: seconds per environment call.",
+    panel=MULTI_TURN,
+    doc="with `--env`: seconds per environment call",
+)
+
+SHARED = {
+    name: fn for name, fn in globals().items() if getattr(fn, "__qualname__", "").startswith("_shared.")
+}  # {field name: its declaration}, for the converter and the pages
+
+
+@dataclasses.dataclass
+class ModelLoading:
+    """The options of every command that loads a model (align, midtrain, sft, rl-train, eval, caption, rl-curate,
+    mismatch-report): how it loads and computes. A stage config inherits them; one that says something else redeclares
+    the field (mismatch-report's learner precision is fp32). A new model-loading option is one field here (and its
+    use where the model loads): every such command, its --help, YAML keys, validation and page get it. Listed after a
+    command's own options in --help and on its page."""
+
+    precision: str = precision()
+    attn_implementation: str = attn_implementation()
+    trust_remote_code: bool = trust_remote_code()
+
+
+@dataclasses.dataclass
+class Learner(ModelLoading):
+    """The options every learner shares (align, midtrain, sft, rl-train): optimiser implementation, memory and speed,
+    LoRA, checkpoints and trackers, evaluation while training. A new learner option is one field here (and its use in
+    ovkit.runtime); a learner whose wording or default differs redeclares the field."""
+
+    optim: str = optim()
+    activation_checkpointing: str = activation_checkpointing()
+    gradient_checkpointing: bool = gradient_checkpointing()
+    compile: bool = compile()
+    kernels: str = kernels()
+    use_liger_kernel: bool = use_liger_kernel()
+    lora_r: int = lora_r()
+    lora_alpha: float = lora_alpha()
+    lora_dropout: float = lora_dropout()
+    lora_targets: list[str] | None = lora_targets(default_doc="per architecture")
+    save_every: int = save_every()
+    keep_checkpoints: int = keep_checkpoints()
+    resume: bool = resume()
+    report_to: list[str] = report_to()
+    eval_data: list[Path] | None = eval_data()
+    eval_every: int = eval_every()
+    eval_limit: int | None = eval_limit(default_doc="all")
+    eval_max_new_tokens: int | None = eval_max_new_tokens(default_doc="per category")
+
+
+MIXINS = (ModelLoading, Learner)  # option groups shared by inheritance
