@@ -58,7 +58,7 @@ def assets(tmp_path_factory):
     root/data. Read-only: tests write their runs under their own tmp_path."""
     from helpers import make_rows
 
-    from ovkit.data.io import write_samples
+    from ovkit.data.parts import write_samples
     from ovkit.data.schema import samples_table
     from ovkit.models.tiny import TinySpec, build_tiny
 
@@ -88,7 +88,7 @@ def deep(tmp_path_factory):
     root/data; helpers.pack_plan caches its pack plans beside them): (root, spec)."""
     from helpers import make_rows
 
-    from ovkit.data.io import write_samples
+    from ovkit.data.parts import write_samples
     from ovkit.data.schema import samples_table
     from ovkit.models.tiny import TinySpec, build_tiny
 

@@ -321,12 +321,12 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
     import pyarrow as pa
 
     from ovkit.data import read_samples, write_samples, write_table
-    from ovkit.generate.engines import build_engine
     from ovkit.rollouts.groups import groups_table
     from ovkit.rollouts.prompts import limit_per_category
 
     table = limit_per_category(read_samples(cfg.data, shard=shard, answers=True).table, cfg.limit)
     table, excluded = exclude_categories(table, cfg.exclude_categories, cfg.data)
+    from ovkit.generate.engines import build_engine  # torch: once the data is read and checked (#29)
 
     engine = build_engine(
         cfg.engine,
