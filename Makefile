@@ -60,7 +60,7 @@ format: setup
 # The option table of every commands/NAME.md, generated from the options' declarations (ovkit.options fields of the
 # stage configs); tests/test_cli.py fails while a table is stale.
 pages: setup
-	$(BIN)/python -m ovkit.commands.pages
+	$(BIN)/python -m ovkit.pages
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow

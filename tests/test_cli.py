@@ -307,13 +307,13 @@ def test_every_command_declares_its_launcher_policy(name):
 def test_every_page_option_table_is_the_generated_one():
     """commands/NAME.md's option table is generated from the declarations (make pages): a stale one, or one missing an
     option, a spelling or a default, fails here."""
-    from ovkit.commands.pages import stale_pages
+    from ovkit.pages import stale_pages
 
-    assert stale_pages(write=False) == [], "run `make pages` (python -m ovkit.commands.pages)"
+    assert stale_pages(write=False) == [], "run `make pages` (python -m ovkit.pages)"
 
 
 def test_a_changed_default_makes_the_page_table_stale(monkeypatch):
-    from ovkit.commands import pages
+    from ovkit import pages
 
     command = click_command("sft")
     assert "| `--min-lr` | 1e-6 |" in pages.table(command)

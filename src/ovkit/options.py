@@ -5,7 +5,7 @@ panel, extra flag spellings (HF/TRL's `--learning-rate` for `lr`), what it accep
 resumed run may change it (`run_control`), and an optional longer `doc` for its command page. Everything reads it:
 the typer command is built from the fields (ovkit.commands._common, as HfArgumentParser / TRL's TrlParser build
 theirs), YAML keys and their aliases, `validate` at start, the resume rule (`run_control_names`) and the option
-tables of commands/*.md (ovkit.commands.pages).
+tables of commands/*.md (ovkit.pages).
 
 The options several commands share are declared once below (`trust_remote_code()`, `precision()`, ...): a config
 calls the function where it declares the field. Torch-free and typer-free: library configs import this module.
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ovkit.choices import ATTENTION, OPTIMS, PRECISION_ALIASES, PRECISIONS  # torch-free
 from ovkit.errors import OvkitError
-from ovkit.runtime.options import ATTENTION, OPTIMS, PRECISION_ALIASES, PRECISIONS  # torch-free
 
 # Help panels shared by every command (each command adds its own between inputs and run control).
 IO = "Inputs/outputs"

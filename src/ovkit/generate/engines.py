@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 
+# A sampler's own precision (rl-train --sampler-precision, mismatch-report's samplers): the dtype of its weights.
+from ovkit.choices import SAMPLER_ALIASES, SAMPLER_PRECISIONS, sampler_dtype  # noqa: F401 (re-exported: torch-free)
 from ovkit.errors import OvkitError
 from ovkit.models import load, locate
 from ovkit.runtime import attention
 from ovkit.runtime import precision as prec
-
-# A sampler's own precision (rl-train --sampler-precision, mismatch-report's samplers): the dtype of its weights.
-from ovkit.runtime.options import SAMPLER_ALIASES, SAMPLER_PRECISIONS, sampler_dtype  # noqa: F401 (re-exported: torch-free)
 
 DEFAULT_SERVER_URL = "http://localhost:8000"  # `vllm serve`'s default address
 

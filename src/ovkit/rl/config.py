@@ -7,12 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ovkit import options as O
-from ovkit.config import trajectory_options
-from ovkit.errors import OvkitError
-from ovkit.generate import RL_ENGINES
-from ovkit.options import option, run_control_names
-from ovkit.runtime.log import check_trackers
-from ovkit.runtime.options import (  # torch-free: a bad option fails before torch imports (#29)
+from ovkit.choices import (  # torch-free: a bad option fails before torch imports (#29)
     AGGREGATIONS,
     ATTENTION,
     KL_ESTIMATORS,
@@ -23,9 +18,14 @@ from ovkit.runtime.options import (  # torch-free: a bad option fails before tor
     check_optim,
     sampler_dtype,
 )
-from ovkit.runtime.options import (
+from ovkit.choices import (
     canonical_correction as canonical_mode,
 )
+from ovkit.config import trajectory_options
+from ovkit.errors import OvkitError
+from ovkit.generate import RL_ENGINES
+from ovkit.options import option, run_control_names
+from ovkit.runtime.log import check_trackers
 
 if TYPE_CHECKING:
     from ovkit.rl.correction import Correction

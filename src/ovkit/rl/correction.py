@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ovkit.runtime.options import CORRECTIONS as MODES  # noqa: F401 (re-exported: one definition, torch-free)
-from ovkit.runtime.options import canonical_correction as canonical_mode  # noqa: F401
+from ovkit.choices import CORRECTIONS as MODES  # noqa: F401 (re-exported: one definition, torch-free)
+from ovkit.choices import canonical_correction as canonical_mode  # noqa: F401
 
 SAFETY_BOUND = 20.0
 

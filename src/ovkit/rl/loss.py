@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ovkit.runtime.options import AGGREGATIONS, KL_ESTIMATORS  # noqa: F401 (re-exported: one definition, torch-free)
+from ovkit.choices import AGGREGATIONS, KL_ESTIMATORS  # noqa: F401 (re-exported: one definition, torch-free)
 
 
 def aggregation_weights(

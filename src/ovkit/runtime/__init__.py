@@ -1,7 +1,7 @@
 """The training runtime (ovkit.runtime.core: `Runtime`, `Result`, the run-directory layout) and the pieces around it.
 
 Importing this package costs nothing: `Runtime` and the other names of ovkit.runtime.core load torch, so they are
-loaded on first use (PEP 562), and a config that only validates option names (ovkit.runtime.options) fails in well
+loaded on first use (PEP 562), and a config that only validates option names (ovkit.choices) fails in well
 under a second, before torch and transformers import (#29).
 """
 

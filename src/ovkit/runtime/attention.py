@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ovkit.choices import ATTENTION  # noqa: F401 (re-exported: one definition, torch-free)
 from ovkit.errors import OvkitError
 from ovkit.models.precompute import forget_dead, host_values
-from ovkit.runtime.options import ATTENTION  # noqa: F401 (re-exported: one definition, torch-free)
 
 VARLEN = "ovkit_varlen_flash"
 

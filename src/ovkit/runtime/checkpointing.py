@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ovkit.choices import CHECKPOINTING_MODES as MODES  # noqa: F401 (re-exported: one definition, torch-free)
+from ovkit.choices import canonical_checkpointing as canonical  # noqa: F401
+from ovkit.choices import check_checkpointing as check_option  # noqa: F401
 from ovkit.models.groups import group_of
-from ovkit.runtime.options import CHECKPOINTING_MODES as MODES  # noqa: F401 (re-exported: one definition, torch-free)
-from ovkit.runtime.options import canonical_checkpointing as canonical  # noqa: F401
-from ovkit.runtime.options import check_checkpointing as check_option  # noqa: F401
 
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 STACKS = ("llm", "vision")

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ovkit.runtime.options import KERNELS, liger_installed  # noqa: F401 (re-exported: one definition, torch-free)
-from ovkit.runtime.options import LIGER_INSTALL as INSTALL  # noqa: F401
-from ovkit.runtime.options import check_kernels as check_option  # noqa: F401
+from ovkit.choices import KERNELS, liger_installed  # noqa: F401 (re-exported: one definition, torch-free)
+from ovkit.choices import LIGER_INSTALL as INSTALL  # noqa: F401
+from ovkit.choices import check_kernels as check_option  # noqa: F401
 
 
 def resolve(kernels: str, device: torch.device) -> tuple[str, str]:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from ovkit.choices import OPTIMS, check_optim  # noqa: F401 (re-exported: one definition, torch-free)
 from ovkit.errors import OvkitError
-from ovkit.runtime.options import OPTIMS, check_optim  # noqa: F401 (re-exported: one definition, torch-free)
 
 ADAM_EPS = 1e-5  # LLaVA-OneVision-1.5 (and its RL stage)
 BETAS = (0.9, 0.999)

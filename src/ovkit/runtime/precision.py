@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ovkit.runtime.options import AMBIGUOUS, PRECISIONS  # noqa: F401 (re-exported: one definition, torch-free)
-from ovkit.runtime.options import PRECISION_ALIASES as ALIASES  # noqa: F401
-from ovkit.runtime.options import canonical_precision as canonical  # noqa: F401
+from ovkit.choices import AMBIGUOUS, PRECISIONS  # noqa: F401 (re-exported: one definition, torch-free)
+from ovkit.choices import PRECISION_ALIASES as ALIASES  # noqa: F401
+from ovkit.choices import canonical_precision as canonical  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ovkit import options as O
-from ovkit.config import trajectory_options
-from ovkit.errors import OvkitError
-from ovkit.models.groups import STAGE_TRAINABLE
-from ovkit.options import option, run_control_names
-from ovkit.runtime.log import check_trackers
-from ovkit.runtime.options import (
+from ovkit.choices import (
     ATTENTION,
     canonical_precision,
     check_checkpointing,
@@ -27,6 +22,11 @@ from ovkit.runtime.options import (
     check_kernels,
     check_optim,
 )  # torch-free (#29)
+from ovkit.config import trajectory_options
+from ovkit.errors import OvkitError
+from ovkit.models.groups import STAGE_TRAINABLE
+from ovkit.options import option, run_control_names
+from ovkit.runtime.log import check_trackers
 
 # Stage presets: the recipe's published values (lr, weight decay). Cosine to a minimum lr of 1e-6, warmup 0.2% of
 # the steps, Adam eps 1e-5 and gradient clipping at 1.0 are shared by all three stages.

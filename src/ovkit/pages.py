@@ -2,8 +2,8 @@
 config's fields, ovkit.options): flags and their other spellings, the dataclass default, and the field's `doc` (else
 its help). The table sits between two marker comments; the rest of the page is written by hand.
 
-    python -m ovkit.commands.pages            rewrite the tables (make pages)
-    python -m ovkit.commands.pages --check    exit 1 naming each page whose table is stale (tests/test_cli.py)
+    python -m ovkit.pages            rewrite the tables (make pages)
+    python -m ovkit.pages --check    exit 1 naming each page whose table is stale (tests/test_cli.py)
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import typer.main
+
+from ovkit import cli
 from ovkit.commands._common import config_defaults, stage_of
 from ovkit.options import specs
 
@@ -25,7 +28,7 @@ CONFIG_ROW = (
     "is a float) and one that does not convert exits 2 naming the key, the file and the type |"
 )
 HELP_ROW = "| `-h`, `--help` | | the options, their defaults and a worked example |"
-PAGES = Path(__file__).resolve().parents[3] / "commands"
+PAGES = Path(__file__).resolve().parents[2] / "commands"
 
 
 def shown(value: Any) -> str:
@@ -82,10 +85,6 @@ def render(text: str, generated: str, page: Path) -> str:
 
 def stale_pages(write: bool) -> list[str]:
     """The pages whose table differs from the declarations (rewritten when `write`)."""
-    import typer.main
-
-    from ovkit import cli
-
     cli._register()
     group = typer.main.get_command(cli.app)
     stale = []

@@ -1,4 +1,5 @@
-"""The option names a stage config checks in `__post_init__`, without torch.
+"""The values the runtime options accept (precision, attention, optimiser, checkpointing, kernels, RL corrections,
+samplers) and their checks, without torch: a leaf every config and `ovkit.options` can import.
 
 A config is built, and refused, before anything heavy is imported, so `ovkit sft DATA --precision bf17` answers in
 a fraction of a second instead of after torch and transformers load (#29). The modules that act on these options
