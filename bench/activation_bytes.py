@@ -1,7 +1,8 @@
 """Activation memory per token: the bytes autograd keeps for backward, per token and per block, at real widths.
 
 One Qwen2.5-VL decoder layer and one ViT block of the qwen2.5-vl-2b and qwen2.5-vl-7b presets (ovkit.models.presets),
-in bf16 with sdpa attention (the tower through ovkit's varlen attention, as the runtime runs it), over a sequence of --tokens tokens, with each --activation-checkpointing mode applied to
+in bf16 with sdpa attention (the tower through ovkit's varlen attention, as the runtime runs it), over a sequence of
+--tokens tokens, with each --activation-checkpointing mode applied to
 the block the way ovkit applies it (ovkit.runtime.checkpointing.wrap): off, mlp (only the MLP recomputed), full (the
 block keeps its input). Bytes are counted with torch.autograd.graph.saved_tensors_hooks, de-duplicated by storage,
 weights left out (ovkit.runtime.checkpointing.saved_bytes). A block's cost is the *marginal* cost of a second block
@@ -138,7 +139,8 @@ def main() -> None:
                 + f" | {r['off'] / h:.1f} |"
             )
         rows.append(
-            f"| {name} | head + loss (chunked) | {t.hidden_size} / vocab {t.vocab_size:,} | {results[name]['head']:,.0f} | | | |"
+            f"| {name} | head + loss (chunked) | {t.hidden_size} / vocab {t.vocab_size:,} | "
+            f"{results[name]['head']:,.0f} | | | |"
         )
         print(f"# {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"\nbytes kept for backward per token per block (bf16, sdpa, {args.tokens} tokens; marginal block)\n")
@@ -164,7 +166,8 @@ def _fit(results: dict) -> None:
     for name, r in results.items():
         v = r["config"].vision_config
         print(
-            f"  {name} ViT block predicted {a * v.hidden_size + b * v.intermediate_size:,.0f}, measured {r['vit']['off']:,.0f}"
+            f"  {name} ViT block predicted {a * v.hidden_size + b * v.intermediate_size:,.0f}, measured "
+            f"{r['vit']['off']:,.0f}"
         )
 
 
@@ -174,8 +177,10 @@ def _arithmetic(r: dict, row: int) -> None:
     layers, blocks = config.text_config.num_hidden_layers, config.vision_config.depth
     params = 2.21e9
     print(
-        f"\none packed row of {row:,} tokens, {layers} decoder layers, {blocks} ViT blocks; weights + optimiser 10-18 bytes/param"
-        f" x {params / 1e9:.2f}B = {10 * params / GIB:.1f}-{18 * params / GIB:.1f} GiB of an 80 GB card ({80e9 / GIB:.1f} GiB)\n"
+        f"\none packed row of {row:,} tokens, {layers} decoder layers, {blocks} ViT blocks; weights + optimiser "
+        f"10-18 bytes/param"
+        f" x {params / 1e9:.2f}B = {10 * params / GIB:.1f}-{18 * params / GIB:.1f} GiB of an 80 GB card "
+        f"({80e9 / GIB:.1f} GiB)\n"
     )
     print("| mode | LLM layers | head | text-only row | + ViT, half the row image tokens | fits next to 18 B/param? |")
     print("|---|---|---|---|---|---|")
@@ -186,11 +191,13 @@ def _arithmetic(r: dict, row: int) -> None:
         room = (80e9 - 18 * params) / GIB
         fits = "both" if with_images / GIB < room else "the text-only row" if text_only / GIB < room else "neither"
         print(
-            f"| {mode} | {llm / GIB:.1f} GiB | {r['head'] * row / GIB:.2f} GiB | {text_only / GIB:.1f} GiB | {with_images / GIB:.1f} GiB | "
+            f"| {mode} | {llm / GIB:.1f} GiB | {r['head'] * row / GIB:.2f} GiB | {text_only / GIB:.1f} GiB | "
+            f"{with_images / GIB:.1f} GiB | "
             f"{fits} ({room:.1f} GiB left) |"
         )
     print(
-        f"\nwhile a block is recomputed in backward it holds its own activations once more: {r['llm']['off'] * row / GIB:.2f} GiB for a "
+        f"\nwhile a block is recomputed in backward it holds its own activations once more: "
+        f"{r['llm']['off'] * row / GIB:.2f} GiB for a "
         f"decoder layer of this row, {r['vit']['off'] * row * 2 / GIB:.2f} GiB for a ViT block of its patches"
     )
 

@@ -37,8 +37,17 @@ def rows(n: int) -> list[dict]:
         for k in range(count):
             draw.rectangle([4 + 20 * k, 30, 22 + 20 * k, 50], fill=colours[colour])
         q, a = ("What colour are the squares?", colour) if i % 2 else ("How many squares?", str(count))
-        out.append({"id": f"r{i}", "images": [image_cell(img)], "source": "bench/squares",
-                    "messages": [{"role": "user", "content": "<image>\n" + q}, {"role": "assistant", "content": f"<answer>{a}</answer>" + " ok" * (i % 4)}]})  # fmt: skip
+        out.append(
+            {
+                "id": f"r{i}",
+                "images": [image_cell(img)],
+                "source": "bench/squares",
+                "messages": [
+                    {"role": "user", "content": "<image>\n" + q},
+                    {"role": "assistant", "content": f"<answer>{a}</answer>" + " ok" * (i % 4)},
+                ],
+            }
+        )
     return out
 
 
@@ -59,13 +68,30 @@ def main() -> None:
     build_tiny(root / "model", [m["content"] for r in data for m in r["messages"]] * 4)
     for name, compile_ in (("eager", False), ("compiled", True)):
         out = root / name
-        train(SFTConfig(data=[root / "data"], model=root / "model", out=out, batch_size=8, max_steps=args.steps, precision="fp32",
-                        lr=1e-3, activation_checkpointing="off", compile=compile_, quiet=True))  # fmt: skip
+        train(
+            SFTConfig(
+                data=[root / "data"],
+                model=root / "model",
+                out=out,
+                batch_size=8,
+                max_steps=args.steps,
+                precision="fp32",
+                lr=1e-3,
+                activation_checkpointing="off",
+                compile=compile_,
+                quiet=True,
+            )
+        )
         steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         warm = statistics.median(s["ovkit/step_s"] for s in steps[args.warmup :])
         info = json.loads((out / "ovkit.json").read_text())["runtime"]["compile"]
-        print(f"{name:9s} first step {steps[0]['ovkit/step_s']:6.2f} s | median step after {args.warmup} {warm * 1000:6.1f} ms "
-              f"({1 / warm:5.2f} steps/s) | final loss {steps[-1]['loss']:.4f} | compile {json.dumps(info)}", flush=True)  # fmt: skip
+        print(
+            f"{name:9s} first step {steps[0]['ovkit/step_s']:6.2f} s | median step after {args.warmup} "
+            f"{warm * 1000:6.1f} ms "
+            f"({1 / warm:5.2f} steps/s) | final loss {steps[-1]['loss']:.4f} | compile "
+            f"{json.dumps(info)}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

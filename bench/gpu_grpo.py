@@ -6,7 +6,8 @@ Every run is a fresh process (peak memory is its own): the same prompts (the syn
 instruction), group size, completion length, prompts per step, steps, learning rate, clip 0.2 / 0.28, no KL,
 token-mean loss, one optimiser step per batch, the same reward code (ovkit.rewards).
 
-  trl-mixed          TRL at its own default: fp32 weights (what it loads from a model path), bf16=True (autocast), 16 B/param
+  trl-mixed          TRL at its own default: fp32 weights (what it loads from a model path), bf16=True (autocast), 16
+                     B/param
   ovkit-mixed        --precision bf16-mixed (bf16 weights, fp32 masters and AdamW state: 18 B/param), --max-staleness 0
   ovkit-mixed-async  the same, --max-staleness 2 (a rollout thread samples the next batch on its own bf16 copy)
   trl-bf16           TRL given bf16 weights, bf16=True: pure bf16, torch AdamW with bf16 moments (8 B/param)
@@ -197,13 +198,29 @@ def run_ovkit(spec: dict, policy: str, staleness: int, engine: str, mem: MemoryP
     mem.wrap(loop, "train_step", "learner", after=lambda r, e: mem.mark("optimiser", mem.allocated() - e))
     out = Path(spec["work"]) / f"ovkit-{policy}-{engine}-{staleness}"
     cfg = RLTrainConfig(
-        data=[Path(spec["data"])], model=Path(spec["model"]), out=out, stage=1,
-        prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"], max_new_tokens=spec["max_new_tokens"],
-        max_steps=spec["steps"], lr=spec["lr"], warmup_ratio=0.0, max_staleness=staleness, engine=engine, system_prompt=False,
-        micro_batch_size=min(batch, spec["micro_batch_size"]), rollout_batch_size=batch, save_every=0, overwrite=True, quiet=True,
-        precision=precision, optim=optim, reward_workers=2,
+        data=[Path(spec["data"])],
+        model=Path(spec["model"]),
+        out=out,
+        stage=1,
+        prompts_per_step=spec["prompts_per_step"],
+        group_size=spec["group_size"],
+        max_new_tokens=spec["max_new_tokens"],
+        max_steps=spec["steps"],
+        lr=spec["lr"],
+        warmup_ratio=0.0,
+        max_staleness=staleness,
+        engine=engine,
+        system_prompt=False,
+        micro_batch_size=min(batch, spec["micro_batch_size"]),
+        rollout_batch_size=batch,
+        save_every=0,
+        overwrite=True,
+        quiet=True,
+        precision=precision,
+        optim=optim,
+        reward_workers=2,
         activation_checkpointing=spec["activation_checkpointing"],
-    )  # fmt: skip
+    )
     summary = loop.train_rl(cfg)
     bpp = _find(json.loads((out / "ovkit.json").read_text()), "bytes_per_param") or {}
     return {
@@ -241,18 +258,47 @@ def run_trl(spec: dict, policy: str, mem: MemoryPhases) -> dict:
 
     # bf16=True is TRL's autocast, over fp32 weights (its default given a model path) or over bf16 ones
     config = GRPOConfig(
-        output_dir=str(Path(spec["work"]) / f"trl-{policy}"), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        steps_per_generation=1, num_generations=spec["group_size"], max_completion_length=spec["max_new_tokens"],
-        max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01,
-        adam_epsilon=1e-5, max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
-        scale_rewards="group", num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, use_cpu=not cuda, bf16=True,
-        logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(Path(spec["work"]) / f"trl-{policy}"),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=spec["group_size"],
+        max_completion_length=spec["max_new_tokens"],
+        max_steps=spec["steps"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.01,
+        adam_epsilon=1e-5,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        use_cpu=not cuda,
+        bf16=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
         gradient_checkpointing=spec["activation_checkpointing"] != "off",
-    )  # fmt: skip
+    )
     dtype = torch.float32 if policy == "mixed" else torch.bfloat16
     model = AutoModelForImageTextToText.from_pretrained(spec["model"], dtype=dtype)
-    trainer = GRPOTrainer(model=model, reward_funcs=[task_reward], args=config, train_dataset=trl_dataset(Path(spec["data"])),
-                          processing_class=AutoProcessor.from_pretrained(spec["model"]), callbacks=[Measure()])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[task_reward],
+        args=config,
+        train_dataset=trl_dataset(Path(spec["data"])),
+        processing_class=AutoProcessor.from_pretrained(spec["model"]),
+        callbacks=[Measure()],
+    )
     mem.mark("weights", mem.allocated())
     mem.mark("sampler copy", 0)  # TRL samples from the learner's own weights
     mem.wrap(GenerationMixin, "generate", "generate")
@@ -330,10 +376,19 @@ def main() -> None:
         work = args.out or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         data, model = prepare(args, work)
-        spec = {"work": str(work), "data": str(data), "model": str(model), "steps": args.steps, "lr": args.lr,
-                "prompts_per_step": args.prompts_per_step, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
-                "micro_batch_size": args.micro_batch_size, "bf16_optim": args.bf16_optim,
-                "activation_checkpointing": args.activation_checkpointing}  # fmt: skip
+        spec = {
+            "work": str(work),
+            "data": str(data),
+            "model": str(model),
+            "steps": args.steps,
+            "lr": args.lr,
+            "prompts_per_step": args.prompts_per_step,
+            "group_size": args.group_size,
+            "max_new_tokens": args.max_new_tokens,
+            "micro_batch_size": args.micro_batch_size,
+            "bf16_optim": args.bf16_optim,
+            "activation_checkpointing": args.activation_checkpointing,
+        }
         results = run_workers(__file__, runs, spec, work)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     report(args, device, model, runs, results)
@@ -342,8 +397,10 @@ def main() -> None:
 def report(args, device: str, model: Path, runs: list[str], results: dict) -> None:
     gb = lambda b: f"{b / 1e9:.2f}" if b is not None else "-"  # noqa: E731
     print(
-        f"device: {device}; model {model}; {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} completions, "
-        f"<= {args.max_new_tokens} new tokens; ovkit micro-batch {args.micro_batch_size}; checkpointing {args.activation_checkpointing}"
+        f"device: {device}; model {model}; {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} "
+        f"completions, "
+        f"<= {args.max_new_tokens} new tokens; ovkit micro-batch {args.micro_batch_size}; checkpointing "
+        f"{args.activation_checkpointing}"
     )
     print(f"{'run':<18}{'samples/s':>10}{'vs trl':>8}{'peak GB':>9}{'vs trl':>8}{'B/param':>9}  policy")
     for name in runs:

@@ -215,7 +215,8 @@ def _peak_memory(base_rss: int) -> int:
 
 
 def _padded_steps(spec: dict, processor) -> list[list[dict]]:
-    """ovkit's padded micro-batches of the first `steps` optimiser steps (the same for ovkit padded and the plain loop)."""
+    """ovkit's padded micro-batches of the first `steps` optimiser steps (the same for ovkit padded and the plain
+    loop)."""
     from ovkit.train.data import SampleSource, Schedule
 
     source = SampleSource(Path(spec["data"]), processor, max_len=1 << 20)
@@ -235,16 +236,35 @@ def run_ovkit(spec: dict, packed: bool) -> dict:
     else:
         opts = dict(batch_size=spec["batch_size"], grad_accum=spec["grad_accum"])
     out = Path(spec["work"]) / ("ovkit-packed" if packed else "ovkit-padded")
-    train(SFTConfig(data=Path(spec["data"]), model=Path(spec["model"]), out=out, max_steps=spec["steps"], lr=1e-5, warmup_ratio=0.0,
-                    precision=spec["precision"], optim=spec["optim"], activation_checkpointing=spec["activation_checkpointing"],
-                    quiet=True, overwrite=True, max_len=1 << 20, **opts))  # fmt: skip
+    train(
+        SFTConfig(
+            data=Path(spec["data"]),
+            model=Path(spec["model"]),
+            out=out,
+            max_steps=spec["steps"],
+            lr=1e-5,
+            warmup_ratio=0.0,
+            precision=spec["precision"],
+            optim=spec["optim"],
+            activation_checkpointing=spec["activation_checkpointing"],
+            quiet=True,
+            overwrite=True,
+            max_len=1 << 20,
+            **opts,
+        )
+    )
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][spec["warmup"] :]
     record = json.loads((out / "ovkit.json").read_text())
     bpp = _find(record, "bytes_per_param") or {}
     ckpt = _find(record, "activation_checkpointing") or {}
-    return {"tokens": sum(r["ovkit/tok_per_s"] * r["ovkit/step_s"] for r in rows), "seconds": sum(r["ovkit/step_s"] for r in rows),
-            "steps": len(rows), "tokens_per_step": statistics.mean(r["ovkit/tok_per_s"] * r["ovkit/step_s"] for r in rows),
-            "bytes_per_param": bpp.get("total"), "checkpointing": ckpt.get("mode") if isinstance(ckpt, dict) else ckpt}  # fmt: skip
+    return {
+        "tokens": sum(r["ovkit/tok_per_s"] * r["ovkit/step_s"] for r in rows),
+        "seconds": sum(r["ovkit/step_s"] for r in rows),
+        "steps": len(rows),
+        "tokens_per_step": statistics.mean(r["ovkit/tok_per_s"] * r["ovkit/step_s"] for r in rows),
+        "bytes_per_param": bpp.get("total"),
+        "checkpointing": ckpt.get("mode") if isinstance(ckpt, dict) else ckpt,
+    }
 
 
 # What a plain loop passes to model(**batch): the padded batch as a processor makes it, the loss from labels.
@@ -284,8 +304,14 @@ def run_plain(spec: dict) -> dict:
         if k >= spec["warmup"]:
             times.append(time.perf_counter() - t)
             tokens.append(n)
-    return {"tokens": sum(tokens), "seconds": sum(times), "steps": len(times), "tokens_per_step": statistics.mean(tokens),
-            "bytes_per_param": bpp, "checkpointing": "full (HF)" if spec["checkpointing"] else "off"}  # fmt: skip
+    return {
+        "tokens": sum(tokens),
+        "seconds": sum(times),
+        "steps": len(times),
+        "tokens_per_step": statistics.mean(tokens),
+        "bytes_per_param": bpp,
+        "checkpointing": "full (HF)" if spec["checkpointing"] else "off",
+    }
 
 
 def run_trl(spec: dict) -> dict:
@@ -320,18 +346,36 @@ def run_trl(spec: dict) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t)
 
-    # bf16=True is TRL's autocast: over fp32 weights (--policy mixed, its default given a path) or bf16 ones (--policy bf16)
+    # bf16=True is TRL's autocast: over fp32 weights (--policy mixed, its default given a path) or bf16 ones (--policy
+    # bf16)
     cfg = SFTConfig(
-        output_dir=str(Path(spec["work"]) / "trl"), max_steps=spec["steps"], per_device_train_batch_size=spec["batch_size"],
-        gradient_accumulation_steps=spec["grad_accum"], learning_rate=1e-5, use_cpu=not cuda, bf16=spec["precision"] != "fp32",
-        report_to=[], save_strategy="no", logging_strategy="no", max_length=None, dataloader_num_workers=0, disable_tqdm=True,
-        gradient_checkpointing=spec["checkpointing"], gradient_checkpointing_kwargs={"use_reentrant": False},
-    )  # fmt: skip
+        output_dir=str(Path(spec["work"]) / "trl"),
+        max_steps=spec["steps"],
+        per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=spec["grad_accum"],
+        learning_rate=1e-5,
+        use_cpu=not cuda,
+        bf16=spec["precision"] != "fp32",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        max_length=None,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        gradient_checkpointing=spec["checkpointing"],
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
     SFTTrainer(model=model, args=cfg, train_dataset=train, processing_class=processor, callbacks=[Timer()]).train()
     w, a = spec["warmup"], spec["grad_accum"]
     per_step = [sum(seen[i : i + a]) for i in range(0, len(seen), a)]
-    return {"tokens": sum(per_step[w:]), "seconds": sum(times[w:]), "steps": len(times) - w, "tokens_per_step": statistics.mean(per_step[w:]),
-            "bytes_per_param": bpp[0] if bpp else None, "checkpointing": "full (HF)" if spec["checkpointing"] else "off"}  # fmt: skip
+    return {
+        "tokens": sum(per_step[w:]),
+        "seconds": sum(times[w:]),
+        "steps": len(times) - w,
+        "tokens_per_step": statistics.mean(per_step[w:]),
+        "bytes_per_param": bpp[0] if bpp else None,
+        "checkpointing": "full (HF)" if spec["checkpointing"] else "off",
+    }
 
 
 def worker(name: str, spec_path: Path) -> None:
@@ -402,11 +446,24 @@ def main() -> None:
         stats = json.loads((work / "plan" / "stats.json").read_text())
         mean_len = stats["tokens"] / stats["samples"]
         pack_rows = max(1, round(args.batch_size * args.grad_accum * mean_len / args.tokens_per_row))
-        spec = {"work": str(work), "data": str(work / "data"), "model": str(model), "plan": str(work / "plan"),
-                "trl_data": str(work / "trl"), "batch_size": args.batch_size, "grad_accum": args.grad_accum, "pack_rows": pack_rows,
-                "steps": args.steps, "warmup": args.warmup, "precision": precision, "optim": args.optim,
-                "activation_checkpointing": args.activation_checkpointing, "checkpointing": args.activation_checkpointing != "off",
-                "peer_dtype": peer_dtype, "peer_autocast": peer_autocast}  # fmt: skip
+        spec = {
+            "work": str(work),
+            "data": str(work / "data"),
+            "model": str(model),
+            "plan": str(work / "plan"),
+            "trl_data": str(work / "trl"),
+            "batch_size": args.batch_size,
+            "grad_accum": args.grad_accum,
+            "pack_rows": pack_rows,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "precision": precision,
+            "optim": args.optim,
+            "activation_checkpointing": args.activation_checkpointing,
+            "checkpointing": args.activation_checkpointing != "off",
+            "peer_dtype": peer_dtype,
+            "peer_autocast": peer_autocast,
+        }
         results = run_workers(__file__, runs, spec, work)
         llm, vit, device = model_flops_per_token(model)
     report(args, results, stats, mean_len, pack_rows, llm, vit, device, spec)
@@ -418,15 +475,19 @@ def report(
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
     visual = (args.image_size // 28) ** 2  # visual tokens per image: 14-pixel patches, 2x2 merge (4 patches each)
     print(
-        f"device: {device}; model: {(llm + vit) / 1e6:.1f}M parameters (ViT {vit / 1e6:.1f}M); {stats['samples']} samples, "
-        f"mean {mean_len:.0f} tokens; padded {args.batch_size} x {args.grad_accum} samples per step; packed {pack_rows} x "
-        f"{args.tokens_per_row}; {args.steps} steps, {args.warmup} not measured; policy {args.policy} (ovkit --precision "
+        f"device: {device}; model: {(llm + vit) / 1e6:.1f}M parameters (ViT {vit / 1e6:.1f}M); {stats['samples']} "
+        f"samples, "
+        f"mean {mean_len:.0f} tokens; padded {args.batch_size} x {args.grad_accum} samples per step; packed "
+        f"{pack_rows} x "
+        f"{args.tokens_per_row}; {args.steps} steps, {args.warmup} not measured; policy {args.policy} (ovkit "
+        f"--precision "
         f"{spec['precision']} --optim {args.optim} --activation-checkpointing {args.activation_checkpointing}; peers "
         f"{spec['peer_dtype']} weights{' under bf16 autocast' if spec['peer_autocast'] else ''})"
     )
     base = results.get("plain")
     print(
-        f"{'run':<14}{'tok/step':>10}{'tokens/s':>11}{'vs plain':>10}{'MFU':>8}{'peak GB':>9}{'vs plain':>10}{'B/param':>9}  checkpointing"
+        f"{'run':<14}{'tok/step':>10}{'tokens/s':>11}{'vs plain':>10}{'MFU':>8}"
+        f"{'peak GB':>9}{'vs plain':>10}{'B/param':>9}  checkpointing"
     )
     rows = []
     for name, r in results.items():

@@ -98,11 +98,25 @@ def run_ovkit(args, model: Path, data: Path, out: Path, eta: int) -> dict:
 
     torch.set_num_threads(args.threads)
     cfg = RLTrainConfig(
-        data=[data], model=model, out=out, stage=1, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-        max_new_tokens=args.max_new_tokens, max_steps=args.steps, lr=args.lr, warmup_ratio=0.0, max_staleness=eta,
-        system_prompt=False, micro_batch_size=args.prompts_per_step * args.group_size,
-        rollout_batch_size=args.prompts_per_step * args.group_size, save_every=0, seed=args.seed, overwrite=True, quiet=True,
-    )  # fmt: skip
+        data=[data],
+        model=model,
+        out=out,
+        stage=1,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+        max_new_tokens=args.max_new_tokens,
+        max_steps=args.steps,
+        lr=args.lr,
+        warmup_ratio=0.0,
+        max_staleness=eta,
+        system_prompt=False,
+        micro_batch_size=args.prompts_per_step * args.group_size,
+        rollout_batch_size=args.prompts_per_step * args.group_size,
+        save_every=0,
+        seed=args.seed,
+        overwrite=True,
+        quiet=True,
+    )
     t0 = time.perf_counter()
     summary = train_rl(cfg)
     wall = time.perf_counter() - t0
@@ -170,18 +184,45 @@ def run_trl(args, model: Path, data: Path, out: Path, threads: int) -> dict:
     t0 = time.perf_counter()
     batch = args.prompts_per_step * args.group_size
     config = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=1, steps_per_generation=1,
-        num_generations=args.group_size, max_completion_length=args.max_new_tokens, max_steps=args.steps,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, adam_epsilon=1e-5,
-        max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
-        num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, use_cpu=True, bf16=False, logging_steps=1,
-        save_strategy="no", report_to=[], seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=str(out),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.01,
+        adam_epsilon=1e-5,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     processor = AutoProcessor.from_pretrained(model)
     trainer = GRPOTrainer(
-        model=AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32), reward_funcs=[task_reward],
-        args=config, train_dataset=trl_dataset(data), processing_class=processor,
-    )  # fmt: skip
+        model=AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32),
+        reward_funcs=[task_reward],
+        args=config,
+        train_dataset=trl_dataset(data),
+        processing_class=processor,
+    )
     trainer.train()
     trainer.model.save_pretrained(out / "final")
     processor.save_pretrained(out / "final")
@@ -231,14 +272,17 @@ def main() -> None:
     for r in results.values():
         r["held_out"] = held_out(r["model"], eval_data, args.eval_limit)
     trl_best = max((v for k, v in results.items() if k.startswith("trl")), key=lambda v: v["samples_per_s"])
-    print(f"\nGRPO on CPU: {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} completions, "
-          f"<= {args.max_new_tokens} new tokens, model {model}, torch threads {args.threads}")  # fmt: skip
+    print(
+        f"\nGRPO on CPU: {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} completions, "
+        f"<= {args.max_new_tokens} new tokens, model {model}, torch threads {args.threads}"
+    )
     print(f"held-out greedy reward before training: {base:.3f}")
     print(f"{'trainer':28s} {'samples/s':>10s} {'vs TRL':>7s} {'train reward':>13s} {'held-out':>9s} {'wall s':>7s}")
     for name, r in results.items():
         ratio = r["samples_per_s"] / trl_best["samples_per_s"]
         print(
-            f"{name:28s} {r['samples_per_s']:10.2f} {ratio:6.2f}x {r['train_reward']:13.3f} {r['held_out']:9.3f} {r['wall_s']:7.1f}"
+            f"{name:28s} {r['samples_per_s']:10.2f} {ratio:6.2f}x {r['train_reward']:13.3f} {r['held_out']:9.3f} "
+            f"{r['wall_s']:7.1f}"
         )
     summary = {k: {kk: (str(vv) if isinstance(vv, Path) else vv) for kk, vv in v.items()} for k, v in results.items()}
     (work / "bench_grpo.json").write_text(

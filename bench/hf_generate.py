@@ -15,7 +15,8 @@ tokens/s counts generated tokens up to and including the stop token, per sequenc
 `--repeats`, the ways one after the other in one process); the CPU seconds of that run are printed beside it. Torch runs
 `--threads` intra-op threads, 1 by default: on a shared box two OpenMP threads under a load above the core count make
 every small op wait for a descheduled thread, and decode-step timings swung ~10x from run to run (the "shared prefill
-decodes 9x slower" reading of the first measurement); one thread gives rates that repeat within ~10-20%. Two models: the tiny default (`ovkit init-model --preset tiny`, 2.5M
+decodes 9x slower" reading of the first measurement); one thread gives rates that repeat within ~10-20%. Two models: the
+tiny default (`ovkit init-model --preset tiny`, 2.5M
 parameters, text hidden 192) and a wider random-init model built from the same preset with bigger widths
 (`--wide`: text hidden 768, 4 layers, 12 heads, MLP 2048; vision hidden 256; ~40M parameters) so that the numbers are
 not all Python overhead. Then a profile of the engine, both ways: where its time goes (vision encoder, prefill, decode
@@ -207,7 +208,8 @@ def profile(engine, prompts, a) -> None:
     for k, v in sorted(times.items(), key=lambda kv: -kv[1]):
         print(f"    {k:<66} {v:7.3f} s  {100 * v / total:5.1f}%")
     print(
-        f"  host syncs: {syncs.total} for {sync_tokens} tokens = {syncs.total / max(1, sync_tokens):.2f} per generated token"
+        f"  host syncs: {syncs.total} for {sync_tokens} tokens = {syncs.total / max(1, sync_tokens):.2f} per "
+        f"generated token"
     )
     for where, count in syncs.where.most_common(6):
         print(f"    {count:6d}  {where}")

@@ -104,10 +104,13 @@ def main() -> None:
     context_tokens = sum(p.encoded.length * c.turns + len(c.token_ids) for p, c in trajectories)
     print(f"{n} trajectories, {turns} assistant turns ({turns / n:.2f} per trajectory), {sampled} sampled tokens")
     print(
-        f"token-in/token-out (ovkit): drift 0 by construction; rollout {ours_s:.1f} s, {ours_s / turns * 1000:.1f} ms/turn, {context_tokens / ours_s:.0f} context tokens/s"
+        f"token-in/token-out (ovkit): drift 0 by construction; rollout {ours_s:.1f} s, {ours_s / turns * 1000:.1f} "
+        f"ms/turn, {context_tokens / ours_s:.0f} context tokens/s"
     )
     print(
-        f"decode + re-render (peer):  drift in {drifted}/{n} trajectories ({drifted / n:.1%}), {drifted_tokens}/{sampled} sampled tokens ({drifted_tokens / max(sampled, 1):.1%}) at or after the first differing token; re-rendering alone took {rerender_s:.2f} s"
+        f"decode + re-render (peer):  drift in {drifted}/{n} trajectories ({drifted / n:.1%}), "
+        f"{drifted_tokens}/{sampled} sampled tokens ({drifted_tokens / max(sampled, 1):.1%}) at or after the first "
+        f"differing token; re-rendering alone took {rerender_s:.2f} s"
     )
 
 

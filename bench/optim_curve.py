@@ -1,7 +1,8 @@
 """`--optim` x `--precision` on the tiny default: the loss curve of the same `ovkit sft` run per combination, side by
 side, and the bytes per trainable parameter each one measured (ovkit.json `runtime.bytes_per_param`).
 
-    OMP_NUM_THREADS=1 python bench/optim_curve.py --work /tmp/optim-curve            # 160 steps at lr 1e-4 (~5 min on 2 cores)
+    OMP_NUM_THREADS=1 python bench/optim_curve.py --work /tmp/optim-curve            # 160 steps at lr 1e-4 (~5 min on 2
+                                                                                       cores)
     OMP_NUM_THREADS=1 python bench/optim_curve.py --work /tmp/optim-curve --lr 1e-5  # the recipe's SFT lr
 
 The runs share the data order (same seed) and start from the same fp32 weights, so a column differs from fp32's only
@@ -38,8 +39,28 @@ def run(
 ) -> tuple[list[float], dict, float]:
     """(losses per step, bytes_per_param, elapsed s) of one `ovkit sft` run."""
     out = work / "runs" / f"{name.replace(' ', '-')}-lr{lr:g}-{steps}"
-    ovkit("sft", work / "data" / "instruct", "--model", work / "tiny", "--out", out, "--max-steps", steps, "--batch-size", batch,
-          "--lr", lr, "--min-lr", lr / 10, "--warmup-ratio", 0.02, "--seed", 0, "--overwrite", *opts)  # fmt: skip
+    ovkit(
+        "sft",
+        work / "data" / "instruct",
+        "--model",
+        work / "tiny",
+        "--out",
+        out,
+        "--max-steps",
+        steps,
+        "--batch-size",
+        batch,
+        "--lr",
+        lr,
+        "--min-lr",
+        lr / 10,
+        "--warmup-ratio",
+        0.02,
+        "--seed",
+        0,
+        "--overwrite",
+        *opts,
+    )
     losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     meta = json.loads((out / "ovkit.json").read_text())
     return losses, meta["runtime"]["bytes_per_param"], meta["metrics"]["elapsed_s"]
@@ -70,7 +91,8 @@ def main() -> None:
         _, sizes[name], _ = run(args.work, name, opts, 2, args.lr, args.batch_size)
 
     print(
-        f"\nloss, mean of every {args.every} steps (sft on the tiny default, batch {args.batch_size}, lr {args.lr:g} cosine to {args.lr / 10:g})"
+        f"\nloss, mean of every {args.every} steps (sft on the tiny default, batch {args.batch_size}, lr "
+        f"{args.lr:g} cosine to {args.lr / 10:g})"
     )
     names = list(CURVES)
     print("| steps | " + " | ".join(names) + " |")
@@ -89,7 +111,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, b in sizes.items():
         print(
-            f"| {name} | {b['weights']:.2f} | {b['master_weights']:.2f} | {b['grads']:.2f} | {b['optimizer_state']:.2f} | {b['total']:.2f} |"
+            f"| {name} | {b['weights']:.2f} | {b['master_weights']:.2f} | {b['grads']:.2f} | "
+            f"{b['optimizer_state']:.2f} | {b['total']:.2f} |"
         )
     print(f"({next(iter(sizes.values()))['trainable_params']:,} trainable parameters)")
 

@@ -214,7 +214,8 @@ def run(name, fn, lengths, capacity, results):
     row = {"method": name, **check(assign, lengths, capacity), "seconds": seconds}
     results.append(row)
     print(
-        f"  {name:<26} packs {row['packs']:>9,}  +{row['over_lb_pct']:.4f}% over LB  eff {row['efficiency']:.5f}  {seconds:8.2f} s",
+        f"  {name:<26} packs {row['packs']:>9,}  +{row['over_lb_pct']:.4f}% over LB  eff {row['efficiency']:.5f}  "
+        f"{seconds:8.2f} s",
         flush=True,
     )
     return row
@@ -230,7 +231,8 @@ def main() -> None:
     args = ap.parse_args()
     methods = args.only or ["ovkit", "ffd", "seed-fill", "trl", "trl-global"]
     print(
-        f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, numpy {np.__version__}"
+        f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, numpy "
+        f"{np.__version__}"
     )
     report = []
     for capacity in args.max_len:

@@ -61,8 +61,20 @@ def learner_syncs(cfg, part: str = "step") -> tuple[list[int], list]:
 def rl_config(work: Path, out: str, group_size: int, **kw):
     from ovkit.rl.config import RLTrainConfig
 
-    base = dict(data=[work / "D" / "rl"], model=work / "M", out=work / out, prompts_per_step=4, group_size=group_size, max_new_tokens=16,
-                max_steps=4, reward_workers=1, max_staleness=0, overwrite=True, quiet=True, seed=0)  # fmt: skip
+    base = dict(
+        data=[work / "D" / "rl"],
+        model=work / "M",
+        out=work / out,
+        prompts_per_step=4,
+        group_size=group_size,
+        max_new_tokens=16,
+        max_steps=4,
+        reward_workers=1,
+        max_staleness=0,
+        overwrite=True,
+        quiet=True,
+        seed=0,
+    )
     return RLTrainConfig(**{**base, **kw})
 
 

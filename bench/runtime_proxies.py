@@ -75,10 +75,30 @@ print("COUNT", counts.get("aten::scaled_dot_product_attention", 0))
 def attention_calls(work: Path) -> int:
     out = work / "sft-count"
     run = subprocess.run(
-        [sys.executable, "-c", COUNT, "sft", str(work / "data" / "instruct"), "--model", str(work / "tiny"), "--out", str(out),
-         "--batch-size", "16", "--max-steps", "1", "--precision", "fp32", "--overwrite", "--quiet"],
-        env=ENV, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            COUNT,
+            "sft",
+            str(work / "data" / "instruct"),
+            "--model",
+            str(work / "tiny"),
+            "--out",
+            str(out),
+            "--batch-size",
+            "16",
+            "--max-steps",
+            "1",
+            "--precision",
+            "fp32",
+            "--overwrite",
+            "--quiet",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int([x for x in run.stdout.splitlines() if x.startswith("COUNT")][-1].split()[1])
 
 
@@ -97,21 +117,71 @@ print("PEAK", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 def align_peak_rss(work: Path) -> float:
     run = subprocess.run(
-        [sys.executable, "-c", PEAK, "align", str(work / "data" / "pretrain"), "--plan", str(work / "plan-4096"),
-         "--model", str(work / "tiny-151936"), "--out", str(work / "align-151936"), "--batch-size", "1", "--max-steps", "2",
-         "--precision", "fp32", "--trainable", "projector", "--trainable", "llm", "--overwrite", "--quiet"],
-        env=ENV, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            PEAK,
+            "align",
+            str(work / "data" / "pretrain"),
+            "--plan",
+            str(work / "plan-4096"),
+            "--model",
+            str(work / "tiny-151936"),
+            "--out",
+            str(work / "align-151936"),
+            "--batch-size",
+            "1",
+            "--max-steps",
+            "2",
+            "--precision",
+            "fp32",
+            "--trainable",
+            "projector",
+            "--trainable",
+            "llm",
+            "--overwrite",
+            "--quiet",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int([x for x in run.stdout.splitlines() if x.startswith("PEAK")][-1].split()[1]) / 1e9
 
 
 def rl_peak_rss(work: Path, staleness: int) -> float:
     run = subprocess.run(
-        [sys.executable, "-c", PEAK, "rl-train", str(work / "data" / "rl"), "--model", str(work / "tiny-151936"),
-         "--out", str(work / f"rl-151936-{staleness}"), "--prompts-per-step", "4", "--group-size", "8", "--max-new-tokens", "64",
-         "--max-steps", "1", "--max-staleness", str(staleness), "--reward-workers", "1", "--overwrite", "--quiet"],
-        env=ENV, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            PEAK,
+            "rl-train",
+            str(work / "data" / "rl"),
+            "--model",
+            str(work / "tiny-151936"),
+            "--out",
+            str(work / f"rl-151936-{staleness}"),
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "8",
+            "--max-new-tokens",
+            "64",
+            "--max-steps",
+            "1",
+            "--max-staleness",
+            str(staleness),
+            "--reward-workers",
+            "1",
+            "--overwrite",
+            "--quiet",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int([x for x in run.stdout.splitlines() if x.startswith("PEAK")][-1].split()[1]) / 1e9
 
 

@@ -51,15 +51,47 @@ def prepare(work: Path, image_rows: int) -> None:
 def sft_config(work: Path, data: Path, out: str, batch_size: int, steps: int, precision: str):
     from ovkit.train import SFTConfig
 
-    return SFTConfig(data=data, model=work / "tiny", out=work / out, batch_size=batch_size, max_steps=steps, precision=precision,
-                     quiet=True, overwrite=True, max_len=1 << 20)  # fmt: skip
+    return SFTConfig(
+        data=data,
+        model=work / "tiny",
+        out=work / out,
+        batch_size=batch_size,
+        max_steps=steps,
+        precision=precision,
+        quiet=True,
+        overwrite=True,
+        max_len=1 << 20,
+    )
 
 
 # Ops that only make a view (no kernel runs on a GPU for them).
-VIEWS = {"aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::t", "aten::transpose", "aten::expand", "aten::unsqueeze",
-         "aten::squeeze", "aten::slice", "aten::select", "aten::reshape", "aten::permute", "aten::detach", "aten::alias",
-         "aten::split", "aten::split_with_sizes", "aten::unbind", "aten::narrow", "aten::chunk", "aten::_reshape_alias",
-         "aten::view_as", "aten::expand_as", "aten::flatten", "aten::unflatten", "aten::lift_fresh"}  # fmt: skip
+VIEWS = {
+    "aten::view",
+    "aten::_unsafe_view",
+    "aten::as_strided",
+    "aten::t",
+    "aten::transpose",
+    "aten::expand",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::slice",
+    "aten::select",
+    "aten::reshape",
+    "aten::permute",
+    "aten::detach",
+    "aten::alias",
+    "aten::split",
+    "aten::split_with_sizes",
+    "aten::unbind",
+    "aten::narrow",
+    "aten::chunk",
+    "aten::_reshape_alias",
+    "aten::view_as",
+    "aten::expand_as",
+    "aten::flatten",
+    "aten::unflatten",
+    "aten::lift_fresh",
+}
 
 
 def op_counts(cfg) -> dict:

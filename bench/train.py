@@ -185,7 +185,8 @@ def main() -> None:
 
     print(
         f"data: {stats['samples']} samples, {stats['tokens']} tokens (mean {stats['sample_length']['mean']:.0f}); "
-        f"{stats['packs']} packs of {args.max_len} (efficiency {stats['efficiency']:.3f}); torch threads {torch.get_num_threads()}"
+        f"{stats['packs']} packs of {args.max_len} (efficiency {stats['efficiency']:.3f}); torch threads "
+        f"{torch.get_num_threads()}"
     )
     print(f"{'run':<18} {'steps':>5} {'tokens/s':>9} {'pad':>5} {'median step':>12}")
     for r in results:
@@ -194,7 +195,8 @@ def main() -> None:
         )
     hf_step = statistics.median(hf)
     print(
-        f"{'HF Trainer':<18} {len(hf):>5} {'':>9} {'':>5} {hf_step:>11.3f}s   (same micro-batches as 'padded, bucketed')"
+        f"{'HF Trainer':<18} {len(hf):>5} {'':>9} {'':>5} {hf_step:>11.3f}s   (same micro-batches as 'padded, "
+        f"bucketed')"
     )
     print(f"packed / padded random   tokens/s: {results[2]['tok_per_s'] / results[0]['tok_per_s']:.2f}x")
     print(f"packed / padded bucketed tokens/s: {results[2]['tok_per_s'] / results[1]['tok_per_s']:.2f}x")

@@ -132,8 +132,14 @@ class LLM:
         prompt = self._encoded(request)
         suppress = [t for t, bias in (getattr(p, "logit_bias", None) or {}).items() if bias <= -100]
         [completions] = self.engine.generate(
-            [prompt], n=p.n, max_new_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed, suppress_ids=suppress,
-        )  # fmt: skip
+            [prompt],
+            n=p.n,
+            max_new_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            suppress_ids=suppress,
+        )
         outs = []
         for k, c in enumerate(completions):
             logprobs = [{t: Logprob(lp)} for t, lp in zip(c.token_ids, c.logprobs)]

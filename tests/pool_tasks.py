@@ -8,7 +8,8 @@ from ovkit.rewards.base import Reward
 
 
 def slow(completion: str, answer: str) -> Reward:
-    """Say which worker scores the item (a file named by its pid, in the directory `completion`), then take `answer` s."""
+    """Say which worker scores the item (a file named by its pid, in the directory `completion`), then take `answer`
+    s."""
     (Path(completion) / str(os.getpid())).write_text(answer)
     time.sleep(float(answer))
     return Reward(1.0, {"pid": os.getpid()})

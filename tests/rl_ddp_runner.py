@@ -31,10 +31,27 @@ def main() -> None:
     model, data, out = (Path(a) for a in sys.argv[1:4])
     loop.make_sampler = lambda cfg, m, processor: ScriptedEngine(m, processor, answer)
     cfg = RLTrainConfig(
-        data=[data], model=model, out=out, prompts_per_step=4, group_size=4, max_new_tokens=12, lr=1e-2, warmup_ratio=0.0,
-        weight_decay=0.0, system_prompt=False, max_staleness=0, micro_batch_size=3, reward_workers=1, max_steps=2,
-        save_every=1, keep_checkpoints=2, quiet=True, precision="fp32", resume="--resume" in sys.argv, save_rollouts=True,
-    )  # fmt: skip
+        data=[data],
+        model=model,
+        out=out,
+        prompts_per_step=4,
+        group_size=4,
+        max_new_tokens=12,
+        lr=1e-2,
+        warmup_ratio=0.0,
+        weight_decay=0.0,
+        system_prompt=False,
+        max_staleness=0,
+        micro_batch_size=3,
+        reward_workers=1,
+        max_steps=2,
+        save_every=1,
+        keep_checkpoints=2,
+        quiet=True,
+        precision="fp32",
+        resume="--resume" in sys.argv,
+        save_rollouts=True,
+    )
     loop.train_rl(cfg)
 
 

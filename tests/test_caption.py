@@ -134,7 +134,8 @@ def test_example_config_is_valid():
     assert cfg.keep_original_on_reject and cfg.max_new_tokens == 16
 
 
-# ---- the stage, with a scripted engine --------------------------------------------------------------------------------
+# ---- the stage, with a scripted engine
+# --------------------------------------------------------------------------------
 
 COLOURS = [(220, 30, 30), (30, 180, 30), (30, 30, 220), (230, 220, 20), (128, 0, 128), (255, 165, 0)]
 

@@ -25,7 +25,8 @@ MODES = ("off", "mlp", "every-2", "full")
 
 @pytest.fixture(scope="module")
 def tiny(deep):
-    """The `deep` fixture's model (conftest.py): 4 decoder layers and a 4-block ViT (every-2 checkpoints half of each), small widths,
+    """The `deep` fixture's model (conftest.py): 4 decoder layers and a 4-block ViT (every-2 checkpoints half of
+    each), small widths,
     16 samples with images."""
     return deep[0]
 
@@ -226,8 +227,25 @@ def test_sft_with_full_checkpointing_matches_without(tiny, tmp_path, cli):
     runs = {}
     for mode in ("off", "full"):
         out = tmp_path / mode
-        code, _, err = cli("sft", tiny / "data", "--model", tiny / "model", "--out", out, "--batch-size", "4", "--max-steps", "2",
-                           "--precision", "fp32", "--lr", "1e-2", "--activation-checkpointing", mode, "--quiet")  # fmt: skip
+        code, _, err = cli(
+            "sft",
+            tiny / "data",
+            "--model",
+            tiny / "model",
+            "--out",
+            out,
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "2",
+            "--precision",
+            "fp32",
+            "--lr",
+            "1e-2",
+            "--activation-checkpointing",
+            mode,
+            "--quiet",
+        )
         assert code == 0, err
         runs[mode] = out
     losses = {
@@ -247,8 +265,24 @@ def test_rl_train_with_full_checkpointing_matches_without(rl_assets, tmp_path, c
     runs = {}
     for mode in ("off", "full"):
         out = tmp_path / mode
-        code, _, err = cli("rl-train", data, "--model", model_dir, "--out", out, "--max-steps", "2", "--max-staleness", "0",
-                           "--precision", "fp32", "--activation-checkpointing", mode, "--quiet", *TINY)  # fmt: skip
+        code, _, err = cli(
+            "rl-train",
+            data,
+            "--model",
+            model_dir,
+            "--out",
+            out,
+            "--max-steps",
+            "2",
+            "--max-staleness",
+            "0",
+            "--precision",
+            "fp32",
+            "--activation-checkpointing",
+            mode,
+            "--quiet",
+            *TINY,
+        )
         assert code == 0, err
         runs[mode] = out
     rows = {m: [json.loads(x) for x in (o / "metrics.jsonl").read_text().splitlines()] for m, o in runs.items()}
@@ -269,8 +303,30 @@ def test_qlora_with_full_checkpointing_matches_without(tiny, tmp_path, cli):
     runs = {}
     for mode in ("off", "full"):
         out = tmp_path / mode
-        code, _, err = cli("sft", tiny / "data", "--model", tiny / "model", "--out", out, "--batch-size", "4", "--max-steps", "2", "--precision", "fp32",
-                           "--lr", "5e-2", "--lora-r", "4", "--trainable", "llm", "--load-in-4bit", "--activation-checkpointing", mode, "--quiet")  # fmt: skip
+        code, _, err = cli(
+            "sft",
+            tiny / "data",
+            "--model",
+            tiny / "model",
+            "--out",
+            out,
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "2",
+            "--precision",
+            "fp32",
+            "--lr",
+            "5e-2",
+            "--lora-r",
+            "4",
+            "--trainable",
+            "llm",
+            "--load-in-4bit",
+            "--activation-checkpointing",
+            mode,
+            "--quiet",
+        )
         assert code == 0, err
         runs[mode] = out
     a, b = weights(runs["off"]), weights(runs["full"])

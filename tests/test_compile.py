@@ -137,8 +137,23 @@ def test_rl_train_with_compile_matches_eager(rl_assets, tmp_path, cli, aot_eager
     rows = {}
     for name, flag in (("eager", []), ("compiled", ["--compile"])):
         out = tmp_path / name
-        code, _, err = cli("rl-train", rl_data, "--model", rl_model, "--out", out, "--max-steps", "2", "--max-staleness", "0",
-                           "--precision", "fp32", "--quiet", *flag, *TINY)  # fmt: skip
+        code, _, err = cli(
+            "rl-train",
+            rl_data,
+            "--model",
+            rl_model,
+            "--out",
+            out,
+            "--max-steps",
+            "2",
+            "--max-staleness",
+            "0",
+            "--precision",
+            "fp32",
+            "--quiet",
+            *flag,
+            *TINY,
+        )
         assert code == 0, err
         rows[name] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(rows["eager"], rows["compiled"]):

@@ -1,4 +1,5 @@
-"""The shared config helper: command line > --config file > defaults; unknown keys are named; every value converts by\nits field's declared type or the error names the key, the file and the type."""
+"""The shared config helper: command line > --config file > defaults; unknown keys are named; every value converts by
+its field's declared type or the error names the key, the file and the type."""
 
 from dataclasses import dataclass
 from pathlib import Path

@@ -241,7 +241,8 @@ def test_an_id_repeated_in_another_shard_part_is_a_duplicate_there(tmp_path):
     (reason,) = parts[2].rejects.column("reason").to_pylist()
     assert (
         reason
-        == "part-00001-of-00002.parquet row 1, column 'id': duplicate id 'r1' (first at part-00000-of-00002.parquet index 1; ids are unique in a dataset)"
+        == "part-00001-of-00002.parquet row 1, column 'id': duplicate id 'r1' (first at part-00000-of-00002.parquet "
+        "index 1; ids are unique in a dataset)"
     )
 
 

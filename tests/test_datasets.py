@@ -299,15 +299,24 @@ def test_trl_sft_trainer_trains_on_converted_data_unchanged(corpus, tmp_path, mi
     processor = AutoProcessor.from_pretrained(micro_model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = SFTConfig(
-        output_dir=str(tmp_path / "trl-out"), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
-        use_cpu=True, bf16=False, report_to=[], save_strategy="no", max_length=None, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "trl-out"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        max_length=None,
+        dataloader_num_workers=0,
+    )
     result = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=processor).train()
     assert result.global_step == 2 and result.training_loss > 0
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
 
 
-# ------------------------------------------------------------------------------------------------ Hub ids and datasets dirs
+# ------------------------------------------------------------------------------------------------ Hub ids and datasets
+# dirs
 
 
 def cache_as_hub_dataset(parquet_dir: Path, hub_id: str) -> None:
@@ -463,9 +472,17 @@ def micro_model(tmp_path_factory, corpus) -> Path:
         corpus: str = str(corpus)
 
     spec = TinySpec(
-        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, mrope_section=(2, 3, 3),
-        vision_hidden_size=32, vision_depth=1, vision_heads=2, vision_intermediate_size=64,
-    )  # fmt: skip
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        mrope_section=(2, 3, 3),
+        vision_hidden_size=32,
+        vision_depth=1,
+        vision_heads=2,
+        vision_intermediate_size=64,
+    )
     out = tmp_path_factory.mktemp("models") / "micro"
     with Stage("init-model", InitCfg(), out, inputs=[corpus]) as stage:
         build_tiny(stage.path, corpus_texts(corpus), spec=spec)

@@ -150,8 +150,25 @@ def test_rl_eval_equals_ovkit_eval_on_the_saved_model(rl_assets, tmp_path, one_t
 def test_two_processes_log_the_eval_of_one(assets, eval_data, tmp_path):
     """torchrun, 2 CPU processes (gloo): each evaluates its share of the held-out rows; gathered, the same numbers."""
     one, two = tmp_path / "one", tmp_path / "two"
-    base = ["sft", str(assets / "data"), "--model", str(assets / "model"), "--max-steps", "2", "--lr", "1e-2", "--precision", "fp32",
-            "--quiet", "--eval-data", str(eval_data), "--eval-every", "1", "--eval-max-new-tokens", "4"]  # fmt: skip
+    base = [
+        "sft",
+        str(assets / "data"),
+        "--model",
+        str(assets / "model"),
+        "--max-steps",
+        "2",
+        "--lr",
+        "1e-2",
+        "--precision",
+        "fp32",
+        "--quiet",
+        "--eval-data",
+        str(eval_data),
+        "--eval-every",
+        "1",
+        "--eval-max-new-tokens",
+        "4",
+    ]
     subprocess.run(
         [sys.executable, "-m", "ovkit", *base, "--out", str(one), "--batch-size", "4"],
         check=True,
@@ -159,9 +176,25 @@ def test_two_processes_log_the_eval_of_one(assets, eval_data, tmp_path):
         capture_output=True,
     )
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ovkit", *base, "--out", str(two), "--batch-size", "2"],
-        env=ENV, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "ovkit",
+            *base,
+            "--out",
+            str(two),
+            "--batch-size",
+            "2",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     for a, b in zip(_metrics(one), _metrics(two)):
         assert b["eval/loss"] == pytest.approx(a["eval/loss"], rel=1e-5)

@@ -1,7 +1,8 @@
 """Every shipped YAML under examples/ loads and validates against its command's config (torchtune test_configs).
 
 A file is checked against the command its name says (`examples/*/align.yaml` -> `ovkit align`); names that are not
-a command name are mapped in FILE_COMMANDS. The command's config class is the one its `@stage(...)` declaration names, so a new command's
+a command name are mapped in FILE_COMMANDS. The command's config class is the one its `@stage(...)` declaration names,
+so a new command's
 examples need no test change.
 Inputs and outputs are usually given on the command line, not in the file: options the config reports as required
 get a placeholder, everything in the file goes through the same merge + `__post_init__` checks as a real run.

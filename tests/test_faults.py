@@ -39,7 +39,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _holder(out: Path, command: str = "sft") -> subprocess.Popen:
     """Another process that holds the lock on `out` until it is killed."""
-    code = f"from ovkit.faults import hold; l = hold({str(out)!r}, {command!r}); print('held', flush=True); import time; time.sleep(600)"
+    code = (
+        f"from ovkit.faults import hold; l = hold({str(out)!r}, {command!r}); print('held', flush=True); import "
+        f"time; time.sleep(600)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
@@ -665,8 +668,19 @@ def test_worker_crashes_are_step_metrics():
     from ovkit.rollouts.groups import Group
 
     completion = SimpleNamespace(mask=[1, 1], finish_reason="stop", termination=None)
-    group = Group(prompt=SimpleNamespace(category="math"), index=0, version=0, completions=[completion] * 3, task_rewards=[1.0, 0.0, 0.0],
-                  format_rewards=[0.0] * 3, rewards=[1.0, 0.0, 0.0],
-                  parts=[{"accuracy": 1.0, "worker_crashes": 1}, {"accuracy": 0.0, "crashed": True, "worker_crashes": 2}, {"accuracy": 0.0}])  # fmt: skip
+    group = Group(
+        prompt=SimpleNamespace(category="math"),
+        index=0,
+        version=0,
+        completions=[completion] * 3,
+        task_rewards=[1.0, 0.0, 0.0],
+        format_rewards=[0.0] * 3,
+        rewards=[1.0, 0.0, 0.0],
+        parts=[
+            {"accuracy": 1.0, "worker_crashes": 1},
+            {"accuracy": 0.0, "crashed": True, "worker_crashes": 2},
+            {"accuracy": 0.0},
+        ],
+    )
     metrics = rollout_metrics([group])
     assert metrics["rewards/worker_crashes"] == 3 and metrics["rewards/crashed"] == 1

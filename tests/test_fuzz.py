@@ -698,7 +698,8 @@ def test_a_hub_id_without_a_reachable_hub_fails_after_one_probe(cli, fuzz_assets
     )
 
 
-# ------------------------------------------------------------------------------------------------ image paths in convert
+# ------------------------------------------------------------------------------------------------ image paths in
+# convert
 
 
 class _Hang(Exception):

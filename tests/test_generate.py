@@ -604,7 +604,10 @@ def test_one_sampler_draws_a_prompts_completions_from_its_key_not_its_call(sprea
     from ovkit.rollouts.prompts import Prompt
     from ovkit.rollouts.sample import prompt_seed, sample
 
-    rows = [Prompt(id=f"r{i}", encoded=p, answer="", answer_type=None, source="", category="") for i, p in enumerate(spread_prompts)]  # fmt: skip
+    rows = [
+        Prompt(id=f"r{i}", encoded=p, answer="", answer_type=None, source="", category="")
+        for i, p in enumerate(spread_prompts)
+    ]
     kw = dict(n=2, max_new_tokens=6, temperature=1.0, top_p=0.9, seed=4)
     ids = lambda out: [[c.token_ids for c in cs] for cs in out]  # noqa: E731
     whole = sample(_engine(spread_tiny, batch_size=8), rows, **kw)

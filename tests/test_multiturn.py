@@ -123,12 +123,14 @@ def test_context_is_the_templates_rendering_of_the_whole_conversation(tiny):
 
 
 _CONTENT = (
-    "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}{%- for part in "
+    "message['content'] -%}"
     "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}{%- elif 'text' in part -%}"
     "{{- part['text'] -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
 )
 TOOLS_TEMPLATE = (  # Qwen2.5's shape: tool schemas in a system preamble, tool results as a user turn
-    "{%- if tools -%}{{- '<|im_start|>system\\nYou may call these tools:\\n' -}}{%- for t in tools -%}{{- t | tojson -}}"
+    "{%- if tools -%}{{- '<|im_start|>system\\nYou may call these tools:\\n' -}}{%- for t in tools -%}{{- t | "
+    "tojson -}}"
     "{{- '\\n' -}}{%- endfor -%}{{- '<|im_end|>\\n' -}}{%- endif -%}{%- for message in messages -%}"
     "{%- if message['role'] == 'tool' -%}{{- '<|im_start|>user\\n<tool_response>\\n' -}}"
     + _CONTENT
@@ -618,10 +620,17 @@ def zoomer(tmp_path_factory):
     model.save_pretrained(base / "model")
     processor.save_pretrained(base / "model")
     rows = [
-        {"id": f"q{i}", "images": [image_cell(_image())], "messages": [{"role": "user", "content": "<image>\nHow many squares are there?"}],
-         "source": "test/count", "category": "counting", "answer": "1", "answer_type": "number"}
+        {
+            "id": f"q{i}",
+            "images": [image_cell(_image())],
+            "messages": [{"role": "user", "content": "<image>\nHow many squares are there?"}],
+            "source": "test/count",
+            "category": "counting",
+            "answer": "1",
+            "answer_type": "number",
+        }
         for i in range(2)
-    ]  # fmt: skip
+    ]
     write_samples(samples_table(rows), base / "data")
     return model, processor, base
 
@@ -719,8 +728,27 @@ def test_rl_train_with_the_zoom_env_and_its_mismatch_report(scripted_zoomer, cli
 
     _, _, base = scripted_zoomer
     out = tmp_path / "rl"
-    args = ["--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "16", "--max-steps", "2", "--lr", "1e-4",
-            "--warmup-ratio", "0", "--max-staleness", "0", "--temperature", "0.5", "--reward-workers", "1", "--quiet"]  # fmt: skip
+    args = [
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "3",
+        "--max-new-tokens",
+        "16",
+        "--max-steps",
+        "2",
+        "--lr",
+        "1e-4",
+        "--warmup-ratio",
+        "0",
+        "--max-staleness",
+        "0",
+        "--temperature",
+        "0.5",
+        "--reward-workers",
+        "1",
+        "--quiet",
+    ]
     code, stdout, err = cli(
         "rl-train",
         base / "data",
@@ -784,8 +812,24 @@ def test_eval_and_rl_curate_run_the_same_loop(scripted_zoomer, cli, tmp_path, mo
     from ovkit.rollouts.table import read_rollouts
 
     _, _, base = scripted_zoomer
-    code, _, err = cli("eval", base / "data", "--model", base / "model", "--out", tmp_path / "ev", "--env", "zoom", "--max-new-tokens", "16",
-                       "--n", "2", "--temperature", "0.5", "--save-logprobs", "--quiet")  # fmt: skip
+    code, _, err = cli(
+        "eval",
+        base / "data",
+        "--model",
+        base / "model",
+        "--out",
+        tmp_path / "ev",
+        "--env",
+        "zoom",
+        "--max-new-tokens",
+        "16",
+        "--n",
+        "2",
+        "--temperature",
+        "0.5",
+        "--save-logprobs",
+        "--quiet",
+    )
     assert code == 0, err
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())["multiturn"]
     assert summary["turns/max"] == 2 and sum(summary["turns/hist"].values()) == 4
@@ -794,8 +838,25 @@ def test_eval_and_rl_curate_run_the_same_loop(scripted_zoomer, cli, tmp_path, mo
     assert sum(r["turns"] == 2 and 0 in r["loss_mask"] and len(r["images"]) == 2 for r in rollouts) == 2
     assert all(len(r["images"]) >= 1 for r in rollouts)
     monkeypatch.undo()  # rl-curate below samples from the model
-    code, _, err = cli("rl-curate", base / "data", "--model", base / "model", "--out", tmp_path / "cu", "--env", "verifier", "--env-arg", "max_attempts=2",
-                       "--n", "2", "--max-new-tokens", "16", "--reward-workers", "1", "--quiet")  # fmt: skip
+    code, _, err = cli(
+        "rl-curate",
+        base / "data",
+        "--model",
+        base / "model",
+        "--out",
+        tmp_path / "cu",
+        "--env",
+        "verifier",
+        "--env-arg",
+        "max_attempts=2",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--reward-workers",
+        "1",
+        "--quiet",
+    )
     assert code == 0, err
     curated = read_rollouts(tmp_path / "cu" / "rollouts").to_pylist()
     assert len(curated) == 4 and all(
@@ -810,9 +871,35 @@ def test_asynchronous_multi_turn_rl_train(zoomer, cli, tmp_path):
 
     _, _, base = zoomer
     out = tmp_path / "rl-async"
-    code, _, err = cli("rl-train", base / "data", "--model", base / "model", "--out", out, "--env", "verifier", "--env-arg", "max_attempts=2",
-                       "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "12", "--max-steps", "3", "--lr", "1e-4",
-                       "--warmup-ratio", "0", "--max-staleness", "1", "--reward-workers", "1", "--quiet")  # fmt: skip
+    code, _, err = cli(
+        "rl-train",
+        base / "data",
+        "--model",
+        base / "model",
+        "--out",
+        out,
+        "--env",
+        "verifier",
+        "--env-arg",
+        "max_attempts=2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--max-steps",
+        "3",
+        "--lr",
+        "1e-4",
+        "--warmup-ratio",
+        "0",
+        "--max-staleness",
+        "1",
+        "--reward-workers",
+        "1",
+        "--quiet",
+    )
     assert code == 0, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and max(r["ovkit/staleness/max"] for r in rows) <= 1
@@ -827,8 +914,28 @@ def test_mismatch_report_generates_multi_turn_rollouts_per_sampler(scripted_zoom
 
     _, _, base = scripted_zoomer
     out = tmp_path / "mm"
-    code, stdout, err = cli("mismatch-report", "--generate", base / "data", "--model", base / "model", "--env", "zoom", "--sampler", "fp32",
-                            "--sampler", "bf16", "--n", "3", "--max-new-tokens", "16", "--temperature", "0.5", "--quiet", "--out", out)  # fmt: skip
+    code, stdout, err = cli(
+        "mismatch-report",
+        "--generate",
+        base / "data",
+        "--model",
+        base / "model",
+        "--env",
+        "zoom",
+        "--sampler",
+        "fp32",
+        "--sampler",
+        "bf16",
+        "--n",
+        "3",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0.5",
+        "--quiet",
+        "--out",
+        out,
+    )
     assert code == 0, err
     runs = json.loads((out / "report.json").read_text())["runs"]
     for name in ("fp32", "bf16"):
@@ -877,10 +984,25 @@ def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tm
 
     def cfg(out, **kw):
         return RLTrainConfig(
-            data=[base / "data"], model=base / "model", out=out, env="zoom", max_turns=3, prompts_per_step=2, group_size=4,
-            max_new_tokens=16, temperature=1.3, lr=1e-3, warmup_ratio=0.0, max_staleness=0, max_steps=2, save_every=1,
-            keep_checkpoints=1, reward_workers=1, quiet=True, **kw,
-        )  # fmt: skip
+            data=[base / "data"],
+            model=base / "model",
+            out=out,
+            env="zoom",
+            max_turns=3,
+            prompts_per_step=2,
+            group_size=4,
+            max_new_tokens=16,
+            temperature=1.3,
+            lr=1e-3,
+            warmup_ratio=0.0,
+            max_staleness=0,
+            max_steps=2,
+            save_every=1,
+            keep_checkpoints=1,
+            reward_workers=1,
+            quiet=True,
+            **kw,
+        )
 
     trainer.train_rl(cfg(tmp_path / "straight"))
     save = Runtime.save_checkpoint
@@ -953,12 +1075,41 @@ def test_multi_turn_eval_over_two_processes_samples_what_one_process_samples(zoo
 
     _, _, base = zoomer
     (tmp_path / "eval.yaml").write_text("n: 2\ntemperature: 1.6\n")  # torchrun's parser takes `--n` for its own
-    args = ["eval", base / "data", "--model", base / "model", "--env", "zoom", "--max-new-tokens", "16",
-            "--config", tmp_path / "eval.yaml", "--save-logprobs", "--quiet"]  # fmt: skip
+    args = [
+        "eval",
+        base / "data",
+        "--model",
+        base / "model",
+        "--env",
+        "zoom",
+        "--max-new-tokens",
+        "16",
+        "--config",
+        tmp_path / "eval.yaml",
+        "--save-logprobs",
+        "--quiet",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     for n in (1, 2):
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), "-m", "ovkit",
-                              *map(str, args), "--out", str(tmp_path / f"p{n}")], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(n),
+                "-m",
+                "ovkit",
+                *map(str, args),
+                "--out",
+                str(tmp_path / f"p{n}"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
     keys = ("prompt_id", "response_ids", "loss_mask", "turn_ids", "termination", "reward")
     one, two = (

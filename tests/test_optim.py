@@ -38,7 +38,8 @@ EXPECTED = {
 
 
 def _wide_model(dtype=torch.float32) -> torch.nn.Module:
-    """Three 512x512 matrices (262,144 elements each, far above bitsandbytes' 4,096-element threshold for 8-bit state)."""
+    """Three 512x512 matrices (262,144 elements each, far above bitsandbytes' 4,096-element threshold for 8-bit
+    state)."""
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(3)]).to(dtype)
 

@@ -28,8 +28,21 @@ def test_every_option_is_trajectory_or_run_control(module):
 def test_the_rl_options_the_hand_kept_list_forgot_are_kept():
     from ovkit.rl.config import TRAJECTORY
 
-    forgotten = {"correction_threshold", "correction_lower", "behave_cap", "behave_action", "behave_level", "adv_std", "adv_eps",
-                 "kl_estimator", "max_pixels", "freeze_vision", "geo_lower", "geo_upper", "veto_threshold"}  # fmt: skip
+    forgotten = {
+        "correction_threshold",
+        "correction_lower",
+        "behave_cap",
+        "behave_action",
+        "behave_level",
+        "adv_std",
+        "adv_eps",
+        "kl_estimator",
+        "max_pixels",
+        "freeze_vision",
+        "geo_lower",
+        "geo_upper",
+        "veto_threshold",
+    }
     assert forgotten <= set(TRAJECTORY)
 
 
@@ -82,9 +95,38 @@ def test_rl_resume_with_a_changed_behaviour_cap_exits_2_naming_it(rl_assets, tmp
     out = tmp_path / "rl"
     train_rl(rl_cfg(model, data, out, max_steps=2, save_every=1))
     _unfinish(out)
-    code, _, err = cli("rl-train", str(data), "--model", str(model), "--out", str(out), "--resume", "--behave-cap", "3",
-                       "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "1e-3", "--warmup-ratio", "0",
-                       "--weight-decay", "0", "--no-system-prompt", "--max-staleness", "0", "--max-steps", "2", "--save-every", "1",
-                       "--reward-workers", "1", "--quiet")  # fmt: skip
+    code, _, err = cli(
+        "rl-train",
+        str(data),
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--resume",
+        "--behave-cap",
+        "3",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--lr",
+        "1e-3",
+        "--warmup-ratio",
+        "0",
+        "--weight-decay",
+        "0",
+        "--no-system-prompt",
+        "--max-staleness",
+        "0",
+        "--max-steps",
+        "2",
+        "--save-every",
+        "1",
+        "--reward-workers",
+        "1",
+        "--quiet",
+    )
     assert code == 2, err
     assert "--behave-cap 5.0 -> 3.0" in err and "Traceback" not in err

@@ -176,7 +176,8 @@ CASES = [
         "detection-roll-single-quotes-bbox_2d-and-cut-off-list",
         "detection",
         A(
-            "[{'bbox_2d': [10, 10, 50, 50], 'label': 'cat'}, {'bbox_2d': [60, 60, 90, 90], 'label': 'dog'}, {'bbox_2d': [1"
+            "[{'bbox_2d': [10, 10, 50, 50], 'label': 'cat'}, {'bbox_2d': [60, 60, 90, 90], 'label': 'dog'}, "
+            "{'bbox_2d': [1"
         ),
         DET_GOLD,
         None,

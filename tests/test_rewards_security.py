@@ -188,7 +188,8 @@ SANDBOX_ESCAPES = [
     ("chmod", "import os\n    os.chmod('.', 0o777)\n    return 1"),
     (
         "dir-fd-escape",
-        "import os\n    d = os.open(os.path.dirname(os.__file__), os.O_RDONLY)\n    return os.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=d)",
+        "import os\n    d = os.open(os.path.dirname(os.__file__), os.O_RDONLY)\n    return os.open('x', os.O_WRONLY "
+        "| os.O_CREAT, dir_fd=d)",
     ),
     ("gc-walk", "import gc\n    return len(gc.get_objects())"),
     ("settrace", "import sys\n    sys.settrace(lambda *a: None)\n    return 1"),
@@ -276,7 +277,10 @@ def test_svg_render_refuses_gzip_and_files(tmp_path):
 
     red = tmp_path / "red.png"
     Image.new("RGB", (10, 10), (255, 0, 0)).save(red)
-    svg = f'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><image href="file://{red}" width="10" height="10"/></svg>'
+    svg = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><image href="file://{red}" width="10" '
+        f'height="10"/></svg>'
+    )
     image = render(svg)
     assert image is None or (image == 255).all()  # never the red file's pixels
     assert render(SVG).shape == (336, 336, 3)

@@ -71,13 +71,35 @@ def _metrics(out: Path) -> list[dict]:
 
 
 REQUIRED = [  # metrics.jsonl's names: TRL's where TRL logs the same quantity, ovkit's own under ovkit/
-    "reward", "reward_std", "ovkit/accuracy", "completions/mean_length", "clip_ratio/region_mean", "entropy", "grad_norm",
-    "loss", "learning_rate", "ovkit/mismatch/learner_ppl", "ovkit/mismatch/sampler_ppl", "ovkit/mismatch/vllm_kl",
-    "sampling/sampling_logp_difference/max", "sampling/sampling_logp_difference/mean", "ovkit/behave_weight/mean",
-    "sampling/importance_sampling_ratio/mean", "ovkit/masked/token_frac", "ovkit/staleness/hist", "ovkit/time/rollout",
-    "ovkit/time/train", "ovkit/time/sync", "ovkit/samples_per_s", "num_tokens", "epoch", "completions/min_length",
-    "completions/mean_terminated_length", "rewards/task/mean", "rewards/task/std",
-]  # fmt: skip
+    "reward",
+    "reward_std",
+    "ovkit/accuracy",
+    "completions/mean_length",
+    "clip_ratio/region_mean",
+    "entropy",
+    "grad_norm",
+    "loss",
+    "learning_rate",
+    "ovkit/mismatch/learner_ppl",
+    "ovkit/mismatch/sampler_ppl",
+    "ovkit/mismatch/vllm_kl",
+    "sampling/sampling_logp_difference/max",
+    "sampling/sampling_logp_difference/mean",
+    "ovkit/behave_weight/mean",
+    "sampling/importance_sampling_ratio/mean",
+    "ovkit/masked/token_frac",
+    "ovkit/staleness/hist",
+    "ovkit/time/rollout",
+    "ovkit/time/train",
+    "ovkit/time/sync",
+    "ovkit/samples_per_s",
+    "num_tokens",
+    "epoch",
+    "completions/min_length",
+    "completions/mean_terminated_length",
+    "rewards/task/mean",
+    "rewards/task/std",
+]
 
 
 def test_stage1_then_stage2_end_to_end(rl_assets, tmp_path, cli, one_thread):
@@ -326,8 +348,22 @@ def test_help_options_are_documented(cli):
 def _torchrun(n: int, *args) -> subprocess.CompletedProcess:
     runner = ROOT / "tests" / "rl_ddp_runner.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), str(runner), *map(str, args)],
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(n),
+            str(runner),
+            *map(str, args),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_two_processes_take_the_single_process_step_over_the_same_groups(rl_assets, tmp_path):
@@ -373,13 +409,55 @@ def test_two_processes_sample_and_learn_what_one_process_does(rl_assets, tmp_pat
     from ovkit.rollouts.table import read_rollouts
 
     model_dir, data = rl_assets
-    args = ["rl-train", data, "--model", model_dir, "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "8",
-            "--temperature", "1.0", "--lr", "1e-2", "--warmup-ratio", "0", "--max-steps", "2", "--micro-batch-size", "3",
-            "--reward-workers", "1", "--precision", "fp32", "--save-rollouts", "--quiet"]  # fmt: skip
+    args = [
+        "rl-train",
+        data,
+        "--model",
+        model_dir,
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "1.0",
+        "--lr",
+        "1e-2",
+        "--warmup-ratio",
+        "0",
+        "--max-steps",
+        "2",
+        "--micro-batch-size",
+        "3",
+        "--reward-workers",
+        "1",
+        "--precision",
+        "fp32",
+        "--save-rollouts",
+        "--quiet",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     for n in (1, 2):
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), "-m", "ovkit", *map(str, args),
-                              "--out", str(tmp_path / f"p{n}")], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(n),
+                "-m",
+                "ovkit",
+                *map(str, args),
+                "--out",
+                str(tmp_path / f"p{n}"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         assert run.stdout.count("rl-train stage") == 1, run.stdout
     one, two = tmp_path / "p1", tmp_path / "p2"

@@ -39,7 +39,8 @@ def _attention_calls(cfg) -> tuple[int, int]:
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_attention_calls_per_step_are_bounded_by_layers(deep, tmp_path, cli, layout):
     """16 images in one padded micro-batch, or two packed rows: at most 2 x (LLM layers + ViT depth) attention calls
-    (sdpa), where transformers' per-image vision attention makes LLM layers + ViT depth x images (and eager shows it)."""
+    (sdpa), where transformers' per-image vision attention makes LLM layers + ViT depth x images (and eager shows
+    it)."""
     root, spec = deep
     kw = dict(data=root / "data", model=root / "model", max_steps=1, batch_size=16)
     if layout == "packed":

@@ -77,24 +77,59 @@ def _fake_run(tmp_path):
             ev = sci / "eval" / variant / f"s{seed}"
             ev.mkdir(parents=True)
             (ev / "summary.json").write_text(json.dumps({"overall": base / 2}))
-    bins = [{"bin": "[0, 0.1)", "lo": 0.0, "hi": 0.1, "tokens": 10, "mean_sampler_prob": 0.05, "mean_abs_log_ratio": 0.2, "k3_kl": 0.02},
-            {"bin": "[0.9, 1]", "lo": 0.9, "hi": 1.0, "tokens": 90, "mean_sampler_prob": 0.97, "mean_abs_log_ratio": 0.01, "k3_kl": 1e-4}]  # fmt: skip
+    bins = [
+        {
+            "bin": "[0, 0.1)",
+            "lo": 0.0,
+            "hi": 0.1,
+            "tokens": 10,
+            "mean_sampler_prob": 0.05,
+            "mean_abs_log_ratio": 0.2,
+            "k3_kl": 0.02,
+        },
+        {
+            "bin": "[0.9, 1]",
+            "lo": 0.9,
+            "hi": 1.0,
+            "tokens": 90,
+            "mean_sampler_prob": 0.97,
+            "mean_abs_log_ratio": 0.01,
+            "k3_kl": 1e-4,
+        },
+    ]
     (sci / "buckets").mkdir(parents=True)
     (sci / "buckets" / "report.json").write_text(
         json.dumps({"runs": {"bf16": {"by_sampler_prob": bins}, "int8": {"by_sampler_prob": bins}}})
     )
     plans = run / "plans" / "pretrain"
     plans.mkdir(parents=True)
-    stats = {"samples": 100, "packs": 7, "lower_bound": 7, "efficiency": 0.98, "samples_per_pack": {"mean": 14.3},
-             "padding": {"pad_to_max_len": {"compression": 900.0}, "pad_to_longest_in_random_batches": {"batch": 8, "compression": 30.0}}}  # fmt: skip
+    stats = {
+        "samples": 100,
+        "packs": 7,
+        "lower_bound": 7,
+        "efficiency": 0.98,
+        "samples_per_pack": {"mean": 14.3},
+        "padding": {
+            "pad_to_max_len": {"compression": 900.0},
+            "pad_to_longest_in_random_batches": {"batch": 8, "compression": 30.0},
+        },
+    }
     (plans / "stats.json").write_text(json.dumps(stats))
     cell = image_cell(Image.new("RGB", (28, 28), "white"))
     for name, concepts in [
         ("pretrain", ["red circle"] * 8 + ["blue star"] * 2),
         ("pretrain-balanced", ["red circle"] * 5 + ["blue star"] * 5),
     ]:
-        rows = [{"id": f"{name}-{i}", "images": [cell], "messages": [{"role": "user", "content": "<image>\nDescribe."}, {"role": "assistant", "content": c}],
-                 "source": "synth/caption", "concepts": json.dumps([c])} for i, c in enumerate(concepts)]  # fmt: skip
+        rows = [
+            {
+                "id": f"{name}-{i}",
+                "images": [cell],
+                "messages": [{"role": "user", "content": "<image>\nDescribe."}, {"role": "assistant", "content": c}],
+                "source": "synth/caption",
+                "concepts": json.dumps([c]),
+            }
+            for i, c in enumerate(concepts)
+        ]
         write_samples(samples_table(rows), run / "data" / name)
     return run
 

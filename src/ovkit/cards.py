@@ -47,11 +47,41 @@ MAX_LINEAGE = 20
 
 # Settings shown on a model card when the stage's config has them (ovkit.json spells options with dashes).
 MODEL_SETTINGS = (
-    "preset", "vision", "llm", "plan", "trainable", "freeze-vision", "lr", "min-lr", "warmup-ratio", "weight-decay",
-    "max-grad-norm", "batch-size", "grad-accum", "max-steps", "epochs", "max-len", "precision", "stage",
-    "prompts-per-step", "group-size", "max-new-tokens", "temperature", "eps-clip", "eps-clip-high", "reward-bias",
-    "reward-scale", "kl-coef", "behave-cap", "correction", "max-staleness", "format-weight", "env", "max-turns", "seed",
-)  # fmt: skip
+    "preset",
+    "vision",
+    "llm",
+    "plan",
+    "trainable",
+    "freeze-vision",
+    "lr",
+    "min-lr",
+    "warmup-ratio",
+    "weight-decay",
+    "max-grad-norm",
+    "batch-size",
+    "grad-accum",
+    "max-steps",
+    "epochs",
+    "max-len",
+    "precision",
+    "stage",
+    "prompts-per-step",
+    "group-size",
+    "max-new-tokens",
+    "temperature",
+    "eps-clip",
+    "eps-clip-high",
+    "reward-bias",
+    "reward-scale",
+    "kl-coef",
+    "behave-cap",
+    "correction",
+    "max-staleness",
+    "format-weight",
+    "env",
+    "max-turns",
+    "seed",
+)
 
 
 @dataclass
@@ -249,7 +279,8 @@ def dataset_card(
     lines += ["## Contents", "", *_contents_table(tables, configs), ""]
     if empty:
         lines += [
-            f"Without rows, so not in the configs (`datasets` cannot load an empty split): {', '.join(f'`{e}`' for e in empty)}.",
+            f"Without rows, so not in the configs (`datasets` cannot load an empty split): "
+            f"{', '.join(f'`{e}`' for e in empty)}.",
             "",
         ]
     for note in _layout_notes(tables, configs):
@@ -262,7 +293,8 @@ def _empty_card(prov: dict[str, Any], shown: str, empty: list[str]) -> str:
     lines = ["---", "tags:", "- ovkit", "---", "", f"# {Path(shown).name}", ""]
     lines += [
         f"Written by `ovkit {prov.get('command')}` (ovkit {prov.get('ovkit_version')}) with no rows in "
-        f"{', '.join(f'`{e}`' for e in empty)}, so it has no `configs:` for `datasets` to load. Generated from `ovkit.json`.",
+        f"{', '.join(f'`{e}`' for e in empty)}, so it has no `configs:` for `datasets` to load. Generated from "
+        f"`ovkit.json`.",
         "",
     ]
     lines += ["## Provenance", "", *_provenance_lines(prov, None), ""]
@@ -316,13 +348,17 @@ def _layout_notes(tables: list[Table], configs: list[dict[str, Any]]) -> list[st
             notes.append("The `default` config loads every subset as a split; each subset is also a config of its own.")
     if tables[0].trl:
         notes.append(
-            "`messages` content is a list of `{type: text|image}` parts; TRL (SFTTrainer, `prepare_multimodal_messages`) "
-            "fills the image parts from `images` in order and the processor's chat template renders them as image tokens."
+            "`messages` content is a list of `{type: text|image}` parts; TRL (SFTTrainer, "
+            "`prepare_multimodal_messages`) "
+            "fills the image parts from `images` in order and the processor's chat template renders them as image "
+            "tokens."
         )
     elif tables[0].pattern.endswith(PART_GLOB):
         notes.append(
-            'Columns (ovkit DESIGN.md, "The sample table"): `images` is a list of images (the `datasets` Image feature, '
-            "decoded to PIL), `messages` the chat turns with `<image>` where each image goes, `source` the origin of the "
+            'Columns (ovkit DESIGN.md, "The sample table"): `images` is a list of images (the `datasets` Image '
+            "feature, "
+            "decoded to PIL), `messages` the chat turns with `<image>` where each image goes, `source` the origin "
+            "of the "
             "row; RL and eval rows hold the prompt only, with `answer` and `answer_type` (the reward's scorer)."
         )
     return notes
@@ -371,7 +407,10 @@ def _describe_input(i: dict[str, Any]) -> str:
     if "sha256" in i:
         return f"`{i['path']}` ({i['files']} file(s), {i['bytes']} bytes, fingerprint {i['sha256']})"
     if i.get("converted"):
-        return f"`{i['path']}` (Hub dataset {i.get('hub') or ''}, read as {i.get('format')}, `datasets` fingerprint {i.get('source_fingerprint')})"
+        return (
+            f"`{i['path']}` (Hub dataset {i.get('hub') or ''}, read as {i.get('format')}, `datasets` fingerprint "
+            f"{i.get('source_fingerprint')})"
+        )
     seen = f", `datasets` fingerprint {i['source_fingerprint']}" if i.get("source_fingerprint") else ""
     return f"`{i['path']}`" + (f" (Hub dataset {i['hub']}{seen})" if i.get("hub") else "")
 
@@ -483,7 +522,8 @@ def eval_card(directory: Path, tables: list[Table], prov: dict[str, Any], shown:
     lines += ["## Load it", "", "```python", "from datasets import load_dataset", ""]
     if configs[0]["config_name"] == "default" and len(tables) > 1:
         lines.append(
-            f'ds = load_dataset("{shown}")  # every task\'s rows, a split per task: {", ".join(t.split for t in tables)}'
+            f'ds = load_dataset("{shown}")  # every task\'s rows, a split per task: '
+            f"{', '.join(t.split for t in tables)}"
         )
     elif len(tables) == 1:
         lines.append(f'ds = load_dataset("{shown}", split="{tables[0].split}")')
@@ -499,7 +539,8 @@ def eval_card(directory: Path, tables: list[Table], prov: dict[str, Any], shown:
     if features is not None:
         lines += [
             "Each task scores with its own reward parts, so `reward_parts` differs across tasks: the `default` config "
-            "declares the union of the tasks' fields (a task's missing ones load as None); a task's own config has only its fields.",
+            "declares the union of the tasks' fields (a task's missing ones load as None); a task's own config has "
+            "only its fields.",
             "",
         ]
     elif len(tables) > 1:
@@ -539,9 +580,16 @@ def model_card(directory: Path, prov: dict[str, Any], shown: str) -> str:
     lines += [f"# {Path(shown).name}", "", _model_summary(arch, config, prov, base), ""]
     auto = "AutoModel" if clip else "AutoModelForImageTextToText"
     lines += [
-        "## Load it", "", "```python", f"from transformers import {auto}, AutoProcessor", "",
-        f'model = {auto}.from_pretrained("{shown}")', f'processor = AutoProcessor.from_pretrained("{shown}")', "```", "",
-    ]  # fmt: skip
+        "## Load it",
+        "",
+        "```python",
+        f"from transformers import {auto}, AutoProcessor",
+        "",
+        f'model = {auto}.from_pretrained("{shown}")',
+        f'processor = AutoProcessor.from_pretrained("{shown}")',
+        "```",
+        "",
+    ]
     lines += ["## How it was made", "", *_lineage_lines(prov), *_data_lines(prov), ""]
     settings = [(k, cfg[k]) for k in MODEL_SETTINGS if k in cfg and cfg[k] not in (None, [], "")]
     if settings:
@@ -589,7 +637,10 @@ def _model_summary(arch: str, config: dict[str, Any], prov: dict[str, Any], base
     origin = f" from `{base[0]}`" if len(base) == 1 else f" from {' + '.join(f'`{b}`' for b in base)}" if base else ""
     if prov.get("command") == "init-model" and not base:
         origin = f" (preset `{(prov.get('config') or {}).get('preset')}`, built from scratch)"
-    return f"A `{arch}`{size}, made by `ovkit {prov.get('command')}` (ovkit {prov.get('ovkit_version')}){origin}. Generated from `ovkit.json`."
+    return (
+        f"A `{arch}`{size}, made by `ovkit {prov.get('command')}` (ovkit {prov.get('ovkit_version')}){origin}. "
+        f"Generated from `ovkit.json`."
+    )
 
 
 def _lineage_lines(prov: dict[str, Any]) -> list[str]:

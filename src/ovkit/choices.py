@@ -3,7 +3,8 @@ samplers) and their checks, without torch: a leaf every config and `ovkit.option
 
 A config is built, and refused, before anything heavy is imported, so `ovkit sft DATA --precision bf17` answers in
 a fraction of a second instead of after torch and transformers load (#29). The modules that act on these options
-(precision, optim, attention, checkpointing, kernels, engines; rl.correction, rl.loss; evaluate.during) import torch and re-export
+(precision, optim, attention, checkpointing, kernels, engines; rl.correction, rl.loss; evaluate.during) import torch and
+re-export
 what is here, so each name has one definition.
 """
 
@@ -32,7 +33,8 @@ def canonical_precision(name: str) -> str:
     if str(name) in AMBIGUOUS:
         mixed, true = AMBIGUOUS[str(name)]
         raise OvkitError(
-            f"--precision {name} is ambiguous: say {mixed} (bf16 compute, fp32 master weights; what bf16 and HF Trainer's "
+            f"--precision {name} is ambiguous: say {mixed} (bf16 compute, fp32 master weights; what bf16 and HF "
+            f"Trainer's "
             f"--bf16 mean) or {true} (bf16 weights, gradients and optimiser state; torch_dtype=bfloat16)"
         )
     name = PRECISION_ALIASES.get(str(name), str(name))
@@ -56,7 +58,8 @@ def check_optim(optim: str, precision: str) -> str:
             return "bf16-true"
         if precision != "bf16-true":
             raise OvkitError(
-                f"--optim adamw_bf16 trains bf16 weights with Kahan-compensated updates: use it with --precision bf16-true (or auto), "
+                f"--optim adamw_bf16 trains bf16 weights with Kahan-compensated updates: use it with --precision "
+                f"bf16-true (or auto), "
                 f"not --precision {precision} (for fp32 weights or fp32 master weights use --optim adamw_torch_fused)"
             )
     return precision
@@ -119,7 +122,8 @@ def check_kernels(kernels: str, use_liger_kernel: bool = False, cuda: bool | Non
             cuda = torch.cuda.is_available()
         if not cuda:
             raise OvkitError(
-                "--kernels liger needs a CUDA device (Liger-Kernel's kernels are Triton); use --kernels torch or auto on CPU"
+                "--kernels liger needs a CUDA device (Liger-Kernel's kernels are Triton); use --kernels torch or "
+                "auto on CPU"
             )
         if not liger_installed():
             raise OvkitError(
@@ -179,7 +183,8 @@ def canonical_correction(name: str) -> str:
     mode = VERL_ALIASES.get(name, name.replace("_", "-"))
     if mode not in CORRECTIONS:
         raise ValueError(
-            f"unknown correction {name!r}; choose one of {', '.join(CORRECTIONS)} (verl names: {', '.join(VERL_ALIASES)})"
+            f"unknown correction {name!r}; choose one of {', '.join(CORRECTIONS)} (verl names: "
+            f"{', '.join(VERL_ALIASES)})"
         )
     return mode
 

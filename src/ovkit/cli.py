@@ -14,9 +14,11 @@ from ovkit.errors import OvkitError
 
 app = typer.Typer(
     name="ovkit",
-    help="Run and study the LLaVA-OneVision-1.5 recipe end to end. Each command reads and writes plain files. Options take dashes or underscores (--output-dir, --output_dir).",
+    help="Run and study the LLaVA-OneVision-1.5 recipe end to end. Each command reads and writes plain files. "
+    "Options take dashes or underscores (--output-dir, --output_dir).",
     no_args_is_help=True,
-    add_completion=True,  # typer's --install-completion / --show-completion (SHELL with _TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION)
+    # typer's --install-completion / --show-completion (SHELL with _TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION)
+    add_completion=True,
     pretty_exceptions_enable=False,
     # `--output_dir` is `--output-dir` (HF's argument parser takes both spellings), also for command names (rl_train)
     context_settings={

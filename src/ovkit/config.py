@@ -3,7 +3,8 @@ the defaults (and only it does).
 
 Keys in the YAML file are option names (`max-len` or `max_len`); a key that is not an option of the command is an
 error naming it. Every value is converted by the type its dataclass field declares (`convert`, one rule for file
-values and flags), and a value that does not convert is an error naming the key, the file and the type. The resolved config is written next to the output as `config.yaml` so a run can be repeated with
+values and flags), and a value that does not convert is an error naming the key, the file and the type. The resolved
+config is written next to the output as `config.yaml` so a run can be repeated with
 `--config OUT/config.yaml`.
 """
 
@@ -36,7 +37,8 @@ def load_yaml(path: Path) -> dict[str, Any]:
         raise OvkitError(f"cannot read config file {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:  # a binary file given as --config
         raise OvkitError(
-            f"config file {path} is not UTF-8 text (byte {e.start}); it must be a YAML mapping of option names to values"
+            f"config file {path} is not UTF-8 text (byte {e.start}); it must be a YAML mapping of option names to "
+            f"values"
         ) from None
     try:
         data = yaml.safe_load(text)

@@ -137,8 +137,12 @@ class OutputLock:
         raise OvkitError(f"{self.path}: could not take the lock (the file keeps being replaced)")
 
     def _write_holder(self) -> None:
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
-                "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": self.command,
+            "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, (json.dumps(info) + "\n").encode(), 0)
 
@@ -188,7 +192,10 @@ def holder(path: Path) -> str:
     else:
         return f"lock file {path}"
     here = " (this machine)" if info.get("host") == socket.gethostname() else ""
-    return f"ovkit {info.get('command')}, pid {info.get('pid')} on host {info.get('host')}{here}, since {info.get('started')}; lock file {path}"
+    return (
+        f"ovkit {info.get('command')}, pid {info.get('pid')} on host {info.get('host')}{here}, since "
+        f"{info.get('started')}; lock file {path}"
+    )
 
 
 # -- signals -------------------------------------------------------------------------------------------------------
@@ -227,8 +234,12 @@ def _on_signal(signum: int, frame) -> None:
         return
     if _asked is None:
         raise Interrupted(signum)
-    raise Interrupted(signum, f"stopped at once by {signal.Signals(signum).name}; the run directory keeps its last complete "
-                              f"checkpoint: run the same command with --resume to continue from it")  # fmt: skip
+    raise Interrupted(
+        signum,
+        f"stopped at once by {signal.Signals(signum).name}; the run directory keeps its last "
+        f"complete "
+        f"checkpoint: run the same command with --resume to continue from it",
+    )
 
 
 @contextmanager
@@ -265,7 +276,10 @@ def asked() -> int | None:
 # -- out of memory -------------------------------------------------------------------------------------------------
 
 # The options that lower a data stage's memory (a learner's come from its config: Runtime.out_of_memory).
-DATA_STAGE_OPTIONS = "--batch-size (sequences per generate call), --max-new-tokens, --precision bf16, --max-pixels where the command has it"
+DATA_STAGE_OPTIONS = (
+    "--batch-size (sequences per generate call), --max-new-tokens, --precision bf16, --max-pixels "
+    "where the command has it"
+)
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -291,8 +305,11 @@ def memory_note() -> str:
 
 
 def out_of_memory_message(command: str, e: BaseException) -> str:
-    return (f"{command}: out of GPU memory{memory_note()}; lower {DATA_STAGE_OPTIONS}; then run the same command again "
-            f"(a stage that saves finished chunks resumes from them) [{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}]")  # fmt: skip
+    return (
+        f"{command}: out of GPU memory{memory_note()}; lower {DATA_STAGE_OPTIONS}; then run the same command again "
+        f"(a stage that saves finished chunks resumes from them) "
+        f"[{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}]"
+    )
 
 
 # -- out of space or not writable ----------------------------------------------------------------------------------
@@ -367,8 +384,15 @@ def size(n: float) -> str:
     return f"{n} B"
 
 
-def write_failure(e: BaseException, path: Path, *, needed: int | None = None, then: str = "then run the same command again",
-                  saving: bool = False, within: Path | None = None) -> OvkitError | None:  # fmt: skip
+def write_failure(
+    e: BaseException,
+    path: Path,
+    *,
+    needed: int | None = None,
+    then: str = "then run the same command again",
+    saving: bool = False,
+    within: Path | None = None,
+) -> OvkitError | None:
     """The one-line error for a write the machine refused (None when `e` is something else): the path (the file the
     OSError names, else `path`), why, the free and the needed space where known, what to do, and `then`."""
     code = write_errno(e, saving=saving, within=within)
@@ -386,8 +410,11 @@ def write_failure(e: BaseException, path: Path, *, needed: int | None = None, th
 
 
 def check_space(out: Path, needed: int, what: str) -> None:
-    """Exit 2 before the work starts when `what` (about `needed` bytes, a rough estimate) cannot fit where `out` goes."""
+    """Exit 2 before the work starts when `what` (about `needed` bytes, a rough estimate) cannot fit where `out`
+    goes."""
     free = free_bytes(out)
     if free is not None and needed > free:
-        raise OvkitError(f"--out {out}: {what} need about {size(needed)}, and its filesystem has {size(free)} free; "
-                         f"free space there or choose another --out")  # fmt: skip
+        raise OvkitError(
+            f"--out {out}: {what} need about {size(needed)}, and its filesystem has {size(free)} free; "
+            f"free space there or choose another --out"
+        )

@@ -95,5 +95,6 @@ def check_model(path: Path | str, flag: str = "--model") -> None:
         return
     if text.startswith((".", "/", "~")) or text.count("/") != 1 or not HUB_ID.fullmatch(text):
         raise OvkitError(
-            f"{flag} {text}: no such directory (expected a model saved with save_pretrained, e.g. by `ovkit init-model`)"
+            f"{flag} {text}: no such directory (expected a model saved with save_pretrained, e.g. by `ovkit "
+            f"init-model`)"
         )

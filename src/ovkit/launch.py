@@ -2,9 +2,13 @@
 
 | commands (their config's `launcher`) | under N processes |
 |---|---|
-| align, midtrain, sft, rl-train | one run over N processes (data-parallel; ovkit.runtime), written once by the main process after every process has finished |
-| convert, balance, pack, caption, rl-curate | process r runs `--shard r/N`: it writes OUT/part-r-of-N/ (complete or absent on its own), the output N machines with `--shard I/N` would write; the next stage reads OUT as one dataset only when every part is complete (ovkit.data.io) |
-| eval | the processes share the rows (process r scores rows r, r + N, ...; each row sampled from its own seed) and the main process writes the one output, the one a single process writes apart from its timings |
+| align, midtrain, sft, rl-train | one run over N processes (data-parallel; ovkit.runtime), written once by the main
+process after every process has finished |
+| convert, balance, pack, caption, rl-curate | process r runs `--shard r/N`: it writes OUT/part-r-of-N/ (complete or
+absent on its own), the output N machines with `--shard I/N` would write; the next stage reads OUT as one dataset only
+when every part is complete (ovkit.data.io) |
+| eval | the processes share the rows (process r scores rows r, r + N, ...; each row sampled from its own seed) and the
+main process writes the one output, the one a single process writes apart from its timings |
 | synth, init-model, mismatch-report, eval --compare | refused at start (exit 2): they run in one process |
 
 A launcher that asked for N processes and started one (`accelerate launch --num_processes 2` on a machine without
@@ -32,15 +36,19 @@ def processes() -> tuple[int, int]:
 
 def check(command: str, cfg: Any) -> None:
     """Refuse what a command cannot do under the launcher, and give a rank-sharded command its shard. The policy is
-    the stage config's `launcher` class attribute (ovkit.options: DATA_PARALLEL, RANK_SHARDED, ROW_SHARED, ONE_PROCESS)."""
+    the stage config's `launcher` class attribute (ovkit.options: DATA_PARALLEL, RANK_SHARDED, ROW_SHARED,
+    ONE_PROCESS)."""
     rank, world = processes()
     if world == 1:
         asked = _accelerate_asked()
         if asked > 1:
             raise OvkitError(
-                f"accelerate launch asked for {asked} processes and started one: without GPUs, accelerate launch starts "
-                "several processes only through MPI (its config's mpirun_config: mpirun_hostfile, with Intel MPI / oneCCL "
-                f"installed), whatever its distributed_type; run `torchrun --nproc_per_node {asked} -m ovkit {command} ...` "
+                f"accelerate launch asked for {asked} processes and started one: without GPUs, accelerate launch "
+                f"starts "
+                "several processes only through MPI (its config's mpirun_config: mpirun_hostfile, with Intel MPI / "
+                "oneCCL "
+                f"installed), whatever its distributed_type; run `torchrun --nproc_per_node {asked} -m ovkit "
+                f"{command} ...` "
                 "(gloo over the CPU cores) instead"
             )
         return
@@ -85,7 +93,8 @@ def engine_warning(ran: str) -> str | None:
     if asked is None or asked == ran:
         return None
     return (
-        f"warning: accelerate launch asked for {asked}, but this run is {ran} (accelerate runs {asked} only on CUDA GPUs; "
+        f"warning: accelerate launch asked for {asked}, but this run is {ran} (accelerate runs {asked} only on CUDA "
+        f"GPUs; "
         "without them its processes are plain data-parallel, each holding the whole model and optimiser state): the "
         f"same updates, not {asked}'s memory savings. ovkit.json records distributed: {ran}. On this machine use "
         "`torchrun --nproc_per_node N -m ovkit ...`; on GPUs the same config runs FSDP / DeepSpeed."

@@ -44,7 +44,8 @@ def _keep_top(scores: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[torch.Te
 
 
 class Encoder:
-    """A CLIP-family dual encoder (CLIP, SigLIP/SigLIP2, MetaCLIP) loaded through transformers from a local directory."""
+    """A CLIP-family dual encoder (CLIP, SigLIP/SigLIP2, MetaCLIP) loaded through transformers from a local
+    directory."""
 
     def __init__(self, path: Path, *, device: str = "cpu", trust_remote_code: bool = False):
         from safetensors import SafetensorError

@@ -139,7 +139,8 @@ class BalanceConfig:
             raise OvkitError("DATA is required (or --merge ASSIGN_DIR...)")
         if self.method == "embed" and self.phase != "sample" and not self.merge and self.encoder is None:
             raise OvkitError(
-                "--method embed needs --encoder DIR (a CLIP-family model; `ovkit init-model --preset tiny-clip` builds one)"
+                "--method embed needs --encoder DIR (a CLIP-family model; `ovkit init-model --preset tiny-clip` "
+                "builds one)"
             )
         if self.phase == "sample" and self.plan is None:
             raise OvkitError("--phase sample needs --plan (the output of `ovkit balance --merge`)")

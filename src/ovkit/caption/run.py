@@ -217,7 +217,8 @@ class CaptionConfig(O.ModelLoading):
                 ) from None
             if len(shares) != len(langs) or any(s < 0 for s in shares) or sum(shares) <= 0:
                 raise OvkitError(
-                    f"--lang-ratio needs one share >= 0 per --lang language ({self.lang}), not all 0; got {self.lang_ratio!r}"
+                    f"--lang-ratio needs one share >= 0 per --lang language ({self.lang}), not all 0; got "
+                    f"{self.lang_ratio!r}"
                 )
         total = sum(shares)
         return [(x, s / total) for x, s in zip(langs, shares)]
@@ -472,7 +473,8 @@ def decide(cfg: CaptionConfig, table: pa.Table, gen: pa.Table, originals: Sequen
         return Decision(True, f"recaptions replace the originals: concept recall {after:.3f} >= {before:.3f}", recall)
     return Decision(
         False,
-        f"targets unchanged because concept recall {after:.3f} < {before:.3f} (originals); recaptions kept in column `recaption`",
+        f"targets unchanged because concept recall {after:.3f} < {before:.3f} (originals); recaptions kept in "
+        f"column `recaption`",
         recall,
     )
 

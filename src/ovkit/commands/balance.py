@@ -6,10 +6,12 @@ from ovkit.commands._common import done, resolve, skipped, stage
 @stage(
     "ovkit.balance.run:BalanceConfig",
     required=("concepts", "out"),
-    example='ovkit balance runs/tiny/data/pretrain --concepts runs/tiny/data/concepts.txt --encoder runs/tiny/models/clip --concept-template "a {}" --top-k 2 --out runs/tiny/data/pretrain-balanced',
+    example="ovkit balance runs/tiny/data/pretrain --concepts runs/tiny/data/concepts.txt --encoder "
+    'runs/tiny/models/clip --concept-template "a {}" --top-k 2 --out runs/tiny/data/pretrain-balanced',
 )
 def balance(ctx: typer.Context) -> None:
-    """Concept-balanced resampling: top-K concepts per image, inverse-frequency weights, a resampled dataset and a report."""
+    """Concept-balanced resampling: top-K concepts per image, inverse-frequency weights, a resampled dataset and a
+    report."""
     from ovkit.balance.run import run
     from ovkit.data import parse_shard, shard_out
     from ovkit.runs import Stage
@@ -29,5 +31,6 @@ def balance(ctx: typer.Context) -> None:
     if "precision_at_k" in m:
         extra += f", concept precision@k {m['precision_at_k']} (chance {m['chance_precision']})"
     done(
-        f"balance ({cfg.method}, phase {'merge' if cfg.merge else cfg.phase}): {m.get('rows_in', m.get('rows'))} rows in, {m.get('rows_out', '-')} out{extra} -> {stage.out}"
+        f"balance ({cfg.method}, phase {'merge' if cfg.merge else cfg.phase}): {m.get('rows_in', m.get('rows'))} "
+        f"rows in, {m.get('rows_out', '-')} out{extra} -> {stage.out}"
     )

@@ -6,10 +6,12 @@ from ovkit.commands._common import done, resolve, skipped, stage
 @stage(
     "ovkit.caption.run:CaptionConfig",
     required=("data", "model", "out"),
-    example="ovkit caption runs/tiny/data/pretrain-balanced --model runs/tiny/models/stage0 --shard 0/8 --out runs/tiny/data/pretrain-captioned --config examples/tiny/caption.yaml",
+    example="ovkit caption runs/tiny/data/pretrain-balanced --model runs/tiny/models/stage0 --shard 0/8 --out "
+    "runs/tiny/data/pretrain-captioned --config examples/tiny/caption.yaml",
 )
 def caption(ctx: typer.Context) -> None:
-    """Recaption every image with a VLM: one caption per image in a language drawn per row, the released caption filter, originals kept beside."""
+    """Recaption every image with a VLM: one caption per image in a language drawn per row, the released caption filter,
+    originals kept beside."""
     from ovkit.caption.run import remove_work, run, work_dir
     from ovkit.data import parse_shard, shard_out
     from ovkit.runs import Stage
@@ -39,6 +41,8 @@ def caption(ctx: typer.Context) -> None:
         else ""
     )
     done(
-        f"caption: {m['rows_in']} rows in, {m['rows_out']} out, {m['rejects']} rejected; filter pass rate {m['pass_rate']}, "
-        f"mean length {m['mean_chars']['recaption']} chars (original {m['mean_chars']['original']}){measured}; {m['decision']} -> {stage.out}"
+        f"caption: {m['rows_in']} rows in, {m['rows_out']} out, {m['rejects']} rejected; filter pass rate "
+        f"{m['pass_rate']}, "
+        f"mean length {m['mean_chars']['recaption']} chars (original {m['mean_chars']['original']}){measured}; "
+        f"{m['decision']} -> {stage.out}"
     )

@@ -9,7 +9,8 @@ from ovkit.commands._common import done, resolve, skipped, stage
     example="ovkit convert runs/tiny/data@instruct --to trl --out data/instruct-trl",
 )
 def convert(ctx: typer.Context) -> None:
-    """Convert LLaVA / ShareGPT / LLaVA-OneVision / LLaVA-OV-1.5 / ROLL-verl / TRL data into the sample table, or the sample table into TRL's format."""
+    """Convert LLaVA / ShareGPT / LLaVA-OneVision / LLaVA-OV-1.5 / ROLL-verl / TRL data into the sample table, or the
+    sample table into TRL's format."""
     from ovkit.data.convert import convert as run_convert
     from ovkit.runs import Stage
 
@@ -21,6 +22,7 @@ def convert(ctx: typer.Context) -> None:
         stage.metrics.update(run_convert(cfg, stage.path))
     m = stage.metrics
     done(
-        f"convert: {m['format']}{' (detected)' if m['detected'] else ''}{' -> trl' if m['to'] == 'trl' else ''}: {m['rows_in']} records -> {m['rows_out']} rows"
+        f"convert: {m['format']}{' (detected)' if m['detected'] else ''}{' -> trl' if m['to'] == 'trl' else ''}: "
+        f"{m['rows_in']} records -> {m['rows_out']} rows"
         f" in {m['files']} file(s) + {m['rejects']} rejects -> {cfg.out_dir}"
     )

@@ -12,7 +12,8 @@ from ovkit.commands._common import done, resolve, skipped, stage
 @stage(
     "ovkit.evaluate.run:EvalConfig",
     required=("data",),
-    example="ovkit eval runs/tiny/data/eval --model runs/tiny/models/sft --out runs/tiny/eval/sft --config examples/tiny/eval.yaml",
+    example="ovkit eval runs/tiny/data/eval --model runs/tiny/models/sft --out runs/tiny/eval/sft --config "
+    "examples/tiny/eval.yaml",
 )
 def evaluate(ctx: typer.Context) -> None:
     """Evaluate a model on held-out rows: mean reward and accuracy per category, per source and overall."""

@@ -13,7 +13,8 @@ from ovkit.commands._common import done, resolve, skipped, stage
     example="ovkit init-model --preset tiny --corpus runs/tiny/data --out runs/tiny/models/stage0",
 )
 def init_model(ctx: typer.Context) -> None:
-    """Build the tiny model (Qwen2.5-VL architecture, tokenizer trained on --corpus) or the tiny CLIP, or compose --vision + --llm."""
+    """Build the tiny model (Qwen2.5-VL architecture, tokenizer trained on --corpus) or the tiny CLIP, or compose
+    --vision + --llm."""
     from ovkit.models.presets import build, presets_table
     from ovkit.runs import Stage
 

@@ -10,7 +10,8 @@ from ovkit.commands._common import done, resolve, skipped, stage
 @stage(
     "ovkit.mismatch.run:MismatchConfig",
     required=("model", "out"),
-    example="ovkit mismatch-report --model runs/tiny/models/sft --generate runs/tiny/data/rl --limit 4 --n 4 --max-new-tokens 32 --sampler fp32 --sampler bf16 --sampler int8 --out runs/tiny/mismatch-demo",
+    example="ovkit mismatch-report --model runs/tiny/models/sft --generate runs/tiny/data/rl --limit 4 --n 4 "
+    "--max-new-tokens 32 --sampler fp32 --sampler bf16 --sampler int8 --out runs/tiny/mismatch-demo",
 )
 def mismatch_report(ctx: typer.Context) -> None:
     """Recompute the learner's log-probs of saved (or freshly sampled) rollouts and report the sampler/learner

@@ -6,7 +6,8 @@ from ovkit.commands._common import done, resolve, skipped, stage
 @stage(
     "ovkit.pack.plan:PackConfig",
     required=("data", "model", "out"),
-    example="ovkit pack runs/tiny/data/pretrain-balanced --model runs/tiny/models/stage0 --max-len 1024 --out runs/tiny/plans/pretrain --cache runs/tiny/cache",
+    example="ovkit pack runs/tiny/data/pretrain-balanced --model runs/tiny/models/stage0 --max-len 1024 --out "
+    "runs/tiny/plans/pretrain --cache runs/tiny/cache",
 )
 def pack(ctx: typer.Context) -> None:
     """Measure every sample with the model's processor and pack them globally (best-fit-decreasing) into a plan."""
@@ -22,6 +23,7 @@ def pack(ctx: typer.Context) -> None:
         stage.metrics.update({k: stats[k] for k in ("samples", "packs", "lower_bound", "efficiency", "tokens")})
     rejected = sum(stats["rejects"].values())
     done(
-        f"pack: {stats['samples']} samples -> {stats['packs']} packs of {cfg.max_len} (lower bound {stats['lower_bound']}, "
+        f"pack: {stats['samples']} samples -> {stats['packs']} packs of {cfg.max_len} (lower bound "
+        f"{stats['lower_bound']}, "
         f"efficiency {stats['efficiency'] or 0:.4f}, {rejected} rejected) -> {cfg.target}"
     )

@@ -10,7 +10,8 @@ from ovkit.commands._common import done, resolve, skipped, stage
 @stage(
     "ovkit.rl.curate:CurateConfig",
     required=("data", "model", "out"),
-    example="ovkit rl-curate runs/tiny/data/rl --model runs/tiny/models/sft --out runs/tiny/rl-data --n 8 --limit 24 --max-new-tokens 64 --no-system-prompt",
+    example="ovkit rl-curate runs/tiny/data/rl --model runs/tiny/models/sft --out runs/tiny/rl-data --n 8 --limit "
+    "24 --max-new-tokens 64 --no-system-prompt",
 )
 def rl_curate(ctx: typer.Context) -> None:
     """Sample N rollouts per RL prompt, score them, keep medium-difficulty prompts and split them into the stage-1

@@ -11,7 +11,8 @@ from ovkit.config import check_inputs
 @stage(
     "ovkit.rl.config:RLTrainConfig",
     required=("data", "model", "out"),
-    example="ovkit rl-train runs/tiny/rl-data/stage1 --model runs/tiny/models/sft --out runs/tiny/models/rl1 --config examples/tiny/rl-stage1.yaml",
+    example="ovkit rl-train runs/tiny/rl-data/stage1 --model runs/tiny/models/sft --out runs/tiny/models/rl1 "
+    "--config examples/tiny/rl-stage1.yaml",
 )
 def rl_train(ctx: typer.Context) -> None:
     """GRPO on verifiable rewards (LLaVA-OneVision-1.5-RL): decoupled PPO, async rollouts with bounded staleness,
@@ -30,5 +31,6 @@ def rl_train(ctx: typer.Context) -> None:
     reward = " -> ".join("-" if r is None else f"{r:.3f}" for r in (m["first_reward"], m["final_reward"]))
     done(
         f"rl-train stage {cfg.stage}: {m['steps']} steps, reward {reward}, "
-        f"{m['samples_per_s']:.1f} samples/s, max staleness {m['max_staleness_seen']}, {m['elapsed_s']:.0f}s -> {cfg.out}"
+        f"{m['samples_per_s']:.1f} samples/s, max staleness {m['max_staleness_seen']}, {m['elapsed_s']:.0f}s -> "
+        f"{cfg.out}"
     )

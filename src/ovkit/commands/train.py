@@ -14,7 +14,8 @@ REQUIRED = ("data", "model", "out")
 @stage(
     "ovkit.train.config:AlignConfig",
     required=REQUIRED,
-    example="ovkit align runs/tiny/data/pretrain-balanced --plan runs/tiny/plans/pretrain --model runs/tiny/models/stage0 --out runs/tiny/models/align --config examples/tiny/align.yaml",
+    example="ovkit align runs/tiny/data/pretrain-balanced --plan runs/tiny/plans/pretrain --model "
+    "runs/tiny/models/stage0 --out runs/tiny/models/align --config examples/tiny/align.yaml",
 )
 def align(ctx: typer.Context) -> None:
     """Stage 1 (alignment): train the projector only (lr 1e-4, no weight decay) on caption data."""
@@ -24,7 +25,8 @@ def align(ctx: typer.Context) -> None:
 @stage(
     "ovkit.train.config:MidtrainConfig",
     required=REQUIRED,
-    example="ovkit midtrain runs/tiny/data/pretrain-balanced --plan runs/tiny/plans/pretrain --model runs/tiny/models/align --out runs/tiny/models/midtrain --config examples/tiny/midtrain.yaml",
+    example="ovkit midtrain runs/tiny/data/pretrain-balanced --plan runs/tiny/plans/pretrain --model "
+    "runs/tiny/models/align --out runs/tiny/models/midtrain --config examples/tiny/midtrain.yaml",
 )
 def midtrain(ctx: typer.Context) -> None:
     """Stage 1.5 (mid-training): train LLM, projector and vision encoder (lr 1e-5, weight decay 0.01)."""
@@ -34,7 +36,8 @@ def midtrain(ctx: typer.Context) -> None:
 @stage(
     "ovkit.train.config:SFTConfig",
     required=REQUIRED,
-    example="ovkit sft runs/tiny/data/instruct --model runs/tiny/models/midtrain --out runs/tiny/models/sft --config examples/tiny/sft.yaml",
+    example="ovkit sft runs/tiny/data/instruct --model runs/tiny/models/midtrain --out runs/tiny/models/sft "
+    "--config examples/tiny/sft.yaml",
 )
 def sft(ctx: typer.Context) -> None:
     """Stage 2 (instruction tuning): train every parameter (lr 1e-5) on instruction conversations."""

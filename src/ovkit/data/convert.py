@@ -564,7 +564,10 @@ class Reject:
 
     def message(self) -> str:
         row = f"{self.id!r} (index {self.rec.index})" if self.id else f"index {self.rec.index}"
-        return f"{where(self.rec.file, row, self.field)}: {self.reason} (use --on-error skip to move bad records to {REJECTS})"
+        return (
+            f"{where(self.rec.file, row, self.field)}: {self.reason} (use --on-error skip to move bad records to "
+            f"{REJECTS})"
+        )
 
 
 REJECT_SCHEMA = pa.schema(
@@ -646,7 +649,8 @@ def convert(
         raise RuntimeError(f"rows in {rows_in} != rows out {rows_out} + rejects {len(rejects)}")
     if conv.counts["renamed_ids"]:  # said even with --quiet: the output's ids are not the input's
         print(
-            f"warning: {conv.counts['renamed_ids']} record(s) repeat an earlier id and were renamed (ids are unique in a sample "
+            f"warning: {conv.counts['renamed_ids']} record(s) repeat an earlier id and were renamed (ids are unique "
+            f"in a sample "
             f"table); e.g. {conv.first_rename}",
             file=sys.stderr,
         )

@@ -26,9 +26,11 @@ FORMATS = {
     "sharegpt": "ShareGPT / LLaMA-Factory: messages [{role, content}] or conversations [{from, value}], images, system",
     "onevision": "LLaVA-OneVision-Data parquet: id, image, conversations, data_source",
     "ov-midtrain": "LLaVA-OV-1.5 mid-training parquet: id, image, caption",
-    "ov-rl": "LLaVA-OV-1.5-RL parquet: id, images, problem, answer (list), answer_type, problem_type, source, prompt_type",
+    "ov-rl": "LLaVA-OV-1.5-RL parquet: id, images, problem, answer (list), answer_type, problem_type, source, "
+    "prompt_type",
     "verl": "ROLL / verl RL parquet: data_source, images, prompt (chat list), ability, reward_model.ground_truth",
-    "trl": "TRL conversational VLM: images (or image), messages [{role, content: text or [{type: text|image}]}] or prompt + completion",
+    "trl": "TRL conversational VLM: images (or image), messages [{role, content: text or [{type: text|image}]}] or "
+    "prompt + completion",
     "ovkit": "ovkit's sample table (e.g. from the Hub): id, images, messages [{role, content}], source",
 }
 BATCH = 256  # records mapped and validated together

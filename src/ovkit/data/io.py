@@ -176,11 +176,16 @@ def no_answer(columns: list[str]) -> str:
     for name in ("solution", "ground_truth", "gold", "label", "answers"):
         if name in columns:  # TRL's GRPO datasets call it `solution`
             return (
-                f"RL and eval rows need a gold answer in column 'answer' (columns: {shown_columns}); this input keeps it in "
-                f"'{name}': rename that column to 'answer' (e.g. `Dataset.rename_column(\"{name}\", \"answer\")`) and give "
+                f"RL and eval rows need a gold answer in column 'answer' (columns: {shown_columns}); this input "
+                f"keeps it in "
+                f"'{name}': rename that column to 'answer' (e.g. `Dataset.rename_column(\"{name}\", \"answer\")`) "
+                f"and give "
                 f"'answer_type' (the scorer) where the default does not fit"
             )
-    return f"RL and eval rows need a gold answer in column 'answer' (columns: {shown_columns}); this looks like a training split"
+    return (
+        f"RL and eval rows need a gold answer in column 'answer' (columns: {shown_columns}); this looks like a "
+        f"training split"
+    )
 
 
 def _num_rows(f: Path) -> int:
@@ -224,7 +229,8 @@ def _ids_before(files: list[Path], counts: list[int], lo: int, hi: int) -> dict[
     return seen
 
 
-# ------------------------------------------------------------------------------------------------ any source, as parquet
+# ------------------------------------------------------------------------------------------------ any source, as
+# parquet
 
 
 def sample_files(text: str | Path) -> list[Path]:
@@ -271,7 +277,8 @@ def materialize(loc: Located) -> list[Path]:
             # the reading command may have no --on-error of its own: the way past bad rows is convert's
             reason = str(e).replace(f" (use --on-error skip to move bad records to {REJECTS})", "")
             raise OvkitError(
-                f"{reason}; to read the rows that are good, convert it first: `ovkit convert {spec.text} --on-error skip --out DIR`"
+                f"{reason}; to read the rows that are good, convert it first: `ovkit convert {spec.text} --on-error "
+                f"skip --out DIR`"
             ) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -340,7 +347,8 @@ def not_a_sample_table(where: str, names: list[str], fmt: str | None = None) -> 
     else:
         how = f"convert it first with `ovkit convert {where} --from {{{','.join(FORMATS)}}} --out DIR`"
     return OvkitError(
-        f"{where}, column '{missing}': not a sample table (columns: {', '.join(names[:20])}); stages read ovkit's layout and "
+        f"{where}, column '{missing}': not a sample table (columns: {', '.join(names[:20])}); stages read ovkit's "
+        f"layout and "
         f"TRL's (images + messages); {how}"
     )
 
@@ -349,8 +357,10 @@ def not_convertible(where: str) -> OvkitError:
     """A file that is neither parquet nor JSON (a CSV, a TSV, an archive) given where a sample table is expected."""
     kind = Path(where).suffix.lstrip(".").upper() or "this"
     return OvkitError(
-        f"file {where}: not a sample table: stages read parquet (a file, or a directory of shards), and `ovkit convert` turns "
-        f"parquet, JSON and JSON lines in the layouts {', '.join(FORMATS)} into one; a {kind} file: write it as JSON lines or "
+        f"file {where}: not a sample table: stages read parquet (a file, or a directory of shards), and `ovkit "
+        f"convert` turns "
+        f"parquet, JSON and JSON lines in the layouts {', '.join(FORMATS)} into one; a {kind} file: write it as "
+        f"JSON lines or "
         f'parquet first (e.g. `datasets.load_dataset("csv", data_files=...)["train"].to_json("data.jsonl")`), then '
         f"`ovkit convert data.jsonl --from FORMAT --out DIR`"
     )

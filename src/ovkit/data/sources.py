@@ -17,7 +17,8 @@ Rows must be in ovkit's layout (DESIGN.md, "The sample table") or TRL's conversa
 `images` is the same shape). Parquet files in ovkit's
 layout are read where they are; anything else (a Hub dataset, a saved dataset, TRL parquet) is converted once with
 `ovkit convert`'s mapping into `$OVKIT_CACHE/datasets/` (default ~/.cache/ovkit), keyed by the source's fingerprint,
-and read from there (ovkit.data.io.sample_files), so every stage (and the pack plan's row numbers) sees ordinary part files. Other layouts (LLaVA,
+and read from there (ovkit.data.io.sample_files), so every stage (and the pack plan's row numbers) sees ordinary part
+files. Other layouts (LLaVA,
 ShareGPT, verl, ...) are refused with the missing column named: `ovkit convert` handles them with options they need.
 """
 
@@ -55,7 +56,8 @@ def locate(text: str | Path) -> Located:
         if local.is_file():
             if spec.selects:
                 raise OvkitError(
-                    f"{spec.text}: ':CONFIG' / '@SPLIT' choose from a directory with a dataset card, a saved dataset or a Hub dataset, not from a file"
+                    f"{spec.text}: ':CONFIG' / '@SPLIT' choose from a directory with a dataset card, a saved "
+                    f"dataset or a Hub dataset, not from a file"
                 )
             return Located(spec, files=[local])
         if is_saved_dataset(local):
@@ -69,7 +71,8 @@ def locate(text: str | Path) -> Located:
             return Located(spec, dataset=_load(spec, lambda: _load_with_datasets(str(local), spec, hub=False)))
         if spec.selects:
             raise OvkitError(
-                f"{spec.base}: no dataset card (README.md with `configs:`) to choose {spec.text[len(spec.base) :]!r} from"
+                f"{spec.base}: no dataset card (README.md with `configs:`) to choose "
+                f"{spec.text[len(spec.base) :]!r} from"
             )
         return Located(spec, files=local_parquet_files(local))
     if is_hub_id(spec.base):
@@ -187,7 +190,8 @@ def card_files(
     if len(chosen) > 1:
         name = cfg.get("config_name", "default")
         raise OvkitError(
-            f"{where}: config {name!r} has splits {', '.join(chosen)}; choose one with {where}@SPLIT (or {where}:CONFIG)"
+            f"{where}: config {name!r} has splits {', '.join(chosen)}; choose one with {where}@SPLIT (or "
+            f"{where}:CONFIG)"
         )
     root = directory / cfg["data_dir"] if cfg.get("data_dir") else directory
     files = glob_data_files(root, splits[chosen[0]])
@@ -272,11 +276,14 @@ def _load_with_datasets(path: str, spec: Spec, *, hub: bool) -> Any:
             raise OvkitError(f"{spec.text}: `datasets` cannot load it ({type(e).__name__}: {e})") from None
         if offline and not isinstance(e, ValueError):
             raise OvkitError(
-                f"{spec.text}: no local file or directory of that name, and the Hub dataset {spec.base!r} is not in the "
-                f"HF cache ({datasets.config.HF_DATASETS_CACHE}) while HF_HUB_OFFLINE=1; load it once online to cache it"
+                f"{spec.text}: no local file or directory of that name, and the Hub dataset {spec.base!r} is not in "
+                f"the "
+                f"HF cache ({datasets.config.HF_DATASETS_CACHE}) while HF_HUB_OFFLINE=1; load it once online to "
+                f"cache it"
             ) from None
         raise OvkitError(
-            f"{spec.text}: no local file or directory of that name, and the Hub cannot give it ({type(e).__name__}: {e})"
+            f"{spec.text}: no local file or directory of that name, and the Hub cannot give it ({type(e).__name__}: "
+            f"{e})"
         ) from None
     return _one_split(ds, spec)
 

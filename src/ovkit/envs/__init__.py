@@ -55,7 +55,8 @@ class EnvSpec:
 
     @property
     def tools(self) -> list[dict] | None:
-        """Tool schemas (OpenAI / HF function format) the chat template renders into the prompt, if the class has any."""
+        """Tool schemas (OpenAI / HF function format) the chat template renders into the prompt, if the class has
+        any."""
         tools = getattr(self.factory, "tools", None)
         return list(tools) if tools else None
 

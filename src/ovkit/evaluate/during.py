@@ -5,8 +5,10 @@ Every N optimiser steps and after the last one, the model being trained scores t
 
 - `eval/reward`, `eval/accuracy` and `eval/reward/<category>`, `eval/accuracy/<category>`: the numbers
   `ovkit eval --prompt MODE --seed SEED` reports for the model of that step (`summary.json`'s `overall`,
-  `accuracy` and `categories`), through the same pieces: rows as `ovkit.evaluate.run.load_rows` reads them (`--eval-limit`
-  per category), prompts as `ovkit eval` asks them (ovkit.rollouts.prompts.encode_prompts), per-category token budgets (`token_budgets`), greedy
+  `accuracy` and `categories`), through the same pieces: rows as `ovkit.evaluate.run.load_rows` reads them
+  (`--eval-limit`
+  per category), prompts as `ovkit eval` asks them (ovkit.rollouts.prompts.encode_prompts), per-category token budgets
+  (`token_budgets`), greedy
   generation with the HF engine on the learner's own weights (no copy), the rewards library's scorers. Rows that
   have a gold `answer`; a supervised held-out set without one gets the loss only.
 - `eval/loss` (supervised stages): the token-mean NLL of the held-out targets, computed as the training loss is
@@ -73,8 +75,18 @@ def evaluator(
             "an FSDP/DeepSpeed config, or torchrun), or evaluate the checkpoints afterwards (--save-every N, then "
             "`ovkit eval` on each OUT.partial/checkpoints/step-N, a model directory)"
         )
-    held_out = HeldOut(cfg.eval_data, processor, rt.accelerator.unwrap_model, rt, prompt=prompt, loss=loss, limit=cfg.eval_limit,
-                       max_new_tokens=cfg.eval_max_new_tokens, batch_size=batch_size, seed=cfg.seed)  # fmt: skip
+    held_out = HeldOut(
+        cfg.eval_data,
+        processor,
+        rt.accelerator.unwrap_model,
+        rt,
+        prompt=prompt,
+        loss=loss,
+        limit=cfg.eval_limit,
+        max_new_tokens=cfg.eval_max_new_tokens,
+        batch_size=batch_size,
+        seed=cfg.seed,
+    )
 
     def evaluate(step: int, scorer: Any) -> dict[str, float]:
         if step != n_steps and not (cfg.eval_every and step % cfg.eval_every == 0):
@@ -87,29 +99,53 @@ def evaluator(
 class HeldOut:
     """The held-out rows, encoded once; calling it with the prepared scorer gives the eval metrics."""
 
-    def __init__(self, paths: Sequence[Path], processor: Any, unwrap: Callable[[Any], Any], rt: Any, *, prompt: str, loss: bool,
-                 limit: int | None, max_new_tokens: int | None, batch_size: int, seed: int):  # fmt: skip
+    def __init__(
+        self,
+        paths: Sequence[Path],
+        processor: Any,
+        unwrap: Callable[[Any], Any],
+        rt: Any,
+        *,
+        prompt: str,
+        loss: bool,
+        limit: int | None,
+        max_new_tokens: int | None,
+        batch_size: int,
+        seed: int,
+    ):
 
         self.rt, self.unwrap, self.processor = rt, unwrap, processor
         rows = _read(paths, limit)
         scored = [r for r in rows if r.get("answer") is not None]
         if not loss and len(scored) < len(rows):
             raise OvkitError(
-                f"--eval-data {', '.join(map(str, paths))}: rl-train scores eval rows against a gold answer; {len(rows) - len(scored)} rows have none"
+                f"--eval-data {', '.join(map(str, paths))}: rl-train scores eval rows against a gold answer; "
+                f"{len(rows) - len(scored)} rows have none"
             )
         for r in scored:
             r["category"] = r.get("category") or UNCATEGORIZED
         self.rows = scored
-        # an EvalConfig as `ovkit eval --prompt PROMPT --seed SEED --limit L --max-new-tokens M` would hold (greedy, n=1)
-        self.eval_cfg = EvalConfig(data=list(paths), model=Path("."), out=Path("."), prompt=prompt, batch_size=batch_size,
-                                   max_new_tokens=max_new_tokens, limit=limit, seed=seed, quiet=True)  # fmt: skip
+        # an EvalConfig as `ovkit eval --prompt PROMPT --seed SEED --limit L --max-new-tokens M` would hold (greedy,
+        # n=1)
+        self.eval_cfg = EvalConfig(
+            data=list(paths),
+            model=Path("."),
+            out=Path("."),
+            prompt=prompt,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            limit=limit,
+            seed=seed,
+            quiet=True,
+        )
         self.budgets = token_budgets(scored, processor, prompt, max_new_tokens) if scored else {}
         self.batch_size = batch_size
         self.targets = [_target(r) for r in rows] if loss else []
         self.targets = [t for t in self.targets if t is not None]
         if not self.rows and not self.targets:
             raise OvkitError(
-                f"--eval-data {', '.join(map(str, paths))}: no row to evaluate (rows need a gold `answer` or an assistant turn)"
+                f"--eval-data {', '.join(map(str, paths))}: no row to evaluate (rows need a gold `answer` or an "
+                f"assistant turn)"
             )
         self._encoded: tuple | None = None
 

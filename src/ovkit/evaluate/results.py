@@ -1,8 +1,11 @@
 """Eval outputs in the lmms-eval layout (anchors.md section 4), `summary.json`, and the table across runs.
 
-    OUT/<model-name>/<timestamp>_results.json          results / configs / versions / n-samples / config / git_hash / date
-    OUT/<model-name>/<timestamp>_samples_<task>.jsonl  one line per row: doc_id, target, input, resps, filtered_resps, metrics
-    OUT/summary.json                                   {"overall", "categories", "sources", "accuracy", "detail", "model", "n", ...}
+    OUT/<model-name>/<timestamp>_results.json          results / configs / versions / n-samples / config / git_hash /
+                                                       date
+    OUT/<model-name>/<timestamp>_samples_<task>.jsonl  one line per row: doc_id, target, input, resps, filtered_resps,
+    metrics
+    OUT/summary.json                                   {"overall", "categories", "sources", "accuracy", "detail",
+    "model", "n", ...}
 
 Tasks are the eval set's categories. Metric keys follow lmms-eval: `"<metric>,none"` and `"<metric>_stderr,none"`
 (the filter is `none`: completions are scored as generated).

@@ -604,7 +604,8 @@ def _run_config(cfg: EvalConfig) -> dict[str, Any]:
         "model_args": args,
         "batch_size": cfg.batch_size,
         "limit": cfg.limit,
-        "gen_kwargs": f"max_new_tokens={cfg.max_new_tokens or 'per task'},temperature={cfg.temperature},top_p={cfg.top_p},n={cfg.n}",
+        "gen_kwargs": f"max_new_tokens={cfg.max_new_tokens or 'per task'},temperature={cfg.temperature},"
+        f"top_p={cfg.top_p},n={cfg.n}",
         "random_seed": cfg.seed,
         "prompt": cfg.prompt,
     }

@@ -3,7 +3,8 @@
 Two engines with one interface:
 
 - `HFEngine(model, processor)`: transformers `generate` on left-padded batches; runs everywhere (CPU included), can
-  sample in a lower precision than the learner (`dtype`) or from an int8 or 4-bit-weight copy (`quant="int8"`, `"int4"`) to reproduce
+  sample in a lower precision than the learner (`dtype`) or from an int8 or 4-bit-weight copy (`quant="int8"`, `"int4"`)
+  to reproduce
   sampler/learner mismatch on a laptop.
 - `VLLMEngine(path)`: a colocated `vllm.LLM` (GPU only; `pip install ovkit[vllm]`).
 

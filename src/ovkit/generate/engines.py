@@ -60,7 +60,8 @@ def build_engine(
     server_timeout: float = 240.0,
 ) -> Any:
     """A generation engine. `hf`: from a loaded `model` (rl-train's learner: `precision` then names a sampler copy's
-    precision, `quant` its quantisation, `separate` an own copy even in the learner's dtype) or from `model_dir` (loaded in `precision`); `vllm`: from `model_dir`;
+    precision, `quant` its quantisation, `separate` an own copy even in the learner's dtype) or from `model_dir` (loaded
+    in `precision`); `vllm`: from `model_dir`;
     `vllm-server`: a running vLLM server at `server_url` (ovkit.generate.vllm_server), which serves its own weights."""
     # heavy: an engine module loads transformers (and vLLM or TRL's client when built); a command that imports this
     # builder before reading its inputs reports a bad input without loading them
@@ -107,7 +108,8 @@ def build_engine(
     if kind == "vllm-server":
         if quant is not None:
             raise OvkitError(
-                "--engine vllm-server samples with the server's own weights and quantisation (vllm serve --quantization ...); drop --sampler-quant"
+                "--engine vllm-server samples with the server's own weights and quantisation (vllm serve "
+                "--quantization ...); drop --sampler-quant"
             )
         if processor is None:
             processor = _processor(model_dir or model.config.name_or_path, trust_remote_code)

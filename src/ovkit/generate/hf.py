@@ -9,7 +9,8 @@ the same greedy tokens as one prompt at a time, and that generation with and wit
 A prompt sampled n times (a GRPO group, rl-curate's n samples) is prefilled once: its images go through the vision
 encoder once and its KV cache is copied to the n sequences before `generate` decodes them (`prefill="shared"`, the
 default; `HFEngine._shared_prefill`). Batches without a repeated prompt (n=1 as eval and caption run by default,
-greedy, multi-turn turns) take the plain path whatever the option says; eval --n > 1 shares too (same samples). On the tiny model (CPU, one thread) it halves the engine's CPU time at n=4
+greedy, multi-turn turns) take the plain path whatever the option says; eval --n > 1 shares too (same samples). On the
+tiny model (CPU, one thread) it halves the engine's CPU time at n=4
 and cuts it ~2.4x at n=8/16, with the same decode step (same ops, mask and cache shapes) as per-sequence prefill;
 an earlier "decode ~9x slower" reading was two OpenMP threads on an oversubscribed box (BENCHMARKS.md).
 `prefill="per-sequence"` prefills every sequence on its own, as `generate(num_return_sequences=n)` does.
@@ -51,7 +52,8 @@ PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTS = ("int8", "fp8", "int4")
 # "shared": a prompt sampled n times (a GRPO group) is prefilled once, its images encoded once, and its KV cache copied
-# to the n sequences; "per-sequence": every sequence is prefilled on its own, as `generate(num_return_sequences=n)` does.
+# to the n sequences; "per-sequence": every sequence is prefilled on its own, as `generate(num_return_sequences=n)`
+# does.
 PREFILLS = ("shared", "per-sequence")
 
 

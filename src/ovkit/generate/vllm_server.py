@@ -59,7 +59,8 @@ class VLLMServerEngine:
             raise OvkitError(f"--engine vllm-server: {e} (pip install 'ovkit[vllm]')") from None
         except Exception as e:  # requests' ConnectionError and friends: the server is not there
             raise OvkitError(
-                f"--engine vllm-server: no vLLM server at {url} ({type(e).__name__}: {e}); start one with `vllm serve MODEL_DIR` (module docstring of ovkit.generate.vllm_server)"
+                f"--engine vllm-server: no vLLM server at {url} ({type(e).__name__}: {e}); start one with `vllm "
+                f"serve MODEL_DIR` (module docstring of ovkit.generate.vllm_server)"
             ) from None
         self.url, self.seed, self.progress = url, seed, progress
         self.processor = processor
@@ -113,7 +114,8 @@ class VLLMServerEngine:
         plain = temperature == 1.0 and top_p == 1.0
         if self.logprobs_mode not in (None, "processed_logprobs") and not plain:
             raise OvkitError(
-                f"the vLLM server at {self.url} reports {self.logprobs_mode} log-probs, not those of the distribution it samples "
+                f"the vLLM server at {self.url} reports {self.logprobs_mode} log-probs, not those of the "
+                f"distribution it samples "
                 f"from at temperature {temperature} / top-p {top_p}: restart it with --logprobs-mode processed_logprobs"
             )
         ids = [list(map(int, p.input_ids)) for p in prompts]

@@ -7,18 +7,22 @@ are per response, then averaged over responses (verl's `rollout_corr/` metrics, 
 
 | name | definition |
 |---|---|
-| `k3_kl` | mean_t exp(r) - r - 1: the K3 estimator of KL(sampler || learner) (004's `vllm-kl`, rl-train's `mismatch/vllm_kl`) |
+| `k3_kl` | mean_t exp(r) - r - 1: the K3 estimator of KL(sampler || learner) (004's `vllm-kl`, rl-train's
+`mismatch/vllm_kl`) |
 | `kl` | mean_t logp_s - logp_l: the k1 estimator of the same KL (can go negative under mismatch, Yao et al. 2025) |
 | `training_ppl`, `rollout_ppl` | mean over responses of exp(-mean_t logp) for the learner / the sampler |
 | `training_log_ppl`, `rollout_log_ppl` | mean over responses of -mean_t logp |
-| `log_ppl_diff` | mean over responses of (mean_t logp_s - mean_t logp_l) = log(learner PPL / sampler PPL); also abs, max, min |
+| `log_ppl_diff` | mean over responses of (mean_t logp_s - mean_t logp_l) = log(learner PPL / sampler PPL); also abs,
+max, min |
 | `ppl_ratio` | mean over responses of learner PPL / sampler PPL |
 | `chi2_token` | mean_t w^2 - 1 = chi^2(learner || sampler) estimated on sampler draws (verl's direction) |
 | `chi2_seq` | mean over responses of (prod_t w)^2 - 1 |
 | `rollout_probs_diff_*` | max / mean / std over tokens of abs(p_s - p_l) (verl's `training/` debug metrics) |
 | `rollout_actor_probs_pearson_corr` | Pearson correlation of p_s and p_l over tokens |
-| `max_mismatch_*`, `mean_mismatch_*` | per response max_t / mean_t abs(p_s - p_l) (Yao et al. 2025), summarised over responses |
-| `token_is_*`, `seq_is_*` | the raw importance weights w (token) and prod_t w (sequence): mean, std, min, max, quantiles, ESS |
+| `max_mismatch_*`, `mean_mismatch_*` | per response max_t / mean_t abs(p_s - p_l) (Yao et al. 2025), summarised over
+responses |
+| `token_is_*`, `seq_is_*` | the raw importance weights w (token) and prod_t w (sequence): mean, std, min, max,
+quantiles, ESS |
 
 ESS = (sum w)^2 / (n sum w^2), in (0, 1]: 1 when every weight is equal. Log-ratios are clamped to +-20 before exp
 (verl's SAFETY_BOUND); k1 and the PPLs use the raw log-probs.

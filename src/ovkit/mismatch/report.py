@@ -80,7 +80,8 @@ class Table:
         head = "".join(f"<th>{html.escape(h)}</th>" for _, h in self.columns)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.cells())
         note = f"<p class='note'>{html.escape(self.note)}</p>" if self.note else ""
-        return f"<h4>{html.escape(self.title)}</h4>{note}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        table = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        return f"<h4>{html.escape(self.title)}</h4>{note}{table}"
 
 
 def run_tables(run: dict[str, Any]) -> list[Table]:
@@ -125,7 +126,8 @@ def run_tables(run: dict[str, Any]) -> list[Table]:
                 ("seq_frac", "responses"),
             ],
             corrections,
-            "Share of compared tokens (and of responses with at least one such token) each mode would clip (TIS) or mask (MIS, geo-rs, behaviour cap, veto), computed with ovkit.rl.correction.",
+            "Share of compared tokens (and of responses with at least one such token) each mode would clip (TIS) or "
+            "mask (MIS, geo-rs, behaviour cap, veto), computed with ovkit.rl.correction.",
             {"token_frac": pct, "seq_frac": pct},
         ),
         Table(
@@ -141,7 +143,8 @@ def run_tables(run: dict[str, Any]) -> list[Table]:
                 ("learner_lower_frac", "learner lower"),
             ],
             run["by_sampler_prob"],
-            "log ratio = log p_learner - log p_sampler. The low-probability-token trap [2, section 3.3]: the gap concentrates where the sampler's probability is small.",
+            "log ratio = log p_learner - log p_sampler. The low-probability-token trap [2, section 3.3]: the gap "
+            "concentrates where the sampler's probability is small.",
             {"share": pct, "learner_lower_frac": pct},
         ),
         Table(
@@ -248,19 +251,23 @@ def comparison_table(runs: dict[str, dict[str, Any]]) -> Table:
 
 # The write-ups the notes cite as [1] and [2] (shared/reference/003 and 004).
 REFERENCES = (
-    'Feng Yao, Liyuan Liu, Dinghuai Zhang, Chengyu Dong, Jingbo Shang, Jianfeng Gao, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", 2025.',
-    'Jiacai Liu, Yingru Li, Yuqian Fu, Jiawei Wang, Qian Liu, Yu Shen, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch", 2025.',
+    'Feng Yao, Liyuan Liu, Dinghuai Zhang, Chengyu Dong, Jingbo Shang, Jianfeng Gao, "Your Efficient RL Framework '
+    'Secretly Brings You Off-Policy RL Training", 2025.',
+    'Jiacai Liu, Yingru Li, Yuqian Fu, Jiawei Wang, Qian Liu, Yu Shen, "When Speed Kills Stability: Demystifying RL '
+    'Collapse from the Training-Inference Mismatch", 2025.',
 )
 
 
 def header_lines(doc: dict[str, Any]) -> list[str]:
     lines = [
         f"learner: {doc['model']} ({doc['learner_precision']}, {doc['device']})",
-        f"temperature: {doc['temperature']:g} ({doc['temperature_from']}); the learner divides its logits by it, as rl-train does",
+        f"temperature: {doc['temperature']:g} ({doc['temperature_from']}); the learner divides its logits by it, as "
+        f"rl-train does",
     ]
     if doc.get("top_p") is not None and doc["top_p"] < 1:
         lines.append(
-            f"top-p {doc['top_p']:g}: the sampler's log-probs are renormalised over the nucleus and the learner's are not, so part of the gap is the truncation (as in rl-train)"
+            f"top-p {doc['top_p']:g}: the sampler's log-probs are renormalised over the nucleus and the learner's "
+            f"are not, so part of the gap is the truncation (as in rl-train)"
         )
     th = doc["thresholds"]
     lines.append("correction thresholds: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in th.items()))
@@ -291,7 +298,8 @@ def markdown(doc: dict[str, Any], figure_paths: dict[str, dict[str, str]]) -> st
 
 
 CSS = """
-body { font-family: -apple-system, Segoe UI, Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+body { font-family: -apple-system, Segoe UI, Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 1100px; color:
+#222; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 13px; }
 th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
 th { background: #f3f3f3; } td:first-child, th:first-child { text-align: left; }
@@ -306,7 +314,8 @@ def _img(png: bytes, alt: str) -> str:
 
 def html_page(doc: dict[str, Any], figures: dict[str, dict[str, bytes]], compare_png: bytes | None) -> str:
     parts = [
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>mismatch report</title><style>{CSS}</style></head><body>"
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>mismatch "
+        f"report</title><style>{CSS}</style></head><body>"
     ]
     parts.append(
         "<h1>Sampler/learner mismatch report</h1><ul>"

@@ -1,4 +1,5 @@
-"""`ovkit mismatch-report`: the options, and the run that ties sampling, re-scoring, analyses and the report together."""
+"""`ovkit mismatch-report`: the options, and the run that ties sampling, re-scoring, analyses and the report
+together."""
 
 from __future__ import annotations
 

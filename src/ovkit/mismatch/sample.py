@@ -6,14 +6,17 @@ Each sampler samples the same prompts with the same seed from the learner's weig
 |---|---|---|
 | `fp32` | the learner model itself, in float32 | `HFEngine(dtype="float32")`: KV-cached, left-padded batched decoding |
 | `bf16`, `fp16` | a copy cast to bfloat16 / float16 | `HFEngine(dtype=...)` (fp16 wants a GPU) |
-| `int8` | an int8 copy: dynamic W8A8 on CPU (Yao et al.'s INT8 rollouts), weight-only on GPU | `HFEngine(quant="int8")` |
+| `int8` | an int8 copy: dynamic W8A8 on CPU (Yao et al.'s INT8 rollouts), weight-only on GPU | `HFEngine(quant="int8")`
+|
 | `fp8` | weight-only fp8 (e4m3, per output channel) on any device | `HFEngine(quant="fp8")` (ovkit.generate.quant) |
-| `int4` | 4-bit weights (group-wise symmetric, 64 per scale) on any device: a larger, honest gap | `HFEngine(quant="int4")` (ovkit.generate.quant) |
+| `int4` | 4-bit weights (group-wise symmetric, 64 per scale) on any device: a larger, honest gap |
+`HFEngine(quant="int4")` (ovkit.generate.quant) |
 | `vllm` | vLLM on the model directory | `VLLMEngine` (GPU, `pip install 'ovkit[vllm]'`) |
 
 Even `fp32` is not bit-identical to the learner: batched, cached decoding sums in another order than one
 teacher-forced pass, which is the floor every other sampler is compared against. Prompts are encoded as rl-train
-encodes them (`ovkit.rollouts.prompts.encode_prompts`: stage instruction, optional system prompt, pixel cap), scored with
+encodes them (`ovkit.rollouts.prompts.encode_prompts`: stage instruction, optional system prompt, pixel cap), scored
+with
 the rewards library, and written in the rollout schema with the prompt images (`ovkit.rollouts.table`).
 """
 

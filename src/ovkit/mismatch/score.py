@@ -9,7 +9,8 @@ the same `--max-pixels` rule as rl-curate / rl-train and run through the model's
 of image placeholders in the ids must equal what the processor makes of the images; if it does not, the images
 (or the pixel cap) differ from the sampler's and the report would compare different inputs, so it stops.
 
-The forward pass is rl-train's own (`ovkit.rollouts.trajectories.forward_all`: logits / temperature in fp32, no top-p), so the
+The forward pass is rl-train's own (`ovkit.rollouts.trajectories.forward_all`: logits / temperature in fp32, no top-p),
+so the
 numbers are the ones rl-train's corrections would see. Like rl-train, a response is compared only up to a
 multimodal placeholder token the sampler emitted (the learner would look for image features behind it).
 
@@ -180,10 +181,12 @@ def _images(encoder: ImageEncoder, row: dict[str, Any], ids: list[int], images_f
         if cells is None:
             raise OvkitError(
                 f"rollout of prompt {rid!r}: its tokens hold {wanted} image placeholders but the rollout table has no "
-                "images column; pass --data with the prompt rows (rl-train --save-rollouts stores images only when an environment returned some)"
+                "images column; pass --data with the prompt rows (rl-train --save-rollouts stores images only when "
+                "an environment returned some)"
             )
         raise OvkitError(
-            f"rollout of prompt {rid!r}: its tokens hold {wanted} image placeholders, its images make {found.placeholders}; "
+            f"rollout of prompt {rid!r}: its tokens hold {wanted} image placeholders, its images make "
+            f"{found.placeholders}; "
             "the images differ from the ones the sampler saw: pass the --max-pixels the rollouts were sampled with "
             "(rl-curate / rl-train: 262144; eval does not downscale: 0)"
         )

@@ -94,7 +94,8 @@ def locate(path: Path | str, flag: str = "--model", *, weights: bool = True) -> 
 
         if not isinstance(try_to_load_from_cache(text, "config.json"), str):
             raise OvkitError(
-                f"{flag} {text}: no such directory, and the Hub model {text!r} is not in the HF cache while HF_HUB_OFFLINE=1"
+                f"{flag} {text}: no such directory, and the Hub model {text!r} is not in the HF cache while "
+                f"HF_HUB_OFFLINE=1"
             )
         return text
     probe_hub(f"{flag} {text}", "a model downloaded earlier loads with HF_HUB_OFFLINE=1, or give a local directory")

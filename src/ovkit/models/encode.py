@@ -213,7 +213,8 @@ def _tokenize(
     return Encoded(input_ids=ids, labels=[IGNORE] * len(ids), mm=mm, per_token=per_token)
 
 
-# ------------------------------------------------------------------------------------------------ facts about a processor
+# ------------------------------------------------------------------------------------------------ facts about a
+# processor
 
 
 def merge_mm(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:

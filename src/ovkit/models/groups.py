@@ -5,9 +5,11 @@ the projector only, mid-training and instruction tuning train everything). The p
 patterns, one small table for the architectures ovkit knows. Names are those of `model.named_parameters()` in
 transformers 5.x, e.g.
 
-    Qwen2.5-VL / Qwen3-VL     model.visual.patch_embed/blocks.*   model.visual.merger.*    model.language_model.*, lm_head
+    Qwen2.5-VL / Qwen3-VL     model.visual.patch_embed/blocks.*   model.visual.merger.*    model.language_model.*,
+                                                                                           lm_head
                               (Qwen3-VL adds model.visual.deepstack_merger_list.*, also a projector)
-    LLaVA-OneVision-1.5       model.visual.* (RICE-ViT)           model.visual.merger.*    model.language_model.*, lm_head
+    LLaVA-OneVision-1.5       model.visual.* (RICE-ViT)           model.visual.merger.*    model.language_model.*,
+                                                                                           lm_head
                               (the "adapter" of the paper is the 2x2 patch-merger MLP stored as visual.merger)
     LLaVA / LLaVA-OneVision   model.vision_tower.*                model.multi_modal_projector.* (+ image_newline)
     SmolVLM / Idefics3        model.vision_model.*                model.connector.*        model.text_model.*
@@ -86,7 +88,8 @@ def trainable_names(model, preset_or_patterns: str | Iterable[str], *, freeze_vi
                 rx = re.compile(item)
             except re.error as e:
                 raise OvkitError(
-                    f"--trainable {item!r} is neither a group ({', '.join(GROUPS)}, all) nor a valid regular expression: {e}"
+                    f"--trainable {item!r} is neither a group ({', '.join(GROUPS)}, all) nor a valid regular "
+                    f"expression: {e}"
                 ) from None
             hit = {n for n in names if rx.search(n)}
         if not hit:

@@ -127,8 +127,9 @@ def vision_inputs(config: Any, grid_thw: torch.Tensor | None, input_ids: torch.T
     vision = config.vision_config
     grid = grid_thw.to(torch.long)
     cu = get_vision_cu_seqlens(grid)
-    window_index, cu_window = get_vision_window_index(grid, spatial_merge_size=vision.spatial_merge_size, window_size=vision.window_size,
-                                                      patch_size=vision.patch_size)  # fmt: skip
+    window_index, cu_window = get_vision_window_index(
+        grid, spatial_merge_size=vision.spatial_merge_size, window_size=vision.window_size, patch_size=vision.patch_size
+    )
     out: dict[str, Any] = {}
     if input_ids is not None:
         index = (input_ids.reshape(-1) == config.image_token_id).nonzero().reshape(-1)

@@ -281,7 +281,8 @@ class InitModelConfig:
         if p is None or p.arch is None:
             buildable = ", ".join(n for n, q in PRESETS.items() if q.arch)
             raise OvkitError(
-                f"--random-init builds the architecture of a preset with known dimensions ({buildable}); {self.preset} has none"
+                f"--random-init builds the architecture of a preset with known dimensions ({buildable}); "
+                f"{self.preset} has none"
             )
         if not self.random_init:
             raise OvkitError(
@@ -354,15 +355,25 @@ def random_config(name: str, tokenizer: Any):
     text = dict(arch["text"])
     if len(tokenizer) > text["vocab_size"]:
         raise OvkitError(
-            f"--processor: its tokenizer has {len(tokenizer)} tokens, more than {name}'s vocabulary ({text['vocab_size']})"
+            f"--processor: its tokenizer has {len(tokenizer)} tokens, more than {name}'s vocabulary "
+            f"({text['vocab_size']})"
         )
-    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (
-        ("image", "<|image_pad|>"), ("video", "<|video_pad|>"), ("start", "<|vision_start|>"), ("end", "<|vision_end|>"),
-        ("eos", "<|im_end|>"), ("pad", "<|endoftext|>"))}  # fmt: skip
+    ids = {
+        k: tokenizer.convert_tokens_to_ids(t)
+        for k, t in (
+            ("image", "<|image_pad|>"),
+            ("video", "<|video_pad|>"),
+            ("start", "<|vision_start|>"),
+            ("end", "<|vision_end|>"),
+            ("eos", "<|im_end|>"),
+            ("pad", "<|endoftext|>"),
+        )
+    }
     missing = [k for k, v in ids.items() if v is None or v == getattr(tokenizer, "unk_token_id", -1)]
     if missing:
         raise OvkitError(
-            f"--processor: the tokenizer lacks Qwen-VL's special tokens ({', '.join(missing)}); use a Qwen2.5-VL processor or none"
+            f"--processor: the tokenizer lacks Qwen-VL's special tokens ({', '.join(missing)}); use a Qwen2.5-VL "
+            f"processor or none"
         )
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     rope = {

@@ -320,7 +320,8 @@ class PackedDataset(torch.utils.data.Dataset):
             enc = encode_sample(self.processor, row["messages"], images)
             if enc.length != int(self.sample_lengths[j]):
                 raise OvkitError(
-                    f"sample {self.ids[j]!r} encodes to {enc.length} tokens but the plan says {int(self.sample_lengths[j])}: "
+                    f"sample {self.ids[j]!r} encodes to {enc.length} tokens but the plan says "
+                    f"{int(self.sample_lengths[j])}: "
                     "the plan was measured with another processor; re-run `ovkit pack` with this model"
                 )
             encoded.append(enc)

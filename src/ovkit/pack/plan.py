@@ -266,7 +266,8 @@ def plan_files(plan_dir: Path | str) -> list[Path]:
     missing = sorted(set(range(n)) - have)
     if missing:
         raise OvkitError(
-            f"{plan_dir}: parts {', '.join(map(str, missing))} of {n} are missing; run `ovkit pack --shard I/{n}` for them"
+            f"{plan_dir}: parts {', '.join(map(str, missing))} of {n} are missing; run `ovkit pack --shard I/{n}` "
+            f"for them"
         )
     return parts
 

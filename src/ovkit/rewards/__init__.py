@@ -181,7 +181,8 @@ def check_gold(item: Mapping[str, Any], source_map: Mapping[str, str] | None = N
     }
     if unreadable.get(name):
         raise OvkitError(
-            f"column 'answer': {answer[:80]!r} is not a gold answer for {name!r} (expected {'yes/no' if name == 'boolean' else 'a choice letter'})"
+            f"column 'answer': {answer[:80]!r} is not a gold answer for {name!r} (expected "
+            f"{'yes/no' if name == 'boolean' else 'a choice letter'})"
         )
 
 

@@ -184,7 +184,10 @@ class _Zygote:
 
     def __init__(self):
         ours, theirs = socket.socketpair()
-        boot = f"import sys; sys.path[:0] = {sys.path!r}; from ovkit.rewards.pool import zygote_main; zygote_main({theirs.fileno()})"
+        boot = (
+            f"import sys; sys.path[:0] = {sys.path!r}; from ovkit.rewards.pool import zygote_main; "
+            f"zygote_main({theirs.fileno()})"
+        )
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", boot], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env

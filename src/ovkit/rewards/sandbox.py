@@ -6,9 +6,18 @@ unavailable):
 
 | level | adds | contains |
 |---|---|---|
-| `bwrap` | bubblewrap (containers/bubblewrap): new user, pid, network, IPC, UTS and cgroup namespaces; uid/gid 65534; no capabilities; a read-only root holding only the shared libraries, the interpreter and its standard library; the scratch directory the only writable path; its own session; killed with its parent | network (no route out), other processes (none visible: no signals, no pidfds), files (nothing of the host but the libraries and the interpreter; writes only in scratch), every descendant (the pid namespace dies with its first process) |
-| `seccomp` | a seccomp filter (libseccomp through `pyseccomp`) installed by the child before the candidate runs: no new processes (threads only), no exec, no sockets, no signals or pidfds to other processes, no ptrace, no alarm/itimer, no mounts, namespaces, io_uring, bpf, keyrings, prctl or rlimit changes; when ovkit runs as root and uid 65534 can run the interpreter, the child drops to it | network, processes and signals at the kernel; files by the uid drop (when it happens) and the audit hook |
-| `rlimits` | CPU, address space, file size, open files, core size; a wall-clock limit enforced by the parent | only resources: the in-process audit hook is the one barrier left |
+| `bwrap` | bubblewrap (containers/bubblewrap): new user, pid, network, IPC, UTS and cgroup namespaces; uid/gid 65534;
+no capabilities; a read-only root holding only the shared libraries, the interpreter and its standard library; the
+scratch directory the only writable path; its own session; killed with its parent | network (no route out), other
+processes (none visible: no signals, no pidfds), files (nothing of the host but the libraries and the interpreter;
+writes only in scratch), every descendant (the pid namespace dies with its first process) |
+| `seccomp` | a seccomp filter (libseccomp through `pyseccomp`) installed by the child before the candidate runs: no new
+processes (threads only), no exec, no sockets, no signals or pidfds to other processes, no ptrace, no alarm/itimer, no
+mounts, namespaces, io_uring, bpf, keyrings, prctl or rlimit changes; when ovkit runs as root and uid 65534 can run the
+interpreter, the child drops to it | network, processes and signals at the kernel; files by the uid drop (when it
+happens) and the audit hook |
+| `rlimits` | CPU, address space, file size, open files, core size; a wall-clock limit enforced by the parent | only
+resources: the in-process audit hook is the one barrier left |
 
 Every level also has the rlimits, the parent's wall-clock kill, PR_SET_PDEATHSIG, and the in-process PEP 578 audit
 hook of codeexec.py as a second layer. `bwrap` includes the seccomp filter when libseccomp is present.

@@ -3,7 +3,8 @@
     config.py       `ovkit rl-train`'s options (RLTrainConfig)
     advantages.py   reward transform and group-normalised advantages
     loss.py         AReaL's decoupled PPO loss (asymmetric clip), loss aggregation, KL estimators
-    correction.py   the behaviour weight (cap, mask/clamp, token/sequence) and the mismatch corrections (TIS, MIS, Geo-RS)
+    correction.py   the behaviour weight (cap, mask/clamp, token/sequence) and the mismatch corrections (TIS, MIS,
+                    Geo-RS)
     staleness.py    admission control for asynchronous rollouts (max_staleness) and version tags
     rollout.py      the synchronous and asynchronous rollout producers
     update.py       one GRPO update (advantages, proximal log-probs, corrections, decoupled-PPO steps)

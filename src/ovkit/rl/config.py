@@ -49,7 +49,8 @@ class RLTrainConfig(O.Learner):
 
     launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
 
-    # Options that exclude each other: one given on the command line drops the config file's other (flags override the file)
+    # Options that exclude each other: one given on the command line drops the config file's other (flags override the
+    # file)
     exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
 
     data: list[Path] | None = option(
@@ -445,7 +446,8 @@ class RLTrainConfig(O.Learner):
         )
 
 
-# Options a resumed run may change (declared `run_control=True` where the field is): where it writes and reports, how it checkpoints, how many reward workers score,
+# Options a resumed run may change (declared `run_control=True` where the field is): where it writes and reports, how it
+# checkpoints, how many reward workers score,
 # where a vLLM server listens, and how the same numbers are computed (learner micro-batches, attention kernel,
 # activation checkpointing). Every other option shapes the trajectory (sampling, rewards, the loss, its corrections,
 # the optimiser), so a resumed run must keep it: TRAJECTORY is derived below, and an option added later is covered

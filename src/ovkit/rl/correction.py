@@ -18,7 +18,8 @@ start of the step, and one log-ratio per token, `prox - behave`, carries both ga
 * a veto (verl `rollout_token_veto_threshold`): a sequence with any token ratio below it is masked entirely.
 
 Log-ratios are clamped to +-20 right before exp (verl's SAFETY_BOUND): a token's own, a sequence's sum, a sequence's
-mean; never per token before summing, which would give a sequence whose large per-token gaps cancel the wrong weight. A batch in which every token is masked gives zero
+mean; never per token before summing, which would give a sequence whose large per-token gaps cancel the wrong weight. A
+batch in which every token is masked gives zero
 weights and `all_masked` in the stats; the loss is then exactly zero and the step is logged, not a crash.
 """
 

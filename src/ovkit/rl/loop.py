@@ -68,7 +68,8 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     prompts = _prompts(cfg, tables, processor)
     if cfg.prompts_per_step % rt.processes:
         raise OvkitError(
-            f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of the {rt.processes} processes (each samples an equal share)"
+            f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of the {rt.processes} processes (each "
+            f"samples an equal share)"
         )
     if rt.sharded and cfg.engine == "hf":
         # The HF engine samples from the learner's parameters (or a copy made from them): under FSDP/DeepSpeed each
@@ -85,8 +86,14 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     rollout_bytes = (
         n_steps * cfg.prompts_per_step * cfg.group_size * longest * ROLLOUT_BYTES_PER_TOKEN if cfg.save_rollouts else 0
     )
-    rt.check_space(model, n_steps=n_steps, save_every=cfg.save_every, keep=cfg.keep_checkpoints, extra=rollout_bytes,
-                   what=", --save-rollouts tables" if cfg.save_rollouts else "")  # fmt: skip
+    rt.check_space(
+        model,
+        n_steps=n_steps,
+        save_every=cfg.save_every,
+        keep=cfg.keep_checkpoints,
+        extra=rollout_bytes,
+        what=", --save-rollouts tables" if cfg.save_rollouts else "",
+    )
     evaluate = evaluator(
         cfg, rt, processor, n_steps, prompt=cfg.mode, loss=False, batch_size=cfg.rollout_batch_size
     )  # --eval-data
@@ -126,19 +133,22 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
                 _save_rollouts(rt, step + 1, groups, processor)
             n = sum(len(g.completions) for g in groups) * rt.processes
             state.update(step=step + 1, samples=state["samples"] + n, elapsed_s=time.perf_counter() - t_start)
-            metrics = combine(rt, {
-                **rollout_metrics(groups),
-                **metrics,
-                "step_tokens": step_tokens(groups),
-                "lr": lr,
-                "version": step + 1,
-                "time/rollout": t1 - t0,
-                "time/train": t2 - t1,
-                "time/sync": t3 - t2,
-                "samples_per_s": n / max(t3 - t0, 1e-9),
-                "samples": state["samples"],
-                "elapsed_s": state["elapsed_s"],
-            })  # fmt: skip
+            metrics = combine(
+                rt,
+                {
+                    **rollout_metrics(groups),
+                    **metrics,
+                    "step_tokens": step_tokens(groups),
+                    "lr": lr,
+                    "version": step + 1,
+                    "time/rollout": t1 - t0,
+                    "time/train": t2 - t1,
+                    "time/sync": t3 - t2,
+                    "samples_per_s": n / max(t3 - t0, 1e-9),
+                    "samples": state["samples"],
+                    "elapsed_s": state["elapsed_s"],
+                },
+            )
             state["tokens"] = state.get("tokens", 0) + metrics.pop(
                 "step_tokens"
             )  # a checkpoint from before #29 has none
@@ -199,7 +209,8 @@ def warn_few_prompts(cfg: RLTrainConfig, n_prompts: int, main: bool = True) -> N
     more than once per step (ovkit.rollouts.groups.prompt_order), so the same prompt is several groups of one step."""
     if n_prompts < cfg.prompts_per_step and main:
         print(
-            f"warning: DATA has {n_prompts} prompt(s), fewer than --prompts-per-step {cfg.prompts_per_step}: prompts repeat "
+            f"warning: DATA has {n_prompts} prompt(s), fewer than --prompts-per-step {cfg.prompts_per_step}: "
+            f"prompts repeat "
             f"within a step (each about {cfg.prompts_per_step / n_prompts:.3g} times, as separate groups); "
             f"give more prompts or a --prompts-per-step of at most {n_prompts}",
             file=sys.stderr,
@@ -230,7 +241,8 @@ def _reference(rt: Runtime, cfg: RLTrainConfig):
 
 
 def _tables(cfg: RLTrainConfig) -> list:
-    """Every DATA path (several: e.g. the shards of a sharded rl-curate) read and validated; empty tables are skipped."""
+    """Every DATA path (several: e.g. the shards of a sharded rl-curate) read and validated; empty tables are
+    skipped."""
 
     return [read_samples(path, answers=True).table for path in cfg.data if count_rows(path) > 0]
 
@@ -251,7 +263,8 @@ def _prompts(cfg: RLTrainConfig, tables: list, processor) -> list:
         )
     if not prompts:
         raise OvkitError(
-            f"DATA {', '.join(map(str, cfg.data))}: no RL prompts (an rl-curate stage set can be empty when the model solves all or none of the prompts)"
+            f"DATA {', '.join(map(str, cfg.data))}: no RL prompts (an rl-curate stage set can be empty when the "
+            f"model solves all or none of the prompts)"
         )
     return prompts
 
@@ -263,7 +276,8 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
     if cfg.engine == "vllm-server":  # its own process: weights pushed over NCCL every step
         if cfg.sampler_precision is not None:
             raise OvkitError(
-                "--sampler-precision with --engine vllm-server: the server samples in the dtype it was started with (vllm serve --dtype)"
+                "--sampler-precision with --engine vllm-server: the server samples in the dtype it was started with "
+                "(vllm serve --dtype)"
             )
         return build_engine(
             "vllm-server",
@@ -277,7 +291,8 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
     if cfg.engine == "vllm":
         if cfg.sampler_quant not in (None, "fp8"):
             raise OvkitError(
-                f"--sampler-quant {cfg.sampler_quant} with --engine vllm: vLLM quantises a bf16 checkpoint on the fly to fp8 only (use --engine hf for int8)"
+                f"--sampler-quant {cfg.sampler_quant} with --engine vllm: vLLM quantises a bf16 checkpoint on the "
+                f"fly to fp8 only (use --engine hf for int8)"
             )
         # colocated: vLLM sleeps while the learner updates (synchronous runs), weights written in place every step
         return build_engine(
@@ -343,7 +358,8 @@ def _save_rollouts(rt: Runtime, step: int, groups: Sequence[Group], tokenizer: A
 
 def combine(rt: Runtime, metrics: dict[str, Any]) -> dict[str, Any]:
     """One process's step metrics combined with every other's: maxima and minima of keys named so, histograms
-    and crash counts summed, the rest averaged (every process holds the same number of groups). One process: unchanged."""
+    and crash counts summed, the rest averaged (every process holds the same number of groups). One process:
+    unchanged."""
     if rt.processes == 1:
         return metrics
     # heavy: accelerate loads on first use, not at CLI start or in config checks

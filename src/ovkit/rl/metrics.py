@@ -90,7 +90,8 @@ def length_stats(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str,
 
 
 def console_line(step: int, m: dict[str, Any]) -> str:
-    """`step 00042 | reward 0.41 | acc 0.31 | len 12 | clip 0.02 | ent 1.20 | vllm-kl 1.2e-03 | ... | gnorm 0.80 | 25.3 samples/s`"""
+    """`step 00042 | reward 0.41 | acc 0.31 | len 12 | clip 0.02 | ent 1.20 | vllm-kl 1.2e-03 | ... | gnorm 0.80 | 25.3
+    samples/s`"""
     parts = [
         f"step {step:05d}",
         f"reward {m.get('reward/mean', 0):.3f}",

@@ -175,10 +175,17 @@ def ppo_update(
                     prox[rows, cols], dev.behave[rows, cols], mask[:, cols], corr, stats=False
                 ).weights
                 parts = decoupled_ppo_loss(
-                    logp, prox[rows, cols], dev.adv[rows, cols], weights, agg,
-                    eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
-                    ref_logprobs=ref[rows, cols] if ref is not None else None, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-                )  # fmt: skip
+                    logp,
+                    prox[rows, cols],
+                    dev.adv[rows, cols],
+                    weights,
+                    agg,
+                    eps_clip=cfg.eps_clip,
+                    eps_clip_high=cfg.eps_clip_high,
+                    ref_logprobs=ref[rows, cols] if ref is not None else None,
+                    kl_coef=cfg.kl_coef,
+                    kl_estimator=cfg.kl_estimator,
+                )
                 if rt is not None:
                     rt.backward(parts.loss)
                 else:

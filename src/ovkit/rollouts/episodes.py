@@ -86,7 +86,8 @@ class ObservationEncoder:
         ends = [i for i, t in enumerate(base) if t in set(stop_ids)]
         if not ends:
             raise OvkitError(
-                f"the chat template of {type(processor).__name__} writes no end-of-turn token after an assistant turn; multi-turn rollouts need one"
+                f"the chat template of {type(processor).__name__} writes no end-of-turn token after an assistant "
+                f"turn; multi-turn rollouts need one"
             )
         self.trim = ends[-1] + 1  # everything up to and including the dummy assistant turn's end-of-turn token
         self.prefix = base[: self.trim]
@@ -105,7 +106,8 @@ class ObservationEncoder:
         )
         if full.input_ids[: self.trim] != self.prefix:
             raise OvkitError(
-                f"the chat template renders the conversation before a {role!r} observation differently from the conversation alone; the observation cannot be appended as a delta"
+                f"the chat template renders the conversation before a {role!r} observation differently from the "
+                f"conversation alone; the observation cannot be appended as a delta"
             )
         ids = full.input_ids[self.trim :]
         return Encoded(
@@ -376,10 +378,16 @@ class EpisodeRunner:
             return []
         cap = min(max_new_tokens, max(self._budget(e) for e in ready))
         outs = self.engine.generate(
-            [e.context() for e in ready], n=1, max_new_tokens=cap, temperature=temperature, top_p=top_p,
-            seed=turn, seeds=[prompt_seed(e.seed, (e.sample, turn)) for e in ready],
-            images=[list(e.prompt.images) + e.images for e in ready], suppress_ids=self.suppress,
-        )  # fmt: skip
+            [e.context() for e in ready],
+            n=1,
+            max_new_tokens=cap,
+            temperature=temperature,
+            top_p=top_p,
+            seed=turn,
+            seeds=[prompt_seed(e.seed, (e.sample, turn)) for e in ready],
+            images=[list(e.prompt.images) + e.images for e in ready],
+            suppress_ids=self.suppress,
+        )
         acting = []
         for e, (c,) in zip(ready, outs):
             allowed = min(max_new_tokens, self._budget(e))

@@ -65,7 +65,8 @@ def encode_prompts(
     progress: bool = False,
 ) -> list[Prompt]:
     """Encode every row of an RL or eval sample table (a pyarrow table or a list of row dicts): trailing assistant
-    turns dropped (a gold answer must not be asked back; earlier turns of a conversation stay as its context), the stage instruction of `mode`
+    turns dropped (a gold answer must not be asked back; earlier turns of a conversation stay as its context), the stage
+    instruction of `mode`
     (one for every row, or one per row: eval's `--prompt auto`) appended (ovkit.prompts), then `extra` (an
     environment's instruction, e.g. the zoom tool's syntax), the system prompt with `system`, images capped at
     `max_pixels`; `tools`: an environment's tool schemas for the chat template."""

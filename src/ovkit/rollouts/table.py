@@ -8,9 +8,12 @@ a re-tokenised text (anchors.md section 9, "decode-then-re-encode token drift").
 | `group` | int64 | trajectories sampled for the same prompt in the same step share a group (GRPO's group) |
 | `version` | int64 | policy version (weight-sync count / step) of the sampler that produced it; 0 for eval |
 | `prompt_ids` | list<int32> | prompt token ids as the model saw them (image placeholders expanded) |
-| `response_ids` | list<int32> | every token after the prompt: sampled tokens and, in multi-turn rollouts, the tokens of later user turns/observations |
-| `loss_mask` | list<int8> | per response token: 1 = sampled by the policy (trained on), 0 = environment/observation token |
-| `behave_logprobs` | list<float32> | per response token: the sampler's log-prob (after temperature/top-p); 0 where loss_mask is 0 |
+| `response_ids` | list<int32> | every token after the prompt: sampled tokens and, in multi-turn rollouts, the tokens of
+later user turns/observations |
+| `loss_mask` | list<int8> | per response token: 1 = sampled by the policy (trained on), 0 = environment/observation
+token |
+| `behave_logprobs` | list<float32> | per response token: the sampler's log-prob (after temperature/top-p); 0 where
+loss_mask is 0 |
 | `reward` | float64 | the trajectory's reward in [0, 1] |
 | `reward_parts` | string (JSON) | the reward's named parts (accuracy, format, iou, timeout, ...) |
 | `finish_reason` | string | stop / length (multi-turn: of the last turn; `abort`/`error` when an environment failed) |
@@ -103,7 +106,8 @@ def check_rollouts(table: pa.Table, path: Path | str = "<rollouts>") -> None:
     for f in ROLLOUT_SCHEMA:
         if f.name not in table.column_names:
             raise OvkitError(
-                f"{where(path, column=f.name)}: required rollout column is missing (columns: {', '.join(table.column_names)})"
+                f"{where(path, column=f.name)}: required rollout column is missing (columns: "
+                f"{', '.join(table.column_names)})"
             )
         got = table.schema.field(f.name).type
         if not got.equals(f.type) and not pa.types.is_null(got):
@@ -121,23 +125,27 @@ def check_rollouts(table: pa.Table, path: Path | str = "<rollouts>") -> None:
             )
         if len(lp or []) != n:
             raise OvkitError(
-                f"{where(path, f'{rid!r} (index {i})', 'behave_logprobs')}: {len(lp or [])} values for {n} response tokens"
+                f"{where(path, f'{rid!r} (index {i})', 'behave_logprobs')}: {len(lp or [])} values for {n} response "
+                f"tokens"
             )
         if fr not in FINISH_REASONS:
             raise OvkitError(
-                f"{where(path, f'{rid!r} (index {i})', 'finish_reason')}: {fr!r} is not one of {', '.join(sorted(FINISH_REASONS))}"
+                f"{where(path, f'{rid!r} (index {i})', 'finish_reason')}: {fr!r} is not one of "
+                f"{', '.join(sorted(FINISH_REASONS))}"
             )
     if "turn_ids" in table.column_names:
         for i, (rid, r, t) in enumerate(zip(ids, resp, table.column("turn_ids").to_pylist())):
             if t is not None and len(t) != len(r or []):
                 raise OvkitError(
-                    f"{where(path, f'{rid!r} (index {i})', 'turn_ids')}: {len(t)} values for {len(r or [])} response tokens"
+                    f"{where(path, f'{rid!r} (index {i})', 'turn_ids')}: {len(t)} values for {len(r or [])} "
+                    f"response tokens"
                 )
     if "termination" in table.column_names:
         for i, (rid, t) in enumerate(zip(ids, table.column("termination").to_pylist())):
             if t is not None and t not in TERMINATIONS:
                 raise OvkitError(
-                    f"{where(path, f'{rid!r} (index {i})', 'termination')}: {t!r} is not one of {', '.join(TERMINATIONS)}"
+                    f"{where(path, f'{rid!r} (index {i})', 'termination')}: {t!r} is not one of "
+                    f"{', '.join(TERMINATIONS)}"
                 )
 
 

@@ -214,8 +214,16 @@ def chunks(indices: Sequence[int], size: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def forward_all(model, batch: Trajectories, micro: int, temperature: float, *, entropy: bool = False, plans: Sequence[MicroBatch] | None = None,
-                device: Any = None):  # fmt: skip
+def forward_all(
+    model,
+    batch: Trajectories,
+    micro: int,
+    temperature: float,
+    *,
+    entropy: bool = False,
+    plans: Sequence[MicroBatch] | None = None,
+    device: Any = None,
+):
     """[N, T-1] log-probs (and entropies) of every trajectory, micro-batch by micro-batch, no gradient, on `device`
     (default: the batch's). `plans`: the micro-batches planned on the host (default: by length, `micro` rows each)."""
     if plans is None:

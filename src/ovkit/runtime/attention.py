@@ -6,7 +6,8 @@ native-resolution ViT attends per image and per window), how that is done:
 
 | choice | language model | vision tower |
 |---|---|---|
-| `sdpa` | torch SDPA; packed rows get a block-diagonal mask from their restarting positions (one call per layer) | `ovkit_varlen_flash`: varlen, one SDPA call per layer for images of one size (below) |
+| `sdpa` | torch SDPA; packed rows get a block-diagonal mask from their restarting positions (one call per layer) |
+`ovkit_varlen_flash`: varlen, one SDPA call per layer for images of one size (below) |
 | `flash_attention_2` | the flash-attn package (varlen from cu_seqlens / position_ids) | the same kernel, varlen |
 | `flex_attention` | torch flex attention | `ovkit_varlen_flash` |
 | `eager` | transformers' reference (matmul + softmax) | transformers' reference, one call per image and window |
@@ -147,8 +148,16 @@ def register() -> None:
     AttentionMaskInterface.register(VARLEN, padding_mask)
 
 
-def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0, mask_function: Any = None,
-                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:  # fmt: skip
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
     """The mask `varlen_attention` takes: the 2D padding mask as given (sliced to the keys), or None. transformers'
     flash mask also returns None for an all-ones mask, which costs a device-to-host read (`mask.all()`) per forward;
     ovkit's collate functions leave the mask out when a batch has no padding, so that check would never succeed."""
@@ -188,11 +197,16 @@ def varlen_attention(
         value = value.repeat_interleave(heads // kv_heads, dim=1)
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _torch_varlen() is not None:
         out = _torch_varlen()(
-            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-            cu_seq_lens_q.to(torch.int32), cu_k.to(torch.int32),
-            int(max_length_q or _longest(cu_seq_lens_q)), int(max_length_k or _longest(cu_k)),
-            scale=scaling, window_size=(-1, 0) if causal else (-1, -1),
-        )  # fmt: skip
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            cu_seq_lens_q.to(torch.int32),
+            cu_k.to(torch.int32),
+            int(max_length_q or _longest(cu_seq_lens_q)),
+            int(max_length_k or _longest(cu_k)),
+            scale=scaling,
+            window_size=(-1, 0) if causal else (-1, -1),
+        )
         return out.unsqueeze(0), None
     if cu_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q, cu_k):
         raise ValueError("varlen attention without a CUDA kernel needs the same boundaries for queries and keys")
@@ -282,8 +296,15 @@ def _causal_sdpa(module, query, key, value, attention_mask, scaling, dropout, ca
         if causal:
             mask = mask & torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril(kv_len - q_len)
     use_causal = causal and mask is None and q_len == kv_len
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout if module.training else 0.0,
-                                         scale=scaling, is_causal=use_causal)  # fmt: skip
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout if module.training else 0.0,
+        scale=scaling,
+        is_causal=use_causal,
+    )
     return out.transpose(1, 2)
 
 

@@ -173,11 +173,13 @@ def choose(mode: str, device: torch.device, needed: int | None = None, free: int
     if needed > budget:
         return (
             "full",
-            f"auto: activations ~{needed / gib:.1f} GiB > {budget / gib:.1f} GiB free after weights and optimiser state",
+            f"auto: activations ~{needed / gib:.1f} GiB > {budget / gib:.1f} GiB free after weights and optimiser "
+            f"state",
         )
     return (
         "off",
-        f"auto: activations ~{needed / gib:.1f} GiB fit in {budget / gib:.1f} GiB free after weights and optimiser state",
+        f"auto: activations ~{needed / gib:.1f} GiB fit in {budget / gib:.1f} GiB free after weights and optimiser "
+        f"state",
     )
 
 

@@ -8,7 +8,8 @@ checkpointed block's checkpoint stays eager and calls the compiled forward, in f
 backward. The reason is the graph break below: Dynamo cannot break a graph inside a checkpoint, so a checkpoint
 around a block whose attention breaks runs the whole block eagerly (measured: no graph compiled at all with
 `--activation-checkpointing full`). With `mlp` checkpointing the checkpointed MLP has no break and sits inside the
-compiled block, as in torchtitan. Compiling blocks, not the whole model: the model's own forward holds the data-dependent work
+compiled block, as in torchtitan. Compiling blocks, not the whole model: the model's own forward holds the
+data-dependent work
 (image placement, rotary indices, the chunked loss) that would break the graph anyway, while every block of a stack
 is the same code with other weights, so one graph serves them all (Dynamo lifts a module's parameters to graph
 inputs instead of guarding on the module's identity) and compile time does not grow with depth.

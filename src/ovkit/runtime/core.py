@@ -6,7 +6,8 @@
     rt = Runtime(cfg, command="sft", trajectory=TRAJECTORY)   # accelerator, device, precision, attention, seed
     rt.check_run_dir()                                          # OUT.partial: fresh, or the checkpoint to resume
     model, processor = rt.load_model(cfg.model)                 # attention and --kernels set, on the device, fp32
-    optimizer, scheduler = rt.optimizer(model, lr=..., weight_decay=..., schedule=...)   # --optim; casts to bf16 if asked
+    optimizer, scheduler = rt.optimizer(model, lr=..., weight_decay=..., schedule=...)   # --optim; casts to bf16 if
+                                                                                           asked
     rt.checkpointing(model, tokens=...)                         # --activation-checkpointing (auto resolved here)
     rt.compile(model)                                           # --compile: each block, around its checkpointing
     scorer, optimizer = rt.prepare(model, optimizer, scheduler) # TokenScorer (loss in forward) under accelerate
@@ -138,8 +139,13 @@ class Runtime:
         report_to = list(getattr(cfg, "report_to", None) or [])
         check_trackers(report_to)
         project = ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "trackers"))
-        self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed, kwargs_handlers=[ddp],
-                                       log_with=report_to or None, project_config=project)  # fmt: skip
+        self.accelerator = Accelerator(
+            cpu=device.type == "cpu",
+            mixed_precision=mixed,
+            kwargs_handlers=[ddp],
+            log_with=report_to or None,
+            project_config=project,
+        )
         self.device = self.accelerator.device
 
         self.requested_distributed = requested_engine()  # an FSDP / DeepSpeed config accelerate could not honour here
@@ -236,7 +242,8 @@ class Runtime:
                 shutil.rmtree(aside, ignore_errors=True)
                 ckpt.rename(aside)
                 print(
-                    f"warning: --resume: checkpoint {ckpt} is damaged ({why}); moved it to {aside.name}, resuming from the one before",
+                    f"warning: --resume: checkpoint {ckpt} is damaged ({why}); moved it to {aside.name}, resuming "
+                    f"from the one before",
                     file=sys.stderr,
                 )
         if self.processes > 1:
@@ -245,8 +252,10 @@ class Runtime:
 
             choice, why = broadcast_object_list([choice, why], from_process=0)
         if found and choice is None:
-            raise OvkitError(f"--resume: every checkpoint of {run_dir} is damaged (the last one checked: {why}); "
-                             f"--overwrite starts over")  # fmt: skip
+            raise OvkitError(
+                f"--resume: every checkpoint of {run_dir} is damaged (the last one checked: {why}); "
+                f"--overwrite starts over"
+            )
         return choice
 
     def check_space(
@@ -272,7 +281,10 @@ class Runtime:
         needed = self.checkpoint_bytes * new + total * 4 + extra
         if self.resume_from is None and self.run_dir.exists():  # make_run_dir empties it first
             needed -= sum(f.stat().st_size for f in self.run_dir.rglob("*") if f.is_file())
-        described = f"{new} checkpoint{'s' if new != 1 else ''} of about {faults.size(self.checkpoint_bytes)} and the final model{what}"
+        described = (
+            f"{new} checkpoint{'s' if new != 1 else ''} of about {faults.size(self.checkpoint_bytes)} and "
+            f"the final model{what}"
+        )
         faults.check_space(self.cfg.out, needed, described)
 
     def make_run_dir(self) -> None:
@@ -301,20 +313,25 @@ class Runtime:
         if changed:
             diffs = ", ".join(f"--{k} {saved.get(k, defaults[k])!r} -> {now.get(k)!r}" for k in changed)
             raise OvkitError(
-                f"--resume: {ckpt} was trained with different options ({diffs}); use the same ones, or --overwrite to start over"
+                f"--resume: {ckpt} was trained with different options ({diffs}); use the same ones, or --overwrite "
+                f"to start over"
             )
         loaded = json.loads((ckpt / RUN_STATE).read_text())
         if loaded.get("processes", 1) != self.processes:
             raise OvkitError(
-                f"--resume: {ckpt} ran on {loaded['processes']} processes, this run has {self.processes}; the global batch would change"
+                f"--resume: {ckpt} ran on {loaded['processes']} processes, this run has {self.processes}; the "
+                f"global batch would change"
             )
         try:
             self.accelerator.load_state(str(ckpt / STATE))
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as e:  # a damage the manifest could not see (a checkpoint from before manifests)
-            raise OvkitError(f"--resume: {ckpt / STATE} could not be loaded ({type(e).__name__}: {str(e)[:300]}); move "
-                             f"{ckpt.name} aside to resume from the checkpoint before it, or --overwrite to start over") from e  # fmt: skip
+            raise OvkitError(
+                f"--resume: {ckpt / STATE} could not be loaded ({type(e).__name__}: {str(e)[:300]}); move "
+                f"{ckpt.name} aside to resume from the checkpoint before it, or --overwrite to start "
+                f"over"
+            ) from e
         if self.scheduler is not None:
             with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": a replay, on purpose
                 warnings.simplefilter("ignore", UserWarning)
@@ -372,7 +389,8 @@ class Runtime:
         """Apply --activation-checkpointing to the bare model and turn its KV cache off for training. `auto` is
         decided here, once weights and the optimiser are in place: on CUDA, the estimated activations of a micro-batch
         of `tokens` tokens against the free memory less the gradients and AdamW moments still to come
-        (ovkit.runtime.checkpointing.choose). The mode and why go into ovkit.json (`runtime.activation_checkpointing`)."""
+        (ovkit.runtime.checkpointing.choose). The mode and why go into ovkit.json
+        (`runtime.activation_checkpointing`)."""
         asked = getattr(self.cfg, "activation_checkpointing", "off")
         needed = free = None
         if asked == "auto" and self.device.type == "cuda":
@@ -384,8 +402,15 @@ class Runtime:
         mode, why = ac.choose(asked, self.device, needed, free)
         blocks = ac.apply(model, mode)
         model.config.use_cache = False
-        self.activation_checkpointing = {"mode": mode, "requested": asked, "why": why, "blocks": len(blocks), "tokens_per_micro_batch": tokens,
-                                         "estimated_activation_bytes": needed, "free_bytes": free}  # fmt: skip
+        self.activation_checkpointing = {
+            "mode": mode,
+            "requested": asked,
+            "why": why,
+            "blocks": len(blocks),
+            "tokens_per_micro_batch": tokens,
+            "estimated_activation_bytes": needed,
+            "free_bytes": free,
+        }
         return mode
 
     def compile(self, model: Any) -> None:
@@ -513,7 +538,8 @@ class Runtime:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        # Pickle, not safetensors: the state is ovkit's own, and safetensors refuses tied weights (embeddings = lm_head).
+        # Pickle, not safetensors: the state is ovkit's own, and safetensors refuses tied weights (embeddings =
+        # lm_head).
         self.accelerator.save_state(str(tmp / STATE), safe_serialization=False)
         self.save_model(scorer, processor, tmp)
         self.accelerator.wait_for_everyone()  # every process's RNG file is written before the directory is renamed
@@ -527,8 +553,11 @@ class Runtime:
         """The one line for a write the machine refused (ovkit.faults.write_failure), naming the checkpoint --resume
         continues from; None when `e` is something else. `saving`: `e` came from a save, not from the loop at large."""
         ckpt = latest_checkpoint(self.run_dir)
-        then = (f"then run the same command with --resume: it continues from {ckpt}" if ckpt else
-                "no checkpoint was written yet: then run the same command with --overwrite")  # fmt: skip
+        then = (
+            f"then run the same command with --resume: it continues from {ckpt}"
+            if ckpt
+            else "no checkpoint was written yet: then run the same command with --overwrite"
+        )
         return faults.write_failure(
             e, path, needed=self.checkpoint_bytes, then=then, saving=saving, within=self.run_dir
         )
@@ -549,15 +578,24 @@ class Runtime:
             self.save_checkpoint(scorer, processor, state, keep)
         faults.defer(False)
         name = signal.Signals(signum).name
-        raise faults.Interrupted(signum, f"{self.command}: stopped by {name} after step {state['step']} of {n_steps}; its checkpoint is "
-                                         f"{ckpt}; run the same command with --resume to continue")  # fmt: skip
+        raise faults.Interrupted(
+            signum,
+            f"{self.command}: stopped by {name} after step {state['step']} of "
+            f"{n_steps}; its checkpoint is "
+            f"{ckpt}; run the same command with --resume to continue",
+        )
 
     def out_of_memory(self, e: BaseException, state: dict[str, Any]) -> OutOfMemory:
         """The one message for a CUDA OOM during the loop (raise it from the loop's except): the stage, the step, the
         tokens per micro-batch, peak and total memory, what needs less, and the checkpoint --resume continues from."""
         cfg = self.cfg
-        options = ["--micro-batch-size" if hasattr(cfg, "micro_batch_size") else "--batch-size (with --grad-accum for the same global batch)",
-                   "--activation-checkpointing full", "--precision bf16-true or --optim adamw_8bit"]  # fmt: skip
+        options = [
+            "--micro-batch-size"
+            if hasattr(cfg, "micro_batch_size")
+            else "--batch-size (with --grad-accum for the same global batch)",
+            "--activation-checkpointing full",
+            "--precision bf16-true or --optim adamw_8bit",
+        ]
         options += (
             ["--max-len"] if hasattr(cfg, "max_len") else ["--max-new-tokens"] if hasattr(cfg, "max_new_tokens") else []
         )
@@ -569,9 +607,12 @@ class Runtime:
             else "no checkpoint was written yet: the run starts over with --overwrite"
         )
         reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        return OutOfMemory(f"{self.command}: out of GPU memory at step {state['step'] + 1}"
-                           f"{f' ({tokens} tokens per micro-batch, padded)' if tokens else ''}{faults.memory_note()}; lower it with "
-                           f"{', '.join(options)}; {after} (options that change the trajectory need --overwrite) [{reason}]")  # fmt: skip
+        return OutOfMemory(
+            f"{self.command}: out of GPU memory at step {state['step'] + 1}"
+            f"{f' ({tokens} tokens per micro-batch, padded)' if tokens else ''}{faults.memory_note()}; lower it with "
+            f"{', '.join(options)}; {after} (options that change the trajectory need --overwrite) "
+            f"[{reason}]"
+        )
 
     def provenance(self, state: dict[str, Any]) -> dict[str, Any]:
         return {

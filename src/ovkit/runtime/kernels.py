@@ -56,5 +56,10 @@ def apply(model: Any, choice: str) -> dict[str, Any]:
         _apply_liger_kernel_to_instance(
             model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
         )
-    return {"kernels": "liger", "model_type": model_type, "patched": ["rope", "rms_norm", "swiglu"] if patched else [],
-            "fused_linear_cross_entropy": True, **({} if patched else {"note": f"Liger-Kernel has no patches for {model_type}"})}  # fmt: skip
+    return {
+        "kernels": "liger",
+        "model_type": model_type,
+        "patched": ["rope", "rms_norm", "swiglu"] if patched else [],
+        "fused_linear_cross_entropy": True,
+        **({} if patched else {"note": f"Liger-Kernel has no patches for {model_type}"}),
+    }

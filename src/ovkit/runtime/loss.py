@@ -158,8 +158,12 @@ def head_logprobs(
     logp = ChunkedHeadLogprob.apply(hidden, weight, bias, targets, temperature, rows)
     if not entropy:
         return logp, None
-    ent = [_chunk_entropy(hidden[s : s + rows].detach(), weight.detach(), None if bias is None else bias.detach(), temperature)
-           for s in range(0, hidden.shape[0], rows)]  # fmt: skip
+    ent = [
+        _chunk_entropy(
+            hidden[s : s + rows].detach(), weight.detach(), None if bias is None else bias.detach(), temperature
+        )
+        for s in range(0, hidden.shape[0], rows)
+    ]
     return logp, torch.cat(ent) if ent else hidden.new_zeros((0,), dtype=torch.float32)
 
 

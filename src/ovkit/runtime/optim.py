@@ -4,10 +4,13 @@ parameter costs with it (`bytes_per_param`, recorded in ovkit.json).
 
 | `--optim` | `--precision fp32` | `bf16-mixed` | `bf16-true` | `auto` |
 |---|---|---|---|---|
-| `adamw_torch_fused` (default) | fused AdamW, 16 B/param | fp32 masters of bf16 weights (MixedPrecisionAdamW), 18 B | bf16 AdamW state, 8 B (updates below bf16's resolution are lost) | fp32 on CPU, bf16-mixed on a bf16 GPU |
+| `adamw_torch_fused` (default) | fused AdamW, 16 B/param | fp32 masters of bf16 weights (MixedPrecisionAdamW), 18 B |
+bf16 AdamW state, 8 B (updates below bf16's resolution are lost) | fp32 on CPU, bf16-mixed on a bf16 GPU |
 | `adamw_torch` | the same with torch's foreach kernels | the same, foreach | the same, foreach | as above |
-| `adamw_8bit` | bitsandbytes AdamW8bit over fp32 weights, ~10 B | fp32 weights under bf16 autocast (no masters: the weights are fp32), 8-bit state, ~10 B | 8-bit state over bf16 weights, ~6 B (bf16 drift as above) | as above |
-| `adamw_bf16` | refused | refused | bf16 weights, m, v and a Kahan compensation buffer (KahanAdamW), 10 B | implies bf16-true |
+| `adamw_8bit` | bitsandbytes AdamW8bit over fp32 weights, ~10 B | fp32 weights under bf16 autocast (no masters: the
+weights are fp32), 8-bit state, ~10 B | 8-bit state over bf16 weights, ~6 B (bf16 drift as above) | as above |
+| `adamw_bf16` | refused | refused | bf16 weights, m, v and a Kahan compensation buffer (KahanAdamW), 10 B | implies
+bf16-true |
 
 The byte counts are weights + gradients + optimiser state per trainable parameter (bitsandbytes keeps tensors of
 fewer than 4,096 elements in 32-bit state, so a tiny model's 8-bit figure is higher).

@@ -3,7 +3,8 @@
 | `--precision` | weights used in compute | master weights, gradients, optimiser state | per-op casts |
 |---|---|---|---|
 | `fp32` (`32`, `32-true`) | fp32 | fp32 | none |
-| `bf16-mixed` (`bf16`) | bf16 | fp32 master copy, fp32 gradient accumulation, fp32 AdamW state (MixedPrecisionAdamW) | none |
+| `bf16-mixed` (`bf16`) | bf16 | fp32 master copy, fp32 gradient accumulation, fp32 AdamW state (MixedPrecisionAdamW) |
+none |
 | `bf16-true` | bf16 | bf16 (pure bf16: half the memory, Lightning's `bf16-true`) | none |
 | `auto` | `bf16-mixed` on a CUDA device with bf16, else `fp32` | | |
 

@@ -11,7 +11,8 @@ Layout read (absent parts are reported as absent, never filled in):
     science/rl/<variant>/s<seed>/metrics.jsonl     rl-train per-step metrics (reward, mismatch, grad_norm, ...)
     science/eval/<variant>/s<seed>/summary.json    held-out score of that run's final model
     science/buckets/report.json                    mismatch-report --generate, samplers bf16 / int8 / int4
-    science/turns/                                 mismatch-report --generate --env verifier (logprobs.parquet, rollouts/)
+    science/turns/                                 mismatch-report --generate --env verifier (logprobs.parquet,
+                                                   rollouts/)
     plans/pretrain/stats.json                      pack: padding compression, samples per pack
     data/pretrain, data/pretrain-balanced          balance: ground-truth concepts before / after
 """
@@ -34,8 +35,10 @@ from ovkit.science.stats import gini, head_tail_ratio, matched_positions, mean_s
 
 # The seed write-ups, cited by title (shared/reference/003 and 004).
 SOURCES = {
-    "003": 'Feng Yao, Liyuan Liu, Dinghuai Zhang, Chengyu Dong, Jingbo Shang, Jianfeng Gao, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (2025)',
-    "004": 'Jiacai Liu, Yingru Li, Yuqian Fu, Jiawei Wang, Qian Liu, Yu Shen, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch" (2025)',
+    "003": 'Feng Yao, Liyuan Liu, Dinghuai Zhang, Chengyu Dong, Jingbo Shang, Jianfeng Gao, "Your Efficient RL '
+    'Framework Secretly Brings You Off-Policy RL Training" (2025)',
+    "004": 'Jiacai Liu, Yingru Li, Yuqian Fu, Jiawei Wang, Qian Liu, Yu Shen, "When Speed Kills Stability: '
+    'Demystifying RL Collapse from the Training-Inference Mismatch" (2025)',
     "ov": '"LLaVA-OneVision-1.5" and "LLaVA-OneVision-1.5-RL" project pages (offline packing, concept balancing)',
 }
 SHORT = {
@@ -159,12 +162,21 @@ def rl_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> None:
     rows = []
     for v, s in summaries.items():
         sampler, corr = VARIANTS[v]
-        rows.append([
-            v, sampler, corr, str(s["seeds"]),
-            f"{s['first_reward'][0]:.3f} -> {s['final_reward'][0]:.3f} (sd {s['final_reward'][1]:.3f})",
-            f"{100 * s['held_out'][0]:.1f} (sd {100 * s['held_out'][1]:.1f})" if math.isfinite(s["held_out"][0]) else "n/a",
-            _fmt(s["vllm_kl"][0]), f"{s['masked_frac'][0]:.3f}", f"{s['spikes']} (max {s['max_grad_over_median']:.1f}x)",
-        ])  # fmt: skip
+        rows.append(
+            [
+                v,
+                sampler,
+                corr,
+                str(s["seeds"]),
+                f"{s['first_reward'][0]:.3f} -> {s['final_reward'][0]:.3f} (sd {s['final_reward'][1]:.3f})",
+                f"{100 * s['held_out'][0]:.1f} (sd {100 * s['held_out'][1]:.1f})"
+                if math.isfinite(s["held_out"][0])
+                else "n/a",
+                _fmt(s["vllm_kl"][0]),
+                f"{s['masked_frac'][0]:.3f}",
+                f"{s['spikes']} (max {s['max_grad_over_median']:.1f}x)",
+            ]
+        )
     body = (
         "Every run starts from the pipeline's SFT model on its rl-curate stage-1 prompts, with the same options except "
         "the sampler and the correction (examples/tiny/rl-science.yaml); the learner is always fp32. Training reward "
@@ -196,7 +208,12 @@ def rl_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> None:
     rep.figures["grad_norms"] = _plot_curves(
         runs, "grad_norm", "gradient norm (before clipping)", out / "grad_norms.png", log=True
     )
-    body += "\n![reward](figures/reward_curves.png)\n\n![mismatch](figures/mismatch_curves.png)\n\n![grad](figures/grad_norms.png)\n"
+    figures = (
+        "reward](figures/reward_curves.png)",
+        "mismatch](figures/mismatch_curves.png)",
+        "grad](figures/grad_norms.png)",
+    )
+    body += "".join(f"\n![{f}\n" for f in figures)
     rep.sections.append(("RL with mismatched samplers: reward, held-out score, mismatch per step", body))
 
 
@@ -385,12 +402,15 @@ def packing_section(rep: Report, stats_path: Path) -> None:
     s = json.loads(stats_path.read_text())
     pad = s.get("padding", {})
     numbers = {
-        "samples": s["samples"], "packs": s["packs"], "lower_bound": s["lower_bound"], "efficiency": s["efficiency"],
+        "samples": s["samples"],
+        "packs": s["packs"],
+        "lower_bound": s["lower_bound"],
+        "efficiency": s["efficiency"],
         "samples_per_pack": s["samples_per_pack"]["mean"],
         "compression_vs_max_len": pad.get("pad_to_max_len", {}).get("compression"),
         "compression_vs_random_batches": pad.get("pad_to_longest_in_random_batches", {}).get("compression"),
         "random_batch": pad.get("pad_to_longest_in_random_batches", {}).get("batch"),
-    }  # fmt: skip
+    }
     rep.numbers["packing"] = numbers
     body = _table(
         [
@@ -427,10 +447,12 @@ def balance_section(rep: Report, before_dir: Path, after_dir: Path, out: Path) -
     a = [after.get(c, 0) for c in concepts]
     numbers = {
         "concepts": len(concepts),
-        "gini_before": gini(b), "gini_after": gini(a),
-        "head_tail_before": head_tail_ratio(b), "head_tail_after": head_tail_ratio(a),
+        "gini_before": gini(b),
+        "gini_after": gini(a),
+        "head_tail_before": head_tail_ratio(b),
+        "head_tail_after": head_tail_ratio(a),
         "rows_before": sum(1 for _ in range(0)) or None,
-    }  # fmt: skip
+    }
     numbers.pop("rows_before")
     rep.numbers["balance"] = numbers
     # optional: the package (or this name in it) may be missing; imported only where it is used
@@ -494,21 +516,29 @@ def findings(rep: Report) -> None:
             gap_r = reward(q) - reward("fp32")
             sd = max(rl[q]["final_reward"][1], rl["fp32"]["final_reward"][1])
             degraded = gap_r < -sd
-            add({
-                "source": "003",
-                "claim": f"{q.upper()} rollouts without correction degrade RL relative to a matched sampler",
-                "measured": f"final training reward {q} {reward(q):.3f} vs fp32 {reward('fp32'):.3f} (gap {gap_r:+.3f}, seed sd up to {sd:.3f}); held-out {100 * held(q):.1f} vs {100 * held('fp32'):.1f}",
-                "verdict": "agree" if degraded else "not reproduced at this scale (gap within seed spread)",
-            })  # fmt: skip
+            add(
+                {
+                    "source": "003",
+                    "claim": f"{q.upper()} rollouts without correction degrade RL relative to a matched sampler",
+                    "measured": f"final training reward {q} {reward(q):.3f} vs fp32 {reward('fp32'):.3f} (gap "
+                    f"{gap_r:+.3f}, seed sd up to {sd:.3f}); held-out {100 * held(q):.1f} vs {100 * held('fp32'):.1f}",
+                    "verdict": "agree" if degraded else "not reproduced at this scale (gap within seed spread)",
+                }
+            )
             tis = f"{q}-tis"
             if tis in rl:
                 recovered = reward(tis) - reward(q)
-                add({
-                    "source": "003",
-                    "claim": f"truncated importance sampling (TIS) recovers what the mismatched {q} sampler loses",
-                    "measured": f"final reward {tis} {reward(tis):.3f} vs {q} {reward(q):.3f} ({recovered:+.3f}) and fp32 {reward('fp32'):.3f}",
-                    "verdict": ("agree" if recovered > 0 else "disagree") if degraded else "nothing to recover (no degradation measured)",
-                })  # fmt: skip
+                add(
+                    {
+                        "source": "003",
+                        "claim": f"truncated importance sampling (TIS) recovers what the mismatched {q} sampler loses",
+                        "measured": f"final reward {tis} {reward(tis):.3f} vs {q} {reward(q):.3f} ({recovered:+.3f}) "
+                        f"and fp32 {reward('fp32'):.3f}",
+                        "verdict": ("agree" if recovered > 0 else "disagree")
+                        if degraded
+                        else "nothing to recover (no degradation measured)",
+                    }
+                )
     for q in ("int4", "int8"):
         tok = [v for v in rl if v.startswith(q + "-") and v.split("-", 1)[1] in TOKEN_LEVEL]
         seq = [v for v in rl if v.startswith(q + "-") and v.split("-", 1)[1] in SEQ_LEVEL]
@@ -518,12 +548,16 @@ def findings(rep: Report) -> None:
             sp_tok = sum(rl[v]["spikes"] for v in tok)
             sp_seq = max(rl[v]["spikes"] for v in seq)
             less_stable = sd_tok > sd_seq and sp_tok >= sp_seq
-            add({
-                "source": "004",
-                "claim": f"under large mismatch ({q}), token-level correction is less stable than sequence-level",
-                "measured": f"seed sd of final reward: token-TIS {sd_tok:.3f} vs seq-MIS/Geo-RS up to {sd_seq:.3f}; grad-norm spikes {sp_tok} vs up to {sp_seq}",
-                "verdict": "agree" if less_stable else "not reproduced at this scale",
-            })  # fmt: skip
+            add(
+                {
+                    "source": "004",
+                    "claim": f"under large mismatch ({q}), token-level correction is less stable than sequence-level",
+                    "measured": f"seed sd of final reward: token-TIS {sd_tok:.3f} vs seq-MIS/Geo-RS up to "
+                    f"{sd_seq:.3f}; "
+                    f"grad-norm spikes {sp_tok} vs up to {sp_seq}",
+                    "verdict": "agree" if less_stable else "not reproduced at this scale",
+                }
+            )
             break
     for name, ratio in rep.numbers.get("low_high_ratio", {}).items():
         add(
@@ -536,28 +570,39 @@ def findings(rep: Report) -> None:
         )
     for name, m in rep.numbers.get("turns", {}).items():
         enough = min(m["first_tokens"], m["later_tokens"]) >= 1000
-        add({
-            "source": "004",
-            "claim": "later turns of multi-turn rollouts mismatch more than the first turn",
-            "measured": f"{name}: K3 later/first {m['ratio']:.2f}x at matched positions ({m['first_tokens']} first-turn, {m['later_tokens']} later-turn tokens)",
-            "verdict": ("agree" if m["ratio"] > 1 else "disagree") + ("" if enough else " (fewer than 1,000 tokens a side: weak)"),
-        })  # fmt: skip
+        add(
+            {
+                "source": "004",
+                "claim": "later turns of multi-turn rollouts mismatch more than the first turn",
+                "measured": f"{name}: K3 later/first {m['ratio']:.2f}x at matched positions ({m['first_tokens']} "
+                f"first-turn, {m['later_tokens']} later-turn tokens)",
+                "verdict": ("agree" if m["ratio"] > 1 else "disagree")
+                + ("" if enough else " (fewer than 1,000 tokens a side: weak)"),
+            }
+        )
     if "packing" in rep.numbers:
         p = rep.numbers["packing"]
-        add({
-            "source": "ov",
-            "claim": "offline packing gives ~11x padding compression (stated for the 85M mid-training set)",
-            "measured": f"{p['compression_vs_random_batches']:.1f}x against random batches of {p['random_batch']} padded to their longest, {p['samples_per_pack']:.1f} samples per pack, efficiency {p['efficiency']:.3f}",
-            "verdict": "agree in kind (a different data set: the ratio depends on the length spread)",
-        })  # fmt: skip
+        add(
+            {
+                "source": "ov",
+                "claim": "offline packing gives ~11x padding compression (stated for the 85M mid-training set)",
+                "measured": f"{p['compression_vs_random_batches']:.1f}x against random batches of {p['random_batch']} "
+                f"padded to their longest, {p['samples_per_pack']:.1f} samples per pack, efficiency "
+                f"{p['efficiency']:.3f}",
+                "verdict": "agree in kind (a different data set: the ratio depends on the length spread)",
+            }
+        )
     if "balance" in rep.numbers:
         b = rep.numbers["balance"]
-        add({
-            "source": "ov",
-            "claim": "concept-balanced resampling flattens the long tail of concept frequencies",
-            "measured": f"Gini {b['gini_before']:.2f} -> {b['gini_after']:.2f}, head/tail {b['head_tail_before']:.1f}x -> {b['head_tail_after']:.1f}x on ground-truth concepts",
-            "verdict": "agree" if b["gini_after"] < b["gini_before"] else "disagree",
-        })  # fmt: skip
+        add(
+            {
+                "source": "ov",
+                "claim": "concept-balanced resampling flattens the long tail of concept frequencies",
+                "measured": f"Gini {b['gini_before']:.2f} -> {b['gini_after']:.2f}, head/tail "
+                f"{b['head_tail_before']:.1f}x -> {b['head_tail_after']:.1f}x on ground-truth concepts",
+                "verdict": "agree" if b["gini_after"] < b["gini_before"] else "disagree",
+            }
+        )
 
 
 # ------------------------------------------------------------------------------------------------ rendering
@@ -618,8 +663,14 @@ def render_html(markdown: str, figures: dict[str, Path]) -> str:
         elif line.strip():
             out.append(f"<p>{html.escape(line)}</p>")
     flush()
-    style = "body{font-family:sans-serif;max-width:1200px;margin:auto}table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px}"
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>ovkit science report</title><style>{style}</style></head><body>{''.join(out)}</body></html>\n"
+    style = (
+        "body{font-family:sans-serif;max-width:1200px;margin:auto}table{border-collapse:collapse;margin:8px "
+        "0}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>ovkit science "
+        f"report</title><style>{style}</style></head><body>{''.join(out)}</body></html>\n"
+    )
 
 
 def build_report(run: Path, science: Path | None = None) -> Report:

@@ -49,7 +49,8 @@ class TrainConfig(O.Learner):
     launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     stage: ClassVar[str] = "sft"
-    # Options that exclude each other: one given on the command line drops the config file's other (flags override the file)
+    # Options that exclude each other: one given on the command line drops the config file's other (flags override the
+    # file)
     exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
 
     # sample tables (parquet files or dirs of shards), read as one; the last assistant turn is the target
@@ -306,6 +307,7 @@ class SFTConfig(TrainConfig):
 STAGE_CONFIGS: dict[str, type[TrainConfig]] = {"align": AlignConfig, "midtrain": MidtrainConfig, "sft": SFTConfig}
 # Options a resumed run may change, declared `run_control=True` where each field is: where it writes and reports, how
 # it checkpoints, and how the same numbers are computed (memory and speed). Every other option shapes the trajectory,
-# so a resumed run must keep it: TRAJECTORY is derived below, and an option added later is covered without being listed (Runtime.resume exits 2 naming it).
+# so a resumed run must keep it: TRAJECTORY is derived below, and an option added later is covered without being listed
+# (Runtime.resume exits 2 naming it).
 RUN_CONTROL = run_control_names(TrainConfig)
 TRAJECTORY = trajectory_options(TrainConfig, RUN_CONTROL)

@@ -123,7 +123,8 @@ class SampleSource:
         except Exception as e:  # noqa: BLE001 -- the processor raises many types for a row it cannot encode (pack rejects those)
             samples, i = self.origin[row]
             raise OvkitError(
-                f"{samples.where(i, column)}: the processor cannot encode this row ({type(e).__name__}: {' '.join(str(e).split())})"
+                f"{samples.where(i, column)}: the processor cannot encode this row ({type(e).__name__}: "
+                f"{' '.join(str(e).split())})"
             ) from None
 
     def __len__(self) -> int:
@@ -150,7 +151,8 @@ class PackedSource:
         self.skipped = 0
         if self.lengths and max(self.lengths) > max_len:
             raise OvkitError(
-                f"--plan {plan} has packs of {max(self.lengths)} tokens, above --max-len {max_len}; re-pack with a smaller --max-len or raise it"
+                f"--plan {plan} has packs of {max(self.lengths)} tokens, above --max-len {max_len}; re-pack with a "
+                f"smaller --max-len or raise it"
             )
 
     def _pack(self, i: int) -> dict[str, Any]:

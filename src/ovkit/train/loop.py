@@ -54,7 +54,8 @@ def train(cfg: TrainConfig) -> Result:
     schedule = Schedule(tuple(source.lengths), cfg.batch_size, cfg.grad_accum, rt.processes, cfg.seed)
     if schedule.steps_per_epoch == 0:
         raise OvkitError(
-            f"DATA has {len(source)} usable {'packs' if source.kind == 'packed' else 'samples'}, fewer than one global batch "
+            f"DATA has {len(source)} usable {'packs' if source.kind == 'packed' else 'samples'}, fewer than one "
+            f"global batch "
             f"({schedule.global_batch} = --batch-size x --grad-accum x processes); lower them"
         )
     n_steps = total_steps(cfg.max_steps, cfg.epochs, schedule.steps_per_epoch)
