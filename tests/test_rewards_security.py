@@ -3,6 +3,7 @@ promises to refuse, and the worker pool never hangs or leaks a process."""
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import os
@@ -64,9 +65,17 @@ CHEAP_CORPUS = [
     "answer_type,completion,answer", [c[1:] for c in CHEAP_CORPUS], ids=[c[0] for c in CHEAP_CORPUS]
 )
 def test_adversarial_cheap_completions_are_bounded(answer_type, completion, answer):
-    start = time.perf_counter()
-    result = score(completion, answer, answer_type)
-    assert time.perf_counter() - start < CHEAP_LIMIT
+    # The scorer's own CPU time, without a garbage collection of the whole test process in it: a wall-clock reading
+    # on a loaded 2-core CI box once took 1.0016 s for a call that costs 0.02 s.
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.thread_time()
+        result = score(completion, answer, answer_type)
+        elapsed = time.thread_time() - start
+    finally:
+        gc.enable()
+    assert elapsed < CHEAP_LIMIT
     assert 0.0 <= result.reward <= 1.0
 
 
