@@ -25,6 +25,7 @@ from ovkit.errors import OvkitError
 IO = "Inputs/outputs"
 RUNTIME = "Runtime/precision"
 MULTI_TURN = "Multi-turn"
+SAMPLING = "Sampling"
 CHECKPOINTS = "Checkpoints & logging"
 RUN = "Run control"
 LORA = "LoRA"
@@ -460,6 +461,53 @@ env_timeout = _shared(
     help="Multi-turn: seconds per environment call.",
     panel=MULTI_TURN,
     doc="with `--env`: seconds per environment call",
+)
+# Sampling (ovkit.generate, ovkit.rollouts) on eval, rl-curate, rl-train, mismatch-report and caption. Each command
+# passes its default, and its own panel where it groups them otherwise (eval: Generation, caption: Captioning,
+# mismatch-report: Fresh rollouts / Learner). What differs per command is said in its `doc`; a command overrides the
+# `help` only where --help must say more: a default computed at run time (eval, mismatch-report: the dataclass has
+# None) or a value only it accepts (rl-train's vllm-server engine).
+engine = _shared(
+    "hf",
+    help="hf (transformers generate, any device: the GPU when there is one) or vllm (a colocated vLLM engine, GPU).",
+    panel=RUNTIME,
+    doc=(
+        "`hf`: transformers `generate` on left-padded batches, any device (CUDA when available); `vllm`: a "
+        "colocated vLLM engine (GPU, `pip install 'ovkit[vllm]'`)"
+    ),
+)
+n = _shared(help="Completions sampled per prompt.", panel=SAMPLING, doc="completions sampled per prompt")
+limit = _shared(
+    help="At most this many prompt rows per category (the first ones).",
+    panel=SAMPLING,
+    doc="at most N prompt rows per category (the first ones)",
+    default_doc="all",
+)
+max_new_tokens = _shared(help="Tokens per completion at most.", panel=SAMPLING, doc="tokens per completion at most")
+temperature = _shared(
+    help="Sampling temperature (0 = greedy).", panel=SAMPLING, doc="sampling temperature (0 = greedy)"
+)
+top_p = _shared(
+    1.0,
+    help="Nucleus sampling mass (with --temperature > 0).",
+    panel=SAMPLING,
+    doc="nucleus sampling mass (with T > 0)",
+)
+max_pixels = _shared(
+    512 * 512,
+    help="Downscale images to at most this many pixels, keeping the aspect ratio (512x512 in the recipe; 0: never).",
+    panel=SAMPLING,
+    doc=(
+        "images (with `--env`: observation images too) downscaled to at most N pixels, keeping the aspect ratio "
+        "(the recipe's 512x512; 0: never)"
+    ),
+)
+system_prompt = _shared(
+    True,
+    help="Prepend 'You are a helpful AI assistant.' (the recipe's system prompt).",
+    panel=SAMPLING,
+    negatable=True,
+    doc='prepend the recipe\'s system prompt, "You are a helpful AI assistant."',
 )
 
 SHARED = {

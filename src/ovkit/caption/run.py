@@ -103,12 +103,7 @@ class CaptionConfig(O.ModelLoading):
         panel=CAPTIONING,
         default_doc="see above",
     )
-    engine: str = option(
-        "hf",
-        help="hf (transformers, any device) or vllm (GPU).",
-        panel=O.RUNTIME,
-        doc="`hf` (transformers, any device; the GPU when there is one) or `vllm` (GPU)",
-    )
+    engine: str = O.engine()
     batch_size: int = option(
         32,
         help="Sequences per generate call, hf engine.",
@@ -116,18 +111,11 @@ class CaptionConfig(O.ModelLoading):
         doc="sequences per generate call (hf engine; vLLM batches itself)",
     )
     # the recipe's filter allows 3500 characters, about 800 tokens
-    max_new_tokens: int = option(
-        512,
-        help="Tokens per caption.",
-        panel=CAPTIONING,
-        doc="tokens per caption (3500 characters is about 800 tokens)",
+    max_new_tokens: int = O.max_new_tokens(
+        512, panel=CAPTIONING, doc="tokens per caption at most (the filter's 3500 characters are about 800 tokens)"
     )
-    temperature: float = option(0.0, help="0 = greedy.", panel=CAPTIONING)
-    top_p: float = option(
-        1.0,
-        help="Nucleus sampling mass (with --temperature > 0).",
-        panel=CAPTIONING,
-    )
+    temperature: float = O.temperature(0.0, panel=CAPTIONING)
+    top_p: float = O.top_p(panel=CAPTIONING)
     min_chars: int = option(
         50, help="Filter: captions shorter than this are rejected.", panel=CAPTION_FILTER, doc="filter lower bound"
     )

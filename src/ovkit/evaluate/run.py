@@ -73,55 +73,32 @@ class EvalConfig(O.ModelLoading):
             "released data"
         ),
     )
-    engine: str = option(
-        "hf",
-        help="hf (transformers, any device) or vllm (GPU).",
-        panel=O.RUNTIME,
-        doc=(
-            "`hf`: transformers `generate` on left-padded batches, any device (CUDA when available); `vllm`: a "
-            "colocated vLLM engine (GPU, `pip install 'ovkit[vllm]'`)"
-        ),
-    )
+    engine: str = O.engine()
     batch_size: int = option(
         64,
         help="Sequences per generate call (rows x n), hf engine.",
         panel=O.RUNTIME,
         doc=("sequences (rows x `--n`) per `generate` call of the hf engine; lower it when memory runs out"),
     )
-    max_new_tokens: int | None = option(
-        None,
+    max_new_tokens: int | None = O.max_new_tokens(
         help=(
-            "Tokens per completion (default: per category, 1.25 x its longest gold answer, at least 32; +256 "
-            "with --prompt think)."
+            "Tokens per completion at most (default: per category, 1.25 x its longest gold answer, at least 32; "
+            "+256 with --prompt think)."
         ),
         panel=GENERATION,
         doc='token budget of every completion (default: see "Token budget")',
         default_doc="per category",
     )
-    n: int = option(
-        1,
-        help="Completions per row; more than 1 reports pass@k.",
+    n: int = O.n(1, panel=GENERATION, doc="completions per row; more than 1 reports pass@k")
+    temperature: float | None = O.temperature(
+        help="Sampling temperature (0 = greedy; default: 0 for --n 1, 1.0 for --n > 1).",
         panel=GENERATION,
-    )
-    temperature: float | None = option(
-        None,
-        help="0 = greedy (default: 0 for --n 1, 1.0 for --n > 1).",
-        panel=GENERATION,
-        doc="0 = greedy; `--n` > 1 needs T > 0",
+        doc="sampling temperature (0 = greedy); `--n` > 1 needs T > 0",
         default_doc="0 for `--n 1`, 1.0 otherwise",
     )
-    top_p: float = option(
-        1.0,
-        help="Nucleus sampling mass (with --temperature > 0).",
-        panel=GENERATION,
-        doc="nucleus sampling mass (with T > 0)",
-    )
-    limit: int | None = option(
-        None,
-        help="At most this many rows per category (the first ones).",
-        panel=GENERATION,
-        doc="the first N rows of each category (lmms-eval's `--limit` is per task too)",
-        default_doc="all",
+    top_p: float = O.top_p(panel=GENERATION)
+    limit: int | None = O.limit(
+        panel=GENERATION, doc="the first N rows of each category (lmms-eval's `--limit` is per task too)"
     )
     # each row gets another row's images (same category): how much the score needs the image
     shuffle_images: bool = option(

@@ -73,47 +73,40 @@ class MismatchConfig(O.ModelLoading):
         panel=O.IO,
     )
     # default: the rollouts' producer's (its config.yaml), else 1.0
-    temperature: float | None = option(
-        None,
+    temperature: float | None = O.temperature(
         help=(
-            "Sampling temperature; the learner divides its logits by it (default: the rollouts' producer's, else 1.0)."
+            "Sampling temperature (0 = greedy); the learner divides its logits by it (default: the rollouts' "
+            "producer's, else 1.0)."
         ),
         panel=LEARNER,
+        doc="sampling temperature (0 = greedy); the learner divides its logits by it",
         default_doc="producer's, else 1.0",
     )
     # --generate: nucleus mass (default 1.0); ROLLOUTS: read from the producer for the note
-    top_p: float | None = option(
+    top_p: float | None = O.top_p(
         None,
-        help="With --generate: nucleus sampling mass (default 1.0).",
+        help="Nucleus sampling mass (with --temperature > 0; default 1.0).",
         panel=FRESH_ROLLOUTS,
-        doc="with `--generate`: nucleus mass of the samplers",
+        doc="with `--generate`: nucleus sampling mass of the samplers",
         default_doc="1.0",
     )
-    n: int = option(4, help="With --generate: completions per prompt.", panel=FRESH_ROLLOUTS)
-    limit: int | None = option(
-        None,
-        help="With --generate: at most this many prompt rows per category (the first ones).",
-        panel=FRESH_ROLLOUTS,
-        doc="with `--generate`: at most N prompt rows per category (the first ones)",
-        default_doc="all",
+    n: int = O.n(4, panel=FRESH_ROLLOUTS, doc="with `--generate`: completions per prompt")
+    limit: int | None = O.limit(
+        panel=FRESH_ROLLOUTS, doc="with `--generate`: at most N prompt rows per category (the first ones)"
     )
-    max_new_tokens: int = option(64, help="With --generate: tokens per completion.", panel=FRESH_ROLLOUTS)
+    max_new_tokens: int = O.max_new_tokens(
+        64, panel=FRESH_ROLLOUTS, doc="with `--generate`: tokens per completion at most"
+    )
     prompt: str = option(
         "answer",
         help="With --generate: stage instruction added to prompts: answer, think or none.",
         panel=FRESH_ROLLOUTS,
     )
-    system_prompt: bool = option(
-        True,
-        help="With --generate: prepend the recipe's system prompt (as rl-train).",
-        panel=FRESH_ROLLOUTS,
-        negatable=True,
-        doc="with `--generate`: prepend the recipe's system prompt, as rl-train does",
+    system_prompt: bool = O.system_prompt(
+        panel=FRESH_ROLLOUTS, doc="with `--generate`: prepend the recipe's system prompt, as rl-train does"
     )
     # images downscaled to at most this many pixels, as rl-curate / rl-train do (0: never)
-    max_pixels: int = option(
-        512 * 512,
-        help=("Downscale images to at most this many pixels, as the sampler did (0: never; eval does not downscale)."),
+    max_pixels: int = O.max_pixels(
         panel=LEARNER,
         doc=(
             "downscale images to at most N pixels as the sampler did (rl-curate / rl-train: 262144; eval does not"

@@ -37,7 +37,7 @@ STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 
 
 # --help panels of this config's own options (ovkit.options holds the shared ones)
-SAMPLING = "Sampling"
+SAMPLING = O.SAMPLING
 OPTIMISER = "Optimiser"
 GRPO_LOSS = "GRPO loss"
 MISMATCH_CORRECTIONS = "Mismatch corrections"
@@ -74,13 +74,16 @@ class RLTrainConfig(O.Learner):
         panel=O.IO,
     )
     # hf | vllm (colocated) | vllm-server (ovkit.generate)
-    engine: str = option(
-        "hf",
+    engine: str = O.engine(
         help=(
-            "Rollout engine: hf (transformers, CPU or GPU), vllm (colocated, GPU) or vllm-server (a running "
-            "`vllm serve`, see --vllm-server-url)."
+            "Rollout engine: hf (transformers generate, any device: the GPU when there is one), vllm (a colocated "
+            "vLLM engine, GPU) or vllm-server (a running `vllm serve`, see --vllm-server-url)."
         ),
-        panel=SAMPLING,
+        doc=(
+            "`hf`: transformers `generate` on left-padded batches, any device (CUDA when available); `vllm`: a "
+            "colocated vLLM engine (GPU, `pip install 'ovkit[vllm]'`); `vllm-server`: a running `vllm serve` "
+            "(see `--vllm-server-url`)"
+        ),
     )
     # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
     sampler_precision: str | None = option(
@@ -110,16 +113,12 @@ class RLTrainConfig(O.Learner):
         doc=("prompts (groups) per step; a DATA with fewer prompts repeats them within a step, with a warning"),
     )
     group_size: int = option(16, help="Completions per prompt (G).", panel=SAMPLING, flags=("--n-samples",))
-    max_new_tokens: int = option(4096, help="Completion length limit.", panel=SAMPLING)
-    temperature: float = option(
-        1.0,
-        help="Sampling temperature (the learner divides its logits by it too).",
-        panel=SAMPLING,
+    max_new_tokens: int = O.max_new_tokens(4096)
+    temperature: float = O.temperature(
+        1.0, doc="sampling temperature (0 = greedy); the learner divides its logits by it too"
     )
-    top_p: float = option(
-        1.0,
-        help="Nucleus sampling (the learner does not truncate: top-p < 1 shows up as mismatch).",
-        panel=SAMPLING,
+    top_p: float = O.top_p(
+        doc="nucleus sampling mass (with T > 0); the learner does not truncate: top-p < 1 shows up as mismatch"
     )
     # exclusive with --epochs
     max_steps: int | None = option(None, help="GRPO steps to run (instead of --epochs).", panel=OPTIMISER)
@@ -289,19 +288,8 @@ class RLTrainConfig(O.Learner):
         panel=GRPO_LOSS,
         default_doc="0 / 0.1",
     )
-    system_prompt: bool = option(
-        True,
-        help="Prepend 'You are a helpful AI assistant.' (the recipe's system prompt).",
-        panel=SAMPLING,
-        negatable=True,
-    )
-    # images are downscaled to at most this many pixels (the recipe's 512x512 cap)
-    max_pixels: int = option(
-        512 * 512,
-        help="Downscale images to at most this many pixels (512x512 in the recipe).",
-        panel=SAMPLING,
-        doc=("images (with `--env`: observation images too) downscaled to at most 512x512 pixels"),
-    )
+    system_prompt: bool = O.system_prompt()
+    max_pixels: int = O.max_pixels()
     freeze_vision: bool = option(False, help="Keep the vision encoder frozen.", panel=OPTIMISER)
     save_every: int = O.save_every(
         250, help="Resumable checkpoint every N steps in OUT.partial/checkpoints (0: only the final model)."

@@ -39,7 +39,7 @@ SELECT_RULES = ("mean", "gap")
 
 
 # --help panels of this config's own options (ovkit.options holds the shared ones)
-SAMPLING = "Sampling"
+SAMPLING = O.SAMPLING
 SELECTION = "Selection"
 
 
@@ -62,13 +62,9 @@ class CurateConfig(O.ModelLoading):
     # the model RL will start from (the SFT checkpoint)
     model: Path | None = option(None, help="The model RL will start from (e.g. the SFT output).", panel=O.IO)
     out: Path | None = O.out(doc="output directory")
-    n: int = option(16, help="Rollouts per prompt.", panel=SAMPLING)
-    limit: int | None = option(
-        None,
-        help="At most this many prompts per category (the first ones), to fit a time budget.",
-        panel=SAMPLING,
-        doc=("at most this many prompts per category (the first ones in the data), to fit a time budget"),
-        default_doc="all",
+    n: int = O.n(16, doc="rollouts per prompt (pass@N of the selection)")
+    limit: int | None = O.limit(
+        doc="at most N prompt rows per category (the first ones in the data), to fit a time budget"
     )
     select: str = option(
         "mean",
@@ -138,12 +134,7 @@ class CurateConfig(O.ModelLoading):
             "think, so difficulty is measured in the mode it will be trained in), answer or think"
         ),
     )
-    engine: str = option(
-        "hf",
-        help="hf (transformers, CPU or GPU) or vllm (GPU).",
-        panel=O.RUNTIME,
-        doc="hf or vllm (the hf engine runs on the GPU when there is one)",
-    )
+    engine: str = O.engine()
     precision: str = O.precision(
         doc=(
             "the sampler's compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
@@ -151,21 +142,11 @@ class CurateConfig(O.ModelLoading):
         )
     )
     batch_size: int = option(64, help="Sequences per generate call (prompts x n).", panel=O.RUNTIME)
-    max_new_tokens: int = option(1024, help="Completion length limit.", panel=SAMPLING)
-    temperature: float = option(1.0, help="Sampling temperature.", panel=SAMPLING)
-    top_p: float = option(1.0, help="Nucleus sampling.", panel=SAMPLING)
-    max_pixels: int = option(
-        512 * 512,
-        help="Downscale images to at most this many pixels (512x512 in the recipe).",
-        panel=SAMPLING,
-        doc="images downscaled to at most 512x512 pixels",
-    )
-    system_prompt: bool = option(
-        True,
-        help="Prepend the recipe's system prompt.",
-        panel=SAMPLING,
-        negatable=True,
-    )
+    max_new_tokens: int = O.max_new_tokens(1024)
+    temperature: float = O.temperature(1.0)
+    top_p: float = O.top_p()
+    max_pixels: int = O.max_pixels()
+    system_prompt: bool = O.system_prompt()
     # store the prompt images in the rollout table (mismatch-report re-runs the model)
     rollout_images: bool = option(
         True,
