@@ -30,6 +30,7 @@ CHECKPOINTS = "Checkpoints & logging"
 RUN = "Run control"
 LORA = "LoRA"
 EVALUATION = "Evaluation while training"
+CORRECTIONS = "Mismatch corrections"
 
 KEY = "ovkit"  # the metadata key of a field's Option
 
@@ -508,6 +509,56 @@ system_prompt = _shared(
     panel=SAMPLING,
     negatable=True,
     doc='prepend the recipe\'s system prompt, "You are a helpful AI assistant."',
+)
+
+# Sampler/learner mismatch corrections (ovkit.rl.correction): rl-train applies them; mismatch-report reports what they
+# would clip or mask at the same bounds (its panel: "rl-train corrections reported"). A bound means the same on both;
+# mismatch-report says in its help or doc where what it does with it differs (--behave-cap 0, the veto). Only rl-train
+# has --correction, --behave-action and --behave-level, and AReaL's spelling --behav-imp-weight-cap.
+correction_threshold = _shared(
+    2.0,
+    help="C: upper truncation (TIS) or rejection (MIS) bound of the sampler/learner ratio.",
+    panel=CORRECTIONS,
+    flags=("--rollout-is-threshold",),
+    doc=(
+        "`C`, the upper bound of the sampler/learner ratio: `token-tis` / `seq-tis` truncate at it, `token-mis` / "
+        "`seq-mis` mask above it (verl's `rollout_is_threshold`)"
+    ),
+)
+correction_lower = _shared(
+    help="Lower bound of the ratio (MIS masks below it, TIS clamps to it).",
+    panel=CORRECTIONS,
+    doc="lower bound of the ratio: `token-mis` / `seq-mis` mask below it, `token-tis` / `seq-tis` clamp to it",
+)
+geo_lower = _shared(
+    0.999,
+    help="geo-rs: lower bound on the geometric-mean ratio.",
+    panel=CORRECTIONS,
+    doc="`geo-rs`: sequences whose geometric-mean ratio is below it are masked (the default: verl's Geo-RS preset)",
+)
+geo_upper = _shared(
+    1.001,
+    help="geo-rs: upper bound on the geometric-mean ratio.",
+    panel=CORRECTIONS,
+    doc="`geo-rs`: sequences whose geometric-mean ratio is above it are masked (the default: verl's Geo-RS preset)",
+)
+behave_cap = _shared(
+    5.0,
+    help="Cap of the behaviour weight exp(prox - behave) (0: no cap).",
+    panel=CORRECTIONS,
+    doc=(
+        "cap of decoupled PPO's behaviour weight `exp(prox - behave)`, the outer guard of every correction: "
+        "`--behave-action` says what happens above it (0: no cap)"
+    ),
+)
+veto_threshold = _shared(
+    help="Mask a whole sequence if any token ratio is below this.",
+    panel=CORRECTIONS,
+    flags=("--rollout-token-veto-threshold",),
+    doc=(
+        "per-token veto: a sequence with any token ratio below it is masked whole (verl's "
+        "`rollout_token_veto_threshold`)"
+    ),
 )
 
 SHARED = {

@@ -125,37 +125,23 @@ class MismatchConfig(O.ModelLoading):
         panel=LEARNER,
         doc=("the learner's compute precision: `fp32` (the reference), `bf16-true` / `bf16-mixed` (bf16 weights)"),
     )
-    correction_threshold: float = option(
-        2.0,
-        help="rl-train's C: TIS truncation / MIS rejection bound.",
-        panel=RL_TRAIN_CORRECTIONS,
-        flags=("--rollout-is-threshold",),
-    )
-    correction_lower: float | None = option(
-        None,
-        help="rl-train's lower bound (MIS masks below it, TIS clamps to it).",
-        panel=RL_TRAIN_CORRECTIONS,
-    )
-    geo_lower: float = option(
-        0.999,
-        help="geo-rs: lower bound on the geometric-mean ratio.",
-        panel=RL_TRAIN_CORRECTIONS,
-        doc="geo-rs bounds on the geometric-mean ratio (verl's Geo-RS preset)",
-    )
-    geo_upper: float = option(
-        1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel=RL_TRAIN_CORRECTIONS
-    )
-    behave_cap: float = option(
-        5.0,
+    # rl-train's correction bounds (ovkit.options), reported as what each correction would clip or mask
+    correction_threshold: float = O.correction_threshold(panel=RL_TRAIN_CORRECTIONS)
+    correction_lower: float | None = O.correction_lower(panel=RL_TRAIN_CORRECTIONS)
+    geo_lower: float = O.geo_lower(panel=RL_TRAIN_CORRECTIONS)
+    geo_upper: float = O.geo_upper(panel=RL_TRAIN_CORRECTIONS)
+    behave_cap: float = O.behave_cap(
         help="rl-train's behaviour-weight cap, reported as a mask rate (0: not reported).",
         panel=RL_TRAIN_CORRECTIONS,
+        doc=(
+            "rl-train's cap of the behaviour weight `exp(prox - behave)`: what it masks (action `mask`, token level) is"
+            " reported as `corrections.behave-cap` (0: not reported)"
+        ),
     )
-    veto_threshold: float | None = option(
-        None,
+    veto_threshold: float | None = O.veto_threshold(
         help="Also report the veto: sequences with any token ratio below this.",
         panel=RL_TRAIN_CORRECTIONS,
-        flags=("--rollout-token-veto-threshold",),
-        doc="also report the veto: responses with any token ratio below X",
+        doc="also report rl-train's per-token veto as `corrections.veto`: responses with any token ratio below it",
     )
     max_points: int = option(
         20000,

@@ -40,7 +40,7 @@ STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 SAMPLING = O.SAMPLING
 OPTIMISER = "Optimiser"
 GRPO_LOSS = "GRPO loss"
-MISMATCH_CORRECTIONS = "Mismatch corrections"
+MISMATCH_CORRECTIONS = O.CORRECTIONS
 
 
 @dataclass
@@ -189,12 +189,7 @@ class RLTrainConfig(O.Learner):
         doc="KL penalty to the initial model (a frozen copy is kept when > 0)",
     )
     kl_estimator: str = option("k3", help="k1 | k2 | k3.", panel=GRPO_LOSS)
-    behave_cap: float = option(
-        5.0,
-        help="Cap of the behaviour weight exp(prox - behave) (0: no cap).",
-        panel=MISMATCH_CORRECTIONS,
-        flags=("--behav-imp-weight-cap",),
-    )
+    behave_cap: float = O.behave_cap(flags=("--behav-imp-weight-cap",))  # AReaL's behav_imp_weight_cap
     behave_action: str = option(
         "mask",
         help="Above the cap: mask (train nothing) or clamp (weight = cap).",
@@ -213,34 +208,11 @@ class RLTrainConfig(O.Learner):
         ),
         panel=MISMATCH_CORRECTIONS,
     )
-    correction_threshold: float = option(
-        2.0,
-        help="C: upper truncation (TIS) or rejection (MIS) bound.",
-        panel=MISMATCH_CORRECTIONS,
-        flags=("--rollout-is-threshold",),
-    )
-    # lower bound (MIS: mask below; TIS: clamp below)
-    correction_lower: float | None = option(
-        None,
-        help="Lower bound (MIS masks below it, TIS clamps to it).",
-        panel=MISMATCH_CORRECTIONS,
-    )
-    geo_lower: float = option(
-        0.999,
-        help="geo-rs: lower bound on the geometric-mean ratio.",
-        panel=MISMATCH_CORRECTIONS,
-        doc="geo-rs bounds",
-    )
-    geo_upper: float = option(
-        1.001, help="geo-rs: upper bound on the geometric-mean ratio.", panel=MISMATCH_CORRECTIONS
-    )
-    veto_threshold: float | None = option(
-        None,
-        help="Mask a whole sequence if any token ratio is below this.",
-        panel=MISMATCH_CORRECTIONS,
-        flags=("--rollout-token-veto-threshold",),
-        doc="per-token veto",
-    )
+    correction_threshold: float = O.correction_threshold()
+    correction_lower: float | None = O.correction_lower()
+    geo_lower: float = O.geo_lower()
+    geo_upper: float = O.geo_upper()
+    veto_threshold: float | None = O.veto_threshold()
     # ETA: max versions between the sampler that made a sample and the learner using it
     max_staleness: int = option(
         4,
