@@ -12,6 +12,8 @@ import json
 import os
 import random
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -20,6 +22,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 # One intra-op thread: tiny matrices on a shared 2-core box run several times faster than with two.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def torchrun(n: int, *args, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node n ARGS` (gloo on CPU), captured as text; ARGS as `-m ovkit ...` or a
+    script path and its arguments."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *map(str, args)],
+        env=ENV if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # ------------------------------------------------------------------------------- supervised training (ovkit.train)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ENV, config, losses, make_rows, rl_cfg, weights
+from helpers import ENV, config, losses, make_rows, rl_cfg, torchrun, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -175,26 +175,7 @@ def test_two_processes_log_the_eval_of_one(assets, eval_data, tmp_path):
         env=ENV,
         capture_output=True,
     )
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "ovkit",
-            *base,
-            "--out",
-            str(two),
-            "--batch-size",
-            "2",
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-    )
+    run = torchrun(2, "-m", "ovkit", *base, "--out", str(two), "--batch-size", "2")
     assert run.returncode == 0, run.stderr[-3000:]
     for a, b in zip(_metrics(one), _metrics(two)):
         assert b["eval/loss"] == pytest.approx(a["eval/loss"], rel=1e-5)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import many_llava
+from helpers import many_llava, torchrun
 
 from ovkit.data import read_samples
 from ovkit.errors import OvkitError
@@ -21,23 +21,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def _torchrun(n: int, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(n),
-            "-m",
-            "ovkit",
-            *map(str, args),
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return torchrun(n, "-m", "ovkit", *args, timeout=300)
 
 
 def test_a_data_stage_under_torchrun_writes_one_part_per_process(tmp_path, llava_images):

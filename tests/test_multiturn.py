@@ -8,6 +8,7 @@ import time
 import pyarrow as pa
 import pytest
 import torch
+from helpers import torchrun
 
 from ovkit.data import image_cell, samples_table
 from ovkit.generate import Completion
@@ -1067,9 +1068,6 @@ def test_multi_turn_eval_over_two_processes_samples_what_one_process_samples(zoo
     of every trajectory draws from its own stream, so the rollouts (tokens, masks, turns, terminations) and the
     multi-turn summary are one process's, with real two-turn trajectories among them."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from ovkit.rollouts.table import read_rollouts
 
@@ -1089,27 +1087,8 @@ def test_multi_turn_eval_over_two_processes_samples_what_one_process_samples(zoo
         "--save-logprobs",
         "--quiet",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     for n in (1, 2):
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                str(n),
-                "-m",
-                "ovkit",
-                *map(str, args),
-                "--out",
-                str(tmp_path / f"p{n}"),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        run = torchrun(n, "-m", "ovkit", *args, "--out", str(tmp_path / f"p{n}"))
         assert run.returncode == 0, run.stderr[-3000:]
     keys = ("prompt_id", "response_ids", "loss_mask", "turn_ids", "termination", "reward")
     one, two = (

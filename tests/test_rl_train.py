@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import ROOT, TINY, rl_cfg, rl_groups, rl_rows
+from helpers import ROOT, TINY, rl_cfg, rl_groups, rl_rows, torchrun
 
 from ovkit.data import samples_table, write_samples
 
@@ -347,23 +347,7 @@ def test_help_options_are_documented(cli):
 
 def _torchrun(n: int, *args) -> subprocess.CompletedProcess:
     runner = ROOT / "tests" / "rl_ddp_runner.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(n),
-            str(runner),
-            *map(str, args),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return torchrun(n, str(runner), *args)
 
 
 def test_two_processes_take_the_single_process_step_over_the_same_groups(rl_assets, tmp_path):
@@ -437,27 +421,8 @@ def test_two_processes_sample_and_learn_what_one_process_does(rl_assets, tmp_pat
         "--save-rollouts",
         "--quiet",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     for n in (1, 2):
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                str(n),
-                "-m",
-                "ovkit",
-                *map(str, args),
-                "--out",
-                str(tmp_path / f"p{n}"),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        run = torchrun(n, "-m", "ovkit", *args, "--out", str(tmp_path / f"p{n}"))
         assert run.returncode == 0, run.stderr[-3000:]
         assert run.stdout.count("rl-train stage") == 1, run.stdout
     one, two = tmp_path / "p1", tmp_path / "p2"

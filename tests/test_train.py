@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from helpers import ENV, config, losses, weights
+from helpers import ENV, config, losses, torchrun, weights
 
 from ovkit.errors import OvkitError
 
@@ -325,26 +325,7 @@ def test_two_processes_match_one_with_the_same_global_batch(assets, tmp_path):
         env=ENV,
         capture_output=True,
     )
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "ovkit",
-            *base,
-            "--out",
-            str(two),
-            "--batch-size",
-            "2",
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-    )
+    run = torchrun(2, "-m", "ovkit", *base, "--out", str(two), "--batch-size", "2")
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((two / "ovkit.json").read_text())["metrics"]["processes"] == 2
     assert losses(two) == pytest.approx(losses(one), rel=1e-5)
