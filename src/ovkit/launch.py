@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,23 @@ def gather(items: list) -> list:
 
     PartialState(cpu=not torch.cuda.is_available())
     return gather_object(items)
+
+
+def close(ok: bool) -> None:
+    """Tear down the launcher's process group if this run set one up: after a barrier when the command succeeded (no
+    process leaves while another may still need it), at once when it failed (a barrier could wait on a process that
+    died). A gloo group left to the interpreter's exit can abort the process there ("terminate called without an active
+    exception", SIGABRT, seen once in CI on a 2-process eval that had finished its work); torch asks for
+    destroy_process_group before exit for this reason. Never imports torch: a run that did not load it has no group."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        if ok:
+            dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- the run's outcome is decided; a failed teardown must not change its exit code
+        pass
 
 
 def _accelerate_asked() -> int:
