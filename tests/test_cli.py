@@ -209,21 +209,26 @@ def test_help_has_a_worked_example_and_marks_required_inputs(cli, name):
     assert out.count("[required]") >= len(INFO[name].required) + 1  # one per input, and the note on --config
 
 
-@pytest.mark.parametrize("name", COMMANDS)
-def test_required_marks_are_what_the_config_enforces(name):
-    from ovkit.config import merge
-
-    cls = INFO[name].config_class()
-    command = click_command(name)
+def minimal_values(name: str) -> dict:
+    """MINIMAL[name] as the command line's values by field (what `merge` takes)."""
     args = MINIMAL[name]
     values = {}
-    for p in command.params:
+    for p in click_command(name).params:
         if p.param_type_name == "argument" and not args[0].startswith("--"):
             values[p.name] = [args[0]] if p.multiple or p.nargs == -1 else args[0]
         for o in p.opts:
             if o in args:
                 v = args[args.index(o) + 1]
                 values[p.name] = [v] if p.multiple else v
+    return values
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_required_marks_are_what_the_config_enforces(name):
+    from ovkit.config import merge
+
+    cls = INFO[name].config_class()
+    values = minimal_values(name)
     merge(cls, values, set(values), {})  # the minimal inputs are enough
     for required in INFO[name].required:
         rest = {k: v for k, v in values.items() if k != required}
@@ -275,6 +280,70 @@ def test_every_option_is_declared_with_help(name):
     for field, declared in specs(INFO[name].config_class()).items():
         assert declared.help.strip(), f"{name}: --{field} has no help"
         assert declared.panel or declared.argument or field == "engine", f"{name}: --{field} has no help panel"
+
+
+def _outside_and_inside(declared, integer: bool) -> tuple[list, list]:
+    """Values just outside a declared range (refused) and on its edges, or just inside an exclusive one (accepted)."""
+    step = 1 if integer else 1e-3
+    outside, inside = [], []
+    for bound, out, edge in (
+        (declared.min, -step, 0),
+        (declared.max, step, 0),
+        (declared.gt, 0, step),
+        (declared.lt, 0, -step),
+    ):
+        if bound is not None:
+            outside.append(int(bound) + out if integer else bound + out)
+            inside.append(int(bound) + edge if integer else bound + edge)
+    return outside, inside
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_declared_range_and_choice_is_checked_at_start(name):
+    """For every option that declares a range or choices: a value just outside is refused when the config is built
+    (OvkitError naming the flag: exit 2 before any model loads), the edge of an inclusive range, just inside an
+    exclusive one, and every listed choice pass `validate`."""
+    import typing
+
+    from ovkit.config import merge
+    from ovkit.options import specs, validate
+
+    cls = INFO[name].config_class()
+    hints = typing.get_type_hints(cls)
+    base = minimal_values(name)
+    cfg = merge(cls, base, set(base), {})
+    checked = 0
+    for field, declared in specs(cls).items():
+        if declared.choices is None and declared.accepts() is None:
+            continue
+        flag, hint = declared.cli_name(field), str(hints[field])
+        many = hint.startswith("list")
+        integer = "int" in hint and "float" not in hint
+        outside, inside = _outside_and_inside(declared, integer)
+        if declared.choices is not None:
+            outside.append("not-a-choice")
+            inside.extend(declared.choices)
+        for value in outside:
+            typed = [value] if many else value
+            values = {**base, field: [str(value)] if many else str(value)}
+            with pytest.raises(OvkitError, match=re.escape(flag)) as e:
+                merge(cls, values, set(values), {})
+            assert "\n" not in str(e.value) and f"got {value!r}" in str(e.value) or f"got {value}" in str(e.value)
+            with pytest.raises(OvkitError, match=rf"^{re.escape(flag)} must be .*, got "):
+                validate(_with(cfg, field, typed))
+        for value in inside:
+            validate(_with(cfg, field, [value] if many else value))
+        checked += 1
+    assert checked or name == "science-report", f"{name}: no option declares a range or choices"
+
+
+def _with(cfg, field: str, value):
+    """A copy of a built config with one field set, past `__post_init__` (what `validate` alone sees)."""
+    import copy
+
+    out = copy.copy(cfg)
+    setattr(out, field, value)
+    return out
 
 
 def test_an_option_without_help_is_refused():

@@ -52,8 +52,10 @@ class Option:
     flags: tuple[str, ...] = ()  # other spellings of the flag (HF/TRL names); also accepted as YAML keys
     negatable: bool = False  # a bool that also takes --no-NAME (one whose default is on)
     choices: tuple[str, ...] | None = None  # the values accepted (each item, for a list)
-    min: float | None = None  # inclusive range of a number
+    min: float | None = None  # the range of a number: min <= x, x <= max (inclusive bounds) ...
     max: float | None = None
+    gt: float | None = None  # ... or gt < x, x < lt (exclusive bounds: --lr > 0, --eps-clip < 1)
+    lt: float | None = None
     run_control: bool = False  # a resumed run may change it (it does not change the trajectory)
     argument: bool = False  # positional (the command's INPUT), not a --flag
     metavar: str | None = None
@@ -63,6 +65,27 @@ class Option:
     def cli_name(self, name: str) -> str:
         """How the command line spells field `name`: --lr, or DATA for an argument."""
         return name.upper() if self.argument else self.flag or f"--{name.replace('_', '-')}"
+
+    def accepts(self) -> str | None:
+        """The declared range as the pages and errors write it: `>= 1`, `> 0`, `[0, 1)`, `(0, 1]` (None: any)."""
+        low = f"[{self.min:g}" if self.min is not None else f"({self.gt:g}" if self.gt is not None else None
+        high = f"{self.max:g}]" if self.max is not None else f"{self.lt:g})" if self.lt is not None else None
+        if low and high:
+            return f"{low}, {high}"
+        if low:
+            return f"{'>=' if low[0] == '[' else '>'} {low[1:]}"
+        if high:
+            return f"{'<=' if high[-1] == ']' else '<'} {high[:-1]}"
+        return None
+
+    def refuses(self, x: float) -> bool:
+        """Whether number `x` is outside the declared range."""
+        return (
+            (self.min is not None and x < self.min)
+            or (self.gt is not None and x <= self.gt)
+            or (self.max is not None and x > self.max)
+            or (self.lt is not None and x >= self.lt)
+        )
 
 
 def option(
@@ -76,15 +99,20 @@ def option(
     choices: Sequence[str] | None = None,
     min: float | None = None,
     max: float | None = None,
+    gt: float | None = None,
+    lt: float | None = None,
     run_control: bool = False,
     argument: bool = False,
     metavar: str | None = None,
     doc: str | None = None,
     default_doc: str | None = None,
 ) -> Any:
-    """A config field declaring one option (a list default is copied per instance)."""
+    """A config field declaring one option (a list default is copied per instance). What it accepts: `choices`, and
+    for a number inclusive `min` / `max` or exclusive `gt` / `lt` bounds (one of each side)."""
     if not help or not help.strip():
         raise TypeError("an option needs help text")
+    if (min is not None and gt is not None) or (max is not None and lt is not None):
+        raise TypeError("an option's range has one lower bound (min or gt) and one upper bound (max or lt)")
     meta = Option(
         help=help,
         panel=panel,
@@ -94,6 +122,8 @@ def option(
         choices=tuple(choices) if choices is not None else None,
         min=min,
         max=max,
+        gt=gt,
+        lt=lt,
         run_control=run_control,
         argument=argument,
         metavar=metavar,
@@ -141,7 +171,9 @@ def run_control_names(cls: type) -> frozenset[str]:
 
 
 def validate(cfg: Any) -> None:
-    """Every option's declared choices and range, checked at start (before any model loads), naming the flag."""
+    """Every option's declared choices and range, checked at start (before any model loads), naming the flag: a stage
+    config calls it first in `__post_init__` (its own checks are those across options), and `ovkit.config.build` again
+    on the values `__post_init__` filled in."""
     for f in dataclasses.fields(cfg):
         meta = f.metadata.get(KEY)
         value = getattr(cfg, f.name)
@@ -150,11 +182,20 @@ def validate(cfg: Any) -> None:
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if meta.choices is not None and str(item) not in meta.choices:
                 raise OvkitError(f"{meta.cli_name(f.name)} must be one of {', '.join(meta.choices)}, got {item!r}")
-            if isinstance(item, (int, float)) and not isinstance(item, bool):
-                if meta.min is not None and item < meta.min:
-                    raise OvkitError(f"{meta.cli_name(f.name)} must be >= {meta.min:g}, got {item}")
-                if meta.max is not None and item > meta.max:
-                    raise OvkitError(f"{meta.cli_name(f.name)} must be <= {meta.max:g}, got {item}")
+            if isinstance(item, (int, float)) and not isinstance(item, bool) and meta.refuses(item):
+                accepts = meta.accepts()
+                accepts = f"in {accepts}" if accepts[0] in "[(" else accepts
+                raise OvkitError(f"{meta.cli_name(f.name)} must be {accepts}, got {item}")
+
+
+def check_corrections(cfg: Any) -> None:
+    """The mismatch-correction bounds across options (rl-train applies them, mismatch-report reports them): each
+    bound's own range is declared on its field below."""
+    if cfg.correction_lower is not None and cfg.correction_lower > cfg.correction_threshold:
+        lower, threshold = cfg.correction_lower, cfg.correction_threshold
+        raise OvkitError(f"need --correction-lower <= --correction-threshold, got {lower} > {threshold}")
+    if cfg.geo_lower > cfg.geo_upper:
+        raise OvkitError(f"need --geo-lower <= --geo-upper, got {cfg.geo_lower} > {cfg.geo_upper}")
 
 
 # -- options several commands share, declared once -----------------------------------------------------------------
@@ -318,6 +359,7 @@ use_liger_kernel = _shared(False, help="TRL/HF's spelling of --kernels liger.", 
 # LoRA (ovkit.models.lora) on every training command.
 lora_r = _shared(
     0,
+    min=0,
     help="LoRA rank: train low-rank adapters on the selection's attention/MLP projections instead of every weight (0: "
     "full fine-tuning).",
     panel=LORA,
@@ -328,9 +370,13 @@ lora_r = _shared(
     ),
 )
 lora_alpha = _shared(
-    16.0, help="LoRA scale alpha (the update is alpha / r x B A).", panel=LORA, doc="LoRA scale (update = A / r x B A)"
+    16.0,
+    gt=0,
+    help="LoRA scale alpha (the update is alpha / r x B A).",
+    panel=LORA,
+    doc="LoRA scale (update = A / r x B A)",
 )
-lora_dropout = _shared(0.0, help="Dropout on the LoRA branch.", panel=LORA)
+lora_dropout = _shared(0.0, help="Dropout on the LoRA branch.", panel=LORA, min=0, lt=1)
 lora_targets = _shared(
     help="Regex over module names to adapt instead of the per-architecture default; repeatable.",
     panel=LORA,
@@ -352,6 +398,7 @@ load_in_4bit = _shared(
 # Checkpoints of the learners (align, midtrain, sft, rl-train): run control.
 save_every = _shared(
     0,
+    min=0,
     help="Write a resumable checkpoint every N steps into OUT.partial/checkpoints (0: only the final model).",
     panel=CHECKPOINTS,
     run_control=True,
@@ -359,6 +406,7 @@ save_every = _shared(
 )
 keep_checkpoints = _shared(
     2,
+    min=1,
     help="Keep the newest N intermediate checkpoints.",
     panel=CHECKPOINTS,
     run_control=True,
@@ -400,6 +448,7 @@ eval_data = _shared(
 )
 eval_every = _shared(
     0,
+    min=0,
     help="Evaluate on --eval-data every N steps and after the last (0: after the last only). Also --eval-steps "
     "(HF/TRL). Run control: the training trajectory is unchanged.",
     panel=EVALUATION,
@@ -411,12 +460,14 @@ eval_every = _shared(
     ),
 )
 eval_limit = _shared(
+    min=1,
     help="At most this many --eval-data rows per category (the first ones, as `ovkit eval --limit`).",
     panel=EVALUATION,
     run_control=True,
     doc="at most N eval rows per category (the first ones, as `ovkit eval --limit`)",
 )
 eval_max_new_tokens = _shared(
+    min=1,
     help="Generation budget of the eval. Default: per category, from its longest gold answer (as `ovkit eval`).",
     panel=EVALUATION,
     run_control=True,
@@ -477,14 +528,17 @@ engine = _shared(
         "colocated vLLM engine (GPU, `pip install 'ovkit[vllm]'`)"
     ),
 )
-n = _shared(help="Completions sampled per prompt.", panel=SAMPLING, doc="completions sampled per prompt")
+n = _shared(help="Completions sampled per prompt.", panel=SAMPLING, min=1, doc="completions sampled per prompt")
 limit = _shared(
+    min=1,
     help="At most this many prompt rows per category (the first ones).",
     panel=SAMPLING,
     doc="at most N prompt rows per category (the first ones)",
     default_doc="all",
 )
-max_new_tokens = _shared(help="Tokens per completion at most.", panel=SAMPLING, doc="tokens per completion at most")
+max_new_tokens = _shared(
+    help="Tokens per completion at most.", panel=SAMPLING, min=1, doc="tokens per completion at most"
+)
 temperature = _shared(
     help="Sampling temperature (0 = greedy).", panel=SAMPLING, doc="sampling temperature (0 = greedy)"
 )
@@ -517,6 +571,7 @@ system_prompt = _shared(
 # has --correction, --behave-action and --behave-level, and AReaL's spelling --behav-imp-weight-cap.
 correction_threshold = _shared(
     2.0,
+    gt=0,
     help="C: upper truncation (TIS) or rejection (MIS) bound of the sampler/learner ratio.",
     panel=CORRECTIONS,
     flags=("--rollout-is-threshold",),
@@ -526,6 +581,7 @@ correction_threshold = _shared(
     ),
 )
 correction_lower = _shared(
+    min=0,
     help="Lower bound of the ratio (MIS masks below it, TIS clamps to it).",
     panel=CORRECTIONS,
     doc="lower bound of the ratio: `token-mis` / `seq-mis` mask below it, `token-tis` / `seq-tis` clamp to it",
@@ -544,6 +600,7 @@ geo_upper = _shared(
 )
 behave_cap = _shared(
     5.0,
+    min=0,
     help="Cap of the behaviour weight exp(prox - behave) (0: no cap).",
     panel=CORRECTIONS,
     doc=(

@@ -70,7 +70,10 @@ def table(command: Any) -> str:
             default = o.default_doc
         else:
             default = shown(defaults.get(name))
-        rows.append(f"| {names} | {cell(default)} | {cell(o.doc or o.help)} |")
+        meaning = o.doc or o.help
+        if o.accepts():  # the declared range, as `validate` checks it (choices are the meaning's to list)
+            meaning = f"{meaning.rstrip('.')}; accepts `{o.accepts()}`"
+        rows.append(f"| {names} | {cell(default)} | {cell(meaning)} |")
     rows.extend((CONFIG_ROW, HELP_ROW))
     return "\n".join(rows)
 

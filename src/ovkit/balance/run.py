@@ -62,17 +62,19 @@ class BalanceConfig:
         "embed",
         help="embed (top-K by encoder similarity), text (concepts in captions) or metaclip.",
         panel=METHOD,
+        choices=METHODS,
     )
     # CLIP / SigLIP / MetaCLIP directory (embed); `init-model --preset tiny-clip` builds one
     encoder: Path | None = option(
         None, help="CLIP / SigLIP / MetaCLIP directory for --method embed.", panel=O.IO, doc="encoder directory (embed)"
     )
-    top_k: int = option(3, help="Concepts per image (embed).", panel=METHOD)
+    top_k: int = option(3, help="Concepts per image (embed).", panel=METHOD, min=1)
     # how an image's per-concept inverse frequencies combine into its weight: mean|max|sum
     combine: str = option(
         "mean",
         help="How an image's per-concept inverse frequencies combine: mean, max or sum.",
         panel=METHOD,
+        choices=COMBINE,
     )
     target: int | None = option(
         None,
@@ -104,6 +106,7 @@ class BalanceConfig:
         "all",
         help="all, or for sharded runs: assign (per shard), then --merge, then sample (per shard).",
         panel=SHARDED_RUNS,
+        choices=PHASES,
     )
     merge: list[Path] | None = option(
         None,
@@ -123,16 +126,11 @@ class BalanceConfig:
     quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self):
+        O.validate(self)  # each option's declared range and choices; the checks across options follow
         if self.out is None:
             raise OvkitError("--out is required")
         if self.concepts is None:
             raise OvkitError("--concepts is required (a text file, one concept per line)")
-        if self.method not in METHODS:
-            raise OvkitError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.phase not in PHASES:
-            raise OvkitError(f"--phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
-        if self.combine not in COMBINE:
-            raise OvkitError(f"--combine must be one of {', '.join(COMBINE)}, got {self.combine!r}")
         if self.merge and self.data is not None:
             raise OvkitError("--merge reduces assignment outputs; do not also pass DATA")
         if not self.merge and self.data is None:
@@ -146,8 +144,6 @@ class BalanceConfig:
             raise OvkitError("--phase sample needs --plan (the output of `ovkit balance --merge`)")
         if self.shard and self.phase == "all" and not self.merge:
             raise OvkitError("--shard needs --phase assign or sample (counts must be merged across shards first)")
-        if self.top_k < 1:
-            raise OvkitError("--top-k must be >= 1")
         if "{}" not in self.concept_template:
             raise OvkitError("--concept-template must contain {} where the concept goes")
 

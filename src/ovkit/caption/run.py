@@ -45,6 +45,7 @@ from ovkit.caption.quality import has_cjk, mean_recall, parse_concepts
 from ovkit.data import IMAGE_TOKEN, MESSAGE, parse_shard, read_samples, write_rejects, write_samples, write_table
 from ovkit.errors import OvkitError
 from ovkit.files import fingerprint, write_json
+from ovkit.generate import ENGINES
 from ovkit.models.encode import decode_images, encode_prompt
 from ovkit.options import option
 
@@ -103,21 +104,26 @@ class CaptionConfig(O.ModelLoading):
         panel=CAPTIONING,
         default_doc="see above",
     )
-    engine: str = O.engine()
+    engine: str = O.engine(choices=ENGINES)
     batch_size: int = option(
         32,
         help="Sequences per generate call, hf engine.",
         panel=O.RUNTIME,
+        min=1,
         doc="sequences per generate call (hf engine; vLLM batches itself)",
     )
     # the recipe's filter allows 3500 characters, about 800 tokens
     max_new_tokens: int = O.max_new_tokens(
         512, panel=CAPTIONING, doc="tokens per caption at most (the filter's 3500 characters are about 800 tokens)"
     )
-    temperature: float = O.temperature(0.0, panel=CAPTIONING)
-    top_p: float = O.top_p(panel=CAPTIONING)
+    temperature: float = O.temperature(0.0, panel=CAPTIONING, min=0)
+    top_p: float = O.top_p(panel=CAPTIONING, gt=0, max=1)
     min_chars: int = option(
-        50, help="Filter: captions shorter than this are rejected.", panel=CAPTION_FILTER, doc="filter lower bound"
+        50,
+        help="Filter: captions shorter than this are rejected.",
+        panel=CAPTION_FILTER,
+        doc="filter lower bound",
+        min=0,
     )
     max_chars: int = option(
         3500, help="Filter: captions longer than this are rejected.", panel=CAPTION_FILTER, doc="filter upper bound"
@@ -127,6 +133,7 @@ class CaptionConfig(O.ModelLoading):
         8,
         help="Filter: this many identical consecutive words reject a caption.",
         panel=CAPTION_FILTER,
+        min=2,  # a run of 2 identical words rejects
     )
     keep_original_on_reject: bool = option(
         False,
@@ -147,6 +154,7 @@ class CaptionConfig(O.ModelLoading):
         help="Rows per saved chunk of generations (a rerun resumes after the last one).",
         panel=O.RUN,
         doc="rows per saved chunk (resume granularity)",
+        min=1,
     )
     shard: str | None = O.shard(doc="`I/N`: caption part I of N into `OUT/part-I-of-N/`")
     on_error: str = O.on_error(doc="`fail` or `skip` (invalid input rows to `rejects.parquet`)")
@@ -161,8 +169,7 @@ class CaptionConfig(O.ModelLoading):
     quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
-        from ovkit.generate import ENGINES
-
+        O.validate(self)  # each option's declared range and choices; the checks across options follow
         for name in ("data", "model", "out"):
             if getattr(self, name) is None:
                 raise OvkitError("DATA is required" if name == "data" else f"--{name} is required")
@@ -171,23 +178,8 @@ class CaptionConfig(O.ModelLoading):
         self.languages()
         self.prompts()
         parse_shard(self.shard)
-        if self.engine not in ENGINES:
-            raise OvkitError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.on_error not in ("fail", "skip"):
-            raise OvkitError(f"--on-error must be 'fail' or 'skip', got {self.on_error!r}")
-        for name in ("batch_size", "max_new_tokens", "chunk_rows"):
-            if getattr(self, name) < 1:
-                raise OvkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise OvkitError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise OvkitError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_chars <= self.max_chars:
-            raise OvkitError(f"need 0 <= --min-chars <= --max-chars, got {self.min_chars} and {self.max_chars}")
-        if self.repeat_limit < 2:
-            raise OvkitError(
-                f"--repeat-limit must be >= 2 (a run of that many identical words rejects), got {self.repeat_limit}"
-            )
+        if self.min_chars > self.max_chars:
+            raise OvkitError(f"need --min-chars <= --max-chars, got {self.min_chars} and {self.max_chars}")
 
     def languages(self) -> list[tuple[str, float]]:
         """(language, share) pairs, shares summing to 1."""

@@ -99,6 +99,7 @@ class ConvertConfig:
         ),
         panel=O.IO,
         flags=("--from",),
+        choices=("auto", *FORMATS, *ALIASES),
         doc="the input format (table above); in a `--config` file the key is `from-format`",
     )
     to_format: str = option(
@@ -108,6 +109,7 @@ class ConvertConfig:
         ),
         panel=O.IO,
         flags=("--to",),
+        choices=TO_FORMATS,
         doc=(
             "`ovkit`: the sample table; `trl`: TRL's conversational VLM format (above); in a `--config` file the "
             "key is `to-format`"
@@ -130,7 +132,7 @@ class ConvertConfig:
     caption_prompt: str = option(
         "Describe the image.", help="ov-midtrain: the user turn after '<image>\\n'.", panel=RECORDS
     )
-    rows_per_file: int = option(10_000, help="Rows per output part file.", panel=RECORDS)
+    rows_per_file: int = option(10_000, help="Rows per output part file.", panel=RECORDS, min=1)
     shard: str | None = O.shard(
         doc="convert only records `[I*n/N, (I+1)*n/N)`, into `OUT/part-I-of-N/`", default_doc="all"
     )
@@ -139,6 +141,7 @@ class ConvertConfig:
     quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
+        O.validate(self)  # each option's declared range and choices; the checks across options follow
         if self.input is None:
             raise OvkitError("INPUT is required: the file or directory to convert")
         if self.out is None:
@@ -149,14 +152,6 @@ class ConvertConfig:
         )  # the input stays text: `./org/name` must not become a Hub id
         self.image_root = Path(self.image_root) if self.image_root is not None else None
         self.from_format = ALIASES.get(str(self.from_format), str(self.from_format))
-        if self.from_format != "auto" and self.from_format not in FORMATS:
-            raise OvkitError(f"--from must be auto or one of {', '.join(FORMATS)}, got {self.from_format!r}")
-        if self.to_format not in TO_FORMATS:
-            raise OvkitError(f"--to must be one of {', '.join(TO_FORMATS)}, got {self.to_format!r}")
-        if self.on_error not in ("fail", "skip"):
-            raise OvkitError(f"--on-error must be 'fail' or 'skip', got {self.on_error!r}")
-        if self.rows_per_file < 1:
-            raise OvkitError(f"--rows-per-file must be >= 1, got {self.rows_per_file}")
         parse_shard(self.shard)  # raises with the flag's name
 
     @property

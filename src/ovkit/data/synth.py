@@ -90,6 +90,8 @@ class SynthConfig:
         1.0,
         help="Multiplies every split's size (1.0: about 8,000 images).",
         panel="Corpus",
+        gt=0,
+        max=MAX_SCALE,
         doc="multiplies every split's size (at least one row per category and split)",
     )
     seed: int = O.seed(
@@ -99,11 +101,12 @@ class SynthConfig:
     quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.scale, (int, float)) or isinstance(self.scale, bool):
+            raise OvkitError(f"--scale must be a number, got {self.scale!r}")
+        O.validate(self)  # each option's declared range and choices; the checks across options follow
         if self.out is None:
             raise OvkitError("--out is required (the directory to write the corpus to)")
         self.out = Path(self.out)
-        if not (isinstance(self.scale, (int, float)) and 0 < self.scale <= MAX_SCALE):
-            raise OvkitError(f"--scale must be a number in (0, {MAX_SCALE}], got {self.scale!r}")
         self.scale = float(self.scale)
 
 

@@ -13,7 +13,9 @@ from typing import Any, ClassVar
 from ovkit import options as O
 from ovkit.errors import OvkitError, where
 from ovkit.files import write_json
+from ovkit.generate import ENGINES
 from ovkit.options import option
+from ovkit.prompts import ALIASES, INSTRUCTIONS
 from ovkit.rollouts.prompts import UNCATEGORIZED  # the task of rows without a `category` (light: no torch)
 
 MIN_NEW_TOKENS = 32  # the smallest per-category token budget when --max-new-tokens is not given
@@ -72,12 +74,14 @@ class EvalConfig(O.ModelLoading):
             "chart, science, diagram, svg, code, stem, coding); `normal`/`default` are accepted as in the "
             "released data"
         ),
+        choices=(*INSTRUCTIONS, "auto", *ALIASES),
     )
-    engine: str = O.engine()
+    engine: str = O.engine(choices=ENGINES)
     batch_size: int = option(
         64,
         help="Sequences per generate call (rows x n), hf engine.",
         panel=O.RUNTIME,
+        min=1,
         doc=("sequences (rows x `--n`) per `generate` call of the hf engine; lower it when memory runs out"),
     )
     max_new_tokens: int | None = O.max_new_tokens(
@@ -95,8 +99,9 @@ class EvalConfig(O.ModelLoading):
         panel=GENERATION,
         doc="sampling temperature (0 = greedy); `--n` > 1 needs T > 0",
         default_doc="0 for `--n 1`, 1.0 otherwise",
+        min=0,
     )
-    top_p: float = O.top_p(panel=GENERATION)
+    top_p: float = O.top_p(panel=GENERATION, gt=0, max=1)
     limit: int | None = O.limit(
         panel=GENERATION, doc="the first N rows of each category (lmms-eval's `--limit` is per task too)"
     )
@@ -141,10 +146,9 @@ class EvalConfig(O.ModelLoading):
     quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
-        from ovkit.generate import ENGINES
-        from ovkit.prompts import ALIASES, INSTRUCTIONS
         from ovkit.rollouts.episodes import check_env_options
 
+        O.validate(self)  # each option's declared range and choices; the checks across options follow
         check_env_options(self)
 
         if not self.data:
@@ -161,29 +165,14 @@ class EvalConfig(O.ModelLoading):
         if self.out is None:
             raise OvkitError("--out is required")
         self.prompt = ALIASES.get(self.prompt, self.prompt)
-        if self.prompt not in (*INSTRUCTIONS, "auto"):
-            raise OvkitError(f"--prompt must be one of {', '.join(INSTRUCTIONS)} or auto, got {self.prompt!r}")
         if self.prompt == "auto" and self.env:
             raise OvkitError(
                 "--prompt auto asks rows in different modes; with --env give one: --prompt answer or think"
             )
-        if self.engine not in ENGINES:
-            raise OvkitError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        for name in ("batch_size", "n"):
-            if getattr(self, name) < 1:
-                raise OvkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.limit is not None and self.limit < 1:
-            raise OvkitError(f"--limit must be >= 1, got {self.limit}")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise OvkitError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature is None:
             self.temperature = 0.0 if self.n == 1 else 1.0
-        if self.temperature < 0:
-            raise OvkitError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.n > 1 and self.temperature == 0:
             raise OvkitError("--n > 1 needs --temperature > 0 (greedy completions are all the same)")
-        if not 0 < self.top_p <= 1:
-            raise OvkitError(f"--top-p must be in (0, 1], got {self.top_p}")
 
 
 # -- the eval set ---------------------------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ class MismatchConfig(O.ModelLoading):
         panel=LEARNER,
         doc="sampling temperature (0 = greedy); the learner divides its logits by it",
         default_doc="producer's, else 1.0",
+        min=0,
     )
     # --generate: nucleus mass (default 1.0); ROLLOUTS: read from the producer for the note
     top_p: float | None = O.top_p(
@@ -89,6 +90,8 @@ class MismatchConfig(O.ModelLoading):
         panel=FRESH_ROLLOUTS,
         doc="with `--generate`: nucleus sampling mass of the samplers",
         default_doc="1.0",
+        gt=0,
+        max=1,
     )
     n: int = O.n(4, panel=FRESH_ROLLOUTS, doc="with `--generate`: completions per prompt")
     limit: int | None = O.limit(
@@ -101,6 +104,7 @@ class MismatchConfig(O.ModelLoading):
         "answer",
         help="With --generate: stage instruction added to prompts: answer, think or none.",
         panel=FRESH_ROLLOUTS,
+        choices=PROMPT_MODES,
     )
     system_prompt: bool = O.system_prompt(
         panel=FRESH_ROLLOUTS, doc="with `--generate`: prepend the recipe's system prompt, as rl-train does"
@@ -108,13 +112,14 @@ class MismatchConfig(O.ModelLoading):
     # images downscaled to at most this many pixels, as rl-curate / rl-train do (0: never)
     max_pixels: int = O.max_pixels(
         panel=LEARNER,
+        min=0,
         doc=(
             "downscale images to at most N pixels as the sampler did (rl-curate / rl-train: 262144; eval does not"
             " downscale: 0)"
         ),
     )
     batch_size: int = option(
-        16, help="Rollouts per learner forward pass (and sequences per generate call).", panel=LEARNER
+        16, help="Rollouts per learner forward pass (and sequences per generate call).", panel=LEARNER, min=1
     )
     precision: str = O.precision(
         "fp32",
@@ -147,6 +152,7 @@ class MismatchConfig(O.ModelLoading):
         20000,
         help="Tokens drawn in the scatter plots (a seeded sample beyond that).",
         panel=O.IO,
+        min=1,
     )
     env: str | None = O.env(
         doc=(
@@ -168,6 +174,7 @@ class MismatchConfig(O.ModelLoading):
         from ovkit.mismatch.sample import canonical_sampler
         from ovkit.rollouts.episodes import check_env_options
 
+        O.validate(self)  # each option's declared range and choices; the checks across options follow
         check_env_options(self)
         if self.env and self.generate is None:
             raise OvkitError("--env goes with --generate (ROLLOUTS were already sampled)")
@@ -190,28 +197,9 @@ class MismatchConfig(O.ModelLoading):
         self.sampler = list(
             dict.fromkeys(canonical_sampler(s) for s in (self.sampler or (["bf16"] if self.generate else [])))
         )
-        checks = [
-            (self.temperature is None or self.temperature >= 0, "--temperature must be >= 0 (0 = greedy)"),
-            (self.top_p is None or 0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
-            (self.n >= 1, "--n must be >= 1"),
-            (self.limit is None or self.limit >= 1, "--limit must be >= 1"),
-            (self.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
-            (self.prompt in PROMPT_MODES, f"--prompt must be one of {', '.join(PROMPT_MODES)}"),
-            (self.max_pixels >= 0, "--max-pixels must be >= 0 (0: no downscaling)"),
-            (self.batch_size >= 1, "--batch-size must be >= 1"),
-            (self.correction_threshold > 0, "--correction-threshold must be > 0"),
-            (
-                self.correction_lower is None or 0 <= self.correction_lower <= self.correction_threshold,
-                "--correction-lower must be in [0, --correction-threshold]",
-            ),
-            (self.geo_lower <= self.geo_upper, "need --geo-lower <= --geo-upper"),
-            (self.behave_cap >= 0, "--behave-cap must be >= 0 (0: not reported)"),
-            (self.max_points >= 1, "--max-points must be >= 1"),
-            (self.generate is None or self.temperature != 0 or self.n == 1, "--n > 1 needs --temperature > 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise OvkitError(message)
+        O.check_corrections(self)
+        if self.generate is not None and self.temperature == 0 and self.n > 1:
+            raise OvkitError("--n > 1 needs --temperature > 0")
 
     @property
     def thresholds(self) -> Thresholds:

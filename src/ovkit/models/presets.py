@@ -204,6 +204,7 @@ class InitModelConfig:
         "auto",
         help=("Compose / random init: weight dtype (auto keeps the checkpoints' / float32; float32, bfloat16, ...)."),
         panel=MODEL,
+        choices=DTYPES,
         doc=(
             "compose: `auto` (keep the checkpoints'), `float32`, `bfloat16`, `float16`; random init: the weights'"
             " dtype (`auto` = float32)"
@@ -243,14 +244,13 @@ class InitModelConfig:
     quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
 
     def __post_init__(self) -> None:
+        O.validate(self)  # each option's declared range and choices; the checks across options follow
         self.corpus = [Path(p) for p in (self.corpus or [])]
         if self.list_presets:
             return
         if self.out is None:
             raise OvkitError("--out is required (the model directory to write)")
         self.out = Path(self.out)
-        if self.dtype not in DTYPES:
-            raise OvkitError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         composing = self.vision is not None or self.llm is not None
         if self.preset is None:
             self.preset = "compose" if composing else "tiny"

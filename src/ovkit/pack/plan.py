@@ -63,13 +63,14 @@ class PackConfig:
         doc="model directory whose processor measures the samples",
     )
     # pack capacity L in tokens; longer samples are rejected
-    max_len: int = option(8192, help="Pack capacity L in tokens; longer samples go to rejects.", panel=PACKING)
+    max_len: int = option(8192, help="Pack capacity L in tokens; longer samples go to rejects.", panel=PACKING, min=1)
     out: Path | None = O.out(doc="plan directory (with `--shard`, the part goes to `OUT/part-I-of-N/`)")
     shard: str | None = O.shard()
     workers: int = option(
         1,
         help="Processes measuring lengths.",
         panel=O.RUNTIME,
+        min=1,
         doc="processes measuring lengths (results do not depend on it)",
     )
     # encode every sample with the processor instead of using image header sizes
@@ -86,6 +87,7 @@ class PackConfig:
         8,
         help="B of the 'pad to longest in random batches' baseline.",
         panel=PACKING,
+        min=1,
         doc='B of the "pad to the longest in random batches of B" padding baseline',
     )
     on_error: str = O.on_error(doc="`fail`: stop at the first bad row; `skip`: move it to `rejects.parquet`")
@@ -96,6 +98,7 @@ class PackConfig:
     def __post_init__(self) -> None:
         from ovkit.data import parse_shard
 
+        O.validate(self)  # each option's declared range and choices; the checks across options follow
         if self.data is None:
             raise OvkitError("DATA is required: the sample table to pack")
         if self.model is None:
@@ -105,14 +108,6 @@ class PackConfig:
         self.data, self.model, self.out = Path(self.data), Path(self.model), Path(self.out)
         if self.cache is not None:
             self.cache = Path(self.cache)
-        if self.max_len < 1:
-            raise OvkitError(f"--max-len must be >= 1, got {self.max_len}")
-        if self.workers < 1:
-            raise OvkitError(f"--workers must be >= 1, got {self.workers}")
-        if self.baseline_batch < 1:
-            raise OvkitError(f"--baseline-batch must be >= 1, got {self.baseline_batch}")
-        if self.on_error not in ("fail", "skip"):
-            raise OvkitError(f"--on-error must be 'fail' or 'skip', got {self.on_error!r}")
         parse_shard(self.shard)
 
     @property

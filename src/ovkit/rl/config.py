@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ovkit import options as O
 from ovkit.choices import (  # torch-free: a bad option fails before torch imports (#29)
     AGGREGATIONS,
-    ATTENTION,
     KL_ESTIMATORS,
     canonical_precision,
     check_checkpointing,
@@ -72,6 +71,8 @@ class RLTrainConfig(O.Learner):
         1,
         help="1: answer-only prompts; 2: think prompts + format reward (the curriculum).",
         panel=O.IO,
+        min=1,
+        max=2,
     )
     # hf | vllm (colocated) | vllm-server (ovkit.generate)
     engine: str = O.engine(
@@ -84,6 +85,7 @@ class RLTrainConfig(O.Learner):
             "colocated vLLM engine (GPU, `pip install 'ovkit[vllm]'`); `vllm-server`: a running `vllm serve` "
             "(see `--vllm-server-url`)"
         ),
+        choices=RL_ENGINES,
     )
     # sample from a copy in fp32 | bf16 | fp16 (bf16: a real mismatch on CPU)
     sampler_precision: str | None = option(
@@ -110,9 +112,10 @@ class RLTrainConfig(O.Learner):
         32,
         help="GRPO groups (prompts) per step.",
         panel=SAMPLING,
+        min=1,
         doc=("prompts (groups) per step; a DATA with fewer prompts repeats them within a step, with a warning"),
     )
-    group_size: int = option(16, help="Completions per prompt (G).", panel=SAMPLING, flags=("--n-samples",))
+    group_size: int = option(16, help="Completions per prompt (G).", panel=SAMPLING, flags=("--n-samples",), min=1)
     max_new_tokens: int = O.max_new_tokens(4096)
     temperature: float = O.temperature(
         1.0, doc="sampling temperature (0 = greedy); the learner divides its logits by it too"
@@ -121,13 +124,14 @@ class RLTrainConfig(O.Learner):
         doc="nucleus sampling mass (with T > 0); the learner does not truncate: top-p < 1 shows up as mismatch"
     )
     # exclusive with --epochs
-    max_steps: int | None = option(None, help="GRPO steps to run (instead of --epochs).", panel=OPTIMISER)
+    max_steps: int | None = option(None, help="GRPO steps to run (instead of --epochs).", panel=OPTIMISER, min=1)
     # passes over the prompts (30 when neither is given)
     epochs: float | None = option(
         None,
         help=("Passes over the prompts (default 30 when --max-steps is not given). Also --num-train-epochs (HF/TRL)."),
         panel=OPTIMISER,
         flags=("--num-train-epochs",),
+        gt=0,
         default_doc="30",
     )
     lr: float = option(
@@ -135,27 +139,32 @@ class RLTrainConfig(O.Learner):
         help="Constant learning rate after warmup (AdamW). Also --learning-rate (HF/TRL).",
         panel=OPTIMISER,
         flags=("--learning-rate",),
+        gt=0,
         doc="constant after warmup (AdamW, eps 1e-5)",
     )
-    weight_decay: float = option(0.01, help="AdamW weight decay on weight matrices.", panel=OPTIMISER)
+    weight_decay: float = option(0.01, help="AdamW weight decay on weight matrices.", panel=OPTIMISER, min=0)
     # constant learning rate after a linear warmup over this fraction of the steps
     warmup_ratio: float = option(
         0.001,
         help="Fraction of the steps with linear warmup.",
         panel=OPTIMISER,
+        min=0,
+        lt=1,
         doc="linear warmup over this fraction of the steps",
     )
     max_grad_norm: float = option(
         1.0,
         help="Clip the global gradient norm (0: no clipping).",
         panel=OPTIMISER,
+        min=0,
     )
-    eps_clip: float = option(0.2, help="PPO clip: ratio lower bound 1 - eps.", panel=GRPO_LOSS)
+    eps_clip: float = option(0.2, help="PPO clip: ratio lower bound 1 - eps.", panel=GRPO_LOSS, min=0, lt=1)
     eps_clip_high: float = option(
         0.28,
         help="PPO clip: ratio upper bound 1 + eps_high.",
         panel=GRPO_LOSS,
         flags=("--eps-clip-higher",),
+        min=0,
         doc="PPO clip, upper (clip-higher)",
     )
     reward_bias: float = option(-0.5, help="r' = (r + bias) * scale.", panel=GRPO_LOSS)
@@ -180,25 +189,29 @@ class RLTrainConfig(O.Learner):
             "normaliser = --max-new-tokens)."
         ),
         panel=GRPO_LOSS,
+        choices=AGGREGATIONS,
     )
     # KL to the initial model (the recipe uses none)
     kl_coef: float = option(
         0.0,
         help="KL penalty to the initial model (0: none, as released).",
         panel=GRPO_LOSS,
+        min=0,
         doc="KL penalty to the initial model (a frozen copy is kept when > 0)",
     )
-    kl_estimator: str = option("k3", help="k1 | k2 | k3.", panel=GRPO_LOSS)
+    kl_estimator: str = option("k3", help="k1 | k2 | k3.", panel=GRPO_LOSS, choices=KL_ESTIMATORS)
     behave_cap: float = O.behave_cap(flags=("--behav-imp-weight-cap",))  # AReaL's behav_imp_weight_cap
     behave_action: str = option(
         "mask",
         help="Above the cap: mask (train nothing) or clamp (weight = cap).",
         panel=MISMATCH_CORRECTIONS,
+        choices=("mask", "clamp"),
     )
     behave_level: str = option(
         "token",
         help="token, or sequence (geometric mean of the sequence's ratios).",
         panel=MISMATCH_CORRECTIONS,
+        choices=("token", "sequence"),
     )
     correction: str = option(
         "none",
@@ -219,19 +232,22 @@ class RLTrainConfig(O.Learner):
         help=("ETA: rollouts run ahead of training by at most this many versions (0: synchronous on-policy)."),
         panel=SAMPLING,
         flags=("--max-head-offpolicyness",),
+        min=0,
     )
     # optimizer steps per batch (AReaL ppo_n_minibatches)
-    ppo_minibatches: int = option(1, help="Optimizer steps per batch (each on a slice of it).", panel=OPTIMISER)
+    ppo_minibatches: int = option(1, help="Optimizer steps per batch (each on a slice of it).", panel=OPTIMISER, min=1)
     micro_batch_size: int = option(
         8,
         help="Trajectories per learner forward pass (memory).",
         panel=O.RUNTIME,
         run_control=True,
+        min=1,
     )
     rollout_batch_size: int = option(
         64,
         help="Sequences per generate call of the hf engine.",
         panel=O.RUNTIME,
+        min=1,
     )
     # --engine vllm (colocated): the GPU share vLLM takes (TRL's default)
     vllm_gpu_memory_utilization: float = option(
@@ -258,6 +274,8 @@ class RLTrainConfig(O.Learner):
         None,
         help="Weight of the format reward (default: 0 in stage 1, 0.1 in stage 2).",
         panel=GRPO_LOSS,
+        min=0,
+        max=1,
         default_doc="0 / 0.1",
     )
     system_prompt: bool = O.system_prompt()
@@ -287,6 +305,7 @@ class RLTrainConfig(O.Learner):
         help="Processes for the sandboxed scorers (math, svg, code).",
         panel=O.RUNTIME,
         run_control=True,
+        min=1,
     )
     env: str | None = O.env()
     env_arg: Any = O.env_arg()
@@ -301,6 +320,7 @@ class RLTrainConfig(O.Learner):
     def __post_init__(self) -> None:
         from ovkit.rollouts.episodes import check_env_options
 
+        O.validate(self)  # each option's declared range and choices; the checks across options follow
         if not self.data:
             raise OvkitError("DATA is required: RL sample tables (e.g. rl-curate's OUT/stage1)")
         check_env_options(self)
@@ -309,8 +329,6 @@ class RLTrainConfig(O.Learner):
             if getattr(self, name) is None:
                 raise OvkitError(f"--{name} is required")
             setattr(self, name, Path(getattr(self, name)))
-        if self.stage not in STAGE_MODES:
-            raise OvkitError(f"--stage must be 1 or 2, got {self.stage}")
         if self.format_weight is None:
             self.format_weight = STAGE_FORMAT_WEIGHT[self.stage]
         try:
@@ -328,59 +346,14 @@ class RLTrainConfig(O.Learner):
         self._check()
 
     def _check(self) -> None:
-        positive = (
-            "prompts_per_step",
-            "group_size",
-            "max_new_tokens",
-            "ppo_minibatches",
-            "micro_batch_size",
-            "rollout_batch_size",
-            "keep_checkpoints",
-            "reward_workers",
-        )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise OvkitError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        """The checks across options (each option's own range and choices are declared on its field)."""
         if self.max_steps is not None and self.epochs is not None:
             raise OvkitError("give --max-steps or --epochs, not both")
-        if (self.max_steps is not None and self.max_steps < 1) or (self.epochs is not None and self.epochs <= 0):
-            raise OvkitError("--max-steps must be >= 1 and --epochs > 0")
         if self.ppo_minibatches > self.prompts_per_step * self.group_size:
             raise OvkitError(
                 "--ppo-minibatches cannot exceed the trajectories per step (prompts-per-step x group-size)"
             )
-        checks = [
-            (self.max_staleness >= 0, "--max-staleness must be >= 0 (0 = synchronous on-policy)"),
-            (
-                self.lr > 0 and self.weight_decay >= 0 and self.max_grad_norm >= 0,
-                "need --lr > 0, --weight-decay >= 0, --max-grad-norm >= 0",
-            ),
-            (0 <= self.warmup_ratio < 1, "--warmup-ratio must be in [0, 1)"),
-            (0 <= self.eps_clip < 1 and self.eps_clip_high >= 0, "need 0 <= --eps-clip < 1 and --eps-clip-high >= 0"),
-            (self.behave_cap >= 0, "--behave-cap must be >= 0 (0 = no cap)"),
-            (self.behave_action in ("mask", "clamp"), "--behave-action must be mask or clamp"),
-            (self.behave_level in ("token", "sequence"), "--behave-level must be token or sequence"),
-            (self.loss_agg in AGGREGATIONS, f"--loss-agg must be one of {', '.join(AGGREGATIONS)}"),
-            (self.kl_estimator in KL_ESTIMATORS, f"--kl-estimator must be one of {', '.join(KL_ESTIMATORS)}"),
-            (self.kl_coef >= 0, "--kl-coef must be >= 0"),
-            (0 <= self.format_weight <= 1, "--format-weight must be in [0, 1]"),
-            (self.correction_threshold > 0, "--correction-threshold must be > 0"),
-            (
-                self.correction_lower is None or 0 <= self.correction_lower <= self.correction_threshold,
-                "need 0 <= --correction-lower <= --correction-threshold",
-            ),
-            (self.geo_lower <= self.geo_upper, "need --geo-lower <= --geo-upper"),
-            (self.engine in RL_ENGINES, f"--engine must be one of {', '.join(RL_ENGINES)}"),
-            (
-                self.lora_r >= 0 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1,
-                "need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1",
-            ),
-            (self.attn_implementation in ATTENTION, f"--attn-implementation must be one of {', '.join(ATTENTION)}"),
-            (self.save_every >= 0, "--save-every must be >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise OvkitError(message)
+        O.check_corrections(self)
 
     @property
     def partial(self) -> Path:

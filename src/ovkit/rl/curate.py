@@ -32,8 +32,9 @@ from typing import Any, ClassVar
 
 from ovkit import options as O
 from ovkit.errors import OvkitError
+from ovkit.generate import ENGINES
 from ovkit.options import option
-from ovkit.prompts import STAGE2_CATEGORIES, mode_of, stage_of
+from ovkit.prompts import ALIASES, STAGE2_CATEGORIES, mode_of, stage_of
 
 SELECT_RULES = ("mean", "gap")
 
@@ -73,6 +74,7 @@ class CurateConfig(O.ModelLoading):
             "min-gap (the write-up)."
         ),
         panel=SELECTION,
+        choices=SELECT_RULES,
     )
     min_reward: float = option(
         0.0,
@@ -90,6 +92,8 @@ class CurateConfig(O.ModelLoading):
         0.25,
         help="gap rule: keep prompts with pass@N - pass@1 >= this.",
         panel=SELECTION,
+        min=0,
+        max=1,
         doc="gap rule: minimum pass@N - pass@1",
     )
     # sources kept whatever their difficulty
@@ -129,19 +133,20 @@ class CurateConfig(O.ModelLoading):
             "answer or think."
         ),
         panel=SAMPLING,
+        choices=("auto", "answer", "think", *ALIASES),  # the released data's names too (ovkit.prompts)
         doc=(
             "instruction the rollouts are sampled with: auto (each row its stage's: stage 1 answer-only, stage 2 "
             "think, so difficulty is measured in the mode it will be trained in), answer or think"
         ),
     )
-    engine: str = O.engine()
+    engine: str = O.engine(choices=ENGINES)
     precision: str = O.precision(
         doc=(
             "the sampler's compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
             "`bf16-mixed` (bf16 weights)"
         )
     )
-    batch_size: int = option(64, help="Sequences per generate call (prompts x n).", panel=O.RUNTIME)
+    batch_size: int = option(64, help="Sequences per generate call (prompts x n).", panel=O.RUNTIME, min=1)
     max_new_tokens: int = O.max_new_tokens(1024)
     temperature: float = O.temperature(1.0)
     top_p: float = O.top_p()
@@ -174,24 +179,14 @@ class CurateConfig(O.ModelLoading):
     def __post_init__(self) -> None:
         from ovkit.rollouts.episodes import check_env_options
 
+        O.validate(self)  # each option's declared range and choices; the checks across options follow
         check_env_options(self)
         for name in ("data", "model", "out"):
             if getattr(self, name) is None:
                 raise OvkitError(f"{'DATA' if name == 'data' else '--' + name} is required")
             setattr(self, name, Path(getattr(self, name)))
-        checks = [
-            (self.n >= 1, "--n must be >= 1"),
-            (self.limit is None or self.limit >= 1, "--limit must be >= 1"),
-            (self.select in SELECT_RULES, f"--select must be one of {', '.join(SELECT_RULES)}"),
-            (self.min_reward < self.max_reward, "need --min-reward < --max-reward"),
-            (0 <= self.min_gap <= 1, "--min-gap must be in [0, 1]"),
-            (self.prompt in ("auto", "answer", "think", "normal", "default"), "--prompt must be auto, answer or think"),
-            (self.batch_size >= 1 and self.max_new_tokens >= 1, "--batch-size and --max-new-tokens must be >= 1"),
-            (self.engine in ("hf", "vllm"), "--engine must be hf or vllm"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise OvkitError(message)
+        if self.min_reward >= self.max_reward:
+            raise OvkitError("need --min-reward < --max-reward")
         self.keep_sources = list(self.keep_sources or [])
         self.stage2_categories = list(self.stage2_categories or [])
         self.exclude_categories = list(self.exclude_categories or [])

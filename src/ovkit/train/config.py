@@ -15,7 +15,6 @@ from typing import ClassVar
 
 from ovkit import options as O
 from ovkit.choices import (
-    ATTENTION,
     canonical_precision,
     check_checkpointing,
     check_eval_options,
@@ -102,12 +101,14 @@ class TrainConfig(O.Learner):
         ),
         panel=OPTIMISER_SCHEDULE,
         flags=("--learning-rate",),
+        gt=0,
         default_doc="stage preset",
     )
     vision_lr: float | None = option(
         None,
         help=("Peak learning rate of the vision encoder (LLaVA-OneVision's mm_vision_tower_lr). Default: --lr."),
         panel=OPTIMISER_SCHEDULE,
+        gt=0,
         doc=(
             "peak learning rate of the vision encoder (LLaVA-OneVision's `mm_vision_tower_lr`); the same schedule"
             " scales it"
@@ -119,11 +120,14 @@ class TrainConfig(O.Learner):
         1e-6,
         help="Learning rate at the end of the cosine schedule.",
         panel=OPTIMISER_SCHEDULE,
+        min=0,
     )
     warmup_ratio: float = option(
         0.002,
         help="Fraction of the steps with linear warmup from 0.",
         panel=OPTIMISER_SCHEDULE,
+        min=0,
+        lt=1,
         doc="fraction of the steps warming up linearly from 0 (at least one step when > 0)",
     )
     # AdamW decoupled weight decay on matrices (not on biases/norms)
@@ -132,6 +136,7 @@ class TrainConfig(O.Learner):
         help=("AdamW weight decay on weight matrices. Default: the stage's preset (midtrain 0.01, else 0)."),
         panel=OPTIMISER_SCHEDULE,
         doc="AdamW decoupled weight decay on matrices",
+        min=0,
         default_doc="stage preset",
     )
     # gradient clipping (global L2 norm); 0 disables
@@ -140,6 +145,7 @@ class TrainConfig(O.Learner):
         help="Clip the global gradient norm to this (0: no clipping).",
         panel=OPTIMISER_SCHEDULE,
         doc="clip the global gradient norm (0: off)",
+        min=0,
     )
     batch_size: int = option(
         8,
@@ -149,6 +155,7 @@ class TrainConfig(O.Learner):
         ),
         panel=BATCHES_LENGTH,
         flags=("--per-device-train-batch-size",),
+        min=1,
         doc="samples (or packs) per micro-batch per process",
     )
     # micro-batches per optimiser step; global batch = batch_size * grad_accum * processes
@@ -160,12 +167,14 @@ class TrainConfig(O.Learner):
         ),
         panel=BATCHES_LENGTH,
         flags=("--gradient-accumulation-steps",),
+        min=1,
     )
     max_steps: int | None = option(
         None,
         help="Optimiser steps to run (instead of --epochs).",
         panel=BATCHES_LENGTH,
         doc="optimiser steps (exclusive with `--epochs`)",
+        min=1,
     )
     epochs: float | None = option(
         None,
@@ -173,6 +182,7 @@ class TrainConfig(O.Learner):
         panel=BATCHES_LENGTH,
         flags=("--num-train-epochs",),
         doc="passes over the data (fractions allowed)",
+        gt=0,
         default_doc="1",
     )
     # samples longer than this many tokens are skipped (counted in the summary)
@@ -181,6 +191,7 @@ class TrainConfig(O.Learner):
         help="Skip samples longer than this many tokens (text + image tokens).",
         panel=BATCHES_LENGTH,
         doc="skip samples longer than this (tokens, image tokens included)",
+        min=1,
     )
     precision: str = O.precision(
         doc=(
@@ -224,6 +235,7 @@ class TrainConfig(O.Learner):
     )
 
     def __post_init__(self) -> None:
+        O.validate(self)  # each option's declared range and choices; the checks across options follow
         if not self.data:
             raise OvkitError("DATA is required: a sample table (parquet file or directory)")
         if self.model is None:
@@ -246,35 +258,14 @@ class TrainConfig(O.Learner):
         self._check()
 
     def _check(self) -> None:
-        positive = {"batch_size": self.batch_size, "grad_accum": self.grad_accum, "max_len": self.max_len}
-        for name, value in positive.items():
-            if value < 1:
-                raise OvkitError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        """The checks across options (each option's own range and choices are declared on its field)."""
         if self.max_steps is not None and self.epochs is not None:
             raise OvkitError("give --max-steps or --epochs, not both")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise OvkitError(f"--max-steps must be >= 1, got {self.max_steps}")
-        if self.epochs is not None and self.epochs <= 0:
-            raise OvkitError(f"--epochs must be > 0, got {self.epochs}")
-        if self.vision_lr is not None and self.vision_lr <= 0:
-            raise OvkitError(f"--vision-lr must be > 0 (freeze the encoder with --freeze-vision), got {self.vision_lr}")
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise OvkitError(f"need --lr > 0 and 0 <= --min-lr <= --lr, got lr {self.lr}, min-lr {self.min_lr}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise OvkitError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.weight_decay < 0 or self.max_grad_norm < 0:
-            raise OvkitError("--weight-decay and --max-grad-norm must be >= 0")
+        if self.min_lr > self.lr:
+            raise OvkitError(f"need --min-lr <= --lr, got lr {self.lr}, min-lr {self.min_lr}")
         self.precision = check_optim(self.optim, canonical_precision(self.precision))  # adamw_bf16: auto -> bf16-true
-        if self.attn_implementation not in ATTENTION:
-            raise OvkitError(
-                f"--attn-implementation must be one of {', '.join(ATTENTION)}, got {self.attn_implementation!r}"
-            )
         if self.load_in_4bit and self.lora_r <= 0:
             raise OvkitError("--load-in-4bit trains LoRA adapters on a frozen 4-bit base: give --lora-r > 0")
-        if self.lora_r < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
-            raise OvkitError("need --lora-r >= 0, --lora-alpha > 0 and 0 <= --lora-dropout < 1")
-        if self.save_every < 0 or self.keep_checkpoints < 1:
-            raise OvkitError("--save-every must be >= 0 and --keep-checkpoints >= 1")
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
         check_trackers(self.report_to)
