@@ -59,9 +59,9 @@ def _text_blocks(config, n: int, tokens: int):
 def _vision_blocks(config, n: int, tokens: int):
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionBlock
 
-    from ovkit.runtime.attention import VARLEN, register
+    from ovkit.models.attention import VARLEN, register
 
-    register()  # ovkit's varlen attention for the tower, as the runtime sets it (ovkit.runtime.attention)
+    register()  # ovkit's varlen attention for the tower, as the runtime sets it (ovkit.models.attention)
     vision = config.vision_config
     vision._attn_implementation = VARLEN
     blocks = [Qwen2_5_VLVisionBlock(vision, attn_implementation=VARLEN).to(DTYPE) for _ in range(n)]

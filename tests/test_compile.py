@@ -33,8 +33,8 @@ def aot_eager(monkeypatch):
 
 
 def _model_and_batches(root, sizes):
+    from ovkit.models import attention as attn
     from ovkit.models import load, pad_token_id
-    from ovkit.runtime import attention as attn
     from ovkit.train.data import SampleSource
 
     model, processor = load(root / "model", dtype=torch.float32)

@@ -185,7 +185,7 @@ def test_a_misspelt_option_gets_the_nearest_one(cli):
 
 
 def test_each_precision_spelling_has_one_meaning():
-    from ovkit.runtime.precision import canonical
+    from ovkit.models.precision import canonical
 
     assert canonical("bf16") == canonical("bf16-mixed") == "bf16-mixed"
     assert canonical("32") == canonical("float32") == "fp32"
@@ -196,7 +196,7 @@ def test_each_precision_spelling_has_one_meaning():
 def test_shipped_configs_use_no_ambiguous_precision():
     import yaml
 
-    from ovkit.runtime.precision import AMBIGUOUS
+    from ovkit.models.precision import AMBIGUOUS
 
     for f in (Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"):
         values = yaml.safe_load(f.read_text()) or {}

@@ -109,10 +109,10 @@ def test_the_loss_lives_on_the_models_device_with_no_host_read_in_the_gradient_p
     """Between the first forward and the optimiser step, no op outputs a tensor off the model's device and the host
     reads nothing but inside transformers' forward, until the step's one read (after the clipping)."""
 
+    from ovkit.models import attention as attn
     from ovkit.models import load
     from ovkit.rl import update
     from ovkit.rl.loop import trainable
-    from ovkit.runtime import attention as attn
     from ovkit.runtime.optim import adamw
     from ovkit.runtime.syncs import SyncCounter
 

@@ -84,15 +84,14 @@ def test_packed_equals_padded_for_every_cpu_attention(deep, tmp_path, cli, attn)
     for name in w_pad:
         torch.testing.assert_close(w_pad[name], w_pack[name], rtol=1e-4, atol=1e-6, msg=name)
     used = json.loads((tmp_path / "packed" / "ovkit.json").read_text())["runtime"]["attention"]
-    from ovkit.runtime.attention import VARLEN
+    from ovkit.models.attention import VARLEN
 
     # a learner's sdpa is the varlen function in the language model too: packed rows attend per sample, no T x T mask
     assert used["requested"] == attn and used["text"] == {"sdpa": VARLEN, "eager": "eager"}[attn]
 
 
 def test_an_implementation_the_architecture_lacks_falls_back_to_sdpa_with_one_warning(deep, capsys):
-    from ovkit.models import load
-    from ovkit.runtime import attention
+    from ovkit.models import attention, load
 
     root, _ = deep
     attention._warn_once.cache_clear()  # "once per process": whatever ran before in this one

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _trainable_model(root):
     """The tiny model as a learner has it: the learner's attention (varlen for packed rows and the vision tower)."""
+    from ovkit.models import attention as attn
     from ovkit.models import load
-    from ovkit.runtime import attention as attn
 
     model, processor = load(root / "model")
     attn.apply(model, attn.resolve("auto", "cpu", train=True))

@@ -17,10 +17,10 @@ from typing import Any
 
 from ovkit.errors import OvkitError
 
-# --attn-implementation (ovkit.runtime.attention)
+# --attn-implementation (ovkit.models.attention)
 ATTENTION = ("auto", "sdpa", "flash_attention_2", "flex_attention", "eager")
 
-# --precision (ovkit.runtime.precision). One meaning per spelling: `bf16` is HF Trainer's --bf16 (bf16 compute,
+# --precision (ovkit.models.precision). One meaning per spelling: `bf16` is HF Trainer's --bf16 (bf16 compute,
 # fp32 master weights). `bfloat16` once meant bf16-true here (torch_dtype=bfloat16) beside `bf16` meaning
 # bf16-mixed, so it is refused with both choices named rather than silently changing meaning (#29); no shipped
 # config used it.

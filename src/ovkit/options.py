@@ -263,7 +263,7 @@ precision = _shared(
     doc=(
         "the learner's: `auto` (bf16-mixed on a GPU with bf16, else fp32), `fp32`, `bf16-mixed` (bf16 weights"
         " in compute, fp32 master weights, gradients and AdamW state: no per-op casts), `bf16-true` (pure "
-        "bf16); `bf16` = bf16-mixed, `32` = fp32 (ovkit.runtime.precision)"
+        "bf16); `bf16` = bf16-mixed, `32` = fp32 (ovkit.models.precision)"
     ),
 )
 attn_implementation = _shared(

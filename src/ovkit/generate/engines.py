@@ -1,6 +1,6 @@
 """One builder for every generation engine: eval, caption, rl-curate, mismatch-report and rl-train's sampler.
 
-One device rule (the CUDA device when there is one, else the CPU), one precision vocabulary (ovkit.runtime.precision
+One device rule (the CUDA device when there is one, else the CPU), one precision vocabulary (ovkit.models.precision
 for the model; `fp32 | bf16 | fp16` for a sampler copy, plus `--sampler-quant`), and the attention option of every
 other command.
 """
@@ -16,9 +16,8 @@ import torch
 # A sampler's own precision (rl-train --sampler-precision, mismatch-report's samplers): the dtype of its weights.
 from ovkit.choices import SAMPLER_ALIASES, SAMPLER_PRECISIONS, sampler_dtype  # noqa: F401 (re-exported: torch-free)
 from ovkit.errors import OvkitError
-from ovkit.models import load, locate
-from ovkit.runtime import attention
-from ovkit.runtime import precision as prec
+from ovkit.models import attention, load, locate
+from ovkit.models import precision as prec
 
 DEFAULT_SERVER_URL = "http://localhost:8000"  # `vllm serve`'s default address
 

@@ -1,5 +1,8 @@
 """Models: build the tiny default, compose a VLM from a vision encoder and an LLM, load any HF VLM, encode samples.
 
+The loading policy lives beside loading: ovkit.models.precision (`--precision`), ovkit.models.attention
+(`--attn-implementation`, the vision tower's varlen attention) and ovkit.models.lora (`--lora-r`).
+
 Everything ovkit trains or evaluates is an ordinary transformers image-text-to-text model saved with
 `save_pretrained`, so `AutoModelForImageTextToText` / `AutoProcessor` (and vLLM) load it without ovkit.
 """

@@ -58,7 +58,7 @@ def to_device(batch: dict[str, Any], device: Any, skip: tuple[str, ...] = LOSS_K
     return out
 
 
-# The host values of boundaries `to_device` moved: the CPU-path varlen attention (ovkit.runtime.attention) plans from
+# The host values of boundaries `to_device` moved: the CPU-path varlen attention (ovkit.models.attention) plans from
 # these instead of reading the device copy back. Kept here, beside the move, so the model inputs need no runtime.
 _HOST: dict[int, tuple[Any, list[int]]] = {}
 _host_list = torch.Tensor.tolist  # bound at import: a host tensor's values, which ovkit.runtime.syncs need not count

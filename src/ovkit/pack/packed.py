@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from ovkit.errors import OvkitError, where
-from ovkit.runtime.attention import text_implementation
+from ovkit.models.attention import text_implementation
 
 IGNORE = -100
 PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")

@@ -40,6 +40,7 @@ from ovkit.evaluate.during import evaluator
 from ovkit.files import is_complete
 from ovkit.generate.engines import build_engine, device
 from ovkit.models import pad_token_id
+from ovkit.models import precision as prec
 from ovkit.models.groups import set_trainable, trainable_names
 from ovkit.rl.config import TRAJECTORY, RLTrainConfig
 from ovkit.rl.metrics import console_line, rollout_metrics
@@ -49,7 +50,6 @@ from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
 from ovkit.rollouts.groups import Group, Sampling, groups_table, score_groups
 from ovkit.rollouts.prompts import encode_prompts
 from ovkit.runtime import Runtime
-from ovkit.runtime import precision as prec
 from ovkit.runtime.optim import constant_factor
 
 # A rollout table's row per token at most: token id, sampler log-prob, loss mask (before parquet's compression).

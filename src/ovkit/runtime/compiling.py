@@ -19,7 +19,7 @@ and a graph specialised to the first step's shapes would recompile on the next; 
 is one variant per structure (text block, vision block; a padded batch's mask or none; with and without grad, for
 rl-train's no-grad proximal pass), each the first time it is met, and the counts then stop growing
 (tests/test_compile.py checks it across new lengths and batch sizes). The learner's
-attention (`ovkit_varlen_flash`, ovkit.runtime.attention) plans its SDPA calls from the sequence boundaries' values
+attention (`ovkit_varlen_flash`, ovkit.models.attention) plans its SDPA calls from the sequence boundaries' values
 on the host; that part runs eagerly (`torch.compiler.disable`), so each attention call is one graph break: the
 projections, norms, rotary embedding and MLP around it are compiled, the grouped SDPA is not. The counts measured
 since `apply` are in ovkit.json (`runtime.compile`).

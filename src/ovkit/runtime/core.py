@@ -61,13 +61,13 @@ from ovkit.errors import OutOfMemory, OvkitError
 from ovkit.faults import hold
 from ovkit.files import PROVENANCE, write_json
 from ovkit.launch import engine_warning, requested_engine
+from ovkit.models import attention as attn
 from ovkit.models import load, lora
+from ovkit.models import precision as prec
 from ovkit.runs import Stage
-from ovkit.runtime import attention as attn
 from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import compiling, integrity
 from ovkit.runtime import kernels as kern
-from ovkit.runtime import precision as prec
 from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
 from ovkit.runtime.loss import TokenScorer
 from ovkit.runtime.optim import MixedPrecisionAdamW, adamw, bytes_per_param, clip_grad_norm

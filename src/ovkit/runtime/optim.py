@@ -221,7 +221,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
     gradient outlives its backward. `step` updates the masters and copies them (rounded) into the parameters. The
     masters are part of `state_dict`, so a resumed run continues from the exact fp32 values. Clip with
     `clip_grad_norm_` (the masters hold the gradients). For single-process and FSDP-free runs: under DDP the
-    all-reduce reads the parameters' `.grad`, so DDP runs use autocast instead (ovkit.runtime.precision).
+    all-reduce reads the parameters' `.grad`, so DDP runs use autocast instead (ovkit.models.precision).
     """
 
     def __init__(self, groups: list[dict[str, Any]], **kw: Any):
