@@ -539,17 +539,27 @@ limit = _shared(
 max_new_tokens = _shared(
     help="Tokens per completion at most.", panel=SAMPLING, min=1, doc="tokens per completion at most"
 )
+reward_workers = _shared(
+    2,
+    min=1,
+    help="Processes for the sandboxed scorers (math, svg, code).",
+    panel=RUNTIME,
+    run_control=True,
+)
 temperature = _shared(
-    help="Sampling temperature (0 = greedy).", panel=SAMPLING, doc="sampling temperature (0 = greedy)"
+    min=0, help="Sampling temperature (0 = greedy).", panel=SAMPLING, doc="sampling temperature (0 = greedy)"
 )
 top_p = _shared(
     1.0,
+    gt=0,
+    max=1,
     help="Nucleus sampling mass (with --temperature > 0).",
     panel=SAMPLING,
     doc="nucleus sampling mass (with T > 0)",
 )
 max_pixels = _shared(
     512 * 512,
+    min=0,
     help="Downscale images to at most this many pixels, keeping the aspect ratio (512x512 in the recipe; 0: never).",
     panel=SAMPLING,
     doc=(

@@ -116,8 +116,8 @@ class CaptionConfig(O.ModelLoading):
     max_new_tokens: int = O.max_new_tokens(
         512, panel=CAPTIONING, doc="tokens per caption at most (the filter's 3500 characters are about 800 tokens)"
     )
-    temperature: float = O.temperature(0.0, panel=CAPTIONING, min=0)
-    top_p: float = O.top_p(panel=CAPTIONING, gt=0, max=1)
+    temperature: float = O.temperature(0.0, panel=CAPTIONING)
+    top_p: float = O.top_p(panel=CAPTIONING)
     min_chars: int = option(
         50,
         help="Filter: captions shorter than this are rejected.",

@@ -101,7 +101,7 @@ class EvalConfig(O.ModelLoading):
         default_doc="0 for `--n 1`, 1.0 otherwise",
         min=0,
     )
-    top_p: float = O.top_p(panel=GENERATION, gt=0, max=1)
+    top_p: float = O.top_p(panel=GENERATION)
     limit: int | None = O.limit(
         panel=GENERATION, doc="the first N rows of each category (lmms-eval's `--limit` is per task too)"
     )

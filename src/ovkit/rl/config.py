@@ -117,8 +117,12 @@ class RLTrainConfig(O.Learner):
     )
     group_size: int = option(16, help="Completions per prompt (G).", panel=SAMPLING, flags=("--n-samples",), min=1)
     max_new_tokens: int = O.max_new_tokens(4096)
-    temperature: float = O.temperature(
-        1.0, doc="sampling temperature (0 = greedy); the learner divides its logits by it too"
+    temperature: float = O.temperature(  # > 0: greedy groups have no spread, and the learner divides by it
+        1.0,
+        min=None,
+        gt=0,
+        help="Sampling temperature; the learner divides its logits by it too.",
+        doc="sampling temperature; the learner divides its logits by it too",
     )
     top_p: float = O.top_p(
         doc="nucleus sampling mass (with T > 0); the learner does not truncate: top-p < 1 shows up as mismatch"
@@ -300,13 +304,7 @@ class RLTrainConfig(O.Learner):
             "`eval/reward/<category>`, `eval/accuracy/<category>`; repeatable"
         )
     )
-    reward_workers: int = option(
-        2,
-        help="Processes for the sandboxed scorers (math, svg, code).",
-        panel=O.RUNTIME,
-        run_control=True,
-        min=1,
-    )
+    reward_workers: int = O.reward_workers()
     env: str | None = O.env()
     env_arg: Any = O.env_arg()
     max_turns: int = O.max_turns(3)

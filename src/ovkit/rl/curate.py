@@ -160,11 +160,7 @@ class CurateConfig(O.ModelLoading):
         negatable=True,
         doc="store prompt images in the rollout table",
     )
-    reward_workers: int = option(
-        2,
-        help="Processes for the sandboxed scorers (math, svg, code).",
-        panel=O.RUNTIME,
-    )
+    reward_workers: int = O.reward_workers()
     env: str | None = O.env()
     env_arg: Any = O.env_arg()
     max_turns: int = O.max_turns(3)
