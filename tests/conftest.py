@@ -56,27 +56,16 @@ def one_thread():
 def assets(tmp_path_factory):
     """A micro model (Qwen2.5-VL architecture, ~90K parameters) and a 16-sample table (helpers.make_rows): root/model,
     root/data. Read-only: tests write their runs under their own tmp_path."""
-    from helpers import make_rows
+    from helpers import make_rows, micro_spec
 
     from ovkit.data.parts import write_samples
     from ovkit.data.schema import samples_table
-    from ovkit.models.tiny import TinySpec, build_tiny
+    from ovkit.models.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("train")
     rows = make_rows(16)
     write_samples(samples_table(rows), root / "data", None)
-    spec = TinySpec(
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        mrope_section=(2, 3, 3),
-        vision_hidden_size=32,
-        vision_depth=1,
-        vision_heads=2,
-        vision_intermediate_size=64,
-    )
+    spec = micro_spec()
     texts = [m["content"] for r in rows for m in r["messages"]] * 4
     build_tiny(root / "model", texts, spec=spec)
     return root
@@ -86,27 +75,16 @@ def assets(tmp_path_factory):
 def deep(tmp_path_factory):
     """The tiny default's depth (4 LLM layers, a 4-block ViT), small widths, and a 16-sample table (root/model,
     root/data; helpers.pack_plan caches its pack plans beside them): (root, spec)."""
-    from helpers import make_rows
+    from helpers import make_rows, micro_spec
 
     from ovkit.data.parts import write_samples
     from ovkit.data.schema import samples_table
-    from ovkit.models.tiny import TinySpec, build_tiny
+    from ovkit.models.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("runtime")
     rows = make_rows(16)
     write_samples(samples_table(rows), root / "data", None)
-    spec = TinySpec(
-        hidden_size=32,
-        num_layers=4,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        mrope_section=(2, 3, 3),
-        vision_hidden_size=32,
-        vision_depth=4,
-        vision_heads=2,
-        vision_intermediate_size=64,
-    )
+    spec = micro_spec(4)
     build_tiny(root / "model", [m["content"] for r in rows for m in r["messages"]] * 4, spec=spec)
     return root, spec
 

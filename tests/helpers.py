@@ -39,6 +39,25 @@ def torchrun(n: int, *args, env: dict | None = None, timeout: float = 600) -> su
 # ------------------------------------------------------------------------------- supervised training (ovkit.train)
 
 
+def micro_spec(layers: int = 1):
+    """The smallest architecture the tests build (32 wide, 2 heads, one KV head; `layers` text and vision layers),
+    from which build_tiny makes the model of a corpus."""
+    from ovkit.models.tiny import TinySpec
+
+    return TinySpec(
+        hidden_size=32,
+        num_layers=layers,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        mrope_section=(2, 3, 3),
+        vision_hidden_size=32,
+        vision_depth=layers,
+        vision_heads=2,
+        vision_intermediate_size=64,
+    )
+
+
 def make_rows(n: int, seed: int = 0) -> list[dict]:
     """Count / colour questions about squares, some answers padded with extra words so lengths differ."""
     from PIL import Image, ImageDraw

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import micro_spec
 
 from ovkit.files import is_complete
 
@@ -41,23 +42,12 @@ RUN_RECORDS = {"ovkit.json", "README.md", "metrics.jsonl", "config.yaml"}  # con
 def corpus(tmp_path_factory):
     """A tiny model and a small synthetic corpus (every split), built through the CLI once for this module."""
     from ovkit.data.synth import pretrain_rows
-    from ovkit.models.tiny import TinySpec, build_tiny
+    from ovkit.models.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("crash")
     _ovkit("synth", "--out", root / "data", "--scale", "0.02", "--quiet")
     texts = [m["content"] for r in pretrain_rows(0, {"all": 48}, {}) for m in r["messages"]] * 2
-    spec = TinySpec(
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        mrope_section=(2, 3, 3),
-        vision_hidden_size=32,
-        vision_depth=1,
-        vision_heads=2,
-        vision_intermediate_size=64,
-    )
+    spec = micro_spec()
     build_tiny(root / "model", texts, spec=spec, seed=0)
     return root
 

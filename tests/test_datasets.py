@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from helpers import micro_spec
 from PIL import Image
 
 from ovkit.cards import CARD
@@ -463,7 +464,7 @@ def micro_model(tmp_path_factory, corpus) -> Path:
     from dataclasses import dataclass
 
     from ovkit.data.synth import corpus_texts
-    from ovkit.models.tiny import TinySpec, build_tiny
+    from ovkit.models.tiny import build_tiny
     from ovkit.runs import Stage
 
     @dataclass
@@ -471,18 +472,7 @@ def micro_model(tmp_path_factory, corpus) -> Path:
         preset: str = "micro"
         corpus: str = str(corpus)
 
-    spec = TinySpec(
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        mrope_section=(2, 3, 3),
-        vision_hidden_size=32,
-        vision_depth=1,
-        vision_heads=2,
-        vision_intermediate_size=64,
-    )
+    spec = micro_spec()
     out = tmp_path_factory.mktemp("models") / "micro"
     with Stage("init-model", InitCfg(), out, inputs=[corpus]) as stage:
         build_tiny(stage.path, corpus_texts(corpus), spec=spec)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import bomb_png, truncated_jpeg
+from helpers import bomb_png, micro_spec, truncated_jpeg
 from PIL import Image, ImageDraw
 
 from ovkit.data import REJECTS, image_cell, samples_table, write_samples
@@ -57,24 +57,13 @@ def good_rows() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def fuzz_assets(tmp_path_factory):
-    from ovkit.models.tiny import TinySpec, build_tiny
+    from ovkit.models.tiny import build_tiny
     from ovkit.models.tiny_clip import TinyClipSpec, build_tiny_clip
 
     root = tmp_path_factory.mktemp("fuzz")
     rows = good_rows()
     write_samples(samples_table(rows), root / "good")
-    spec = TinySpec(
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        mrope_section=(2, 3, 3),
-        vision_hidden_size=32,
-        vision_depth=1,
-        vision_heads=2,
-        vision_intermediate_size=64,
-    )
+    spec = micro_spec()
     build_tiny(
         root / "model", [m["content"] for r in rows for m in r["messages"]] * 4 + ["<answer>3</answer>"] * 8, spec=spec
     )
