@@ -296,6 +296,24 @@ optim = _shared(
         "ovkit.runtime.optim; the measured bytes per parameter are in ovkit.json `runtime.bytes_per_param`"
     ),
 )
+optimizer_in_backward = _shared(
+    False,
+    help="Step each parameter's optimiser inside backward, as soon as its gradient is complete, and free that gradient "
+    "(torchtune's optimizer_in_bwd): the same weights as without it, no gradient memory (bf16-true + adamw_bf16: 8 "
+    "bytes per parameter, not 10). Needs --max-grad-norm 0, --grad-accum 1 and one process; not in rl-train.",
+    panel=RUNTIME,
+    doc=(
+        "one optimiser per trainable parameter (the same `--optim`, lr, weight decay, masters or Kahan "
+        "compensation), stepped from a post-accumulate-grad hook as soon as the parameter's gradient is complete, "
+        "the gradient freed right after (torchtune's `optimizer_in_bwd`; ovkit.runtime.optim.OptimizerInBackward): "
+        "the same weights bit for bit, and gradients cost ~0 bytes per parameter (ovkit.json "
+        "`runtime.bytes_per_param`). Exact only where each step needs nothing but its own parameter's complete "
+        "gradient, so it exits 2 with `--max-grad-norm` > 0 (clipping needs the global norm first; the norm is "
+        "still logged), `--grad-accum` > 1, several processes (DDP/FSDP reduce gradients after the hook) and in "
+        "rl-train (its step spans several backward passes). A resumed run keeps it (the optimiser state is saved "
+        "per parameter)"
+    ),
+)
 activation_checkpointing = _shared(
     "auto",
     help="Recompute activations in backward, in the LLM's decoder layers and the ViT's blocks alike: off | full (every "
@@ -653,6 +671,7 @@ class Learner(ModelLoading):
     ovkit.runtime); a learner whose wording or default differs redeclares the field."""
 
     optim: str = optim()
+    optimizer_in_backward: bool = optimizer_in_backward()
     activation_checkpointing: str = activation_checkpointing()
     gradient_checkpointing: bool = gradient_checkpointing()
     compile: bool = compile()

@@ -351,6 +351,12 @@ class RLTrainConfig(O.Learner):
             raise OvkitError(
                 "--ppo-minibatches cannot exceed the trajectories per step (prompts-per-step x group-size)"
             )
+        if self.optimizer_in_backward:
+            raise OvkitError(
+                "rl-train does not take --optimizer-in-backward: its optimiser step spans a backward per "
+                "--micro-batch-size slice, and a step whose tokens are all masked is skipped after its backward; "
+                "drop the flag (align, midtrain and sft take it)"
+            )
         O.check_corrections(self)
 
     @property

@@ -148,14 +148,15 @@ def activation_bytes(model: nn.Module, tokens: int, element_bytes: int = 2) -> i
     return int(total * tokens * element_bytes / 2)
 
 
-def optimiser_bytes(model: nn.Module, state_element_bytes: int = 4) -> int:
-    """Gradients and AdamW's two moments of the trainable parameters: memory the first step will take."""
+def optimiser_bytes(model: nn.Module, state_element_bytes: int = 4, gradients: bool = True) -> int:
+    """Gradients and AdamW's two moments of the trainable parameters: memory the first step will take. `gradients`
+    False: each is freed as soon as its parameter has stepped (--optimizer-in-backward)."""
     n, grad = 0, 0
     for p in model.parameters():
         if p.requires_grad:
             n += p.numel()
             grad += p.numel() * p.element_size()
-    return grad + 2 * n * state_element_bytes
+    return (grad if gradients else 0) + 2 * n * state_element_bytes
 
 
 def choose(mode: str, device: torch.device, needed: int | None = None, free: int | None = None) -> tuple[str, str]:

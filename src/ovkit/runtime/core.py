@@ -70,7 +70,7 @@ from ovkit.runtime import compiling, integrity
 from ovkit.runtime import kernels as kern
 from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
 from ovkit.runtime.loss import TokenScorer
-from ovkit.runtime.optim import MixedPrecisionAdamW, adamw, bytes_per_param, clip_grad_norm
+from ovkit.runtime.optim import OptimizerInBackward, adamw, bytes_per_param, clip_grad_norm, master_pairs
 
 CHECKPOINTS = "checkpoints"
 STATE = "state"
@@ -147,6 +147,14 @@ class Runtime:
             project_config=project,
         )
         self.device = self.accelerator.device
+        if getattr(cfg, "optimizer_in_backward", False) and self.distributed != "NO":
+            if self.lock is not None:
+                self.lock.release()
+            raise OvkitError(
+                f"--optimizer-in-backward needs one process ({self.processes} under {self.distributed}): DDP, FSDP "
+                f"and DeepSpeed reduce the gradients after each parameter's step would already have run; run a plain "
+                f"single-process command, or drop --optimizer-in-backward"
+            )
 
         self.requested_distributed = requested_engine()  # an FSDP / DeepSpeed config accelerate could not honour here
         warning = engine_warning(self.accelerator.distributed_type.value)
@@ -369,19 +377,24 @@ class Runtime:
         """The --optim AdamW over the trainable parameters and a LambdaLR `schedule` (multiplier of lr per 0-based
         step). With bf16-mixed (single process, not adamw_8bit) the model's floating parameters become bf16 and the
         optimiser keeps fp32 masters; with bf16-true they become bf16 and so does the optimiser state (8-bit with
-        adamw_8bit, Kahan-compensated with adamw_bf16)."""
+        adamw_8bit, Kahan-compensated with adamw_bf16). --optimizer-in-backward: the same optimiser, one per
+        parameter, stepped from backward (OptimizerInBackward)."""
         params = [p for p in model.parameters() if p.requires_grad]
         kw = dict(lr=lr, weight_decay=weight_decay, lrs=lrs, optim=self.optim)
+
+        def build(**extra: Any) -> torch.optim.Optimizer:
+            if getattr(self.cfg, "optimizer_in_backward", False):
+                return OptimizerInBackward(params, lambda p: adamw([p], **kw, **extra))
+            return adamw(params, **kw, **extra)
+
         if self.master_weights or self.precision.name == "bf16-true":
-            masters = (
-                adamw(params, master_weights=True, **kw) if self.master_weights else None
-            )  # fp32 copies, made before the cast
+            masters = build(master_weights=True) if self.master_weights else None  # fp32 copies, made before the cast
             for p in model.parameters():  # parameters only: buffers (rotary inv_freq) stay fp32
                 if p.is_floating_point():
                     p.data = p.data.to(torch.bfloat16)
-            optimizer = masters or adamw(params, fused=self._fused_ok(), **kw)
+            optimizer = masters or build(fused=self._fused_ok())
         else:
-            optimizer = adamw(params, fused=self._fused_ok(), **kw)
+            optimizer = build(fused=self._fused_ok())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return optimizer, scheduler
 
@@ -397,7 +410,9 @@ class Runtime:
             element = 2 if self.precision.dtype == torch.bfloat16 else 4
             needed = ac.activation_bytes(model, tokens, element_bytes=element)
             free = ac.free_cuda_bytes(self.device) - ac.optimiser_bytes(
-                model, state_element_bytes=2 if self.precision.name == "bf16-true" else 4
+                model,
+                state_element_bytes=2 if self.precision.name == "bf16-true" else 4,
+                gradients=not getattr(self.cfg, "optimizer_in_backward", False),
             )
         mode, why = ac.choose(asked, self.device, needed, free)
         blocks = ac.apply(model, mode)
@@ -666,8 +681,5 @@ class Runtime:
 def _master_values(optimizer: Any, model: Any) -> dict[str, torch.Tensor]:
     """The fp32 master copy of each parameter, by name, when the optimiser keeps one (else empty)."""
 
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-    if not isinstance(inner, MixedPrecisionAdamW):
-        return {}
-    by_id = {id(p): m for p, m in inner.pairs}
+    by_id = {id(p): m for p, m in master_pairs(optimizer)}
     return {n: by_id[id(p)] for n, p in model.named_parameters() if id(p) in by_id}

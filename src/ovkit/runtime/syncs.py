@@ -109,19 +109,25 @@ class SyncCounter(TorchDispatchMode):
 
 class OptimizerSteps:
     """Calls `on_step()` after each outermost optimizer.step, and `on_start()` (if given) as one begins:
-    MixedPrecisionAdamW's step calls AdamW's inside it, which is one step, not two. `remove()` unregisters."""
+    MixedPrecisionAdamW's step calls AdamW's inside it, which is one step, not two; the per-parameter steps that
+    OptimizerInBackward runs inside backward are not steps either (its own step() is the loop's). `remove()`
+    unregisters."""
 
     def __init__(self, on_step, on_start=None):
 
         self.depth, self.on_step, self.on_start = 0, on_step, on_start
         self.handles = [register_optimizer_step_pre_hook(self._enter), register_optimizer_step_post_hook(self._leave)]
 
-    def _enter(self, *a):
+    def _enter(self, optimizer, *a):
+        if getattr(optimizer, "in_backward", False):
+            return
         self.depth += 1
         if self.depth == 1 and self.on_start is not None:
             self.on_start()
 
-    def _leave(self, *a):
+    def _leave(self, optimizer, *a):
+        if getattr(optimizer, "in_backward", False):
+            return
         self.depth -= 1
         if self.depth == 0:
             self.on_step()

@@ -270,6 +270,23 @@ class TrainConfig(O.Learner):
         self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
         check_trackers(self.report_to)
         check_eval_options(self)
+        if self.optimizer_in_backward:
+            self._check_optimizer_in_backward()
+
+    def _check_optimizer_in_backward(self) -> None:
+        """Each parameter steps as soon as backward completes its gradient (ovkit.runtime.optim.OptimizerInBackward):
+        exact only when that gradient is the step's whole gradient and nothing global is needed first."""
+        if self.grad_accum > 1:
+            raise OvkitError(
+                f"--optimizer-in-backward steps each parameter during the first micro-batch's backward, so it needs "
+                f"--grad-accum 1 (got {self.grad_accum}); raise --batch-size instead, or drop --optimizer-in-backward"
+            )
+        if self.max_grad_norm > 0:
+            raise OvkitError(
+                f"--optimizer-in-backward cannot clip (--max-grad-norm {self.max_grad_norm:g}): clipping needs the "
+                f"whole gradient's norm before any parameter is updated; set --max-grad-norm 0 (the norm is still "
+                f"logged), or drop --optimizer-in-backward"
+            )
 
     @property
     def partial(self) -> Path:
