@@ -24,6 +24,9 @@ each optimiser keeps; the table prints them beside peak memory):
 
 --optim and --activation-checkpointing pass through to the ovkit runs (`full` by default). The peers have only HF's
 whole-block checkpointing: they run it unless --activation-checkpointing off turns it off for every run.
+--optimizer-in-backward runs ovkit's optimiser steps inside backward (with --max-grad-norm 0, which it needs; it also
+needs one micro-batch per step: --grad-accum 1 for ovkit padded, and a --tokens-per-row that holds a step's tokens for
+ovkit packed); the peers keep their whole-model step and clipping.
 
 Defaults on CUDA, chosen from the measured arithmetic in BENCHMARKS.md ("Memory per parameter", "Activation memory
 per token") so that every run completes on one 80 GB card (74.5 GiB) with the random-init 2.2B `qwen2.5-vl-2b`
@@ -138,6 +141,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="full",
         help="ovkit --activation-checkpointing; `off` turns the peers' off too",
     )
+    p.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="ovkit --optimizer-in-backward (and --max-grad-norm 0); needs one micro-batch per step",
+    )
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
     p.add_argument("--out", type=Path, help="keep the work directory here")
     p.add_argument("--json", type=Path, help="also write the results here (the GPU suite's summary reads it)")
@@ -247,6 +255,8 @@ def run_ovkit(spec: dict, packed: bool) -> dict:
             precision=spec["precision"],
             optim=spec["optim"],
             activation_checkpointing=spec["activation_checkpointing"],
+            optimizer_in_backward=spec["optimizer_in_backward"],
+            max_grad_norm=0.0 if spec["optimizer_in_backward"] else 1.0,
             quiet=True,
             overwrite=True,
             max_len=1 << 20,
@@ -460,6 +470,7 @@ def main() -> None:
             "precision": precision,
             "optim": args.optim,
             "activation_checkpointing": args.activation_checkpointing,
+            "optimizer_in_backward": args.optimizer_in_backward,
             "checkpointing": args.activation_checkpointing != "off",
             "peer_dtype": peer_dtype,
             "peer_autocast": peer_autocast,
@@ -481,7 +492,8 @@ def report(
         f"{pack_rows} x "
         f"{args.tokens_per_row}; {args.steps} steps, {args.warmup} not measured; policy {args.policy} (ovkit "
         f"--precision "
-        f"{spec['precision']} --optim {args.optim} --activation-checkpointing {args.activation_checkpointing}; peers "
+        f"{spec['precision']} --optim {args.optim} --activation-checkpointing {args.activation_checkpointing}"
+        f"{' --optimizer-in-backward --max-grad-norm 0' if args.optimizer_in_backward else ''}; peers "
         f"{spec['peer_dtype']} weights{' under bf16 autocast' if spec['peer_autocast'] else ''})"
     )
     base = results.get("plain")
