@@ -7,6 +7,7 @@ scripted_policy.py and fake_vllm.py. A test module imports from here, never from
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -56,6 +57,37 @@ def micro_spec(layers: int = 1):
         vision_heads=2,
         vision_intermediate_size=64,
     )
+
+
+@contextlib.contextmanager
+def dies_at_first_checkpoint(monkeypatch):
+    """Inside the block a learner writes its first checkpoint, then dies there (KeyboardInterrupt, as a kill at that
+    point would); Runtime.save_checkpoint is itself again after the block."""
+    from ovkit.runtime import Runtime
+
+    save = Runtime.save_checkpoint
+
+    def save_then_die(self, *args, **kwargs):
+        save(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(Runtime, "save_checkpoint", save)
+
+
+def interrupted_then_resumed(monkeypatch, make_cfg, train):
+    """Train `make_cfg(resume=False)` until its first checkpoint (every 2 steps), die there, then train
+    `make_cfg(resume=True)` to the end; returns the resumed run's result."""
+    import pytest
+
+    with dies_at_first_checkpoint(monkeypatch), pytest.raises(KeyboardInterrupt):
+        train(make_cfg(resume=False))
+    res = train(make_cfg(resume=True))
+    assert res.metrics["resumed_from"].endswith("step-000002")
+    return res
 
 
 def make_rows(n: int, seed: int = 0) -> list[dict]:

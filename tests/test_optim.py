@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from helpers import config, rl_cfg, weights
+from helpers import config, dies_at_first_checkpoint, interrupted_then_resumed, rl_cfg, weights
 
 from ovkit.errors import OvkitError
 
@@ -109,24 +109,6 @@ def _optimizer_spy(monkeypatch) -> dict:
     return seen
 
 
-def _interrupted_then_resumed(monkeypatch, make_cfg, train) -> None:
-    """Train until the first checkpoint is written, die there, then --resume to the end."""
-    from ovkit.runtime import Runtime
-
-    save = Runtime.save_checkpoint
-
-    def save_then_die(self, *args, **kwargs):
-        save(self, *args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        train(make_cfg(resume=False))
-    monkeypatch.setattr(Runtime, "save_checkpoint", save)
-    res = train(make_cfg(resume=True))
-    assert res.metrics["resumed_from"].endswith("step-000002")
-
-
 @pytest.mark.parametrize(
     "optim,precision,kind",
     [
@@ -150,7 +132,7 @@ def test_every_optimiser_trains_and_resumes_bit_identically(assets, tmp_path, mo
         assert seen["dtypes"] == {torch.float32} and seen["mixed"] == "bf16"
     assert straight.metrics["final_loss"] < straight.metrics["first_loss"]
 
-    _interrupted_then_resumed(
+    interrupted_then_resumed(
         monkeypatch, lambda resume: config("SFTConfig", assets, tmp_path / "cut", resume=resume, **kw), train
     )
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "cut")
@@ -165,7 +147,6 @@ def test_every_optimiser_trains_and_resumes_bit_identically(assets, tmp_path, mo
 
 def test_sft_adamw_bf16_resumes_bit_identically_through_the_cli(assets, tmp_path, cli, monkeypatch):
     """The real command line: `ovkit sft --optim adamw_bf16 --precision bf16-true`, straight and cut + --resume."""
-    from ovkit.runtime import Runtime
 
     def args(out, *extra):
         return (
@@ -193,20 +174,13 @@ def test_sft_adamw_bf16_resumes_bit_identically_through_the_cli(assets, tmp_path
 
     code, _, err = cli(*args(tmp_path / "straight"))
     assert code == 0, err
-    save = Runtime.save_checkpoint
-
-    def save_then_die(self, *a, **k):
-        save(self, *a, **k)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
-    code, _, _ = cli(*args(tmp_path / "cut"))  # click turns the interrupt into an abort
+    with dies_at_first_checkpoint(monkeypatch):
+        code, _, _ = cli(*args(tmp_path / "cut"))  # click turns the interrupt into an abort
     assert (
         code != 0
         and not (tmp_path / "cut").exists()
         and (tmp_path / "cut.partial" / "checkpoints" / "step-000002").is_dir()
     )
-    monkeypatch.setattr(Runtime, "save_checkpoint", save)
     code, _, err = cli(*args(tmp_path / "cut", "--resume"))
     assert code == 0, err
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "cut")

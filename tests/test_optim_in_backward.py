@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from helpers import config, losses, weights
+from helpers import config, dies_at_first_checkpoint, interrupted_then_resumed, losses, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,22 +119,11 @@ def test_the_per_parameter_steps_are_not_counted_as_optimiser_steps():
 def test_in_backward_crash_and_resume_is_bit_identical(assets, tmp_path, monkeypatch, optim, precision):
     """4 steps straight vs 2 + a checkpoint + a crash + 2 resumed, both in backward: the per-parameter optimiser
     states and the schedule come back, and every saved weight is equal bit for bit."""
-    from ovkit.runtime import Runtime
-
     kw = dict(optim=optim, precision=precision, optimizer_in_backward=True, save_every=2)
     _run(assets, tmp_path / "straight", **kw)
-    save = Runtime.save_checkpoint
-
-    def save_then_die(self, *args, **kwargs):
-        save(self, *args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        _run(assets, tmp_path / "cut", **kw)
-    monkeypatch.setattr(Runtime, "save_checkpoint", save)
-    res = _run(assets, tmp_path / "cut", resume=True, **kw)
-    assert res.metrics["resumed_from"].endswith("step-000002")
+    interrupted_then_resumed(
+        monkeypatch, lambda resume: dict(resume=resume, **kw), lambda k: _run(assets, tmp_path / "cut", **k)
+    )
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "cut")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert losses(tmp_path / "straight") == losses(tmp_path / "cut")
@@ -143,18 +132,9 @@ def test_in_backward_crash_and_resume_is_bit_identical(assets, tmp_path, monkeyp
 def test_resume_keeps_the_option(assets, tmp_path, monkeypatch):
     """The checkpoint's optimiser state is saved per parameter: a resumed run that drops the option exits naming it."""
     from ovkit.errors import OvkitError
-    from ovkit.runtime import Runtime
 
-    save = Runtime.save_checkpoint
-
-    def save_then_die(self, *args, **kwargs):
-        save(self, *args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
+    with dies_at_first_checkpoint(monkeypatch), pytest.raises(KeyboardInterrupt):
         _run(assets, tmp_path / "cut", optimizer_in_backward=True, save_every=2)
-    monkeypatch.setattr(Runtime, "save_checkpoint", save)
     with pytest.raises(OvkitError, match="--optimizer-in-backward True -> False"):
         _run(assets, tmp_path / "cut", resume=True, save_every=2)
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ENV, config, make_rows, pack_plan, rl_cfg, weights
+from helpers import ENV, config, interrupted_then_resumed, make_rows, pack_plan, rl_cfg, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -212,18 +212,9 @@ def test_bf16_mixed_keeps_fp32_masters_and_resumes_from_them_exactly(deep, tmp_p
     assert straight.metrics["final_loss"] == pytest.approx(fp32.metrics["final_loss"], rel=0.05)
     assert all(v.dtype == torch.float32 for v in weights(tmp_path / "straight").values())  # saved from the masters
 
-    save = Runtime.save_checkpoint
-
-    def save_then_die(self, *args, **kwargs):
-        save(self, *args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(Runtime, "save_checkpoint", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        train(config("SFTConfig", root, tmp_path / "cut", **kw))
-    monkeypatch.setattr(Runtime, "save_checkpoint", save)
-    resumed = train(config("SFTConfig", root, tmp_path / "cut", resume=True, **kw))
-    assert resumed.metrics["resumed_from"].endswith("step-000002")
+    interrupted_then_resumed(
+        monkeypatch, lambda resume: config("SFTConfig", root, tmp_path / "cut", resume=resume, **kw), train
+    )
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "cut")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the fp32 masters came back bit for bit
 
