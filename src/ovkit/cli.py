@@ -96,15 +96,10 @@ def _command() -> str:
 
 def main() -> None:
     _register()
-    ok = False
     try:
         with faults.signals():  # SIGINT/SIGTERM: a learner checkpoints at the step's end, a data stage stops now
-            try:
-                # prog_name: `python -m ovkit` would otherwise name the completion script's command "python -m ovkit"
-                app(prog_name="ovkit")  # standalone: typer turns usage errors into exit 2 itself
-            except SystemExit as e:  # typer ends every run with one; exit 0 (or None) is success
-                ok = e.code in (0, None)
-                raise
+            # prog_name: `python -m ovkit` would otherwise name the completion script's command "python -m ovkit"
+            app(prog_name="ovkit")  # standalone: typer turns usage errors into exit 2 itself
     except faults.Interrupted as e:  # stopped on purpose: how to go on, no traceback, the shell's 128 + signal
         if os.environ.get("OVKIT_DEBUG"):
             traceback.print_exc()
@@ -128,5 +123,5 @@ def main() -> None:
         print(f"internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
         sys.exit(1)
     finally:
-        launch.close(ok)  # under torchrun / accelerate launch: every process leaves together, its group torn down
+        launch.close()  # under torchrun / accelerate launch: the process group goes before the interpreter does
         faults.release_all()  # the run is over: its OUT.lock files go (a killed process's lock goes with it anyway)

@@ -121,18 +121,18 @@ def gather(items: list) -> list:
     return gather_object(items)
 
 
-def close(ok: bool) -> None:
-    """Tear down the launcher's process group if this run set one up: after a barrier when the command succeeded (no
-    process leaves while another may still need it), at once when it failed (a barrier could wait on a process that
-    died). A gloo group left to the interpreter's exit can abort the process there ("terminate called without an active
-    exception", SIGABRT, seen once in CI on a 2-process eval that had finished its work); torch asks for
-    destroy_process_group before exit for this reason. Never imports torch: a run that did not load it has no group."""
+def close() -> None:
+    """Tear down the launcher's process group if this run set one up. A gloo group left to the interpreter's exit can
+    abort the process there ("terminate called without an active exception", SIGABRT: seen in CI on a 2-process eval
+    that had finished its work; a 10-line torchrun script of gather_object and exit fails so in 4-5 runs of 25 here,
+    and in 0 of 25 with destroy_process_group before exit, with or without a barrier first). No barrier: every
+    collective has completed on both sides when it returns, and a barrier could outlast the NCCL timeout while the
+    main process is still writing the output, which would abort the others. Never imports torch: a run that did not
+    load it has no group."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
     try:
-        if ok:
-            dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 -- the run's outcome is decided; a failed teardown must not change its exit code
         pass
