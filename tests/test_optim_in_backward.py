@@ -175,3 +175,13 @@ def test_several_processes_are_refused(assets, tmp_path, monkeypatch):
     with pytest.raises(OvkitError, match="--optimizer-in-backward needs one process"):
         Runtime(cfg, command="sft", trajectory=())
     assert not (tmp_path / "out.lock").exists()
+
+
+def test_a_launcher_with_several_processes_is_refused_before_torch_loads(assets, tmp_path, monkeypatch):
+    """Under torchrun / accelerate launch with N > 1 the config itself refuses (the environment says N), before any
+    model or process group exists."""
+    from ovkit.errors import OvkitError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(OvkitError, match=r"needs one process \(this launcher started 2\)"):
+        config("SFTConfig", assets, tmp_path / "out", optimizer_in_backward=True, max_grad_norm=0.0)

@@ -23,6 +23,7 @@ from ovkit.choices import (
 )  # torch-free (#29)
 from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
+from ovkit.launch import processes
 from ovkit.models.groups import STAGE_TRAINABLE
 from ovkit.options import option, run_control_names
 from ovkit.runtime.log import check_trackers
@@ -286,6 +287,13 @@ class TrainConfig(O.Learner):
                 f"--optimizer-in-backward cannot clip (--max-grad-norm {self.max_grad_norm:g}): clipping needs the "
                 f"whole gradient's norm before any parameter is updated; set --max-grad-norm 0 (the norm is still "
                 f"logged), or drop --optimizer-in-backward"
+            )
+        world = processes()[1]
+        if world > 1:  # before torch loads; ovkit.runtime.Runtime also refuses what accelerate set up itself
+            raise OvkitError(
+                f"--optimizer-in-backward needs one process (this launcher started {world}): DDP, FSDP and DeepSpeed "
+                f"reduce the gradients after each parameter's step would already have run; run it without the "
+                f"launcher, or drop --optimizer-in-backward"
             )
 
     @property
