@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import micro_spec
+from helpers import TINY, micro_spec
 
 from ovkit.files import is_complete
 
@@ -349,23 +349,7 @@ def test_packed_training_stages(corpus, tmp_path, command):
 # -- RL ------------------------------------------------------------------------------------------------------------
 
 RL = [
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "6",
-    "--lr",
-    "1e-3",
-    "--warmup-ratio",
-    "0",
-    "--no-system-prompt",
-    "--rollout-batch-size",
-    "16",
-    "--micro-batch-size",
-    "8",
-    "--reward-workers",
-    "1",
+    *TINY,
     "--max-staleness",
     "0",
     "--max-steps",

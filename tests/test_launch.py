@@ -52,28 +52,14 @@ def test_accelerate_asking_for_two_processes_and_starting_one_is_an_error(tmp_pa
         pytest.skip("accelerate's launcher is not on this environment's PATH")
     root, _ = llava_images
     src = many_llava(tmp_path, 3)
-    run = subprocess.run(
-        [
-            accelerate,
-            "launch",
-            "--num_processes",
-            "2",
-            "--cpu",
-            "-m",
-            "ovkit",
-            "convert",
-            str(src),
-            "--image-root",
-            str(root),
-            "--out",
-            str(tmp_path / "out"),
-            "--quiet",
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def launch(*how: str) -> subprocess.CompletedProcess:
+        args = ["convert", str(src), "--image-root", str(root), "--out", str(tmp_path / "out"), "--quiet"]
+        return subprocess.run(
+            [accelerate, "launch", *how, "-m", "ovkit", *args], env=ENV, capture_output=True, text=True, timeout=300
+        )
+
+    run = launch("--num_processes", "2", "--cpu")
     assert run.returncode != 0 and "asked for 2 processes and started one" in run.stderr
     assert not (tmp_path / "out").exists()
     # A MULTI_CPU config starts one process too (accelerate needs MPI for several CPU processes): the message says what
@@ -81,27 +67,7 @@ def test_accelerate_asking_for_two_processes_and_starting_one_is_an_error(tmp_pa
     (tmp_path / "multi_cpu.yaml").write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n"
     )
-    run = subprocess.run(
-        [
-            accelerate,
-            "launch",
-            "--config_file",
-            str(tmp_path / "multi_cpu.yaml"),
-            "-m",
-            "ovkit",
-            "convert",
-            str(src),
-            "--image-root",
-            str(root),
-            "--out",
-            str(tmp_path / "out"),
-            "--quiet",
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = launch("--config_file", str(tmp_path / "multi_cpu.yaml"))
     assert run.returncode != 0 and "asked for 2 processes and started one" in run.stderr, run.stderr[-2000:]
     assert "torchrun --nproc_per_node 2 -m ovkit convert" in run.stderr and "mpirun_hostfile" in run.stderr
     assert "config with distributed_type: MULTI_CPU" not in run.stderr
