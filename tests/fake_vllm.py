@@ -170,9 +170,23 @@ class LLM:
         return Encoded(input_ids=ids, labels=[-100] * len(ids), mm=mm, per_token=per_token)
 
 
+class _CudaPlatform:
+    """`vllm.platforms.current_platform` of a CUDA machine: the stand-in exists for what vLLM's CPU build cannot do
+    (sleep mode is one), so it answers as vLLM on a GPU does."""
+
+    @staticmethod
+    def is_sleep_mode_available() -> bool:
+        return True
+
+
 def install(monkeypatch) -> types.ModuleType:
     module = types.ModuleType("vllm")
     module.__version__ = __version__
+    module.__path__ = []  # a package, so `vllm.platforms` below imports
     module.LLM, module.SamplingParams = LLM, SamplingParams
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = _CudaPlatform()
+    module.platforms = platforms
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     return module

@@ -569,7 +569,12 @@ def run(
     shares = cfg.languages()
     langs = [pick_language(rid, cfg.seed, shares) for rid in table.column("id").to_pylist()]
     prepare_work(work, work_key(cfg, shard), fresh=cfg.overwrite)
-    gen, stats = generate_chunks(cfg, table, samples.rows, langs, work, Captioner(cfg, engine, processor))
+    captioner = Captioner(cfg, engine, processor)
+    try:
+        gen, stats = generate_chunks(cfg, table, samples.rows, langs, work, captioner)
+    finally:
+        if engine is None and captioner.engine is not None:  # built here: shut down here (vLLM's worker)
+            captioner.engine.close()
     kept, rejected, metrics = assemble(cfg, table, gen)
     write_samples(kept, out, shard)
     parts = [t for t in (samples.rejects, rejected) if t is not None]

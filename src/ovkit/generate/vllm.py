@@ -15,15 +15,29 @@ Weights: `update_weights(model)` passes the learner's parameters to vLLM's `load
 names (what `save_pretrained` writes and vLLM loads: transformers 5 renames some modules at load time, e.g.
 Qwen2.5-VL's `model.language_model.*` is `model.*` on disk), in one call, then drops cached prefixes.
 
+Weights are reloaded through the worker's `reload_weights` (vLLM's layerwise in-place reload, checkpoint format):
+it restores each layer's checkpoint-format parameters, loads the new tensors and re-runs the layer's post-load
+processing. A plain `model.load_weights` would write into parameters that vLLM already repacked for its kernels
+(the CPU build replaces every linear weight by a packed copy, leaving an empty tensor behind: "Attempted to load weight
+(torch.Size([192, 512])) into parameter (torch.Size([0]))"), and it would leave the encoder and multimodal caches
+holding the old weights' image embeddings. vLLM versions without `reload_weights` get `load_weights`.
+
 Memory (`sleep=True`, rl-train's synchronous colocated mode): after each generate call vLLM sleeps (level 1: KV
 cache freed, weights offloaded to CPU), so the learner's update has the GPU; the next weight update or generate call
-wakes it. An asynchronous run generates during the update and keeps vLLM awake.
+wakes it. An asynchronous run generates during the update and keeps vLLM awake. Sleep mode is a CUDA (and ROCm, XPU)
+feature of vLLM: elsewhere (its CPU build) the engine stays awake, and says so once.
+
+`close()` shuts the engine down (its worker, then the torch.distributed group vLLM set up), so a command can tear down
+its own process group after it (ovkit.launch.close); left to the interpreter's exit, vLLM's finalizer would find the
+group already destroyed and print a traceback. Every owner of an engine closes it (`with closing(engine)`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,14 +65,24 @@ class VLLMEngine:
         progress: bool = False,
         **llm_kwargs: Any,
     ):
+        # vLLM logs every load step at INFO (30-odd lines, read when it is imported); its warnings and errors are what
+        # an ovkit user needs (VLLM_LOGGING_LEVEL set by the user wins)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if progress else "ERROR")
         try:
             # optional: the package (or this name in it) may be missing; imported only where it is used
             import vllm
         except ImportError:
             raise OvkitError(
-                "--engine vllm needs vLLM, which needs a CUDA GPU: pip install 'ovkit[vllm]' (or use --engine hf)"
+                "--engine vllm needs vLLM: pip install 'ovkit[vllm]' on a CUDA machine, or its CPU build (`make "
+                "setup-vllm`, README); or use --engine hf"
             ) from None
         _single_process_env()
+        if (enable_sleep_mode or sleep) and not _sleep_mode_available():
+            _note_once(
+                "vLLM's sleep mode is a CUDA feature, not available on this platform: the synchronous mode keeps vLLM "
+                "awake while the learner updates (its KV cache stays allocated)"
+            )
+            enable_sleep_mode = sleep = False
         kwargs = dict(
             model=str(path),
             dtype=dtype,
@@ -69,6 +93,7 @@ class VLLMEngine:
             seed=seed,
             distributed_executor_backend="external_launcher",
             logprobs_mode="processed_logprobs",
+            use_tqdm_on_load=progress,
             **llm_kwargs,
         )
         if max_model_len is not None:
@@ -163,8 +188,27 @@ class VLLMEngine:
     def update_weights(self, model: Any) -> None:
         """Write the learner's parameters into vLLM's model in place (colocated), then drop cached prefixes."""
         self._wake()
-        _vllm_model(self.llm).load_weights(checkpoint_weights(model))
+        weights = checkpoint_weights(model)
+        if hasattr(self.llm.llm_engine.model_executor.driver_worker, "reload_weights"):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        else:  # a vLLM before the layerwise reload: write into the model as loaded
+            _vllm_model(self.llm).load_weights(weights)
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut vLLM down: its engine core and worker, then the distributed state it set up. Idempotent."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except ImportError:  # a vLLM without it: the interpreter's exit tears down what is left
+            pass
 
 
 def request_seed(seed: int) -> int:
@@ -203,6 +247,18 @@ def _vllm_model(llm: Any) -> Any:
         if obj is not None:
             return obj
     raise OvkitError("cannot reach the model inside this vLLM version's engine to update its weights")
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    check = getattr(current_platform, "is_sleep_mode_available", None)
+    return bool(check()) if check is not None else current_platform.is_cuda_alike()
+
+
+@functools.cache
+def _note_once(message: str) -> None:
+    print(f"ovkit: {message}", file=sys.stderr, flush=True)
 
 
 def _single_process_env() -> None:

@@ -202,6 +202,20 @@ class VLLMServerEngine:
         self.client.reset_prefix_cache()
         self.synced = True
 
+    def close(self) -> None:
+        """Close the weight-transfer group (if one was opened) and the HTTP session; the server keeps running."""
+        client, self.client = getattr(self, "client", None), None
+        if client is None:
+            return
+        if getattr(client, "communicator", None) is not None and hasattr(client, "close_communicator"):
+            try:
+                client.close_communicator()
+            except Exception:  # noqa: BLE001 -- a server gone at the end must not change the run's outcome
+                pass
+        session = getattr(client, "session", None)
+        if session is not None:
+            session.close()
+
 
 def _find(tree: Any, key: str) -> Any:
     """The first value under `key` anywhere in a JSON tree."""

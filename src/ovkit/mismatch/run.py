@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -347,18 +348,19 @@ def _generate_all(
             name, model, processor, model_dir=cfg.model, batch_size=cfg.batch_size, seed=cfg.seed, quiet=cfg.quiet
         )
         episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels or None, model=model)
-        rollouts = generate_rollouts(
-            engine,
-            prompts,
-            n=cfg.n,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=cfg.seed,
-            prompt_mode=mode,
-            episodes=episodes,
-        )
-        del engine
+        with closing(engine):  # a vLLM sampler shuts down before the next sampler is built
+            rollouts = generate_rollouts(
+                engine,
+                prompts,
+                n=cfg.n,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=cfg.seed,
+                prompt_mode=mode,
+                episodes=episodes,
+            )
+        del engine, episodes
         path = write_rollouts(rollouts, out_dir / "rollouts" / f"{name}.parquet")
         rows = rollouts.to_pylist()
         check_not_empty(rows, f"sampler {name}")
