@@ -271,7 +271,16 @@ $(SCI)/turns/ovkit.json: $(RUN)/rl-data/ovkit.json
 		--max-new-tokens 32 --no-system-prompt --sampler bf16 --sampler int8 --sampler int4 --seed $(SEED) \
 		--out $(SCI)/turns --quiet
 
-science-runs: $(SCI_EVALS) $(SCI)/buckets/ovkit.json $(SCI)/turns/ovkit.json
+# The same buckets with vLLM's own kernels (fp32 and bf16) on the same weights and prompts, where `make setup-vllm`
+# has built the vLLM environment (skipped otherwise; the report says it is absent).
+$(SCI)/vllm-buckets/ovkit.json: $(MODELS)/sft/ovkit.json
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} $(VLLM_VENV)/bin/ovkit mismatch-report --model $(MODELS)/sft \
+		--generate $(DATA)/val --limit 24 --n 8 --max-new-tokens 64 --no-system-prompt --sampler vllm-fp32 \
+		--sampler vllm-bf16 --seed $(SEED) --out $(SCI)/vllm-buckets --quiet
+
+SCI_VLLM := $(if $(wildcard $(VLLM_STAMP)),$(SCI)/vllm-buckets/ovkit.json)
+
+science-runs: $(SCI_EVALS) $(SCI)/buckets/ovkit.json $(SCI)/turns/ovkit.json $(SCI_VLLM)
 
 science: setup $(RUN)/rl-data/ovkit.json
 	$(MAKE) -j2 science-runs RUN=$(RUN) SEED=$(SEED)

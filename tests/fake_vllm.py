@@ -5,8 +5,9 @@ samples with ovkit's HFEngine, but it is driven and answers exactly as vLLM's of
 
 - `generate(requests, sampling_params, use_tqdm)`: requests `{"prompt_token_ids": [...], "multi_modal_data":
   {"image": PIL or [PIL, ...]}}` (one placeholder token per image in the ids, expanded here from the image, and the
-  images re-processed here, as vLLM does), one `SamplingParams` per request; returns `RequestOutput`s whose `.outputs` hold `.token_ids`, `.text`,
-  `.finish_reason` and `.logprobs` = one `{token_id: Logprob(logprob=...)}` per sampled token;
+  images re-processed here, as vLLM does), one `SamplingParams` per request; returns `RequestOutput`s whose
+  `.outputs` hold `.token_ids`, `.text`, `.finish_reason` and `.logprobs` = one `{token_id: Logprob(logprob=...)}`
+  per sampled token;
 - `llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(iterable of (name, tensor))`
   takes checkpoint names (what `save_pretrained` writes), as vLLM's model classes do, and rejects others;
 - `sleep(level)`, `wake_up()`, `reset_prefix_cache()`; generating while asleep is an error (vLLM would crash).

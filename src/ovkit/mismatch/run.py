@@ -58,13 +58,13 @@ class MismatchConfig(O.ModelLoading):
     sampler: list[str] = option(
         [],
         help=(
-            "With --generate: fp32, bf16, fp16, int8, fp8, int4 (4-bit weights) or vllm (GPU); repeat to "
-            "compare (default bf16)."
+            "With --generate: fp32, bf16, fp16, int8, fp8, int4 (4-bit weights), or vLLM's kernels: vllm (the "
+            "checkpoint's dtype), vllm-fp32, vllm-bf16; repeat to compare (default bf16)."
         ),
         panel=FRESH_ROLLOUTS,
         doc=(
-            "with `--generate`: `fp32`, `bf16`, `fp16`, `int8`, `fp8` or `vllm`; repeat to compare several (one "
-            "run each)"
+            "with `--generate`: `fp32`, `bf16`, `fp16`, `int8`, `fp8`, `int4`, or vLLM's kernels: `vllm` (the "
+            "checkpoint's dtype), `vllm-fp32`, `vllm-bf16`; repeat to compare several (one run each)"
         ),
         default_doc="`bf16`",
     )
