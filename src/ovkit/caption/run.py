@@ -44,7 +44,7 @@ from ovkit.caption.filter import CaptionFilter, rule
 from ovkit.caption.quality import has_cjk, mean_recall, parse_concepts
 from ovkit.data import IMAGE_TOKEN, MESSAGE, parse_shard, read_samples, write_rejects, write_samples, write_table
 from ovkit.errors import OvkitError
-from ovkit.files import fingerprint, write_json
+from ovkit.files import fingerprint, write_json, written_by_ovkit
 from ovkit.generate import ENGINES
 from ovkit.models.encode import decode_images, encode_prompt
 from ovkit.options import option
@@ -343,6 +343,11 @@ def prepare_work(work: Path, key: dict[str, Any], *, fresh: bool) -> None:
             old = json.loads(meta.read_text())
         except (OSError, json.JSONDecodeError):
             old = None
+        if not (isinstance(old, dict) and "chunk_rows" in old) and not written_by_ovkit(work):
+            raise OvkitError(
+                f"{work} exists and is not caption's work directory (no work.json of ovkit's): ovkit did not write "
+                f"it, so it never removes it; move it away yourself, or choose another --out"
+            )
         if fresh or old != key:
             n = len(list(work.glob("chunk-*.parquet")))
             if n and not fresh:

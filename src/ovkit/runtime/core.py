@@ -29,6 +29,7 @@ Run directory while training, and at the end (both loops):
         ovkit_state.json             step, tokens/samples, elapsed time, world size
         manifest.json                size and CRC32 of every file above (ovkit.runtime.integrity)
         ovkit.json                   provenance; written last, so a checkpoint without it is incomplete
+      .ovkit-writing                 the mark that says ovkit made this directory (ovkit.runs.claim)
     OUT/                             at the end: OUT.partial + the final model at its root, config.yaml, ovkit.json
     OUT.lock                         held by the running process (ovkit.faults: one writer per output), then removed
 
@@ -59,12 +60,12 @@ from ovkit import __version__, faults
 from ovkit.config import option_default, to_plain, to_plain_values
 from ovkit.errors import OutOfMemory, OvkitError
 from ovkit.faults import hold
-from ovkit.files import PROVENANCE, write_json
+from ovkit.files import PROVENANCE, mark, write_json
 from ovkit.launch import engine_warning, requested_engine
 from ovkit.models import attention as attn
 from ovkit.models import load, lora
 from ovkit.models import precision as prec
-from ovkit.runs import Stage
+from ovkit.runs import Stage, claim
 from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import compiling, integrity
 from ovkit.runtime import kernels as kern
@@ -221,8 +222,10 @@ class Runtime:
 
     def check_run_dir(self) -> Path | None:
         """The checkpoint to resume from (None: start fresh); an unfinished OUT.partial needs --resume or
-        --overwrite. Nothing is written: `make_run_dir` does that, once the inputs have been checked."""
+        --overwrite. Nothing is written: `make_run_dir` does that, once the inputs have been checked. OUT and
+        OUT.partial must be ovkit's (ovkit.runs.claim)."""
         run_dir = self.run_dir
+        claim(self.cfg.out, partial=run_dir)  # a path ovkit did not write: exit 2, before any model loads
         if not run_dir.exists() or self.cfg.overwrite:
             return None
         ckpt = latest_checkpoint(run_dir)
@@ -300,8 +303,9 @@ class Runtime:
         self.accelerator.wait_for_everyone()
         if self.is_main:
             if self.run_dir.exists() and self.resume_from is None:
-                shutil.rmtree(self.run_dir)
+                shutil.rmtree(self.run_dir)  # ovkit's: check_run_dir claimed it
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            mark(self.run_dir, self.command)
         self.accelerator.wait_for_everyone()
 
     def resume(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -672,8 +676,7 @@ class Runtime:
             stage.metrics.update(summary)
             stage.extra["runtime"] = self.info()
             stage.restore_to = self.run_dir  # a failure from here on moves the run back: --resume finds its checkpoints
-            stage.path.rmdir()
-            os.replace(self.run_dir, stage.path)
+            stage.adopt(self.run_dir)
         self.lock.release()
         return Result("done", summary)
 
