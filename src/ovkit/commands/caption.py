@@ -1,6 +1,6 @@
 import typer
 
-from ovkit.commands._common import done, resolve, skipped, stage
+from ovkit.commands._common import done, dropped, resolve, skipped, stage
 
 
 @stage(
@@ -45,4 +45,13 @@ def caption(ctx: typer.Context) -> None:
         f"{m['pass_rate']}, "
         f"mean length {m['mean_chars']['recaption']} chars (original {m['mean_chars']['original']}){measured}; "
         f"{m['decision']} -> {stage.out}"
+    )
+    dropped(
+        "caption",
+        "moved to rejects",
+        {
+            "invalid input rows (--on-error skip)": m["input_rejects"],
+            "recaptions that failed the filter": m["rejects"] - m["input_rejects"],
+        },
+        f"listed with their reason in {stage.out}/rejects.parquet",
     )
