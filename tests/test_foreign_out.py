@@ -219,3 +219,12 @@ def _made(path, file=None):
     if file:
         (path / file).write_text("x")
     return path
+
+
+def test_a_caption_work_directory_that_ovkit_did_not_write_is_refused_before_the_model_loads(assets, tmp_path, cli):
+    work = tmp_path / ".out.caption-work"  # where caption keeps the chunks of an unfinished run of tmp_path/out
+    _users(work, "dir")
+    before = _snapshot(tmp_path)
+    code, _, err = cli("caption", assets / "data", "--model", assets / "model", "--out", tmp_path / "out")
+    assert code == 2 and str(work) in err and "ovkit did not write" in err, err
+    assert _snapshot(tmp_path) == before

@@ -22,7 +22,7 @@ def evaluate(ctx: typer.Context) -> None:
     from ovkit.evaluate.results import unmapped
     from ovkit.files import is_complete
     from ovkit.launch import processes
-    from ovkit.runs import Stage
+    from ovkit.runs import Stage, claim
 
     cfg = resolve(ctx)
     if cfg.compare:
@@ -38,6 +38,7 @@ def evaluate(ctx: typer.Context) -> None:
         return
     rank, world = processes()
     if rank > 0:  # under a launcher: score this process's share of the rows; the main process writes OUT
+        claim(cfg.out)  # as the main process's Stage does: a path ovkit did not write stops every process
         if not is_complete(cfg.out) or cfg.overwrite:
             run_eval(cfg, None)
         return
