@@ -98,3 +98,18 @@ def test_balance_says_how_many_rows_matched_no_concept(tmp_path, cli):
         f"balance: dropped 3 (3 rows that match no concept); rows that match no concept have weight 0 in "
         f"{out}/plan.parquet (report.json: unmatched_rows)"
     )
+
+
+def test_eval_says_how_many_rows_limit_left_out(eval_set, eval_tiny, tmp_path, cli):
+    from helpers import EVAL_ROWS
+
+    out = tmp_path / "ev"
+    args = ["--model", eval_tiny, "--out", out, "--limit", "1", "--max-new-tokens", "2", "--quiet"]
+    code, stdout, err = cli("eval", eval_set, *args)
+    assert code == 0, err
+    categories = {cat or "uncategorized" for _, cat, *_ in EVAL_ROWS}
+    left_out = len(EVAL_ROWS) - len(categories)
+    assert stdout.strip().splitlines()[-1] == (
+        f"eval: left out {left_out} ({left_out} row(s) beyond --limit 1 per category); not scored; counted in "
+        f"{out}/ovkit.json (metrics.rows_beyond_limit)"
+    )

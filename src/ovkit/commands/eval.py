@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import done, resolve, skipped, stage
+from ovkit.commands._common import done, dropped, resolve, skipped, stage
 
 
 @stage(
@@ -54,6 +54,12 @@ def evaluate(ctx: typer.Context) -> None:
     done(
         f"eval: reward {m['overall']:.3f}, accuracy {m['accuracy']:.3f} on {m['rows']} rows x {cfg.n} "
         f"({len(m['categories'])} categories, {m['truncated']:.0%} truncated) in {m['seconds']['total']}s -> {cfg.out}"
+    )
+    dropped(
+        "eval",
+        "left out",
+        {f"row(s) beyond --limit {cfg.limit} per category": m.get("rows_beyond_limit", 0)},
+        f"not scored; counted in {cfg.out}/ovkit.json (metrics.rows_beyond_limit)",
     )
 
 
