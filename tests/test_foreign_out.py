@@ -228,3 +228,14 @@ def test_a_caption_work_directory_that_ovkit_did_not_write_is_refused_before_the
     code, _, err = cli("caption", assets / "data", "--model", assets / "model", "--out", tmp_path / "out")
     assert code == 2 and str(work) in err and "ovkit did not write" in err, err
     assert _snapshot(tmp_path) == before
+
+
+def test_overwrite_through_a_link_to_ovkits_output_leaves_what_it_points_to(assets, tmp_path, cli):
+    real, link = tmp_path / "real", tmp_path / "latest"
+    assert cli("convert", assets / "data", "--out", real, "--quiet")[0] == 0
+    before = _snapshot(real)
+    os.symlink(real, link)
+    code, _, err = cli("convert", assets / "data", "--out", link, "--overwrite", "--quiet")
+    assert code == 0, err
+    assert _snapshot(real) == before and is_complete(link) and not link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "real"]

@@ -16,8 +16,8 @@ learner, moves it back to `OUT.partial` (`restore_to`) so that --resume still fi
 A second run of the same `OUT` (or `OUT/part-I-of-N`) does not get that far: every run holds `OUT.lock` for its life
 (ovkit.faults) and a second one exits 2 naming the first one's pid and host.
 
-Only what ovkit wrote is ever removed, moved or replaced (`claim`). An existing `OUT` that is not a complete ovkit
-output (no `ovkit.json` of ovkit's shape) or an empty directory is refused, exit 2 naming it, with or without
+Only what ovkit wrote is ever removed, moved or replaced (`claim`). An existing `OUT` that is neither a complete ovkit
+output (an `ovkit.json` of ovkit's shape) nor an empty directory is refused, exit 2 naming it, with or without
 `--overwrite`: it may be the user's own directory or file. Every temp dir starts with a mark (ovkit.files.MARK), so the
 `OUT.tmp-<pid>` / `OUT.old-<pid>` a killed run left are told from a user's path that happens to share the name; the
 lock file (ovkit.faults), a learner's `OUT.partial` and caption's work directory follow the same rule.
@@ -149,7 +149,10 @@ class Stage:
             except BaseException:
                 old.rename(self.out)  # the previous output stays whole
                 raise
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_symlink():  # OUT was a link to an output of ovkit's: the link goes, what it points to stays
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             self.path.rename(self.out)
         (self.out / MARK).unlink(missing_ok=True)  # complete now: its ovkit.json says whose it is
