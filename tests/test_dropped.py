@@ -113,3 +113,38 @@ def test_eval_says_how_many_rows_limit_left_out(eval_set, eval_tiny, tmp_path, c
         f"eval: left out {left_out} ({left_out} row(s) beyond --limit 1 per category); not scored; counted in "
         f"{out}/ovkit.json (metrics.rows_beyond_limit)"
     )
+
+
+def test_rl_train_says_what_share_it_cut_or_masked(tmp_path):
+    import json
+
+    from ovkit.rl.metrics import cut_or_masked
+
+    path = tmp_path / "metrics.jsonl"
+    steps = [
+        {"step": 1, "completions/clipped_ratio": 0.5, "ovkit/masked/seq_frac": 0.0},
+        {"step": 2, "completions/clipped_ratio": 0.25, "ovkit/masked/seq_frac": 0.25},
+    ]
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert cut_or_masked(path, 6) == (
+        f"mean per step, 37.5% of completions cut at --max-new-tokens 6 (trained on as cut), 12.5% of sequences "
+        f"masked out whole by the mismatch corrections (no gradient); per step in {path} (completions/clipped_ratio, "
+        f"ovkit/masked/seq_frac)"
+    )
+    path.write_text(json.dumps({"step": 1, "completions/clipped_ratio": 0.0}) + "\n")
+    assert cut_or_masked(path, 6) is None  # nothing cut, nothing masked: no line
+    assert cut_or_masked(tmp_path / "missing.jsonl", 6) is None
+
+
+def test_rl_train_prints_that_line_after_its_summary(rl_assets, tmp_path, cli):
+    from helpers import TINY
+
+    from ovkit.rl.metrics import cut_or_masked
+
+    model, data = rl_assets
+    out = tmp_path / "rl"
+    code, stdout, err = cli("rl-train", data, "--model", model, "--out", out, "--max-steps", "1", *TINY, "--quiet")
+    assert code == 0, err
+    line = cut_or_masked(out / "metrics.jsonl", 6)
+    lines = stdout.strip().splitlines()
+    assert lines[-1] == f"rl-train: {line}" if line else lines[-1].startswith("rl-train stage 1:")
