@@ -337,6 +337,7 @@ def _write(
         "accuracy": doc["accuracy"]["overall"],
         "categories": doc["categories"],
         "rows": len(rows),
+        "rows_beyond_limit": sum(n_original.values()) - len(rows),  # left out by --limit (N per category)
         "completions": len(rows) * cfg.n,
         "new_tokens": sum(len(c.token_ids) for outs in completions for c in outs),
         "truncated": summary["overall"].get("truncated", 0.0),
