@@ -1,5 +1,5 @@
-"""Generation with a colocated vLLM engine (GPU only; `pip install 'ovkit[vllm]'`). vLLM is imported when the engine
-is built, so ovkit works without it.
+"""Generation with a colocated vLLM engine (`pip install 'ovkit[vllm]'`; on a CPU, vLLM's CPU build: `make
+setup-vllm`). vLLM is imported when the engine is built, so ovkit works without it.
 
 The engine runs in this process (`distributed_executor_backend="external_launcher"`, as TRL's colocate mode does),
 which lets `update_weights` write a learner's parameters straight into vLLM's model (`load_weights`) between RL
