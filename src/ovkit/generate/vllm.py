@@ -30,7 +30,7 @@ feature of vLLM: elsewhere (its CPU build) the engine stays awake, and says so o
 
 `close()` shuts the engine down (its worker, then the torch.distributed group vLLM set up), so a command can tear down
 its own process group after it (ovkit.launch.close); left to the interpreter's exit, vLLM's finalizer would find the
-group already destroyed and print a traceback. Every owner of an engine closes it (`with closing(engine)`).
+group already destroyed and print a traceback. Every owner of an engine closes it (`ovkit.generate.owned`).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from ovkit.data import count_rows, read_samples, write_table
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
 from ovkit.files import is_complete
+from ovkit.generate import close_engine
 from ovkit.generate.engines import build_engine, device
 from ovkit.models import pad_token_id
 from ovkit.models import precision as prec
@@ -121,7 +122,7 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     ref_model = _reference(rt, cfg) if cfg.kl_coef else None
     pad_id = pad_token_id(processor, model)
     rollouts = _rollouts(cfg, model, processor, prompts, rt.accelerator.process_index, rt.processes)
-    owned.callback(rollouts.engine.close)
+    owned.callback(close_engine, rollouts.engine)
     logger = rt.logger(n_steps, state["step"], console=console_line, desc=f"rl-train stage {cfg.stage}")
     corr = cfg.correction_config()
     t_start = time.perf_counter() - state["elapsed_s"]
