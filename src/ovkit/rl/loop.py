@@ -51,6 +51,7 @@ from ovkit.rollouts.groups import Group, Sampling, groups_table, score_groups
 from ovkit.rollouts.prompts import encode_prompts
 from ovkit.runtime import Runtime
 from ovkit.runtime.guard import NonFiniteSteps
+from ovkit.runtime.heap import large_blocks_off_heap
 from ovkit.runtime.optim import constant_factor
 
 # A rollout table's row per token at most: token id, sampler log-prob, loss mask (before parquet's compression).
@@ -63,6 +64,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
         return None
     rt = Runtime(cfg, command="rl-train", trajectory=TRAJECTORY)
     rt.check_run_dir()
+    large_blocks_off_heap()  # the sampler's vocabulary-sized temporaries go back to the system (ovkit.runtime.heap)
     tables = _tables(cfg)  # every row checked (answers included) before the model loads
     model, processor = rt.load_model(cfg.model)
     params = trainable(model, cfg, rt)
