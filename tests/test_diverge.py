@@ -69,7 +69,9 @@ def test_one_non_finite_step_is_not_applied_and_the_run_goes_on(assets, tmp_path
     )
 
 
-def test_a_streak_stops_the_run_and_resume_with_a_lower_lr_goes_on_from_before_it(assets, tmp_path, monkeypatch):
+def test_a_streak_stops_the_run_and_resume_with_a_lower_lr_goes_on_from_before_it(
+    assets, tmp_path, monkeypatch, capsys
+):
     from ovkit.errors import OvkitError
     from ovkit.runtime import list_checkpoints
     from ovkit.train import train
@@ -92,11 +94,16 @@ def test_a_streak_stops_the_run_and_resume_with_a_lower_lr_goes_on_from_before_i
     # the same options but --lr are still refused; a lower --lr resumes from step 1 and finishes
     with pytest.raises(OvkitError, match="--batch-size 4 -> 2"):
         train(config("SFTConfig", assets, out, **{**cfg, "lr": 5e-4, "batch_size": 2}, resume=True))
+    capsys.readouterr()
     res = train(config("SFTConfig", assets, out, **{**cfg, "lr": 5e-4}, resume=True))
     assert res.metrics["resumed_from"].endswith("step-000001")
+    assert "note: --resume from step-000001, before the divergence: --lr 0.001 -> 0.0005" in capsys.readouterr().err
     provenance = json.loads((out / "ovkit.json").read_text())
     assert provenance["diverged_before"]["step"] == 5 and provenance["config"]["lr"] == 5e-4
     assert not (out / "diverged.json").exists()
+    rows = _metrics(out)  # step 1 from the first run, steps 2-8 at the lower lr (the schedule replayed on it)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert all(0 < r["learning_rate"] <= 5e-4 for r in rows[1:]) and rows[0]["learning_rate"] > 5e-4
     assert all(torch.isfinite(t).all() for t in weights(out).values())
 
 

@@ -335,8 +335,8 @@ class Runtime:
                 f"to start over"
             )
         lowered = [
-            f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}"
-            for k in loosened
+            f"--{k} {saved.get(k)!r} -> {now.get(k)!r}"
+            for k in (k.replace("_", "-") for k in loosened)
             if saved.get(k) != now.get(k)
         ]
         if lowered and self.is_main:
