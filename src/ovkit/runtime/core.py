@@ -691,7 +691,8 @@ class Runtime:
         lr = getattr(self.cfg, "lr", None)
         name = self.precision.name
         causes = (
-            f"the usual causes are too high a learning rate (--lr {lr:g}) and too low a precision (--precision {name}"
+            f"the usual causes are too high a learning rate (--lr {lr if lr is None else format(lr, 'g')}) and too "
+            f"low a precision (--precision {name}"
             f"{'' if name == 'fp32' else '; bf16-mixed or fp32 hold more'})"
         )
         moved = f"; {', '.join(aside)} (the weights that diverged) set aside" if aside else ""
