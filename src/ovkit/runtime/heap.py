@@ -13,7 +13,8 @@ in a low one, while the learner's part stayed at 1.70 GB. Setting the threshold 
 off) keeps every block of 1 MiB or more out of the heap: the same step peaks at its learner's 1.70 GB every time.
 
 Blocks under 1 MiB stay on the heap, where reuse is cheap; a mapped block costs its page faults when it is first
-written (about 1 ms for 19 MiB), which is small against a decode step that makes one.
+written (not timed here: the box was too loaded; BENCHMARKS.md). Set for rl-train only: the supervised learners'
+64 MiB loss chunks were measured with the default (BENCHMARKS.md, the align proxy).
 """
 
 from __future__ import annotations
