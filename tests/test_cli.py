@@ -388,3 +388,49 @@ def test_a_changed_default_makes_the_page_table_stale(monkeypatch):
     assert "| `--min-lr` | 1e-6 |" in pages.table(command)
     monkeypatch.setattr(pages, "config_defaults", lambda cls: {**config_defaults(cls), "min_lr": 2e-6})
     assert "| `--min-lr` | 2e-6 |" in pages.table(command)
+
+
+# -- the CLI on typer's public API -----------------------------------------------------------------------------------
+
+# What ovkit uses of typer: the app and its option declarations, and two documented hooks (a command class given to
+# `Typer.command(cls=...)`, `typer.main.get_command` for the click object). A name outside this list is a typer
+# internal that may move between the versions `typer>=0.12` admits.
+TYPER_PUBLIC = {
+    "typer",
+    "typer.Typer",
+    "typer.Option",
+    "typer.Argument",
+    "typer.Context",
+    "typer.Exit",
+    "typer.echo",
+    "typer.main.get_command",
+    "typer.core.TyperCommand",
+}
+
+
+def test_src_uses_only_typers_public_api():
+    used = set()
+    for path in (ROOT / "src").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        for module, names in re.findall(r"^\s*from (typer[\w.]*) import \(?([\w, ]+)", text, re.M):
+            used |= {f"{module}.{n.strip()}" for n in names.split(",") if n.strip()}
+        code = re.sub(r"^\s*(from|import) typer.*$", "", text, flags=re.M)
+        used |= set(re.findall(r"(?<![\w.])(typer(?:\.\w+)+)", code))
+    internal = sorted(u for u in used if u not in TYPER_PUBLIC)
+    assert not internal, f"typer internals used in src/: {internal}"
+
+
+def test_one_alias_table_and_one_default_reader():
+    """--help's options and the config file's keys come from one declaration: a flag's other spellings are exactly
+    the YAML aliases `merge` accepts (ovkit.options.aliases), for every command."""
+    from ovkit.options import aliases
+
+    for name in COMMANDS:
+        command = click_command(name)
+        spelt = {
+            o.lstrip("-").replace("-", "_"): p.name
+            for p in command.params
+            for o in p.opts
+            if o.startswith("--") and o.lstrip("-").replace("-", "_") != p.name
+        }
+        assert spelt == aliases(INFO[name].config_class()), name

@@ -289,15 +289,21 @@ def trajectory_options(cls: type, run_control: frozenset[str]) -> tuple[str, ...
     return tuple(n for n in names if n not in run_control)
 
 
+def config_defaults(cls: type) -> dict[str, Any]:
+    """Every field's default as the dataclass declares it (default_factory called): the one reader of declared
+    defaults (--help, the pages, a resumed run's missing keys)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
 def option_default(cls: type, name: str) -> Any:
     """A field's declared default (what a config written before the option existed behaved as)."""
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            if f.default is not dataclasses.MISSING:
-                return f.default
-            if f.default_factory is not dataclasses.MISSING:
-                return f.default_factory()
-    return None
+    return config_defaults(cls).get(name)
 
 
 def check_inputs(cfg: Any) -> None:
