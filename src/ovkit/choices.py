@@ -132,6 +132,9 @@ def check_kernels(kernels: str, use_liger_kernel: bool = False, cuda: bool | Non
     return kernels
 
 
+# A quantised sampler's weights (rl-train --sampler-quant; ovkit.generate.hf quantises the copy it samples from).
+QUANTS = ("int8", "fp8", "int4")
+
 # A sampler's own precision (rl-train --sampler-precision, mismatch-report's samplers): the dtype of its weights
 # (ovkit.generate.engines).
 SAMPLER_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

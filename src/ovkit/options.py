@@ -252,7 +252,6 @@ trust_remote_code = _shared(
     help="Allow model code from the model directory (e.g. LLaVA-OneVision-1.5).",
     panel=RUNTIME,
     run_control=True,
-    doc="allow model code from the model directory / hub",
 )
 precision = _shared(
     "auto",
@@ -339,7 +338,6 @@ gradient_checkpointing = _shared(
     help="TRL/HF's spelling of --activation-checkpointing full.",
     panel=RUNTIME,
     run_control=True,
-    doc="TRL's spelling of `--activation-checkpointing full`",
 )
 compile = _shared(
     False,
@@ -392,13 +390,11 @@ lora_alpha = _shared(
     gt=0,
     help="LoRA scale alpha (the update is alpha / r x B A).",
     panel=LORA,
-    doc="LoRA scale (update = A / r x B A)",
 )
 lora_dropout = _shared(0.0, help="Dropout on the LoRA branch.", panel=LORA, min=0, lt=1)
 lora_targets = _shared(
     help="Regex over module names to adapt instead of the per-architecture default; repeatable.",
     panel=LORA,
-    doc="module names to adapt instead (repeatable)",
 )
 load_in_4bit = _shared(
     False,
@@ -420,7 +416,6 @@ save_every = _shared(
     help="Write a resumable checkpoint every N steps into OUT.partial/checkpoints (0: only the final model).",
     panel=CHECKPOINTS,
     run_control=True,
-    doc="checkpoint every N steps (0: only the final model)",
 )
 keep_checkpoints = _shared(
     2,
@@ -428,14 +423,12 @@ keep_checkpoints = _shared(
     help="Keep the newest N intermediate checkpoints.",
     panel=CHECKPOINTS,
     run_control=True,
-    doc="intermediate checkpoints kept",
 )
 resume = _shared(
     False,
     help="Continue the unfinished run in OUT.partial/ from its last checkpoint (starts fresh if there is none).",
     panel=CHECKPOINTS,
     run_control=True,
-    doc="continue the run in `OUT.partial/`",
 )
 report_to = _shared(
     [],
@@ -482,7 +475,6 @@ eval_limit = _shared(
     help="At most this many --eval-data rows per category (the first ones, as `ovkit eval --limit`).",
     panel=EVALUATION,
     run_control=True,
-    doc="at most N eval rows per category (the first ones, as `ovkit eval --limit`)",
 )
 eval_max_new_tokens = _shared(
     min=1,
@@ -496,7 +488,7 @@ env = _shared(
     help="Multi-turn rollouts with an environment: zoom, verifier, or package.module:factory (see "
     "docs/environments.md).",
     panel=MULTI_TURN,
-    doc=(
+    doc=(  # the page links the guide
         "multi-turn rollouts with an environment: `zoom`, `verifier` or `package.module:factory` "
         "([docs/environments.md](../docs/environments.md))"
     ),
@@ -510,27 +502,23 @@ env_arg = _shared(
     ),
 )
 max_turns = _shared(
-    1,
+    3,
     help="Multi-turn: assistant turns at most (then the rollout ends as max_turns).",
     panel=MULTI_TURN,
-    doc="with `--env`: assistant turns at most (then `max_turns`)",
 )
 max_response_tokens = _shared(
     help="Multi-turn: token budget after the prompt, sampled + observation tokens (then truncated).",
     panel=MULTI_TURN,
-    doc=("with `--env`: token budget after the prompt, sampled + observation tokens (then `truncated`)"),
 )
 env_retries = _shared(
-    0,
+    2,
     help="Multi-turn: extra tries of an environment call that raised or timed out (then env_error).",
     panel=MULTI_TURN,
-    doc=("with `--env`: extra tries of an environment call that raised or timed out (then `env_error`)"),
 )
 env_timeout = _shared(
     30.0,
     help="Multi-turn: seconds per environment call.",
     panel=MULTI_TURN,
-    doc="with `--env`: seconds per environment call",
 )
 # Sampling (ovkit.generate, ovkit.rollouts) on eval, rl-curate, rl-train, mismatch-report and caption. Each command
 # passes its default, and its own panel where it groups them otherwise (eval: Generation, caption: Captioning,
@@ -554,9 +542,7 @@ limit = _shared(
     doc="at most N prompt rows per category (the first ones)",
     default_doc="all",
 )
-max_new_tokens = _shared(
-    help="Tokens per completion at most.", panel=SAMPLING, min=1, doc="tokens per completion at most"
-)
+max_new_tokens = _shared(help="Tokens per completion at most.", panel=SAMPLING, min=1)
 reward_workers = _shared(
     2,
     min=1,
@@ -564,16 +550,13 @@ reward_workers = _shared(
     panel=RUNTIME,
     run_control=True,
 )
-temperature = _shared(
-    min=0, help="Sampling temperature (0 = greedy).", panel=SAMPLING, doc="sampling temperature (0 = greedy)"
-)
+temperature = _shared(min=0, help="Sampling temperature (0 = greedy).", panel=SAMPLING)
 top_p = _shared(
     1.0,
     gt=0,
     max=1,
     help="Nucleus sampling mass (with --temperature > 0).",
     panel=SAMPLING,
-    doc="nucleus sampling mass (with T > 0)",
 )
 max_pixels = _shared(
     512 * 512,
@@ -590,7 +573,6 @@ system_prompt = _shared(
     help="Prepend 'You are a helpful AI assistant.' (the recipe's system prompt).",
     panel=SAMPLING,
     negatable=True,
-    doc='prepend the recipe\'s system prompt, "You are a helpful AI assistant."',
 )
 
 # Sampler/learner mismatch corrections (ovkit.rl.correction): rl-train applies them; mismatch-report reports what they
