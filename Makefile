@@ -65,6 +65,8 @@ pages: setup
 test-slow: setup
 	$(BIN)/python -m pytest -m slow
 
+# The CPU benches that need no inputs; bench/README.md indexes every bench. Each prints its final table as markdown;
+# `make bench BENCH_JSON=FILE` also appends its rows to FILE as JSON lines (bench/_result.py).
 bench: setup
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	$(BIN)/python bench/pack.py

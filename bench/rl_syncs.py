@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _result  # noqa: E402
 from _workers import tiny_default  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -102,7 +103,17 @@ def main() -> None:
             result[f"syncs_per_learner_4x{group}_one_micro_batch"] = learner_syncs(
                 rl_config(work, f"rl-g{group}", group, micro_batch_size=4 * group), "learner"
             )[0]
-        print(json.dumps(result, indent=2))
+        if args.where:
+            print(json.dumps({k: v for k, v in result.items() if k.startswith("where")}, indent=2))
+        _result.table(
+            "rl_syncs",
+            "device-to-host syncs of rl-train's step, one count per step (4 prompts x group)",
+            [
+                {"count": k.removeprefix("syncs_per_"), "per step": v}
+                for k, v in result.items()
+                if k.startswith("syncs")
+            ],
+        )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _result  # noqa: E402
 from _workers import tiny_default  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -246,7 +246,18 @@ def main() -> None:
             result[f"host_448px_b8_{precision}"] = host_share(
                 sft_config(work, work / "img448", "host", 8, args.steps, precision), warmup=2
             )
-        print(json.dumps(result, indent=2))
+        rows = []
+        for key, value in result.items():
+            if key in ("ovkit", "torch", "threads"):
+                continue
+            items = value.items() if isinstance(value, dict) else [("", value)]
+            rows.extend({"measure": f"{key}.{sub}" if sub else key, "value": v} for sub, v in items)
+        _result.table(
+            "step_costs",
+            f"CPU proxies of one optimiser step's GPU overheads (ovkit {result['ovkit']}, torch {result['torch']}, "
+            f"{result['threads']} threads)",
+            rows,
+        )
 
 
 if __name__ == "__main__":
