@@ -8,7 +8,7 @@ answer-only instruction, as rl-train encodes them. Each prompt is sampled `--n` 
              `model.generate(**inputs, do_sample=True, num_return_sequences=n, max_new_tokens=..., top_k=0)`
   ovkit      `HFEngine(model, processor, batch_size=N*n).generate(prompts, n=n, ...)`: the same batch, plus the
              sampled log-probs, stop handling and detokenised Completions that rl-train needs; once with
-             `prefill="per-sequence"` (the engine before #26: every sample prefilled and its images encoded on its
+             `prefill="per-sequence"` (the engine's first design: every sample prefilled and its images encoded on its
              own) and once with the shared prefill (each prompt once, its KV cache copied to its n samples; the default)
 
 tokens/s counts generated tokens up to and including the stop token, per sequence, over wall time (best of

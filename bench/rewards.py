@@ -130,7 +130,8 @@ ROWS = [
     ("svg", svg, 300),
     ("code", code, 100),
 ]
-# The synthetic corpus' RL mix (DESIGN.md: counting, OCR, grounding, detection, spatial MC, math, SVG, captions).
+# The synthetic corpus' RL mix (ovkit.data.synth_tasks: counting, OCR, grounding, detection, spatial MC, math, SVG,
+# captions).
 MIX = [(mc, 0.2), (number, 0.2), (ocr, 0.15), (bbox, 0.15), (detection, 0.1), (math, 0.1), (svg, 0.05), (string, 0.05)]
 
 

@@ -1,4 +1,5 @@
-"""Device-to-host syncs of the RL learner's step (#25, #26), counted on CPU by ovkit.runtime.syncs.SyncCounter.
+"""Device-to-host syncs of the RL learner's step (each stalls a GPU's queue), counted on CPU by SyncCounter
+(ovkit.runtime.syncs).
 
 What is counted, one count per rl-train step: everything `ovkit.rl.update.train_step` does on the training thread
 (`step`: trajectories -> advantages -> micro-batch plans -> proximal log-probs -> corrections -> decoupled-PPO

@@ -1,4 +1,4 @@
-"""An input error appears before the heavy imports (#29): a learner's options, DATA and --model are checked without
+"""An input error appears before the heavy imports: a learner's options, DATA and --model are checked without
 torch, so a typo is reported in a fraction of a second instead of after torch and transformers load (~6 s)."""
 
 import json

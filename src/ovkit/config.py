@@ -308,7 +308,7 @@ def option_default(cls: type, name: str) -> Any:
 
 def check_inputs(cfg: Any) -> None:
     """A learner's DATA and --model exist (or name a Hub dataset / model): checked with the options, so a typo is
-    reported in a fraction of a second instead of after torch and transformers import (#29). The Hub is asked only
+    reported in a fraction of a second instead of after torch and transformers import. The Hub is asked only
     when the stage loads them."""
     check_exists(cfg.data, "DATA")
     check_model(cfg.model, "--model")

@@ -59,7 +59,7 @@ SPLITS = ("pretrain", "instruct", "rl", "val", "eval")
 CONCEPTS_FILE = "concepts.txt"
 PREVIEW_FILE = "preview.png"
 
-# Rows at --scale 1: sized so the whole CPU pipeline trains in minutes (DESIGN.md, "The embedded default").
+# Rows at --scale 1: sized so the whole CPU pipeline trains in minutes on 2 CPU cores.
 PRETRAIN_ROWS = 4000
 INSTRUCT_ROWS = 8000
 RL_ROWS = 600

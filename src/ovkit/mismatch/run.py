@@ -258,7 +258,7 @@ def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
         inputs.append(("rollouts", rows, str(cfg.rollouts)))
     prompt_rows = _prompt_rows(cfg) if cfg.generate is not None else None
     images_for = data_images(cfg.data)
-    from ovkit.generate.engines import load_for_inference  # torch: after every input is checked (#29)
+    from ovkit.generate.engines import load_for_inference  # torch: after every input check
 
     model, processor = load_for_inference(
         cfg.model,
