@@ -245,7 +245,6 @@ on_error = _shared(
     help="fail: stop at the first bad row; skip: move bad rows to OUT/rejects.parquet.",
     panel=RUN,
     choices=("fail", "skip"),
-    doc=("`fail`: exit 2 at the first bad record; `skip`: move bad records to `rejects.parquet`"),
 )
 trust_remote_code = _shared(
     False,

@@ -151,7 +151,7 @@ class CaptionConfig(O.ModelLoading):
         min=1,
     )
     shard: str | None = O.shard(doc="`I/N`: caption part I of N into `OUT/part-I-of-N/`")
-    on_error: str = O.on_error(doc="`fail` or `skip` (invalid input rows to `rejects.parquet`)")
+    on_error: str = O.on_error()
     precision: str = O.precision(
         doc=(
             "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "

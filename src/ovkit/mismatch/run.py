@@ -62,8 +62,8 @@ class MismatchConfig(O.ModelLoading):
         ),
         panel=FRESH_ROLLOUTS,
         doc=(
-            "with `--generate`: `fp32`, `bf16`, `fp16`, `int8`, `fp8` or `vllm`; repeat to compare several (one "
-            "run each)"
+            "with `--generate`: `fp32`, `bf16`, `fp16`, `int8`, `fp8`, `int4` (4-bit weights) or `vllm`; repeat to "
+            "compare several (one run each)"
         ),
         default_doc="`bf16`",
     )
