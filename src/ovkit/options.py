@@ -2,10 +2,10 @@
 
 `option(default, help=..., panel=...)` returns a `dataclasses.field` whose metadata holds the help text, the --help
 panel, extra flag spellings (HF/TRL's `--learning-rate` for `lr`), what it accepts (choices, a range), whether a
-resumed run may change it (`run_control`), and an optional longer `doc` for its command page. Everything reads it:
-the typer command is built from the fields (ovkit.commands._common, as HfArgumentParser / TRL's TrlParser build
-theirs), YAML keys and their aliases, `validate` at start, the resume rule (`run_control_names`) and the option
-tables of commands/*.md (ovkit.pages).
+resumed run may change it (`run_control`), and, only where the page needs more than the help, a `doc` for its
+command page. Everything reads it: the typer command is built from the fields (ovkit.commands._common, as
+HfArgumentParser / TRL's TrlParser build theirs), YAML keys and their aliases, `validate` at start, the resume rule
+(`run_control_names`) and the option tables of commands/*.md (ovkit.pages).
 
 The options several commands share are declared once below (`trust_remote_code()`, `precision()`, ...): a config
 calls the function where it declares the field. Torch-free and typer-free: library configs import this module.
@@ -59,7 +59,9 @@ class Option:
     run_control: bool = False  # a resumed run may change it (it does not change the trajectory)
     argument: bool = False  # positional (the command's INPUT), not a --flag
     metavar: str | None = None
-    doc: str | None = None  # the command page's longer text (default: help)
+    # The command page's text where it needs more than the --help line (a link, a table, what one command does
+    # differently); else the page prints the help. It names the same choices and defaults (tests/test_cli.py).
+    doc: str | None = None
     default_doc: str | None = None  # the page's words for a default computed at run time (None in the dataclass)
 
     def cli_name(self, name: str) -> str:
