@@ -123,10 +123,8 @@ def test_no_optional_flag_means_the_dataclass_defaults(cli, monkeypatch, name):
 
     seen = {}
 
-    def spy(cls, cli_values, from_cli, file_values, config_path=None, aliases=None):
-        seen.update(
-            cls=cls, typed=dict(cli_values), cfg=merge(cls, cli_values, from_cli, file_values, config_path, aliases)
-        )
+    def spy(cls, cli_values, from_cli, file_values, config_path=None):
+        seen.update(cls=cls, typed=dict(cli_values), cfg=merge(cls, cli_values, from_cli, file_values, config_path))
         raise OvkitError("stop here")
 
     merge = common.merge

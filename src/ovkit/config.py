@@ -57,16 +57,14 @@ def merge(
     from_cli: set[str],
     file_values: Mapping[str, Any],
     config_path: Path | None = None,
-    aliases: Mapping[str, str] | None = None,
 ) -> Any:
     """Build `cls` from values given on the command line (`from_cli` names those the user typed), then the file,
     then the dataclass defaults: the dataclass is the only place a default is declared. Every value goes through
-    `convert` by the field's declared type. A file key may be an option's other name (`aliases`: `learning_rate` ->
-    `lr`, from the command's option declarations); an unknown key is an error naming it and the nearest option.
+    `convert` by the field's declared type. A file key may be an option's other name (ovkit.options.aliases, the
+    one table of them: `learning_rate` -> `lr`); an unknown key is an error naming it and the nearest option.
     Where `cls.exclusive` pairs options, one typed on the command line replaces the file's whole pair."""
     names = [f.name for f in dataclasses.fields(cls)]
-    aliases = {**declared_aliases(cls), **(aliases or {})}  # the declarations' other spellings, and the command's
-    file_values = _canonical_keys(file_values, names, aliases, config_path)
+    file_values = _canonical_keys(file_values, names, declared_aliases(cls), config_path)
     for group in getattr(
         cls, "exclusive", ()
     ):  # `--max-steps 5` over a file with `epochs: 3`: the flag wins, as any flag does
