@@ -396,7 +396,7 @@ def main() -> None:
 
 
 def report(args, device: str, model: Path, runs: list[str], results: dict) -> None:
-    gb = lambda b: f"{b / 1e9:.2f}" if b is not None else "-"  # noqa: E731
+    gb = lambda b: b / 1e9 if b is not None else None  # noqa: E731
     print(
         f"device: {device}; model {model}; {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} "
         f"completions, "
@@ -416,7 +416,7 @@ def report(args, device: str, model: Path, runs: list[str], results: dict) -> No
                 "run": name,
                 "samples/s": sps,
                 "vs trl": sps / (base["samples"] / base["seconds"]) if base else None,
-                "peak GB": r["peak_bytes"] / 1e9 if r["peak_bytes"] is not None else None,
+                "peak GB": gb(r["peak_bytes"]),
                 "vs trl peak": r["peak_bytes"] / base["peak_bytes"] if base and base["peak_bytes"] > 0 else None,
                 "B/param": r.get("bytes_per_param"),
                 "policy": r["policy"],
@@ -429,16 +429,13 @@ def report(args, device: str, model: Path, runs: list[str], results: dict) -> No
         columns=["run", "samples/s", "vs trl", "peak GB", "vs trl peak", "B/param", "policy"],
         formats={"samples/s": ".2f", "vs trl": ".2f", "peak GB": ".2f", "vs trl peak": ".2f", "B/param": ".2f"},
     )
-    print(
-        "\nwhere the memory goes, GB (weights, sampler copy, optimiser: allocated; generate, learner: peak above entry)"
+    _result.table(
+        "gpu_grpo",
+        "where the memory goes, GB (weights, sampler copy, optimiser: allocated; generate, learner: peak above entry; "
+        "n/a on CPU: no allocator counters, peak is the process RSS growth)",
+        [{"run": name, **{p: gb((r.get("phases") or {}).get(p)) for p in PHASES}} for name, r in results.items()],
+        formats=dict.fromkeys(PHASES, ".2f"),
     )
-    print(f"{'run':<18}" + "".join(f"{p:>14}" for p in PHASES))
-    for name, r in results.items():
-        phases = r.get("phases")
-        if phases is None:
-            print(f"{name:<18}" + f"{'n/a (CPU: no allocator counters; peak is the process RSS growth)':>70}")
-        else:
-            print(f"{name:<18}" + "".join(f"{gb(phases.get(p)):>14}" for p in PHASES))
     if args.json:
         args.json.write_text(
             json.dumps(
