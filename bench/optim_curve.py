@@ -98,7 +98,7 @@ def main() -> None:
     gap = {n: max(abs(a - b) for a, b in zip(curves[n], curves["fp32"])) for n in names}
     rows.append({"steps": "last-window mean - fp32's", **{n: last[n] - last["fp32"] for n in names}})
     rows.append({"steps": "max per-step gap to fp32", **{n: gap[n] for n in names}})
-    rows.append({"steps": "seconds", **{n: round(times[n]) for n in names}})
+    rows.append({"steps": "seconds", **{n: f"{times[n]:.0f}" for n in names}})
     _result.table(
         "optim_curve",
         f"loss, mean of every {args.every} steps (sft on the tiny default, batch {args.batch_size}, lr "
