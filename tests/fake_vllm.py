@@ -4,9 +4,10 @@
 samples with ovkit's HFEngine, but it is driven and answers exactly as vLLM's offline API is and does:
 
 - `generate(requests, sampling_params, use_tqdm)`: requests `{"prompt_token_ids": [...], "multi_modal_data":
-  {"image": PIL or [PIL, ...]}}` (the placeholders already expanded in the ids; the images re-processed here, as vLLM
-  does), one `SamplingParams` per request; returns `RequestOutput`s whose `.outputs` hold `.token_ids`, `.text`,
-  `.finish_reason` and `.logprobs` = one `{token_id: Logprob(logprob=...)}` per sampled token;
+  {"image": PIL or [PIL, ...]}}` (one placeholder token per image in the ids, expanded here from the image, and the
+  images re-processed here, as vLLM does), one `SamplingParams` per request; returns `RequestOutput`s whose
+  `.outputs` hold `.token_ids`, `.text`, `.finish_reason` and `.logprobs` = one `{token_id: Logprob(logprob=...)}`
+  per sampled token;
 - `llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(iterable of (name, tensor))`
   takes checkpoint names (what `save_pretrained` writes), as vLLM's model classes do, and rejects others;
 - `sleep(level)`, `wake_up()`, `reset_prefix_cache()`; generating while asleep is an error (vLLM would crash).
@@ -162,17 +163,34 @@ class LLM:
             images = images if isinstance(images, list) else [images]
             out = self.processor.image_processor(images=images, return_tensors="pt")
             mm = {k: v for k, v in out.items()}
-            expected = int(
-                sum(int(g.prod()) for g in mm["image_grid_thw"]) // self.processor.image_processor.merge_size**2
-            )
-            assert sum(t == image_id for t in ids) == expected, "image placeholders in the ids do not match the images"
+            # vLLM's prompt update: each single placeholder becomes its image's tokens (an expanded run would be
+            # expanded again, so the stand-in refuses one)
+            sizes = [int(g.prod()) // self.processor.image_processor.merge_size**2 for g in mm["image_grid_thw"]]
+            places = [i for i, t in enumerate(ids) if t == image_id]
+            assert len(places) == len(sizes), f"{len(places)} image placeholders for {len(images)} images"
+            for i, n in zip(reversed(places), reversed(sizes)):
+                ids[i : i + 1] = [image_id] * n
         per_token = {"mm_token_type_ids": [1 if t == image_id else 0 for t in ids]}
         return Encoded(input_ids=ids, labels=[-100] * len(ids), mm=mm, per_token=per_token)
+
+
+class _CudaPlatform:
+    """`vllm.platforms.current_platform` of a CUDA machine: the stand-in exists for what vLLM's CPU build cannot do
+    (sleep mode is one), so it answers as vLLM on a GPU does."""
+
+    @staticmethod
+    def is_sleep_mode_available() -> bool:
+        return True
 
 
 def install(monkeypatch) -> types.ModuleType:
     module = types.ModuleType("vllm")
     module.__version__ = __version__
+    module.__path__ = []  # a package, so `vllm.platforms` below imports
     module.LLM, module.SamplingParams = LLM, SamplingParams
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = _CudaPlatform()
+    module.platforms = platforms
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     return module

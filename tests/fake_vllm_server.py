@@ -94,6 +94,14 @@ class Server:
                     Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in body["features"]["images"]
                 ]
                 request["multi_modal_data"] = {"image": images}
+                # the server places rendered features at the expanded placeholders it is sent; the stand-in's engine
+                # expands one placeholder per image itself, as vLLM's offline API does
+                image_id = self.llm.hf.config.image_token_id
+                request["prompt_token_ids"] = [
+                    t
+                    for i, t in enumerate(body["token_ids"])
+                    if not (t == image_id and i and body["token_ids"][i - 1] == t)
+                ]
             outs = self._sample(request, body["sampling_params"])
             return {
                 "choices": [

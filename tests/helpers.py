@@ -378,3 +378,20 @@ def truncated_jpeg():
     buf = io.BytesIO()
     noise.save(buf, "JPEG", quality=95)
     return buf.getvalue()[:-300]
+
+
+def teacher_forced_logits(model, prompt, response):
+    """Logits that predicted each response token, from one forward pass over prompt + response."""
+    import torch
+
+    inputs = prompt.model_inputs(labels=False)
+    ids = torch.tensor([prompt.input_ids + response])
+    inputs["input_ids"] = ids
+    inputs["attention_mask"] = torch.ones_like(ids)
+    for k, v in prompt.per_token.items():
+        inputs[k] = torch.tensor([v + [0] * len(response)])
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with torch.no_grad():
+        logits = model(**inputs).logits[0].float()
+    return logits[prompt.length - 1 : -1]

@@ -259,7 +259,8 @@ def test_compare_prints_one_table_across_runs(tmp_path, eval_set, processor, cli
     assert all(" ±" in c for c in cells["**overall**"])  # every cell carries its interval
     assert cells["**change vs left**"][1].startswith("+40.6 ±")  # paired over the same 8 rows
     assert len({len(line) for line in table}) == 1  # aligned columns
-    assert (tmp_path / "final.md").read_text() in out
+    written = (tmp_path / "final.md").read_text()
+    assert written.startswith("<!-- written by ovkit eval --compare") and written.split("\n", 1)[1] in out
     code, out, _ = cli("eval", "--compare", tmp_path / "eval-sft", "--metric", "accuracy")
     assert code == 0 and "accuracy" in out and "| **overall**" in out and "62.5 ±" in out
     lmms = next((tmp_path / "eval-rl").glob("*/*_results.json"))  # an lmms-eval results file reads too

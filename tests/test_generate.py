@@ -4,7 +4,7 @@ are those of the distribution sampled from, low-precision samplers and weight sy
 import math
 
 import pytest
-from helpers import PROMPT_IMAGES, marked_image
+from helpers import PROMPT_IMAGES, marked_image, teacher_forced_logits
 
 
 def _engine(spread_tiny, **kw):
@@ -67,23 +67,6 @@ def test_static_cache_gives_the_greedy_tokens_of_the_dynamic_cache(spread_tiny, 
         assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
 
 
-def _teacher_forced_logits(model, prompt, response):
-    """Logits that predicted each response token, from one forward pass over prompt + response."""
-    import torch
-
-    inputs = prompt.model_inputs(labels=False)
-    ids = torch.tensor([prompt.input_ids + response])
-    inputs["input_ids"] = ids
-    inputs["attention_mask"] = torch.ones_like(ids)
-    for k, v in prompt.per_token.items():
-        inputs[k] = torch.tensor([v + [0] * len(response)])
-    device = next(model.parameters()).device
-    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    with torch.no_grad():
-        logits = model(**inputs).logits[0].float()
-    return logits[prompt.length - 1 : -1]
-
-
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
 def test_sampler_logprobs_equal_teacher_forced_logprobs(spread_tiny, spread_prompts, temperature, top_p):
     import torch
@@ -98,7 +81,7 @@ def test_sampler_logprobs_equal_teacher_forced_logprobs(spread_tiny, spread_prom
         assert len(completions) == 2
         for c in completions:
             assert len(c.logprobs) == len(c.token_ids) > 0
-            logits = _teacher_forced_logits(model, prompt, c.token_ids)
+            logits = teacher_forced_logits(model, prompt, c.token_ids)
             if (temperature, top_p) == (1.0, 1.0):
                 expected = torch.log_softmax(logits, dim=-1)  # the model's own distribution, nothing else
             else:
@@ -395,7 +378,7 @@ def test_vllm_engine_matches_hf_greedy_and_reports_sampled_logprobs(spread_tiny,
     sampled = engine.generate(spread_prompts, n=2, temperature=1.0, max_new_tokens=8, images=images)
     for prompt, completions in zip(spread_prompts, sampled):
         for c in completions:
-            logits = _teacher_forced_logits(model, prompt, c.token_ids)
+            logits = teacher_forced_logits(model, prompt, c.token_ids)
             want = (
                 torch.log_softmax(logits, -1)
                 .gather(1, torch.tensor(c.token_ids, device=logits.device)[:, None])
@@ -486,10 +469,12 @@ def fake_vllm(monkeypatch, spread_tiny, tmp_path):
 
 
 def test_vllm_requests_are_token_ids_images_and_the_sampled_distribution(fake_vllm, spread_tiny, spread_prompts):
-    """prompt_token_ids = the encoded ids (placeholders expanded), images as multi_modal_data, processed log-probs of
+    """prompt_token_ids = the encoded ids with one placeholder per image (vLLM expands it), images as multi_modal_data,
+    processed log-probs of
     the sampled token only, one seed per prompt, suppressed ids as a -100 bias; log-probs come back aligned with
     the tokens, the stop token included."""
     from ovkit.generate import VLLMEngine
+    from ovkit.generate.vllm import collapse_placeholders
 
     fake, path = fake_vllm
     engine = VLLMEngine(path, spread_tiny[1], dtype="float32")
@@ -504,7 +489,8 @@ def test_vllm_requests_are_token_ids_images_and_the_sampled_distribution(fake_vl
         suppress_ids=[5],
     )
     ((_, ids, params),) = [c for c in fake.LLM.calls if c[0] == "generate"]
-    assert ids == [list(p.input_ids) for p in spread_prompts]
+    assert ids == [collapse_placeholders(p.input_ids, engine.placeholder_ids) for p in spread_prompts]
+    assert [sum(t in engine.placeholder_ids for t in i) for i in ids] == [1, 0, 2, 1]  # one per image
     assert [p["seed"] for p in params] == [3 * 1_000_003 + i * 2 for i in range(4)]
     assert all(
         p["n"] == 2 and p["logprobs"] == 0 and p["temperature"] == 0.8 and p["top_p"] == 0.9 and p["max_tokens"] == 6

@@ -1,5 +1,6 @@
 """Stage outputs: the temporary directories of a killed run are removed by the next run of the same output, never
-those of a live process (a concurrent run) or of another output (another --shard part)."""
+those of a live process (a concurrent run), of another output (another --shard part), or a path of that name that
+ovkit did not write."""
 
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import pytest
 from PIL import Image
 
 from ovkit.data import image_cell, samples_table, write_samples
+from ovkit.files import PROVENANCE, mark, write_json
 from ovkit.runs import pid_alive, remove_stale
 
 
@@ -22,16 +24,26 @@ def pids():
     live.wait()
 
 
+GONE = 2**22 - 1  # above the usual pid_max: no process
+
+
 def _leftovers(out, dead, live):
+    """What runs leave beside `out` as ovkit writes them (a temp dir marked first, a replaced output with its
+    ovkit.json), and a directory of the user's that only shares the name pattern."""
     made = {
         "dead_tmp": out.parent / f"{out.name}.tmp-{dead}",
         "dead_old": out.parent / f"{out.name}.old-{dead}",
         "live_tmp": out.parent / f"{out.name}.tmp-{live}",
         "other_output": out.parent / f"{out.name}-2.tmp-{dead}",  # not this output's
+        "users": out.parent / f"{out.name}.old-{GONE}",  # not ovkit's: no mark, no ovkit.json
     }
+    assert not pid_alive(GONE)
     for p in made.values():
         p.mkdir(parents=True)
         (p / "part-00000-of-00001.parquet").write_bytes(b"half a file")
+    for key in ("dead_tmp", "live_tmp", "other_output"):
+        mark(made[key], "balance")
+    write_json(made["dead_old"] / PROVENANCE, {"command": "balance", "ovkit_version": "0"})
     return made
 
 
@@ -66,7 +78,8 @@ def test_a_rerun_removes_a_killed_runs_temporary_directories(cli, tmp_path, pids
     assert code == 0, err
     assert not made["dead_tmp"].exists() and not made["dead_old"].exists()
     assert made["live_tmp"].exists() and made["other_output"].exists()
-    assert f"removed {made['dead_tmp']}" in err
+    assert (made["users"] / "part-00000-of-00001.parquet").read_bytes() == b"half a file"
+    assert f"removed {made['dead_tmp']}" in err and str(made["users"]) not in err
 
     # a skipped rerun (the output is complete) cleans up as well
     made["dead_tmp"].mkdir()
@@ -82,7 +95,11 @@ def test_remove_stale_leaves_the_own_process_and_unrelated_names(tmp_path, pids)
     own = tmp_path / f"o.tmp-{os.getpid()}"
     for p in (own, tmp_path / f"o.tmp-{dead}x", tmp_path / "o.tmp-", tmp_path / f"oo.tmp-{dead}"):
         p.mkdir()
-    (tmp_path / f"o.old-{dead}").write_text("a file, not a directory")
+    mark(tmp_path / f"o.tmp-{dead}x", "synth")
+    (tmp_path / f"o.old-{dead}").write_text("a file, not a directory")  # ovkit only ever leaves directories
+    (tmp_path / f"o.tmp-{dead}").mkdir()
+    mark(tmp_path / f"o.tmp-{dead}", "synth")
     removed = remove_stale(out)
-    assert removed == [tmp_path / f"o.old-{dead}"]
+    assert removed == [tmp_path / f"o.tmp-{dead}"]
+    assert (tmp_path / f"o.old-{dead}").read_text() == "a file, not a directory"
     assert own.exists() and (tmp_path / f"o.tmp-{dead}x").exists() and (tmp_path / f"oo.tmp-{dead}").exists()

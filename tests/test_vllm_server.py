@@ -122,6 +122,7 @@ def test_weight_updates_push_checkpoint_names_and_reach_the_server(server, sprea
     model, processor = spread_tiny
     engine = _engine(server, processor)
     learner = type(model)(model.config)  # other weights: the update must overwrite every parameter
+    engine.weight_transport = "nccl"  # the CUDA learner's path; NCCL cannot run here, the stand-in replaces its calls
     engine.update_weights(learner)
     served = dict(server.llm.hf.named_parameters())
     assert all(torch.equal(served[n], p) for n, p in learner.named_parameters())
@@ -156,6 +157,7 @@ def test_rl_train_runs_on_the_server_and_pushes_weights_every_step(server, sprea
     def connected(self, *a, **k):
         real(self, *a, **k)
         fake_vllm_server.connect(self.client, server)
+        self.weight_transport = "nccl"  # a CUDA learner's path; the stand-in replaces its two NCCL calls
 
     monkeypatch.setattr(vllm_server.VLLMServerEngine, "__init__", connected)
     write_samples(samples_table(rl_rows()), tmp_path / "data")

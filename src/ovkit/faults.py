@@ -5,8 +5,10 @@ One writer per output. Every run holds an advisory lock on its output `OUT` for 
 `OUT.lock` beside it (`OUT/part-I-of-N.lock` for a `--shard` part, so the parts of one output still run in parallel).
 The kernel drops the lock when the process dies, however it dies, so a killed run never blocks the next one; the
 holder writes its pid, host, command and start time into the file, and a second run exits 2 naming them. A run removes
-its lock file when it ends; one left by a killed run is taken over by the next. flock is advisory and per machine on
-local disks; on NFS (v4, or v3 with lockd) Linux turns it into a POSIX lock the server arbitrates across hosts.
+its lock file when it ends; one left by a killed run is taken over by the next. A file of that name that is not an
+ovkit lock (not empty, not a holder's line) is the user's: the run exits 2 naming it and leaves it as it is. flock is
+advisory and per machine on local disks; on NFS (v4, or v3 with lockd) Linux turns it into a POSIX lock the server
+arbitrates across hosts.
 
 Interrupted on purpose. SIGINT (Ctrl-C) and SIGTERM (SLURM or Kubernetes preemption, `kill`) are handled by the CLI
 (`signals()`). A learner's loop runs with the stop deferred (`defer`): the first signal is noted, the step finishes,
@@ -104,6 +106,9 @@ class OutputLock:
                 f"--out {self.out}: cannot create {parent} ({e.strerror}); choose a writable place"
             ) from None
         self._made = missing
+        if self.path.is_dir() or (self.path.exists() and not self.path.is_file()):
+            self._remove_made()
+            raise OvkitError(_not_a_lock(self.path, self.out))
         for _ in range(10):  # the holder may remove the file between our open and our flock: then lock the new one
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -130,6 +135,10 @@ class OutputLock:
                     file=sys.stderr,
                 )
             if _same_file(fd, self.path):
+                if not _is_lock_file(fd):  # locked, but the user's file: left exactly as it was
+                    os.close(fd)
+                    self._remove_made()
+                    raise OvkitError(_not_a_lock(self.path, self.out))
                 self._fd = fd
                 self._write_holder()
                 return
@@ -164,6 +173,27 @@ class OutputLock:
             except OSError:
                 break
         self._made = []
+
+
+def _is_lock_file(fd: int) -> bool:
+    """Whether the open file is empty (just made, by this run or by one killed before it wrote) or a holder's line."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return True
+    if size > 4096:
+        return False
+    try:
+        info = json.loads(os.pread(fd, size, 0))
+    except ValueError:
+        return False
+    return isinstance(info, dict) and {"pid", "host", "command"} <= info.keys()
+
+
+def _not_a_lock(path: Path, out: Path) -> str:
+    return (
+        f"{path} exists and is not an ovkit lock file: ovkit did not write it, so it never replaces or removes it; "
+        f"a run of {out} keeps its lock there: move {path} away yourself, or choose another --out"
+    )
 
 
 def release_all() -> None:

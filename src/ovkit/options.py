@@ -528,11 +528,11 @@ env_timeout = _shared(
 # None) or a value only it accepts (rl-train's vllm-server engine).
 engine = _shared(
     "hf",
-    help="hf (transformers generate, any device: the GPU when there is one) or vllm (a colocated vLLM engine, GPU).",
+    help="hf (transformers generate, any device: the GPU when there is one) or vllm (a colocated vLLM engine).",
     panel=RUNTIME,
     doc=(
         "`hf`: transformers `generate` on left-padded batches, any device (CUDA when available); `vllm`: a "
-        "colocated vLLM engine (GPU, `pip install 'ovkit[vllm]'`)"
+        "colocated vLLM engine (`pip install 'ovkit[vllm]'`; without a GPU, vLLM's CPU build: `make setup-vllm`)"
     ),
 )
 n = _shared(help="Completions sampled per prompt.", panel=SAMPLING, min=1, doc="completions sampled per prompt")

@@ -15,6 +15,12 @@ exit 2, with the temp dir removed. A failure at the end (config.yaml, ovkit.json
 learner, moves it back to `OUT.partial` (`restore_to`) so that --resume still finds its checkpoints.
 A second run of the same `OUT` (or `OUT/part-I-of-N`) does not get that far: every run holds `OUT.lock` for its life
 (ovkit.faults) and a second one exits 2 naming the first one's pid and host.
+
+Only what ovkit wrote is ever removed, moved or replaced (`claim`). An existing `OUT` that is neither a complete ovkit
+output (an `ovkit.json` of ovkit's shape) nor an empty directory is refused, exit 2 naming it, with or without
+`--overwrite`: it may be the user's own directory or file. Every temp dir starts with a mark (ovkit.files.MARK), so the
+`OUT.tmp-<pid>` / `OUT.old-<pid>` a killed run left are told from a user's path that happens to share the name; the
+lock file (ovkit.faults), a learner's `OUT.partial` and caption's work directory follow the same rule.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from ovkit.config import dump_yaml, to_plain
 from ovkit.data.sources import describe
 from ovkit.errors import OvkitError
 from ovkit.faults import Interrupted, hold, write_failure
-from ovkit.files import PROVENANCE, fingerprint, is_complete, read_provenance, write_json
+from ovkit.files import MARK, PROVENANCE, fingerprint, is_complete, mark, read_provenance, write_json, written_by_ovkit
 from ovkit.hub import is_remote, parse_spec
 
 
@@ -73,6 +79,7 @@ class Stage:
         self.extra: dict[str, Any] = {}  # more top-level provenance keys (e.g. `runtime`: device, precision, attention)
         # Where the temp dir goes back on failure instead of being removed (a learner's OUT.partial: Runtime.finish).
         self.restore_to: Path | None = None
+        claim(self.out)  # before anything is written beside it: a path ovkit did not write is refused, exit 2
         self.lock = hold(self.out, command)  # one writer per output (ovkit.faults): exit 2 naming the holder
         self.skipped = is_complete(self.out) and not overwrite
         if self.skipped:
@@ -85,10 +92,12 @@ class Stage:
     def __enter__(self) -> Stage:
         if self.skipped:
             raise RuntimeError("a skipped stage must not be entered")
-        if self.path.exists():
+        if self.path.exists() or self.path.is_symlink():
+            claim(self.path, what="its temporary directory")
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True)
-        self._input_prints = [f for f in map(_input_print, self.inputs) if f is not None]
+        mark(self.path, self.command)  # first: a killed run's temp dir is told from a path of the user's
+        self._input_prints = [f for f in map(input_print, self.inputs) if f is not None]
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -131,7 +140,8 @@ class Stage:
         prov = self.provenance()
         write_json(self.path / PROVENANCE, prov)
         _card(write_card, self.path, prov, self.out)
-        if self.out.exists():
+        if self.out.exists() or self.out.is_symlink():
+            claim(self.out)  # again: a learner ran for hours, and the user may have made OUT meanwhile
             old = self.out.parent / f"{self.out.name}.old-{os.getpid()}"
             self.out.rename(old)
             try:
@@ -139,11 +149,22 @@ class Stage:
             except BaseException:
                 old.rename(self.out)  # the previous output stays whole
                 raise
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_symlink():  # OUT was a link to an output of ovkit's: the link goes, what it points to stays
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             self.path.rename(self.out)
+        (self.out / MARK).unlink(missing_ok=True)  # complete now: its ovkit.json says whose it is
         if PART_DIR.fullmatch(self.out.name):
             _card(write_parts_card, self.out.parent, self.out, prov)
+
+    def adopt(self, run_dir: Path) -> None:
+        """Make `run_dir` (a learner's OUT.partial) this stage's temp dir, marked as its own."""
+        (self.path / MARK).unlink(missing_ok=True)
+        self.path.rmdir()
+        os.replace(run_dir, self.path)
+        mark(self.path, self.command)
 
     def provenance(self) -> dict[str, Any]:
         parent = read_provenance(self.parent) if self.parent else None
@@ -164,8 +185,36 @@ class Stage:
         }
 
 
+def claim(out: Path, *, what: str = "--out", partial: Path | None = None) -> None:
+    """Exit 2 unless ovkit may replace `out`: it does not exist, or ovkit wrote it (ovkit.files.written_by_ovkit:
+    a complete output, a marked temp or run directory, an empty directory). `partial`: a learner's run directory,
+    held to the same rule. For a part of a sharded output (`OUT/part-I-of-N`) the card written into OUT must not
+    replace a README.md of the user's: OUT holds only parts (and their side files) and, with them, their card."""
+    out = Path(out)
+    for path, named in ((out, what), (partial, "its run directory")):
+        if path is None or not (path.exists() or path.is_symlink()) or written_by_ovkit(path):
+            continue
+        kind = "a file" if not path.is_dir() else "a directory without ovkit's ovkit.json"
+        raise OvkitError(
+            f"{named} {path} exists and is {kind}: ovkit did not write it, so it never removes, moves or replaces it "
+            f"(--overwrite replaces only outputs ovkit wrote); choose another --out, or move {path} away yourself"
+        )
+    if PART_DIR.fullmatch(out.name) and out.parent.is_dir():
+        names = [p.name for p in out.parent.iterdir()]
+        parts = [n for n in names if PART_DIR.match(n)]
+        others = sorted(n for n in names if not PART_DIR.match(n.removeprefix(".")) and n != "README.md")
+        if others or ("README.md" in names and not parts):
+            listed = ", ".join(others[:3] or ["README.md"]) + (", ..." if len(others) > 3 else "")
+            raise OvkitError(
+                f"--out {out.parent} holds files that are not parts of an ovkit output ({listed}); a --shard run "
+                f"writes its part and the output's README.md there: choose another --out, or move them away yourself"
+            )
+
+
 def remove_stale(out: Path) -> list[Path]:
-    """Remove the `OUT.tmp-<pid>` / `OUT.old-<pid>` beside `out` whose process is gone; return what was removed."""
+    """Remove the `OUT.tmp-<pid>` / `OUT.old-<pid>` beside `out` whose process is gone and that ovkit wrote (a
+    marked temp dir, a replaced output); a path of that name that ovkit did not write stays. Returns what was
+    removed."""
     out = Path(out)
     if not out.parent.is_dir():
         return []
@@ -175,10 +224,9 @@ def remove_stale(out: Path) -> list[Path]:
         m = pattern.fullmatch(p.name)
         if m is None or int(m[1]) == os.getpid() or pid_alive(int(m[1])):
             continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
+        if p.is_symlink() or not written_by_ovkit(p):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
 
@@ -196,7 +244,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _input_print(path: Path) -> dict[str, Any] | None:
+def input_print(path: Path) -> dict[str, Any] | None:
     """An input's fingerprint: of the path, of the directory a `DIR:CONFIG@SPLIT` selects from, or, for a Hub
     dataset, a note filled in at the end (ovkit.data.sources.describe: the converted copy's fingerprint)."""
     if path.exists():

@@ -322,6 +322,7 @@ def _headline(report: dict[str, Any], t0: float) -> dict[str, Any]:
     return {
         "rows_in": report["rows_in"],
         "rows_out": report["rows_out"],
+        "unmatched_rows": report["unmatched_rows"],  # weight 0: no copies in the output
         "effective_concepts_before": round(report["before"]["effective_concepts"], 2),
         "effective_concepts_after": round(report["after"]["effective_concepts"], 2),
         "rare_gained_fraction": round(report["rare_gained_fraction"], 3),

@@ -44,7 +44,7 @@ from ovkit.caption.filter import CaptionFilter, rule
 from ovkit.caption.quality import has_cjk, mean_recall, parse_concepts
 from ovkit.data import IMAGE_TOKEN, MESSAGE, parse_shard, read_samples, write_rejects, write_samples, write_table
 from ovkit.errors import OvkitError
-from ovkit.files import fingerprint, write_json
+from ovkit.files import fingerprint, write_json, written_by_ovkit
 from ovkit.generate import ENGINES
 from ovkit.models.encode import decode_images, encode_prompt
 from ovkit.options import option
@@ -328,15 +328,32 @@ def work_key(cfg: CaptionConfig, shard: tuple[int, int] | None) -> dict[str, Any
     return json.loads(json.dumps(key))
 
 
+def _work_key(work: Path) -> Any:
+    try:
+        return json.loads((work / "work.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def check_work(work: Path) -> None:
+    """Exit 2 when `work` exists and is not caption's work directory (a work.json of its own, or ovkit's mark, or
+    empty): ovkit removes only what it wrote. The command checks it before the model loads; prepare_work again."""
+    key = _work_key(work) if work.is_dir() else None
+    if (work.exists() or work.is_symlink()) and not (isinstance(key, dict) and "chunk_rows" in key):
+        if not written_by_ovkit(work):
+            raise OvkitError(
+                f"{work} exists and is not caption's work directory (no work.json of ovkit's): ovkit did not write "
+                f"it, so it never removes it; move it away yourself, or choose another --out"
+            )
+
+
 def prepare_work(work: Path, key: dict[str, Any], *, fresh: bool) -> None:
     """Start or continue the work directory: kept when its key matches (and not `fresh`), else emptied."""
 
     meta = work / "work.json"
+    check_work(work)
     if work.exists():
-        try:
-            old = json.loads(meta.read_text())
-        except (OSError, json.JSONDecodeError):
-            old = None
+        old = _work_key(work)
         if fresh or old != key:
             n = len(list(work.glob("chunk-*.parquet")))
             if n and not fresh:
@@ -563,7 +580,12 @@ def run(
     shares = cfg.languages()
     langs = [pick_language(rid, cfg.seed, shares) for rid in table.column("id").to_pylist()]
     prepare_work(work, work_key(cfg, shard), fresh=cfg.overwrite)
-    gen, stats = generate_chunks(cfg, table, samples.rows, langs, work, Captioner(cfg, engine, processor))
+    captioner = Captioner(cfg, engine, processor)
+    try:
+        gen, stats = generate_chunks(cfg, table, samples.rows, langs, work, captioner)
+    finally:
+        if engine is None and captioner.engine is not None:  # built here: shut down here (vLLM's worker)
+            captioner.engine.close()
     kept, rejected, metrics = assemble(cfg, table, gen)
     write_samples(kept, out, shard)
     parts = [t for t in (samples.rejects, rejected) if t is not None]

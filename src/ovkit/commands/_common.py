@@ -212,5 +212,15 @@ def done(msg: str) -> None:
     typer.echo(msg)
 
 
+def dropped(command: str, verb: str, counts: dict[str, int], where: str) -> None:
+    """The line a stage prints after its summary when it skipped, rejected or truncated rows or samples (#34): how
+    many, why, and where they are listed or counted. Nothing when there were none: a run that kept everything says
+    nothing more."""
+    counts = {why: n for why, n in counts.items() if n}
+    if counts:
+        detail = ", ".join(f"{n:,} {why}" for why, n in counts.items())
+        typer.echo(f"{command}: {verb} {sum(counts.values()):,} ({detail}); {where}")
+
+
 def skipped(out: Path) -> None:
     typer.echo(f"{out} is complete; skipped (use --overwrite to redo it)")

@@ -1,6 +1,6 @@
 import typer
 
-from ovkit.commands._common import done, resolve, skipped, stage
+from ovkit.commands._common import done, dropped, resolve, skipped, stage
 
 
 @stage(
@@ -33,4 +33,18 @@ def balance(ctx: typer.Context) -> None:
     done(
         f"balance ({cfg.method}, phase {'merge' if cfg.merge else cfg.phase}): {m.get('rows_in', m.get('rows'))} "
         f"rows in, {m.get('rows_out', '-')} out{extra} -> {stage.out}"
+    )
+    where = [f"invalid rows are listed with their reason in {stage.out}/rejects.parquet"] if m.get("rejects") else []
+    if m.get("unmatched_rows"):
+        where.append(
+            f"rows that match no concept have weight 0 in {stage.out}/plan.parquet (report.json: unmatched_rows)"
+        )
+    dropped(
+        "balance",
+        "dropped",
+        {
+            "invalid rows (--on-error skip)": m.get("rejects", 0),
+            "rows that match no concept": m.get("unmatched_rows", 0),
+        },
+        "; ".join(where),
     )

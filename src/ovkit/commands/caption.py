@@ -1,6 +1,6 @@
 import typer
 
-from ovkit.commands._common import done, resolve, skipped, stage
+from ovkit.commands._common import done, dropped, resolve, skipped, stage
 
 
 @stage(
@@ -12,7 +12,7 @@ from ovkit.commands._common import done, resolve, skipped, stage
 def caption(ctx: typer.Context) -> None:
     """Recaption every image with a VLM: one caption per image in a language drawn per row, the released caption filter,
     originals kept beside."""
-    from ovkit.caption.run import remove_work, run, work_dir
+    from ovkit.caption.run import check_work, remove_work, run, work_dir
     from ovkit.data import parse_shard, shard_out
     from ovkit.runs import Stage
 
@@ -30,6 +30,7 @@ def caption(ctx: typer.Context) -> None:
     if stage.skipped:
         return skipped(stage.out)
     work = work_dir(stage.out)
+    check_work(work)  # before the model loads
     with stage:
         stage.metrics.update(run(cfg, stage.path, part, work=work))
     remove_work(work)
@@ -45,4 +46,13 @@ def caption(ctx: typer.Context) -> None:
         f"{m['pass_rate']}, "
         f"mean length {m['mean_chars']['recaption']} chars (original {m['mean_chars']['original']}){measured}; "
         f"{m['decision']} -> {stage.out}"
+    )
+    dropped(
+        "caption",
+        "moved to rejects",
+        {
+            "invalid input rows (--on-error skip)": m["input_rejects"],
+            "recaptions that failed the filter": m["rejects"] - m["input_rejects"],
+        },
+        f"listed with their reason in {stage.out}/rejects.parquet",
     )

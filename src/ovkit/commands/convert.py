@@ -1,6 +1,6 @@
 import typer
 
-from ovkit.commands._common import done, resolve, skipped, stage
+from ovkit.commands._common import done, dropped, resolve, skipped, stage
 
 
 @stage(
@@ -25,4 +25,10 @@ def convert(ctx: typer.Context) -> None:
         f"convert: {m['format']}{' (detected)' if m['detected'] else ''}{' -> trl' if m['to'] == 'trl' else ''}: "
         f"{m['rows_in']} records -> {m['rows_out']} rows"
         f" in {m['files']} file(s) + {m['rejects']} rejects -> {cfg.out_dir}"
+    )
+    dropped(
+        "convert",
+        "rejected",
+        {f"bad in {field or 'the record'}": n for field, n in m["reject_fields"].items()},
+        f"listed with their reason in {cfg.out_dir}/rejects.parquet",
     )

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
 
-from ovkit.commands._common import done, resolve, skipped, stage
+from ovkit.commands._common import done, dropped, resolve, skipped, stage
 
 
 @stage(
@@ -21,21 +22,23 @@ def evaluate(ctx: typer.Context) -> None:
     from ovkit.evaluate.results import unmapped
     from ovkit.files import is_complete
     from ovkit.launch import processes
-    from ovkit.runs import Stage
+    from ovkit.runs import Stage, claim
 
     cfg = resolve(ctx)
     if cfg.compare:
+        target = _compare_target(cfg.out) if cfg.out is not None else None  # refused before anything is read
         runs = [load_run(p) for p in cfg.data]
         for note in unmapped(runs, cfg.metric):
             typer.echo(f"warning: {note}", err=True)
         table = compare_table(runs, cfg.metric)
         typer.echo(table, nl=False)
         if cfg.out is not None:
-            _write_text(cfg.out, table)
+            _write_text(target, table)
             done(f"eval --compare: {len(cfg.data)} runs -> {cfg.out}")
         return
     rank, world = processes()
     if rank > 0:  # under a launcher: score this process's share of the rows; the main process writes OUT
+        claim(cfg.out)  # as the main process's Stage does: a path ovkit did not write stops every process
         if not is_complete(cfg.out) or cfg.overwrite:
             run_eval(cfg, None)
         return
@@ -52,13 +55,43 @@ def evaluate(ctx: typer.Context) -> None:
         f"eval: reward {m['overall']:.3f}, accuracy {m['accuracy']:.3f} on {m['rows']} rows x {cfg.n} "
         f"({len(m['categories'])} categories, {m['truncated']:.0%} truncated) in {m['seconds']['total']}s -> {cfg.out}"
     )
+    dropped(
+        "eval",
+        "left out",
+        {f"row(s) beyond --limit {cfg.limit} per category": m.get("rows_beyond_limit", 0)},
+        f"not scored; counted in {cfg.out}/ovkit.json (metrics.rows_beyond_limit)",
+    )
 
 
-def _write_text(path: Path, text: str) -> None:
+# The first line of every table --compare writes (an HTML comment: invisible where the markdown renders): a file
+# without it is not ovkit's, and is never replaced (ovkit.runs.claim's rule for files).
+COMPARE_MARK = "<!-- written by ovkit eval --compare; a rerun replaces it -->\n"
+
+
+def _compare_target(path: Path) -> Path:
+    """The file --compare writes (`compare.md` in a directory), after checking that it is absent or ovkit's."""
+    from ovkit.errors import OvkitError
+
     path = Path(path)
     if path.is_dir():
         path = path / "compare.md"
+    if path.exists() or path.is_symlink():
+        try:
+            ours = path.is_file() and path.open(errors="replace").readline() == COMPARE_MARK
+        except OSError:
+            ours = False
+        if not ours:
+            raise OvkitError(
+                f"--out {path} exists and ovkit did not write it (it is not a table of eval --compare), so it never "
+                f"replaces it; choose another --out, or move {path} away yourself"
+            )
+    return path
+
+
+def _write_text(path: Path, text: str) -> None:
+    import tempfile
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        f.write(COMPARE_MARK + text)  # a fresh name: no file of the user's is written over on the way
+    os.replace(f.name, path)

@@ -1,6 +1,6 @@
 import typer
 
-from ovkit.commands._common import done, resolve, skipped, stage
+from ovkit.commands._common import done, dropped, resolve, skipped, stage
 
 
 @stage(
@@ -26,4 +26,15 @@ def pack(ctx: typer.Context) -> None:
         f"pack: {stats['samples']} samples -> {stats['packs']} packs of {cfg.max_len} (lower bound "
         f"{stats['lower_bound']}, "
         f"efficiency {stats['efficiency'] or 0:.4f}, {rejected} rejected) -> {cfg.target}"
+    )
+    reasons = {
+        "invalid_row": "invalid rows (--on-error skip)",
+        "unencodable": "the processor could not encode",
+        "longer_than_max_len": f"longer than --max-len {cfg.max_len} tokens",
+    }
+    dropped(
+        "pack",
+        "left out of the plan",
+        {reasons.get(why, why): n for why, n in stats["rejects"].items()},
+        f"listed with their reason in {cfg.target}/rejects.parquet",
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ovkit.commands._common import done, resolve, skipped, stage
+from ovkit.commands._common import done, dropped, resolve, skipped, stage
 
 
 @stage(
@@ -39,4 +39,10 @@ def rl_curate(ctx: typer.Context) -> None:
     done(
         f"rl-curate: {m['prompts']} prompts, pass@1 {m['pass_at_1']:.3f}, pass@{cfg.n} {m['pass_at_n']:.3f}, "
         f"kept {m['kept']} (stage 1: {m['stage1']}, stage 2: {m['stage2']}) -> {stage.out}"
+    )
+    dropped(
+        "rl-curate",
+        "left out",
+        {f"prompt(s) of excluded category {c}": n for c, n in (m.get("excluded") or {}).items()},
+        f"--exclude-category; counted in {stage.out}/stats.json (excluded)",
     )

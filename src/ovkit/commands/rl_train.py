@@ -34,3 +34,8 @@ def rl_train(ctx: typer.Context) -> None:
         f"{m['samples_per_s']:.1f} samples/s, max staleness {m['max_staleness_seen']}, {m['elapsed_s']:.0f}s -> "
         f"{cfg.out}"
     )
+    from ovkit.rl.metrics import cut_or_masked
+
+    line = cut_or_masked(cfg.out / "metrics.jsonl", cfg.max_new_tokens)
+    if line:  # what the run cut or masked (#34): one line after the summary, none when nothing was
+        done(f"rl-train: {line}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from ovkit.commands._common import done, resolve, skipped, stage
+from ovkit.commands._common import done, dropped, resolve, skipped, stage
 from ovkit.config import check_inputs
 
 REQUIRED = ("data", "model", "out")
@@ -58,4 +58,11 @@ def run(ctx: typer.Context) -> None:
         done(
             f"{cfg.stage}: {m['steps']} steps, loss {m['first_loss']:.4f} -> {m['final_loss']:.4f}, "
             f"{m['trainable_params']:,}/{m['total_params']:,} params trained, {m['elapsed_s']:.0f}s -> {cfg.out}"
+        )
+        dropped(
+            cfg.stage,
+            "skipped",
+            {f"sample(s) longer than --max-len {cfg.max_len} tokens": m.get("skipped_too_long", 0)},
+            f"not trained on; counted in {cfg.out}/ovkit.json (metrics.skipped_too_long); a larger --max-len keeps "
+            f"them",
         )

@@ -241,13 +241,18 @@ def run_eval(
     rows, n_original = load_rows(cfg.data, cfg.limit)
     if cfg.shuffle_images:
         rows = shuffle_images(rows, cfg.seed)
-    if engine is None:
+    built = engine is None
+    if built:
         engine, processor = build_engine(cfg)
     clock["load"] = time.perf_counter()
     mine = share(len(rows))
     budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)  # from every row: the same on each process
-    done = score_rows(cfg, engine, processor, [rows[i] for i in mine], budgets, clock)
-    every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
+    try:
+        done = score_rows(cfg, engine, processor, [rows[i] for i in mine], budgets, clock)
+        every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
+    finally:
+        if built:  # after the last collective: vLLM's shutdown also ends the process group it joined
+            engine.close()
     if out_dir is None:
         return None
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -330,6 +335,7 @@ def _write(
         "accuracy": doc["accuracy"]["overall"],
         "categories": doc["categories"],
         "rows": len(rows),
+        "rows_beyond_limit": sum(n_original.values()) - len(rows),  # left out by --limit (N per category)
         "completions": len(rows) * cfg.n,
         "new_tokens": sum(len(c.token_ids) for outs in completions for c in outs),
         "truncated": summary["overall"].get("truncated", 0.0),

@@ -259,6 +259,9 @@ class HFEngine:
                     )
                 mine[name].copy_(p.detach())
 
+    def close(self) -> None:
+        """Nothing to shut down: the weights are the caller's model or a copy that goes with this engine."""
+
     # -- generation ------------------------------------------------------------------------------------------------
 
     def generate(

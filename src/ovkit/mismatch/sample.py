@@ -11,7 +11,10 @@ Each sampler samples the same prompts with the same seed from the learner's weig
 | `fp8` | weight-only fp8 (e4m3, per output channel) on any device | `HFEngine(quant="fp8")` (ovkit.generate.quant) |
 | `int4` | 4-bit weights (group-wise symmetric, 64 per scale) on any device: a larger, honest gap |
 `HFEngine(quant="int4")` (ovkit.generate.quant) |
-| `vllm` | vLLM on the model directory | `VLLMEngine` (GPU, `pip install 'ovkit[vllm]'`) |
+| `vllm` | vLLM on the model directory, in the checkpoint's dtype | `VLLMEngine` (`pip install 'ovkit[vllm]'`; on
+a CPU, vLLM's CPU build: `make setup-vllm`) |
+| `vllm-fp32`, `vllm-bf16` | vLLM's kernels in float32 / bfloat16 on the same weights | `VLLMEngine(dtype=...)`: the
+gap a real RL sampler opens against the learner |
 
 Even `fp32` is not bit-identical to the learner: batched, cached decoding sums in another order than one
 teacher-forced pass, which is the floor every other sampler is compared against. Prompts are encoded as rl-train
@@ -34,6 +37,8 @@ SAMPLERS = {
     "fp8": {"quant": "fp8"},
     "int4": {"quant": "int4"},
     "vllm": {},
+    "vllm-fp32": {"dtype": "float32"},
+    "vllm-bf16": {"dtype": "bfloat16"},
 }
 ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "hf": "fp32"}
 
@@ -48,8 +53,11 @@ def canonical_sampler(name: str) -> str:
 def make_sampler(name: str, model: Any, processor: Any, *, model_dir: Any, batch_size: int, seed: int, quiet: bool):
     from ovkit.generate.engines import build_engine
 
-    if name == "vllm":
-        return build_engine("vllm", model_dir=model_dir, processor=processor, seed=seed, progress=not quiet)
+    if name.startswith("vllm"):
+        precision = {"vllm-fp32": "fp32", "vllm-bf16": "bf16"}.get(name)
+        return build_engine(
+            "vllm", model_dir=model_dir, processor=processor, precision=precision, seed=seed, progress=not quiet
+        )
     return build_engine(
         "hf", model=model, processor=processor, batch_size=batch_size, progress=not quiet, **SAMPLERS[name]
     )

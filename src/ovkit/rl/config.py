@@ -81,12 +81,12 @@ class RLTrainConfig(O.Learner):
     engine: str = O.engine(
         help=(
             "Rollout engine: hf (transformers generate, any device: the GPU when there is one), vllm (a colocated "
-            "vLLM engine, GPU) or vllm-server (a running `vllm serve`, see --vllm-server-url)."
+            "vLLM engine) or vllm-server (a running vLLM server, see --vllm-server-url)."
         ),
         doc=(
             "`hf`: transformers `generate` on left-padded batches, any device (CUDA when available); `vllm`: a "
-            "colocated vLLM engine (GPU, `pip install 'ovkit[vllm]'`); `vllm-server`: a running `vllm serve` "
-            "(see `--vllm-server-url`)"
+            "colocated vLLM engine (`pip install 'ovkit[vllm]'`; without a GPU, vLLM's CPU build: `make "
+            "setup-vllm`); `vllm-server`: a running vLLM server (see `--vllm-server-url`)"
         ),
         choices=RL_ENGINES,
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -309,7 +310,8 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
     )
     processor = engine.processor
     rows = table.to_pylist()
-    groups = rollout_all(cfg, engine, processor, table, [stage_of(r, cfg.stage2_categories) for r in rows])
+    with closing(engine):  # vLLM's worker shuts down here, not at the interpreter's exit
+        groups = rollout_all(cfg, engine, processor, table, [stage_of(r, cfg.stage2_categories) for r in rows])
     stats = prompt_stats(groups, rows, cfg)
 
     annotated = table.append_column("pass_at_1", pa.array([s.pass_at_1 for s in stats], pa.float64()))

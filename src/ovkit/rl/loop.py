@@ -28,6 +28,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from functools import partial
 from typing import Any
 
@@ -60,6 +61,13 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     """Run GRPO and write cfg.out; None when cfg.out is already complete (skipped)."""
     if is_complete(cfg.out) and not cfg.overwrite:
         return None
+    # The sampler shuts down after the run's last collective (the final save): vLLM's shutdown also ends the process
+    # group it joined, which a multi-process learner shares.
+    with ExitStack() as owned:
+        return _train_rl(cfg, owned)
+
+
+def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     rt = Runtime(cfg, command="rl-train", trajectory=TRAJECTORY)
     rt.check_run_dir()
     tables = _tables(cfg)  # every row checked (answers included) before the model loads
@@ -113,6 +121,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     ref_model = _reference(rt, cfg) if cfg.kl_coef else None
     pad_id = pad_token_id(processor, model)
     rollouts = _rollouts(cfg, model, processor, prompts, rt.accelerator.process_index, rt.processes)
+    owned.callback(rollouts.engine.close)
     logger = rt.logger(n_steps, state["step"], console=console_line, desc=f"rl-train stage {cfg.stage}")
     corr = cfg.correction_config()
     t_start = time.perf_counter() - state["elapsed_s"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -172,3 +173,27 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
 
         out.update(turn_stats(completions, task))
     return out
+
+
+def cut_or_masked(metrics_jsonl: Path, max_new_tokens: int) -> str | None:
+    """What a finished run cut or masked, as the mean per-step share over its metrics.jsonl (#34): completions cut at
+    --max-new-tokens (`completions/clipped_ratio`; trained on as cut) and sequences the mismatch corrections masked
+    out whole (`ovkit/masked/seq_frac`; no gradient). None when neither happened (or no metrics.jsonl)."""
+    import json
+
+    path = Path(metrics_jsonl)
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+    def mean(key: str) -> float:
+        values = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        return sum(values) / len(values) if values else 0.0
+
+    truncated, masked = mean("completions/clipped_ratio"), mean("ovkit/masked/seq_frac")
+    said = []
+    if truncated > 0:
+        said.append(f"{truncated:.1%} of completions cut at --max-new-tokens {max_new_tokens} (trained on as cut)")
+    if masked > 0:
+        said.append(f"{masked:.1%} of sequences masked out whole by the mismatch corrections (no gradient)")
+    if not said:
+        return None
+    return f"mean per step, {', '.join(said)}; per step in {path} (completions/clipped_ratio, ovkit/masked/seq_frac)"

@@ -28,7 +28,9 @@ Run directory while training, and at the end (both loops):
                                      schedule, RNG of every process; sharded under FSDP
         ovkit_state.json             step, tokens/samples, elapsed time, world size
         manifest.json                size and CRC32 of every file above (ovkit.runtime.integrity)
-        ovkit.json                   provenance; written last, so a checkpoint without it is incomplete
+        ovkit.json                   provenance, with the fingerprint of every input (DATA, --plan, --model) that
+                                     --resume checks; written last, so a checkpoint without it is incomplete
+      .ovkit-writing                 the mark that says ovkit made this directory (ovkit.runs.claim)
     OUT/                             at the end: OUT.partial + the final model at its root, config.yaml, ovkit.json
     OUT.lock                         held by the running process (ovkit.faults: one writer per output), then removed
 
@@ -59,12 +61,12 @@ from ovkit import __version__, faults
 from ovkit.config import option_default, to_plain, to_plain_values
 from ovkit.errors import OutOfMemory, OvkitError
 from ovkit.faults import hold
-from ovkit.files import PROVENANCE, write_json
+from ovkit.files import PROVENANCE, mark, write_json
 from ovkit.launch import engine_warning, requested_engine
 from ovkit.models import attention as attn
 from ovkit.models import load, lora
 from ovkit.models import precision as prec
-from ovkit.runs import Stage
+from ovkit.runs import Stage, claim, input_print
 from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import compiling, integrity
 from ovkit.runtime import kernels as kern
@@ -164,6 +166,8 @@ class Runtime:
         set_seed(cfg.seed, device_specific=True)
         hf_logging.disable_progress_bar()  # weight loading/saving bars would break up the step lines
         self.resume_from: Path | None = None
+        self.inputs = _input_paths(cfg)  # {path: the option it came from}
+        self.input_prints: list[dict[str, Any]] = []  # their fingerprints, in every checkpoint: --resume checks them
         self.scheduler = self._optimizer = None
         self.bytes_per_param: dict[str, Any] | None = None  # measured after the first optimiser step (rt.measure)
         self.activation_checkpointing: dict[str, Any] = {"mode": "off", "why": "not applied"}
@@ -221,8 +225,11 @@ class Runtime:
 
     def check_run_dir(self) -> Path | None:
         """The checkpoint to resume from (None: start fresh); an unfinished OUT.partial needs --resume or
-        --overwrite. Nothing is written: `make_run_dir` does that, once the inputs have been checked."""
+        --overwrite. Nothing is written: `make_run_dir` does that, once the inputs have been checked. OUT and
+        OUT.partial must be ovkit's (ovkit.runs.claim), and a resumed run's inputs what its checkpoint trained on."""
         run_dir = self.run_dir
+        claim(self.cfg.out, partial=run_dir)  # a path ovkit did not write: exit 2, before any model loads
+        self.input_prints = [f for f in map(input_print, self.inputs) if f is not None]
         if not run_dir.exists() or self.cfg.overwrite:
             return None
         ckpt = latest_checkpoint(run_dir)
@@ -232,7 +239,33 @@ class Runtime:
                 f"{run_dir} holds an unfinished run ({at}); pass --resume to continue it or --overwrite to start over"
             )
         self.resume_from = ckpt = self._sound_checkpoint(run_dir)
+        if ckpt is not None:
+            self._check_inputs_unchanged(ckpt)
         return ckpt
+
+    def _check_inputs_unchanged(self, ckpt: Path) -> None:
+        """Resume is exact or refused: exit 2 when an input's contents differ from the fingerprint `ckpt` recorded
+        (the same path with other data in it: a different path is already a changed option)."""
+        saved = json.loads((ckpt / PROVENANCE).read_text()).get("inputs")
+        if saved is None:
+            if self.is_main:
+                print(
+                    f"warning: --resume: {ckpt} records no input fingerprints (written by an earlier ovkit); "
+                    f"its inputs are assumed unchanged",
+                    file=sys.stderr,
+                )
+            return
+        now = {p["path"]: p for p in self.input_prints}
+        for old in saved:
+            new = now.get(old.get("path"))
+            if new is None or all(old.get(k) == new.get(k) for k in ("files", "bytes", "sha256")):
+                continue
+            role = self.inputs.get(Path(old["path"]), "input")
+            raise OvkitError(
+                f"--resume: {role} {old['path']} changed since {ckpt} was written ({_print_note(old)} then, "
+                f"{_print_note(new)} now), so the run would not continue the trajectory it began; put back what it "
+                f"held, or run with --overwrite (instead of --resume) to start over on what it holds now"
+            )
 
     def _sound_checkpoint(self, run_dir: Path) -> Path | None:
         """The newest checkpoint that matches its manifest (ovkit.runtime.integrity). A damaged one is moved aside to
@@ -300,8 +333,9 @@ class Runtime:
         self.accelerator.wait_for_everyone()
         if self.is_main:
             if self.run_dir.exists() and self.resume_from is None:
-                shutil.rmtree(self.run_dir)
+                shutil.rmtree(self.run_dir)  # ovkit's: check_run_dir claimed it
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            mark(self.run_dir, self.command)
         self.accelerator.wait_for_everyone()
 
     def resume(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -635,6 +669,7 @@ class Runtime:
             "ovkit_version": __version__,
             "config": to_plain(self.cfg),
             "parent": {"path": str(self.parent)},
+            "inputs": self.input_prints,
             "step": state["step"],
             "seed": self.cfg.seed,
             "runtime": self.info(),
@@ -672,10 +707,21 @@ class Runtime:
             stage.metrics.update(summary)
             stage.extra["runtime"] = self.info()
             stage.restore_to = self.run_dir  # a failure from here on moves the run back: --resume finds its checkpoints
-            stage.path.rmdir()
-            os.replace(self.run_dir, stage.path)
+            stage.adopt(self.run_dir)
         self.lock.release()
         return Result("done", summary)
+
+
+def _input_paths(cfg: Any) -> dict[Path, str]:
+    """What a learner's checkpoints fingerprint, and the option each came from: DATA, --plan and --model (a Hub id
+    is noted, not fingerprinted)."""
+    data = cfg.data if isinstance(cfg.data, (list, tuple)) else [cfg.data]
+    named = [*((p, "DATA") for p in data), (getattr(cfg, "plan", None), "--plan"), (cfg.model, "--model")]
+    return {Path(p): role for p, role in named if p is not None}
+
+
+def _print_note(p: dict[str, Any]) -> str:
+    return f"{p.get('files')} files, {p.get('bytes')} bytes, content hash {p.get('sha256')}"
 
 
 def _master_values(optimizer: Any, model: Any) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ Layout read (absent parts are reported as absent, never filled in):
     science/rl/<variant>/s<seed>/metrics.jsonl     rl-train per-step metrics (reward, mismatch, grad_norm, ...)
     science/eval/<variant>/s<seed>/summary.json    held-out score of that run's final model
     science/buckets/report.json                    mismatch-report --generate, samplers bf16 / int8 / int4
+    science/vllm-buckets/report.json               the same with vLLM's kernels, vllm-fp32 / vllm-bf16 (optional)
     science/turns/                                 mismatch-report --generate --env verifier (logprobs.parquet,
                                                    rollouts/)
     plans/pretrain/stats.json                      pack: padding compression, samples per pack
@@ -248,12 +249,17 @@ def _plot_curves(runs: dict[str, list[Run]], key: str, ylabel: str, path: Path, 
     return path
 
 
-def bucket_section(rep: Report, report_json: Path, out: Path) -> None:
+def bucket_section(rep: Report, report_json: Path, out: Path, vllm_json: Path | None = None) -> None:
+    """The HF samplers' buckets (bf16 / int8 / int4), and, where `make science` found the vLLM environment, vLLM's
+    own kernels (fp32, bf16) on the same weights and prompts as rows beside them."""
     if not report_json.is_file():
         rep.sections.append(("Mismatch by sampler probability", f"absent: no {report_json}.\n"))
         return
     doc = json.loads(report_json.read_text())
+    if vllm_json is not None and vllm_json.is_file():
+        doc["runs"].update(json.loads(vllm_json.read_text())["runs"])
     runs = {name: r["by_sampler_prob"] for name, r in doc["runs"].items() if r.get("by_sampler_prob")}
+    metrics = {name: r.get("metrics", {}) for name, r in doc["runs"].items()}
     rep.numbers["buckets"] = runs
     # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib
@@ -290,6 +296,8 @@ def bucket_section(rep: Report, report_json: Path, out: Path) -> None:
                 _fmt(low_v),
                 _fmt(high_v),
                 _fmt(low_v / high_v if high_v else float("nan")),
+                _fmt(metrics[name].get("k3_kl")),
+                _fmt(metrics[name].get("rollout_probs_diff_mean")),
             ]
         )
         rep.numbers.setdefault("low_high_ratio", {})[name] = low_v / high_v if high_v else float("nan")
@@ -305,9 +313,16 @@ def bucket_section(rep: Report, report_json: Path, out: Path) -> None:
             "mean abs log-ratio, p_s < 0.1",
             "same, p_s >= 0.9",
             "low / high",
+            "vllm-kl (K3)",
+            "mean |p_s - p_l|",
         ],
         rows,
     )
+    if any(name.startswith("vllm") for name in runs):
+        body += (
+            "\nThe `vllm-*` rows sample with vLLM's own kernels (its CPU build on a CPU box) from the same weights, "
+            "against the same fp32 learner (report: vllm-buckets/report.html).\n"
+        )
     body += "\n![buckets](figures/mismatch_by_prob.png)\n"
     rep.sections.append(("Mismatch by sampler probability (the low-probability-token trap)", body))
 
@@ -681,7 +696,7 @@ def build_report(run: Path, science: Path | None = None) -> Report:
     figs.mkdir(parents=True, exist_ok=True)
     rep = Report()
     rl_section(rep, load_runs(science), figs)
-    bucket_section(rep, science / "buckets" / "report.json", figs)
+    bucket_section(rep, science / "buckets" / "report.json", figs, science / "vllm-buckets" / "report.json")
     turns_section(rep, science / "turns")
     packing_section(rep, run / "plans" / "pretrain" / "stats.json")
     balance_section(rep, run / "data" / "pretrain", run / "data" / "pretrain-balanced", figs)
