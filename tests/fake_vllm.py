@@ -182,6 +182,10 @@ class _CudaPlatform:
     def is_sleep_mode_available() -> bool:
         return True
 
+    @staticmethod
+    def is_cpu() -> bool:
+        return False
+
 
 def install(monkeypatch) -> types.ModuleType:
     module = types.ModuleType("vllm")

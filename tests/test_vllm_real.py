@@ -139,6 +139,21 @@ def test_one_prompt_samples_the_same_wherever_it_is_in_the_call(engine, spread_p
     assert [c.token_ids for c in both[1]] == [c.token_ids for c in alone[0]]
 
 
+def test_a_call_larger_than_one_steps_token_budget(engine, spread_prompts):
+    """64 seeded prompts (~3,000 prompt tokens, more than vLLM schedules in one step): on a CPU vLLM would prefill some
+    over two steps and then fail to rewind their seeded generators ("CPU Generator does not use offset"); the engine
+    prefills each prompt in one step there, and every prompt still samples what it samples alone."""
+    prompts, images = spread_prompts * 16, _images() * 16
+    seeds = list(range(100, 164))
+    many = engine.generate(prompts, n=2, max_new_tokens=4, seeds=seeds, images=images)
+    assert sum(p.length for p in prompts) > 2048 and len(many) == 64
+    for k in (0, 37, 63):
+        alone = engine.generate(
+            prompts[k : k + 1], n=2, max_new_tokens=4, seeds=seeds[k : k + 1], images=images[k : k + 1]
+        )
+        assert [c.token_ids for c in many[k]] == [c.token_ids for c in alone[0]]
+
+
 def _stopper(model, processor, prompts):
     """The spread model tempered (weights x 0.2: moderate logits) with its end-of-turn token made likely (its tied
     embedding row moved along the mean final hidden state until its logit tops the typical maximum), so sampled

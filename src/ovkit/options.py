@@ -667,6 +667,20 @@ class Learner(ModelLoading):
     save_every: int = save_every()
     keep_checkpoints: int = keep_checkpoints()
     resume: bool = resume()
+    max_nonfinite_steps: int = option(
+        3,
+        min=1,
+        help="Stop the run (exit 2) after N optimiser steps in a row with a non-finite loss or gradient norm; each "
+        "such step is skipped (not applied).",
+        panel=CHECKPOINTS,
+        run_control=True,
+        doc=(
+            "a step whose loss or gradient norm is not finite is not applied (weights and optimiser state unchanged); "
+            "after N in a row the run stops with exit 2 naming the step, the loss and the usual causes (`--lr`, "
+            "`--precision`), the newest checkpoint from before the divergence stays in `OUT.partial/` for `--resume` "
+            "(which may then lower `--lr`), and OUT is not written"
+        ),
+    )
     report_to: list[str] = report_to()
     eval_data: list[Path] | None = eval_data()
     eval_every: int = eval_every()

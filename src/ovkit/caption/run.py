@@ -45,7 +45,7 @@ from ovkit.caption.quality import has_cjk, mean_recall, parse_concepts
 from ovkit.data import IMAGE_TOKEN, MESSAGE, parse_shard, read_samples, write_rejects, write_samples, write_table
 from ovkit.errors import OvkitError
 from ovkit.files import fingerprint, write_json, written_by_ovkit
-from ovkit.generate import ENGINES
+from ovkit.generate import ENGINES, close_engine
 from ovkit.models.encode import decode_images, encode_prompt
 from ovkit.options import option
 
@@ -585,7 +585,7 @@ def run(
         gen, stats = generate_chunks(cfg, table, samples.rows, langs, work, captioner)
     finally:
         if engine is None and captioner.engine is not None:  # built here: shut down here (vLLM's worker)
-            captioner.engine.close()
+            close_engine(captioner.engine)
     kept, rejected, metrics = assemble(cfg, table, gen)
     write_samples(kept, out, shard)
     parts = [t for t in (samples.rejects, rejected) if t is not None]

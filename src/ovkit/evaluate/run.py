@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from ovkit import options as O
 from ovkit.errors import OvkitError, where
 from ovkit.files import write_json
-from ovkit.generate import ENGINES
+from ovkit.generate import ENGINES, close_engine
 from ovkit.options import option
 from ovkit.prompts import ALIASES, INSTRUCTIONS
 from ovkit.rollouts.prompts import UNCATEGORIZED  # the task of rows without a `category` (light: no torch)
@@ -252,7 +252,7 @@ def run_eval(
         every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
     finally:
         if built:  # after the last collective: vLLM's shutdown also ends the process group it joined
-            engine.close()
+            close_engine(engine)
     if out_dir is None:
         return None
     tokenizer = getattr(processor, "tokenizer", processor)

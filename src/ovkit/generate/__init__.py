@@ -18,6 +18,8 @@ greedy decoding; its logprobs are those of the model's own (temperature 1, untru
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,23 @@ class Completion:
     @property
     def mask(self) -> list[int]:
         return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.token_ids)
+
+
+def close_engine(engine: Any) -> None:
+    """Shut an engine down (vLLM's worker and the process group it joined); engines with nothing to shut down, a
+    caller's own included, need no `close`."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
+@contextmanager
+def owned(engine: Any) -> Iterator[Any]:
+    """`with owned(engine):` closes the engine on the way out (contextlib.closing, for engines without `close` too)."""
+    try:
+        yield engine
+    finally:
+        close_engine(engine)
 
 
 def full_tensor(tensor: Any) -> Any:
@@ -74,4 +93,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ovkit.generate' has no attribute {name!r}")
 
 
-__all__ = ["Completion", "ENGINES", "RL_ENGINES", "HFEngine", "VLLMEngine", "VLLMServerEngine", "sampling_logprobs"]
+__all__ = [
+    "Completion",
+    "close_engine",
+    "owned",
+    "ENGINES",
+    "RL_ENGINES",
+    "HFEngine",
+    "VLLMEngine",
+    "VLLMServerEngine",
+    "sampling_logprobs",
+]

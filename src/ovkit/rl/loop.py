@@ -39,6 +39,7 @@ from ovkit.data import count_rows, read_samples, write_table
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
 from ovkit.files import is_complete
+from ovkit.generate import close_engine
 from ovkit.generate.engines import build_engine, device
 from ovkit.models import pad_token_id
 from ovkit.models import precision as prec
@@ -51,6 +52,8 @@ from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
 from ovkit.rollouts.groups import Group, Sampling, groups_table, score_groups
 from ovkit.rollouts.prompts import encode_prompts
 from ovkit.runtime import Runtime
+from ovkit.runtime.guard import NonFiniteSteps
+from ovkit.runtime.heap import large_blocks_off_heap
 from ovkit.runtime.optim import constant_factor
 
 # A rollout table's row per token at most: token id, sampler log-prob, loss mask (before parquet's compression).
@@ -70,6 +73,7 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
 def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     rt = Runtime(cfg, command="rl-train", trajectory=TRAJECTORY)
     rt.check_run_dir()
+    large_blocks_off_heap()  # the sampler's vocabulary-sized temporaries go back to the system (ovkit.runtime.heap)
     tables = _tables(cfg)  # every row checked (answers included) before the model loads
     model, processor = rt.load_model(cfg.model)
     params = trainable(model, cfg, rt)
@@ -121,7 +125,7 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     ref_model = _reference(rt, cfg) if cfg.kl_coef else None
     pad_id = pad_token_id(processor, model)
     rollouts = _rollouts(cfg, model, processor, prompts, rt.accelerator.process_index, rt.processes)
-    owned.callback(rollouts.engine.close)
+    owned.callback(close_engine, rollouts.engine)
     logger = rt.logger(n_steps, state["step"], console=console_line, desc=f"rl-train stage {cfg.stage}")
     corr = cfg.correction_config()
     t_start = time.perf_counter() - state["elapsed_s"]
@@ -168,13 +172,16 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
             )  # every --eval-every steps and at the end; the trajectory is untouched
             logger.log(step + 1, metrics)
             state["last"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < n_steps:
+            # not inside a streak of non-finite steps: the checkpoint would hold the weights that failed (guard)
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < n_steps and not rt.guard.diverging:
                 rt.save_checkpoint(scorer, processor, state, cfg.keep_checkpoints)
             rt.stop_if_asked(
                 scorer, processor, state, cfg.keep_checkpoints, n_steps
             )  # SIGINT/SIGTERM: checkpoint, exit
     except torch.cuda.OutOfMemoryError as e:  # one message, exit 3; the last checkpoint stays
         raise rt.out_of_memory(e, state) from e
+    except NonFiniteSteps as e:  # diverged: one message, exit 2; the last checkpoint from before it stays
+        raise rt.diverged(e) from None
     except OSError as e:  # disk full while logging or writing rollouts: one line, exit 2; the last checkpoint stays
         failure = rt.write_failure(e, rt.run_dir, saving=False)
         if failure is None:
@@ -209,6 +216,7 @@ def _summary(cfg: RLTrainConfig, rt: Runtime, state: dict[str, Any], n_steps: in
         "final_reward": last.get("reward"),
         "final_accuracy": last.get("ovkit/accuracy"),
         "max_staleness_seen": max((r.get("ovkit/staleness/max", 0) for r in rows), default=0),
+        "skipped_nonfinite": sum(r.get("ovkit/nonfinite_updates", 0) for r in rows),  # ovkit.runtime.guard
         "resumed_from": str(rt.resume_from) if rt.resume_from else None,
     }
 

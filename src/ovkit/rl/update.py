@@ -11,10 +11,11 @@ on the host all that does not need the model's weights: advantages, token counts
 rope positions, vision layout and response positions (it takes the model's config, never the model, so it cannot
 read a device value). `learn` then moves the step's tensors to the learner's device once and keeps everything
 there: log-probs, entropies, proximal log-probs, weights, the loss and its parts, every statistic. The host reads the
-device once per optimiser step, after the last backward and the gradient clipping: the skip guard (a minibatch in
-which every token was masked takes no optimiser step, which only the device knows) and, on the last one, all of the
-step's metrics with it. Inside transformers' Qwen-VL forward 3 reads per forward remain (image-token count check,
-image split sizes), as for `ovkit sft`.
+device once per optimiser step, after the last backward and the gradient clipping: the skip guard (ovkit.runtime.guard,
+every learner's: a minibatch in which every token was masked, or whose loss or gradient norm is not finite, takes no
+optimiser step, which only the device knows) and, on the last one, all of the step's metrics with it. Inside
+transformers' Qwen-VL forward 3 reads per forward remain (image-token count check, image split sizes), as for
+`ovkit sft`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ovkit.rollouts.trajectories import (
     forward_all,
     sequence_logprobs,
 )
+from ovkit.runtime.guard import StepGuard, in_backward
 from ovkit.runtime.optim import clip_grad_norm
 
 _LAYOUTS: dict[int, Any] = {}
@@ -68,6 +70,7 @@ class StepBatch:
     ]  # the no-grad passes over the whole batch (proximal log-probs with several minibatches, reference)
     n_tokens: int  # response tokens of the step (this process's)
     metrics: dict[str, Any]  # what the host knows without the model
+    step: int = 0  # the loop's 0-based step
 
 
 def prepare_step(groups: Sequence[Group], step: int, pad_id: int, config: Any, cfg: Any) -> StepBatch:
@@ -97,7 +100,7 @@ def prepare_step(groups: Sequence[Group], step: int, pad_id: int, config: Any, c
         "frac_reward_zero_std": zero_std_fraction(batch.rewards, batch.group_ids),
         **staleness_metrics(step, batch.versions),
     }
-    return StepBatch(batch, advantages, minibatches, totals, whole, sum(map(len, batch.mask_cols)), metrics)
+    return StepBatch(batch, advantages, minibatches, totals, whole, sum(map(len, batch.mask_cols)), metrics, step)
 
 
 @dataclass
@@ -151,11 +154,13 @@ def ppo_update(
     zero = torch.zeros((), dtype=torch.float32, device=dev.behave.device)
     parts_sum = {k: zero.clone() for k in ("pg_loss", "kl", "clipped_low", "clipped_high", "tokens")}
     grad_norms: list[float] = []
-    skipped = 0
+    skipped = nonfinite = 0
     metrics: dict[str, float] = {}
+    guard = rt.guard if rt is not None else StepGuard(cfg.max_nonfinite_steps, command="rl-train")
     for k, micro in enumerate(sb.minibatches):
         optimizer.zero_grad(set_to_none=True)
         kept = zero.clone()
+        loss = zero.clone()  # the minibatch's loss, for the guard
         for j, plan in enumerate(micro):
             rows = plan.row_index.to(dev.behave.device, non_blocking=True)
             cols = slice(0, plan.width - 1)
@@ -193,29 +198,37 @@ def ppo_update(
             for name in parts_sum:
                 parts_sum[name] += getattr(parts, name).float()
             kept += parts.tokens.float()
-        if world > 1:
-            kept = rt.accelerator.reduce(kept, "sum")  # every process skips the step together or none does
+            loss += parts.loss.detach().float()
+        if world > 1:  # every process skips the step together or none does: one all-reduce of both
+            kept, loss = rt.accelerator.reduce(torch.stack([kept, loss]), "sum").unbind()
         norm = (
             rt.clip(params, optimizer, cfg.max_grad_norm)
             if rt is not None
             else clip_grad_norm(optimizer, params, cfg.max_grad_norm)
         )
-        # the host's one read of this optimiser step: the skip guard needs `kept` before optimizer.step; the last
-        # minibatch's read carries every metric of the step (all final by now)
+        # the host's one read of this optimiser step: the skip guard needs `kept`, the loss and the norm before
+        # optimizer.step; the last minibatch's read carries every metric of the step (all final by now)
         pending = step_tensors(sb, dev, prox, entropy, parts_sum, corr, cfg) if k == len(sb.minibatches) - 1 else {}
         values = torch.stack(
-            [kept.double(), norm.detach().to(kept.device).double(), *(v.double() for v in pending.values())]
+            [
+                kept.double(),
+                norm.detach().to(kept.device).double(),
+                loss.double(),
+                *(v.double() for v in pending.values()),
+            ]
         ).tolist()
-        metrics = dict(zip(pending, values[2:]))
-        if values[0] == 0:
-            skipped += 1  # everything masked: train nothing (no optimizer step), but log it
+        metrics = dict(zip(pending, values[3:]))
+        empty = values[0] == 0  # everything masked: train nothing, but log it
+        if not guard.admit(sb.step + 1, values[2], values[1], empty=empty, in_backward=in_backward(optimizer)):
+            skipped += 1
+            nonfinite += not empty
             continue
         grad_norms.append(values[1])
         optimizer.step()
         if rt is not None:
             rt.measure(params, optimizer)  # bytes per parameter, once (ovkit.json)
     optimizer.zero_grad(set_to_none=True)
-    return _finish(metrics, grad_norms, skipped, cfg)
+    return {**_finish(metrics, grad_norms, skipped, cfg), "nonfinite_updates": nonfinite}
 
 
 def step_tensors(

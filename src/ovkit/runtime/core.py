@@ -30,6 +30,9 @@ Run directory while training, and at the end (both loops):
         manifest.json                size and CRC32 of every file above (ovkit.runtime.integrity)
         ovkit.json                   provenance, with the fingerprint of every input (DATA, --plan, --model) that
                                      --resume checks; written last, so a checkpoint without it is incomplete
+      checkpoints/step-000300.diverged/   a checkpoint holding weights that went on to diverge, set aside
+      diverged.json                  after a divergence stop (ovkit.runtime.guard): the step, and what --resume may
+                                     change from a checkpoint before it (--lr, --min-lr, --vision-lr, --max-grad-norm)
       .ovkit-writing                 the mark that says ovkit made this directory (ovkit.runs.claim)
     OUT/                             at the end: OUT.partial + the final model at its root, config.yaml, ovkit.json
     OUT.lock                         held by the running process (ovkit.faults: one writer per output), then removed
@@ -70,6 +73,7 @@ from ovkit.runs import Stage, claim, input_print
 from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import compiling, integrity
 from ovkit.runtime import kernels as kern
+from ovkit.runtime.guard import NonFiniteSteps, StepGuard
 from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
 from ovkit.runtime.loss import TokenScorer
 from ovkit.runtime.optim import OptimizerInBackward, adamw, bytes_per_param, clip_grad_norm, master_pairs
@@ -77,6 +81,9 @@ from ovkit.runtime.optim import OptimizerInBackward, adamw, bytes_per_param, cli
 CHECKPOINTS = "checkpoints"
 STATE = "state"
 RUN_STATE = "ovkit_state.json"
+DIVERGED = "diverged.json"
+# What a --resume from a checkpoint before a divergence may change (the step size; the rest of the trajectory stays).
+DIVERGENCE_FIXES = ("lr", "min_lr", "vision_lr", "max_grad_norm")
 
 
 @dataclass
@@ -179,6 +186,8 @@ class Runtime:
         }
         self.compiled: dict[str, Any] = {"enabled": False}
         self.checkpoint_bytes: int | None = None  # the estimate check_space makes, named when a save fails
+        # which optimiser steps are applied (ovkit.runtime.guard), for every loop and every process alike
+        self.guard = StepGuard(cfg.max_nonfinite_steps, command=command, main=self.accelerator.is_main_process)
 
     # -- facts ------------------------------------------------------------------------------------------------------
 
@@ -350,7 +359,8 @@ class Runtime:
         now = to_plain(self.cfg)
         # an option the checkpoint's config does not name did not exist when it was written: it ran as the default
         defaults = to_plain_values({k: option_default(type(self.cfg), k) for k in self.trajectory})
-        keys = [k.replace("_", "-") for k in self.trajectory]
+        loosened = self._after_divergence(ckpt)
+        keys = [k.replace("_", "-") for k in self.trajectory if k not in loosened]
         changed = [k for k in keys if saved.get(k, defaults[k]) != now.get(k)]
         if changed:
             diffs = ", ".join(f"--{k} {saved.get(k, defaults[k])!r} -> {now.get(k)!r}" for k in changed)
@@ -358,6 +368,13 @@ class Runtime:
                 f"--resume: {ckpt} was trained with different options ({diffs}); use the same ones, or --overwrite "
                 f"to start over"
             )
+        lowered = [
+            f"--{k} {saved.get(k)!r} -> {now.get(k)!r}"
+            for k in (k.replace("_", "-") for k in loosened)
+            if saved.get(k) != now.get(k)
+        ]
+        if lowered and self.is_main:
+            print(f"note: --resume from {ckpt.name}, before the divergence: {', '.join(lowered)}", file=sys.stderr)
         loaded = json.loads((ckpt / RUN_STATE).read_text())
         if loaded.get("processes", 1) != self.processes:
             raise OvkitError(
@@ -379,7 +396,17 @@ class Runtime:
                 warnings.simplefilter("ignore", UserWarning)
                 for _ in range(loaded["step"]):
                     self.scheduler.step()
+        self.guard.last_applied = loaded["step"]
         return loaded
+
+    def _after_divergence(self, ckpt: Path) -> tuple[str, ...]:
+        """The options a resume from `ckpt` may change: DIVERGENCE_FIXES when the run stopped diverging after it
+        (OUT.partial/diverged.json, written by `diverged`), else none."""
+        marker = self.run_dir / DIVERGED
+        if not marker.is_file():
+            return ()
+        stopped = json.loads(marker.read_text())["step"]
+        return tuple(k for k in DIVERGENCE_FIXES if k in self.trajectory) if _step_of(ckpt) < stopped else ()
 
     # -- model and optimiser ---------------------------------------------------------------------------------------
 
@@ -563,6 +590,7 @@ class Runtime:
         return lora.apply(model, trainable, spec)
 
     def save_checkpoint(self, scorer: Any, processor: Any, state: dict[str, Any], keep: int) -> Path:
+        self.check_weights(scorer, state)
         final = step_dir(self.run_dir, state["step"])
         tmp = final.parent / f".{final.name}.tmp"
         try:
@@ -663,6 +691,77 @@ class Runtime:
             f"[{reason}]"
         )
 
+    def diverged(self, e: NonFiniteSteps) -> OvkitError:
+        """The one message for a run that diverged (raise it from the loop's except): the step, its loss and gradient
+        norm, the options that usually cause it, and the checkpoint --resume continues from. The checkpoints that hold
+        the weights the non-finite steps came from (written at or after the last applied step) are set aside as
+        `step-N.diverged`, so --resume takes the newest one before them, and may lower --lr from there."""
+        step, loss, norm = e.streak[-1]
+        if e.in_backward:
+            what = (
+                "--optimizer-in-backward applied each parameter's update inside backward, before the step could be "
+                "checked, so the run stops at the first one"
+            )
+        else:
+            first = e.streak[0][0]
+            span = f"step {step}" if len(e.streak) == 1 else f"steps {first}-{step}"
+            what = f"{span}, {len(e.streak)} in a row (--max-nonfinite-steps {self.guard.limit}), were not applied"
+        return self._stop_diverged(
+            f"diverged at step {step}: loss {loss:.4g}, grad norm {norm:.4g}; {what}", step, e.last_applied
+        )
+
+    def _stop_diverged(self, what: str, step: int, last_good: int) -> OvkitError:
+        aside = []
+        if self.is_main:
+            for ckpt in list_checkpoints(self.run_dir):
+                if _step_of(ckpt) >= last_good:
+                    target = ckpt.with_name(f"{ckpt.name}.diverged")
+                    shutil.rmtree(target, ignore_errors=True)
+                    ckpt.rename(target)
+                    aside.append(target.name)
+            write_json(
+                self.run_dir / DIVERGED, {"step": step, "last_applied": last_good, "may_change": DIVERGENCE_FIXES}
+            )
+        lr = getattr(self.cfg, "lr", None)
+        name = self.precision.name
+        causes = (
+            f"the usual causes are too high a learning rate (--lr {lr if lr is None else format(lr, 'g')}) and too "
+            f"low a precision (--precision {name}"
+            f"{'' if name == 'fp32' else '; bf16-mixed or fp32 hold more'})"
+        )
+        moved = f"; {', '.join(aside)} (the weights that diverged) set aside" if aside else ""
+        ckpt = latest_checkpoint(self.run_dir) if self.is_main else None
+        then = (
+            f"run the same command with --resume and a lower --lr to continue from {ckpt}, or --overwrite to start over"
+            if ckpt
+            else "no checkpoint from before it: run the same command with --overwrite and a lower --lr"
+        )
+        return OvkitError(f"{self.command}: {what}; {causes}{moved}; {then}; OUT was not written")
+
+    def check_weights(self, scorer: Any, state: dict[str, Any]) -> None:
+        """Before weights are saved (a checkpoint, the final model): every trainable weight, and its fp32 master, is
+        finite, or the run stops as a diverged one (nothing non-finite is ever saved or marked complete). One read
+        per save, summed over processes."""
+        model = self.unwrap(scorer)
+        tensors = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+        tensors += [m for _, m in master_pairs(self._optimizer)]
+        if not tensors:
+            return
+        bad = torch.stack([~torch.isfinite(t).all() for t in tensors]).sum()
+        if self.processes > 1:
+            bad = self.accelerator.reduce(bad.to(self.device), "sum")
+        if not bad.item():
+            return
+        names = [n for n, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+        named = f" ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})" if names else ""
+        step = state["step"]
+        raise self._stop_diverged(
+            f"the weights after step {step} are not finite{named}, though every step's loss and gradient norm were; "
+            f"they were not saved",
+            step,
+            self.guard.last_applied,
+        )
+
     def provenance(self, state: dict[str, Any]) -> dict[str, Any]:
         return {
             "command": self.command,
@@ -683,6 +782,7 @@ class Runtime:
         """Save the final model into OUT.partial and, on the main process once every process is done, turn it into
         OUT (config.yaml and ovkit.json with `summary` and the runtime)."""
         faults.defer(False)  # the loop is over: a signal now stops at once (OUT.partial keeps its checkpoints)
+        self.check_weights(scorer, state)
         try:
             self.save_model(scorer, processor, self.run_dir)
         except Exception as e:  # disk full: the checkpoints stay; --resume saves the final model again
@@ -703,13 +803,22 @@ class Runtime:
             seed=self.cfg.seed,
             parent=self.parent,
         )
+        marker = self.run_dir / DIVERGED
+        diverged = json.loads(marker.read_text()) if marker.is_file() else None
+        marker.unlink(missing_ok=True)
         with stage:  # OUT.partial becomes the stage's temp dir; the Stage writes config.yaml + ovkit.json and renames
             stage.metrics.update(summary)
             stage.extra["runtime"] = self.info()
+            if diverged:  # this run resumed from before a divergence (with a lower --lr, usually)
+                stage.extra["diverged_before"] = diverged
             stage.restore_to = self.run_dir  # a failure from here on moves the run back: --resume finds its checkpoints
             stage.adopt(self.run_dir)
         self.lock.release()
         return Result("done", summary)
+
+
+def _step_of(ckpt: Path) -> int:
+    return int(ckpt.name.split("-")[1])
 
 
 def _input_paths(cfg: Any) -> dict[Path, str]:

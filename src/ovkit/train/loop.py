@@ -34,6 +34,7 @@ from ovkit.models.groups import group_of, set_trainable, trainable_names
 from ovkit.models.precompute import model_inputs, on_device
 from ovkit.pack.batches import real_tokens, target_tokens
 from ovkit.runtime import Result, Runtime
+from ovkit.runtime.guard import NonFiniteSteps, in_backward
 from ovkit.runtime.loss import nll_sum
 from ovkit.runtime.optim import cosine_factor
 from ovkit.train.config import TRAJECTORY, TrainConfig
@@ -91,19 +92,23 @@ def train(cfg: TrainConfig) -> Result:
             nll, n_target, n_real, n_positions = _step(rt, scorer, batches)
             grad_norm = rt.clip(params, optimizer, cfg.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            rt.measure(params, optimizer)
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            # the step's one device-to-host read: its metrics, after the optimiser step was queued
+            # the step's one device-to-host read: its metrics, which the skip guard needs before the optimiser step
+            # (ovkit.runtime.guard: a non-finite loss or gradient norm is not applied)
             nll, grad_norm = torch.stack([nll, grad_norm.to(nll.device, torch.float32)]).tolist()
             loss = nll / max(n_target, 1)
+            applied = rt.guard.admit(step, loss, grad_norm, in_backward=in_backward(optimizer))
+            if applied:
+                optimizer.step()
+                rt.measure(params, optimizer)
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
             step_s = time.perf_counter() - t_step
             state.update(step=step, tokens=state["tokens"] + n_real, elapsed_s=time.perf_counter() - t0)
             metrics = {
                 "loss": loss,
                 "lr": lr,
                 "grad_norm": grad_norm,
+                "skipped_updates": int(not applied),
                 "tok_per_s": n_real / max(step_s, 1e-9),
                 "step_s": step_s,
                 "pad_frac": 1 - n_real / max(n_positions, 1),
@@ -116,15 +121,21 @@ def train(cfg: TrainConfig) -> Result:
                 evaluate(step, scorer)
             )  # every --eval-every steps and at the end; the trajectory is untouched
             logger.log(step, metrics)
-            state.setdefault("first_loss", loss)
-            state["last"] = {"loss": loss, "lr": lr}
-            if cfg.save_every and step % cfg.save_every == 0 and step < n_steps:
+            if applied:  # a skipped step's loss describes no weights the run keeps
+                state.setdefault("first_loss", loss)
+                state["last"] = {"loss": loss, "lr": lr}
+            else:
+                state["skipped_nonfinite"] = state.get("skipped_nonfinite", 0) + 1
+            # not inside a streak of non-finite steps: the checkpoint would hold the weights that failed (guard)
+            if cfg.save_every and step % cfg.save_every == 0 and step < n_steps and not rt.guard.diverging:
                 rt.save_checkpoint(scorer, processor, state, cfg.keep_checkpoints)
             rt.stop_if_asked(
                 scorer, processor, state, cfg.keep_checkpoints, n_steps
             )  # SIGINT/SIGTERM: checkpoint, exit
     except torch.cuda.OutOfMemoryError as e:  # one message, exit 3; the last checkpoint stays
         raise rt.out_of_memory(e, state) from e
+    except NonFiniteSteps as e:  # diverged: one message, exit 2; the last checkpoint from before it stays
+        raise rt.diverged(e) from None
     except OSError as e:  # disk full while logging: one line, exit 2; the last checkpoint stays
         failure = rt.write_failure(e, rt.run_dir, saving=False)
         if failure is None:
@@ -145,6 +156,7 @@ def train(cfg: TrainConfig) -> Result:
         "inputs": source.kind,
         "items": len(source),
         "skipped_too_long": source.skipped,
+        "skipped_nonfinite": state.get("skipped_nonfinite", 0),
         "global_batch": schedule.global_batch,
         "processes": rt.processes,
         "resumed_from": str(rt.resume_from) if rt.resume_from else None,
