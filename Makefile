@@ -81,6 +81,8 @@ $(VLLM_STAMP): pyproject.toml scripts/setup-vllm.sh
 test-vllm: setup-vllm
 	$(VLLM_VENV)/bin/python -m pytest -m vllm
 
+# The CPU benches that need no inputs; bench/README.md indexes every bench. Each prints its final table as markdown;
+# `make bench BENCH_JSON=FILE` also appends its rows to FILE as JSON lines (bench/_result.py).
 bench: setup
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	$(BIN)/python bench/pack.py

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import _result
 import torch
 
 from ovkit.models.presets import random_config
@@ -133,20 +134,28 @@ def main() -> None:
             ("vit", (v.hidden_size, v.intermediate_size)),
         ):
             r = results[name][part]
+            block = "decoder layer" if part == "llm" else "ViT block"
             rows.append(
-                f"| {name} | {'decoder layer' if part == 'llm' else 'ViT block'} | {h} / {i} | "
-                + " | ".join(f"{r[m]:,.0f}" for m in MODES)
-                + f" | {r['off'] / h:.1f} |"
+                {"preset": name, "block": block, "hidden / intermediate": f"{h} / {i}"}
+                | {m: r[m] for m in MODES}
+                | {"off / hidden": r["off"] / h}
             )
         rows.append(
-            f"| {name} | head + loss (chunked) | {t.hidden_size} / vocab {t.vocab_size:,} | "
-            f"{results[name]['head']:,.0f} | | | |"
+            {
+                "preset": name,
+                "block": "head + loss (chunked)",
+                "hidden / intermediate": f"{t.hidden_size} / vocab {t.vocab_size:,}",
+                "off": results[name]["head"],
+            }
         )
         print(f"# {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-    print(f"\nbytes kept for backward per token per block (bf16, sdpa, {args.tokens} tokens; marginal block)\n")
-    print("| preset | block | hidden / intermediate | off | mlp | full | off / hidden |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    _result.table(
+        "activation_bytes",
+        f"bytes kept for backward per token per block (bf16, sdpa, {args.tokens} tokens; marginal block)",
+        rows,
+        columns=["preset", "block", "hidden / intermediate", *MODES, "off / hidden"],
+        formats=dict.fromkeys(MODES, ",.0f") | {"off / hidden": ".1f"},
+    )
     _fit(results)
     _arithmetic(results.get("qwen2.5-vl-2b") or next(iter(results.values())), args.row)
 
@@ -182,19 +191,30 @@ def _arithmetic(r: dict, row: int) -> None:
         f" x {params / 1e9:.2f}B = {10 * params / GIB:.1f}-{18 * params / GIB:.1f} GiB of an 80 GB card "
         f"({80e9 / GIB:.1f} GiB)\n"
     )
-    print("| mode | LLM layers | head | text-only row | + ViT, half the row image tokens | fits next to 18 B/param? |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for mode in MODES:  # mlp and full also hold one block's (or MLP's) activations while it is recomputed (below)
         llm = layers * r["llm"][mode] * row
         vit = blocks * r["vit"][mode] * (row // 2) * 4
         text_only, with_images = llm + r["head"] * row, llm + r["head"] * row + vit
         room = (80e9 - 18 * params) / GIB
         fits = "both" if with_images / GIB < room else "the text-only row" if text_only / GIB < room else "neither"
-        print(
-            f"| {mode} | {llm / GIB:.1f} GiB | {r['head'] * row / GIB:.2f} GiB | {text_only / GIB:.1f} GiB | "
-            f"{with_images / GIB:.1f} GiB | "
-            f"{fits} ({room:.1f} GiB left) |"
+        rows.append(
+            {
+                "mode": mode,
+                "LLM layers GiB": llm / GIB,
+                "head GiB": r["head"] * row / GIB,
+                "text-only row GiB": text_only / GIB,
+                "+ ViT, half the row image tokens GiB": with_images / GIB,
+                "fits next to 18 B/param?": f"{fits} ({room:.1f} GiB left)",
+            }
         )
+    _result.table(
+        "activation_bytes",
+        f"one packed row of {row:,} tokens: activations kept per --activation-checkpointing mode",
+        rows,
+        formats={"LLM layers GiB": ".1f", "head GiB": ".2f", "text-only row GiB": ".1f"}
+        | {"+ ViT, half the row image tokens GiB": ".1f"},
+    )
     print(
         f"\nwhile a block is recomputed in backward it holds its own activations once more: "
         f"{r['llm']['off'] * row / GIB:.2f} GiB for a "

@@ -20,6 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import _result
 import torch
 
 
@@ -66,6 +67,7 @@ def main() -> None:
     data = rows(64)
     write_samples(samples_table(data), root / "data", None)
     build_tiny(root / "model", [m["content"] for r in data for m in r["messages"]] * 4)
+    table = []
     for name, compile_ in (("eager", False), ("compiled", True)):
         out = root / name
         train(
@@ -92,6 +94,22 @@ def main() -> None:
             f"{json.dumps(info)}",
             flush=True,
         )
+        table.append(
+            {
+                "run": name,
+                "first step s": steps[0]["ovkit/step_s"],
+                "median step ms": warm * 1000,
+                "steps/s": 1 / warm,
+                "final loss": steps[-1]["loss"],
+                "graph breaks": info.get("graph_breaks") if isinstance(info, dict) else None,
+            }
+        )
+    _result.table(
+        "compile_cpu",
+        f"--compile on the tiny default, CPU, one thread: {args.steps} sft steps, median after {args.warmup}",
+        table,
+        formats={"first step s": ".2f", "median step ms": ".1f", "steps/s": ".2f", "final loss": ".4f"},
+    )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _result  # noqa: E402
 from _workers import find_key as _find  # noqa: E402
 from _workers import report_result, run_workers
 
@@ -395,35 +396,46 @@ def main() -> None:
 
 
 def report(args, device: str, model: Path, runs: list[str], results: dict) -> None:
-    gb = lambda b: f"{b / 1e9:.2f}" if b is not None else "-"  # noqa: E731
+    gb = lambda b: b / 1e9 if b is not None else None  # noqa: E731
     print(
         f"device: {device}; model {model}; {args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} "
         f"completions, "
         f"<= {args.max_new_tokens} new tokens; ovkit micro-batch {args.micro_batch_size}; checkpointing "
         f"{args.activation_checkpointing}"
     )
-    print(f"{'run':<18}{'samples/s':>10}{'vs trl':>8}{'peak GB':>9}{'vs trl':>8}{'B/param':>9}  policy")
+    table = []
     for name in runs:
         r = results.get(name)
         if r is None:
-            print(f"{name:<18}{'failed (stderr above: out of memory?)':>40}")
+            table.append({"run": name, "policy": "failed (stderr above: out of memory?)"})
             continue
         base = results.get(f"trl-{RUNS[name][1]}")  # TRL at the same policy
         sps = r["samples"] / r["seconds"]
-        ratio = f"{sps / (base['samples'] / base['seconds']):.2f}x" if base else "-"
-        mem = f"{r['peak_bytes'] / base['peak_bytes']:.2f}x" if base and base["peak_bytes"] > 0 else "-"
-        bpp = f"{r['bytes_per_param']:.2f}" if r.get("bytes_per_param") is not None else "-"
-        print(f"{name:<18}{sps:>10.2f}{ratio:>8}{gb(r['peak_bytes']):>9}{mem:>8}{bpp:>9}  {r['policy']}")
-    print(
-        "\nwhere the memory goes, GB (weights, sampler copy, optimiser: allocated; generate, learner: peak above entry)"
+        table.append(
+            {
+                "run": name,
+                "samples/s": sps,
+                "vs trl": sps / (base["samples"] / base["seconds"]) if base else None,
+                "peak GB": gb(r["peak_bytes"]),
+                "vs trl peak": r["peak_bytes"] / base["peak_bytes"] if base and base["peak_bytes"] > 0 else None,
+                "B/param": r.get("bytes_per_param"),
+                "policy": r["policy"],
+            }
+        )
+    _result.table(
+        "gpu_grpo",
+        f"GRPO on {device}: ovkit rl-train against TRL's GRPOTrainer at the same precision policy",
+        table,
+        columns=["run", "samples/s", "vs trl", "peak GB", "vs trl peak", "B/param", "policy"],
+        formats={"samples/s": ".2f", "vs trl": ".2f", "peak GB": ".2f", "vs trl peak": ".2f", "B/param": ".2f"},
     )
-    print(f"{'run':<18}" + "".join(f"{p:>14}" for p in PHASES))
-    for name, r in results.items():
-        phases = r.get("phases")
-        if phases is None:
-            print(f"{name:<18}" + f"{'n/a (CPU: no allocator counters; peak is the process RSS growth)':>70}")
-        else:
-            print(f"{name:<18}" + "".join(f"{gb(phases.get(p)):>14}" for p in PHASES))
+    _result.table(
+        "gpu_grpo",
+        "where the memory goes, GB (weights, sampler copy, optimiser: allocated; generate, learner: peak above entry; "
+        "n/a on CPU: no allocator counters, peak is the process RSS growth)",
+        [{"run": name, **{p: gb((r.get("phases") or {}).get(p)) for p in PHASES}} for name, r in results.items()],
+        formats=dict.fromkeys(PHASES, ".2f"),
+    )
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite in one command, for a bare lent GPU machine (no network; the CUDA image with torch, see issue #25):
+# The GPU suite in one command, for a bare lent GPU machine (no network; the CUDA image with torch):
 #
 #   1. install the wheels fetched beforehand (offline, --no-deps, into a --target folder under /tmp, once per wheel set)
 #      and unpack libcairo's Debian packages for cairosvg (found through LD_LIBRARY_PATH);

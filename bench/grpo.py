@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _result
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -277,13 +279,23 @@ def main() -> None:
         f"<= {args.max_new_tokens} new tokens, model {model}, torch threads {args.threads}"
     )
     print(f"held-out greedy reward before training: {base:.3f}")
-    print(f"{'trainer':28s} {'samples/s':>10s} {'vs TRL':>7s} {'train reward':>13s} {'held-out':>9s} {'wall s':>7s}")
-    for name, r in results.items():
-        ratio = r["samples_per_s"] / trl_best["samples_per_s"]
-        print(
-            f"{name:28s} {r['samples_per_s']:10.2f} {ratio:6.2f}x {r['train_reward']:13.3f} {r['held_out']:9.3f} "
-            f"{r['wall_s']:7.1f}"
-        )
+    rows = [
+        {
+            "trainer": name,
+            "samples/s": r["samples_per_s"],
+            "vs TRL": r["samples_per_s"] / trl_best["samples_per_s"],
+            "train reward": r["train_reward"],
+            "held-out": r["held_out"],
+            "wall s": r["wall_s"],
+        }
+        for name, r in results.items()
+    ]
+    _result.table(
+        "grpo",
+        "GRPO on CPU against TRL's GRPOTrainer",
+        rows,
+        formats={"samples/s": ".2f", "vs TRL": ".2f", "train reward": ".3f", "held-out": ".3f", "wall s": ".1f"},
+    )
     summary = {k: {kk: (str(vv) if isinstance(vv, Path) else vv) for kk, vv in v.items()} for k, v in results.items()}
     (work / "bench_grpo.json").write_text(
         json.dumps(

@@ -8,7 +8,7 @@ answer-only instruction, as rl-train encodes them. Each prompt is sampled `--n` 
              `model.generate(**inputs, do_sample=True, num_return_sequences=n, max_new_tokens=..., top_k=0)`
   ovkit      `HFEngine(model, processor, batch_size=N*n).generate(prompts, n=n, ...)`: the same batch, plus the
              sampled log-probs, stop handling and detokenised Completions that rl-train needs; once with
-             `prefill="per-sequence"` (the engine before #26: every sample prefilled and its images encoded on its
+             `prefill="per-sequence"` (the engine's first design: every sample prefilled and its images encoded on its
              own) and once with the shared prefill (each prompt once, its KV cache copied to its n samples; the default)
 
 tokens/s counts generated tokens up to and including the stop token, per sequence, over wall time (best of
@@ -43,6 +43,7 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import _result  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -243,6 +244,7 @@ def main() -> None:
             f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}; "
             f"{a.prompts} prompts x n={a.n}, max_new_tokens={a.max_new_tokens}, temperature 1, best of {a.repeats}"
         )
+        rows: list[dict] = []
         for name in a.models.split(","):
             model, processor = load(model_dir) if name == "tiny" else wide_model(model_dir)
             model.eval()
@@ -272,14 +274,28 @@ def main() -> None:
             best = {k: best_rate(fn, a.repeats) for k, fn in runs.items()}
             plain_rate = best["model.generate"][0]
             for k, (rate, tokens, cpu) in best.items():
-                print(
-                    f"  {k:<38}{rate:8.1f} tokens/s ({tokens} tokens, {cpu:.2f} CPU s)  ratio {rate / plain_rate:.2f}x",
-                    flush=True,
+                print(f"  {k:<38}{rate:8.1f} tokens/s", flush=True)
+                rows.append(
+                    {
+                        "model": name,
+                        "way": k,
+                        "tokens/s": rate,
+                        "tokens": tokens,
+                        "CPU s": cpu,
+                        "vs model.generate": rate / plain_rate,
+                    }
                 )
             if not a.no_profile:
                 for label, e in (("per-sequence prefill", before), ("shared prefill", engine)):
                     print(f"  {label}:")
                     profile(e, prompts, a)
+    _result.table(
+        "hf_generate",
+        f"tokens/s of {a.prompts} prompts x n={a.n}, <= {a.max_new_tokens} new tokens, best of {a.repeats}, "
+        f"{a.threads} thread(s)",
+        rows,
+        formats={"tokens/s": ".1f", "CPU s": ".2f", "vs model.generate": ".2f"},
+    )
 
 
 if __name__ == "__main__":

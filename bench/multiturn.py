@@ -21,6 +21,8 @@ import os
 import time
 from pathlib import Path
 
+import _result
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -103,14 +105,36 @@ def main() -> None:
     n = len(trajectories)
     context_tokens = sum(p.encoded.length * c.turns + len(c.token_ids) for p, c in trajectories)
     print(f"{n} trajectories, {turns} assistant turns ({turns / n:.2f} per trajectory), {sampled} sampled tokens")
-    print(
-        f"token-in/token-out (ovkit): drift 0 by construction; rollout {ours_s:.1f} s, {ours_s / turns * 1000:.1f} "
-        f"ms/turn, {context_tokens / ours_s:.0f} context tokens/s"
-    )
-    print(
-        f"decode + re-render (peer):  drift in {drifted}/{n} trajectories ({drifted / n:.1%}), "
-        f"{drifted_tokens}/{sampled} sampled tokens ({drifted_tokens / max(sampled, 1):.1%}) at or after the first "
-        f"differing token; re-rendering alone took {rerender_s:.2f} s"
+    rows = [
+        {
+            "loop": "token-in/token-out (ovkit)",
+            "drifted trajectories": 0,
+            "drifted sampled tokens": 0,
+            "rollout s": ours_s,
+            "ms/turn": ours_s / turns * 1000,
+            "context tokens/s": context_tokens / ours_s,
+        },
+        {
+            "loop": "decode + re-render (peer)",
+            "drifted trajectories": drifted,
+            "drifted sampled tokens": drifted_tokens,
+            "re-render s": rerender_s,
+        },
+    ]
+    _result.table(
+        "multiturn",
+        f"multi-turn context: {n} trajectories, {sampled} sampled tokens (drift at or after the first differing token)",
+        rows,
+        columns=[
+            "loop",
+            "drifted trajectories",
+            "drifted sampled tokens",
+            "rollout s",
+            "ms/turn",
+            "context tokens/s",
+            "re-render s",
+        ],
+        formats={"rollout s": ".1f", "ms/turn": ".1f", "context tokens/s": ".0f", "re-render s": ".2f"},
     )
 
 

@@ -18,7 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
-from _workers import tiny_default  # noqa: E402 (bench/ is on sys.path when this script runs)
+import _result  # noqa: E402 (bench/ is on sys.path when this script runs)
+from _workers import tiny_default  # noqa: E402
 from runtime_proxies import ovkit  # bench/ is on sys.path when this script runs: `ovkit ...` in a child process
 
 CURVES = {  # column name -> sft options
@@ -90,31 +91,38 @@ def main() -> None:
     for name, opts in BYTES_ONLY.items():
         _, sizes[name], _ = run(args.work, name, opts, 2, args.lr, args.batch_size)
 
-    print(
-        f"\nloss, mean of every {args.every} steps (sft on the tiny default, batch {args.batch_size}, lr "
-        f"{args.lr:g} cosine to {args.lr / 10:g})"
-    )
     names = list(CURVES)
-    print("| steps | " + " | ".join(names) + " |")
-    print("|---" * (len(names) + 1) + "|")
-    rows = {n: window_means(curves[n], args.every) for n in names}
-    for i, (step, _) in enumerate(rows["fp32"]):
-        print(f"| {step} | " + " | ".join(f"{rows[n][i][1]:.4f}" for n in names) + " |")
+    means = {n: window_means(curves[n], args.every) for n in names}
+    rows = [{"steps": step, **{n: means[n][i][1] for n in names}} for i, (step, _) in enumerate(means["fp32"])]
     last = {n: sum(curves[n][-args.every :]) / args.every for n in names}
     gap = {n: max(abs(a - b) for a, b in zip(curves[n], curves["fp32"])) for n in names}
-    print("| last-window mean - fp32's | " + " | ".join(f"{last[n] - last['fp32']:+.4f}" for n in names) + " |")
-    print("| max per-step gap to fp32 | " + " | ".join(f"{gap[n]:.4f}" for n in names) + " |")
-    print("| seconds | " + " | ".join(f"{times[n]:.0f}" for n in names) + " |")
-
-    print("\nbytes per trainable parameter after the first step (ovkit.json runtime.bytes_per_param)")
-    print("| combination | weights | master weights | grads | optimiser state | total |")
-    print("|---|---|---|---|---|---|")
-    for name, b in sizes.items():
-        print(
-            f"| {name} | {b['weights']:.2f} | {b['master_weights']:.2f} | {b['grads']:.2f} | "
-            f"{b['optimizer_state']:.2f} | {b['total']:.2f} |"
-        )
-    print(f"({next(iter(sizes.values()))['trainable_params']:,} trainable parameters)")
+    rows.append({"steps": "last-window mean - fp32's", **{n: last[n] - last["fp32"] for n in names}})
+    rows.append({"steps": "max per-step gap to fp32", **{n: gap[n] for n in names}})
+    rows.append({"steps": "seconds", **{n: f"{times[n]:.0f}" for n in names}})
+    _result.table(
+        "optim_curve",
+        f"loss, mean of every {args.every} steps (sft on the tiny default, batch {args.batch_size}, lr "
+        f"{args.lr:g} cosine to {args.lr / 10:g})",
+        rows,
+        formats=dict.fromkeys(names, ".4f"),
+    )
+    _result.table(
+        "optim_curve",
+        f"bytes per trainable parameter after the first step (ovkit.json runtime.bytes_per_param; "
+        f"{next(iter(sizes.values()))['trainable_params']:,} trainable parameters)",
+        [
+            {
+                "combination": name,
+                "weights": b["weights"],
+                "master weights": b["master_weights"],
+                "grads": b["grads"],
+                "optimiser state": b["optimizer_state"],
+                "total": b["total"],
+            }
+            for name, b in sizes.items()
+        ],
+        formats=dict.fromkeys(("weights", "master weights", "grads", "optimiser state", "total"), ".2f"),
+    )
 
 
 if __name__ == "__main__":

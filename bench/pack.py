@@ -23,6 +23,7 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 
+import _result  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ovkit.pack.binpack import best_fit_decreasing, first_fit_decreasing  # noqa: E402
@@ -252,14 +253,6 @@ def main() -> None:
         }
         for m in methods:
             run(*table[m], lengths, capacity, results)
-        base = next((r for r in results if r["method"].startswith("ovkit")), None)
-        if base:
-            for r in results:
-                if r is not base:
-                    print(
-                        f"  ratio {r['method']:<26} time x{r['seconds'] / base['seconds']:.1f} of ovkit, "
-                        f"packs {r['packs'] / base['packs']:.5f}x ovkit's"
-                    )
         report.append(
             {
                 "max_len": capacity,
@@ -269,6 +262,35 @@ def main() -> None:
                 "results": results,
             }
         )
+    rows = []
+    for run_ in report:
+        base = next((r for r in run_["results"] if r["method"].startswith("ovkit")), None)
+        for r in run_["results"]:
+            rows.append(
+                {
+                    "L": run_["max_len"],
+                    "method": r["method"],
+                    "packs": r["packs"],
+                    "% over LB": r["over_lb_pct"],
+                    "efficiency": r["efficiency"],
+                    "seconds": r["seconds"],
+                    "time / ovkit": r["seconds"] / base["seconds"] if base else None,
+                    "packs / ovkit": r["packs"] / base["packs"] if base else None,
+                }
+            )
+    _result.table(
+        "pack",
+        f"packing {args.n:,} lengths per L (seed {args.seed})",
+        rows,
+        formats={
+            "packs": ",d",
+            "% over LB": ".4f",
+            "efficiency": ".5f",
+            "seconds": ".2f",
+            "time / ovkit": ".1f",
+            "packs / ovkit": ".5f",
+        },
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mixture": MIXTURE, "seed": args.seed, "runs": report}, f, indent=2)

@@ -23,6 +23,8 @@ import os
 import random
 import time
 
+import _result
+
 from ovkit.rewards import SCORERS, score_batch, shutdown
 from ovkit.rewards.codeexec import _tests, run_sandboxed
 from ovkit.rewards.sandbox import LEVELS, isolation
@@ -128,7 +130,8 @@ ROWS = [
     ("svg", svg, 300),
     ("code", code, 100),
 ]
-# The synthetic corpus' RL mix (DESIGN.md: counting, OCR, grounding, detection, spatial MC, math, SVG, captions).
+# The synthetic corpus' RL mix (ovkit.data.synth_tasks: counting, OCR, grounding, detection, spatial MC, math, SVG,
+# captions).
 MIX = [(mc, 0.2), (number, 0.2), (ocr, 0.15), (bbox, 0.15), (detection, 0.1), (math, 0.1), (svg, 0.05), (string, 0.05)]
 
 
@@ -157,9 +160,16 @@ def isolation_cost(rng: random.Random, items: int) -> None:
             assert reports and all(r["ok"] for r in reports)
         timings[level] = (time.perf_counter() - start) / items * 1000, iso.describe()
     base = timings.get("rlimits", (None,))[0]
-    print(f"\n{'isolation':<10}{'ms/item':>9}{'vs rlimits':>12}  mechanism")
-    for level, (ms, what) in timings.items():
-        print(f"{level:<10}{ms:>9.1f}{ms / base if base else float('nan'):>11.2f}x  {what}")
+    rows = [
+        {"isolation": level, "ms/item": ms, "vs rlimits": ms / base if base else None, "mechanism": what}
+        for level, (ms, what) in timings.items()
+    ]
+    _result.table(
+        "rewards",
+        f"the code sandbox's isolation, {items} items each",
+        rows,
+        formats={"ms/item": ".1f", "vs rlimits": ".2f"},
+    )
 
 
 def main() -> None:
@@ -180,10 +190,19 @@ def main() -> None:
     score_batch([math(rng)] * args.workers, workers=args.workers, timeout=60.0)
     print(f"pool start (zygote import + warm-up + {args.workers} workers): {time.perf_counter() - start:.2f} s")
     print(f"cpu cores: {os.cpu_count()}  workers: {args.workers}  per-item time limit: {args.timeout} s\n")
-    print(f"{'scorer':<22}{'items':>8}{'seconds':>10}{'items/s':>12}{'mean reward':>13}")
+    rows: list[dict] = []
 
     def row(name: str, items: list[dict], elapsed: float, mean: float) -> None:
-        print(f"{name:<22}{len(items):>8}{elapsed:>10.2f}{len(items) / elapsed:>12.0f}{mean:>13.3f}", flush=True)
+        rows.append(
+            {
+                "scorer": name,
+                "items": len(items),
+                "seconds": elapsed,
+                "items/s": len(items) / elapsed,
+                "mean reward": mean,
+            }
+        )
+        print(f"{name}: {len(items) / elapsed:.0f} items/s", flush=True)
 
     for name, make, count in ROWS:
         items = [make(rng) for _ in range(max(10, int(count * args.scale)))]
@@ -197,6 +216,12 @@ def main() -> None:
     items = [rng.choices(makers, weights)[0](rng) for _ in range(max(10, int(5_000 * args.scale)))]
     row("realistic mix", items, *timed(items, args.workers, args.timeout))
     shutdown()
+    _result.table(
+        "rewards",
+        f"completions scored per second ({args.workers} workers, {args.timeout:g} s per-item limit)",
+        rows,
+        formats={"seconds": ".2f", "items/s": ".0f", "mean reward": ".3f"},
+    )
     isolation_cost(rng, args.isolation_items)
 
 

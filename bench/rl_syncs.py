@@ -1,4 +1,5 @@
-"""Device-to-host syncs of the RL learner's step (#25, #26), counted on CPU by ovkit.runtime.syncs.SyncCounter.
+"""Device-to-host syncs of the RL learner's step (each stalls a GPU's queue), counted on CPU by SyncCounter
+(ovkit.runtime.syncs).
 
 What is counted, one count per rl-train step: everything `ovkit.rl.update.train_step` does on the training thread
 (`step`: trajectories -> advantages -> micro-batch plans -> proximal log-probs -> corrections -> decoupled-PPO
@@ -23,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _result  # noqa: E402
 from _workers import tiny_default  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -102,7 +104,17 @@ def main() -> None:
             result[f"syncs_per_learner_4x{group}_one_micro_batch"] = learner_syncs(
                 rl_config(work, f"rl-g{group}", group, micro_batch_size=4 * group), "learner"
             )[0]
-        print(json.dumps(result, indent=2))
+        if args.where:
+            print(json.dumps({k: v for k, v in result.items() if k.startswith("where")}, indent=2))
+        _result.table(
+            "rl_syncs",
+            "device-to-host syncs of rl-train's step, one count per step (4 prompts x group)",
+            [
+                {"count": k.removeprefix("syncs_per_"), "per step": v}
+                for k, v in result.items()
+                if k.startswith("syncs")
+            ],
+        )
 
 
 if __name__ == "__main__":

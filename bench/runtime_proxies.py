@@ -16,12 +16,13 @@ Each measurement runs the command in a child process of its own (its peak RSS fr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import _result
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 VOCAB = 151936
@@ -208,7 +209,11 @@ def main() -> None:
         if args.only in (None, "rl"):
             for staleness in (0, 4):  # synchronous (the sampler is the learner) and the default asynchronous mode
                 result[f"rl_step_vocab151936_staleness{staleness}_peak_rss_gb"] = round(rl_peak_rss(work, staleness), 2)
-        print(json.dumps(result, indent=2))
+        _result.table(
+            "runtime_proxies",
+            f"CPU proxies of the training runtime's GPU costs (ovkit {result['ovkit']}, torch {result['torch']})",
+            [{"measure": k, "value": v} for k, v in result.items() if k not in ("ovkit", "torch")],
+        )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""The CPU proxies of one optimiser step's GPU overheads (#25), measured on this checkout (or another, via PYTHONPATH):
+"""The CPU proxies of one optimiser step's GPU overheads, measured on this checkout (or another, via PYTHONPATH):
 
   syncs      device-to-host reads per optimiser step on the training thread (ovkit.runtime.syncs.SyncCounter:
              `.item()`/`float()`/`.tolist()`/`.cpu()`, nonzero, boolean-mask indexing, ...): each one stalls a GPU's
-             queue. The issue's `aten::_local_scalar_dense` count (profiler, every thread) is printed beside it.
+             queue. The profiler's `aten::_local_scalar_dense` count (profiler, every thread) is printed beside it.
   aten ops   aten ops per optimiser step on the training thread (torch.profiler; each top-level one is about a kernel
              launch on a GPU), with the dtype casts (`aten::_to_copy`) and per-tensor norms among them.
   host time  the share of a step spent outside the model's forward, backward, gradient clipping and optimiser step
@@ -10,19 +10,18 @@
              device work is synchronous, so the timers measure it exactly).
 
 Inputs: the tiny default (synth at --scale 0.25 + init-model) for `ovkit sft --batch-size 8 --precision bf16-mixed`
-on its instruct split, as #25 measured it, and a table of 448x448-pixel images (256 visual tokens each, ~120-word
-captions) for the host-time share, as #25 asks it.
+on its instruct split, and a table of 448x448-pixel images (256 visual tokens each, ~120-word
+captions) for the host-time share (a realistic image and text size).
 
     python bench/step_costs.py                                   # this checkout
     PYTHONPATH=/other/src python bench/step_costs.py --work /tmp/costs   # another checkout, same inputs
-                      # (one from before #25 also needs src/ovkit/runtime/syncs.py of this one on its path)
+                      # (one from before the sync counter also needs src/ovkit/runtime/syncs.py of this one on its path)
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _result  # noqa: E402
 from _workers import tiny_default  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -97,7 +97,7 @@ VIEWS = {
 def op_counts(cfg) -> dict:
     """aten ops per optimiser step as the training thread dispatches them (a TorchDispatchMode sees each op after
     composite ops are decomposed: about one kernel launch each on a GPU, views aside), forward, backward and
-    optimiser alike; the profiler's count (every thread, nested ops too: the issue's 10,740) beside it."""
+    optimiser alike; the profiler's count (every thread, nested ops too) beside it."""
     from torch.profiler import ProfilerActivity, profile, schedule
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -246,7 +246,18 @@ def main() -> None:
             result[f"host_448px_b8_{precision}"] = host_share(
                 sft_config(work, work / "img448", "host", 8, args.steps, precision), warmup=2
             )
-        print(json.dumps(result, indent=2))
+        rows = []
+        for key, value in result.items():
+            if key in ("ovkit", "torch", "threads"):
+                continue
+            items = value.items() if isinstance(value, dict) else [("", value)]
+            rows.extend({"measure": f"{key}.{sub}" if sub else key, "value": v} for sub, v in items)
+        _result.table(
+            "step_costs",
+            f"CPU proxies of one optimiser step's GPU overheads (ovkit {result['ovkit']}, torch {result['torch']}, "
+            f"{result['threads']} threads)",
+            rows,
+        )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _result
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -188,15 +190,23 @@ def main() -> None:
         f"{stats['packs']} packs of {args.max_len} (efficiency {stats['efficiency']:.3f}); torch threads "
         f"{torch.get_num_threads()}"
     )
-    print(f"{'run':<18} {'steps':>5} {'tokens/s':>9} {'pad':>5} {'median step':>12}")
-    for r in results:
-        print(
-            f"{r['name']:<18} {r['steps']:>5} {r['tok_per_s']:>9.0f} {100 * r['pad_frac']:>4.0f}% {r['step_s']:>11.3f}s"
-        )
     hf_step = statistics.median(hf)
-    print(
-        f"{'HF Trainer':<18} {len(hf):>5} {'':>9} {'':>5} {hf_step:>11.3f}s   (same micro-batches as 'padded, "
-        f"bucketed')"
+    rows = [
+        {
+            "run": r["name"],
+            "steps": r["steps"],
+            "tokens/s": r["tok_per_s"],
+            "pad %": 100 * r["pad_frac"],
+            "median step s": r["step_s"],
+        }
+        for r in results
+    ]
+    rows.append({"run": "HF Trainer (padded, bucketed batches)", "steps": len(hf), "median step s": hf_step})
+    _result.table(
+        "train",
+        "ovkit sft: packed against padded, and its step against HF Trainer's",
+        rows,
+        formats={"tokens/s": ".0f", "pad %": ".0f", "median step s": ".3f"},
     )
     print(f"packed / padded random   tokens/s: {results[2]['tok_per_s'] / results[0]['tok_per_s']:.2f}x")
     print(f"packed / padded bucketed tokens/s: {results[2]['tok_per_s'] / results[1]['tok_per_s']:.2f}x")

@@ -19,10 +19,14 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from pathlib import Path
 
 import torch
 
-from ovkit.data.synth_tasks import COLOURS, SHAPES, place, scene_image
+sys.path.insert(0, str(Path(__file__).parent))  # tests import this file by path
+import _result  # noqa: E402
+
+from ovkit.data.synth_tasks import COLOURS, SHAPES, place, scene_image  # noqa: E402
 
 SCENES, TRAIN, EMPTY = 3000, 2000, 0.45
 COLOUR_NAMES = list(COLOURS)
@@ -84,9 +88,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     images, labels = scenes(args.seed)
-    print(
-        f"linear probe of each merged visual token, {SCENES - TRAIN} held-out scenes x 9 cells: accuracy all / occupied"
-    )
+    rows = []
     for path in args.models:
         tokens = visual_tokens(path, images)
         if tokens.shape[1] != 9:
@@ -94,7 +96,24 @@ def main() -> None:
         flat = tokens.reshape(-1, tokens.shape[-1])
         colour = probe(flat, labels[..., 0].reshape(-1), args.seed)
         shape = probe(flat, labels[..., 1].reshape(-1), args.seed)
-        print(f"{path}: colour {colour[0]:.3f} / {colour[1]:.3f}   shape {shape[0]:.3f} / {shape[1]:.3f}", flush=True)
+        print(f"{path}: colour {colour[0]:.3f}, shape {shape[0]:.3f}", flush=True)
+        rows.append(
+            {
+                "model": path,
+                "colour (all cells)": colour[0],
+                "colour (occupied)": colour[1],
+                "shape (all cells)": shape[0],
+                "shape (occupied)": shape[1],
+            }
+        )
+    _result.table(
+        "vision_probe",
+        f"linear probe of each merged visual token: accuracy on {SCENES - TRAIN} held-out scenes x 9 cells",
+        rows,
+        formats=dict.fromkeys(
+            ("colour (all cells)", "colour (occupied)", "shape (all cells)", "shape (occupied)"), ".3f"
+        ),
+    )
 
 
 if __name__ == "__main__":

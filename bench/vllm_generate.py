@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _result
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; the default is half the machine's memory
@@ -148,10 +150,13 @@ def main() -> None:
             print(f"\n{name}: {params:.1f}M parameters")
             for key, (rate, tokens) in results.items():
                 print(f"  {key:<12}{rate:9.1f} tokens/s ({tokens} tokens)  vs hf {rate / base:.2f}x", flush=True)
-                rows.append((name, key, rate, rate / base))
-        print("\n| model | engine | tokens/s | vs hf |\n|---|---|---|---|")
-        for name, key, rate, ratio in rows:
-            print(f"| {name} | {key} | {rate:.0f} | {ratio:.2f}x |")
+                rows.append({"model": name, "engine": key, "tokens/s": rate, "vs hf": rate / base})
+        _result.table(
+            "vllm_generate",
+            f"--engine vllm against --engine hf: {a.prompts} prompts x n={a.n}, <= {a.max_new_tokens} new tokens",
+            rows,
+            formats={"tokens/s": ".0f", "vs hf": ".2f"},
+        )
 
 
 if __name__ == "__main__":

@@ -123,10 +123,8 @@ def test_no_optional_flag_means_the_dataclass_defaults(cli, monkeypatch, name):
 
     seen = {}
 
-    def spy(cls, cli_values, from_cli, file_values, config_path=None, aliases=None):
-        seen.update(
-            cls=cls, typed=dict(cli_values), cfg=merge(cls, cli_values, from_cli, file_values, config_path, aliases)
-        )
+    def spy(cls, cli_values, from_cli, file_values, config_path=None):
+        seen.update(cls=cls, typed=dict(cli_values), cfg=merge(cls, cli_values, from_cli, file_values, config_path))
         raise OvkitError("stop here")
 
     merge = common.merge
@@ -388,3 +386,106 @@ def test_a_changed_default_makes_the_page_table_stale(monkeypatch):
     assert "| `--min-lr` | 1e-6 |" in pages.table(command)
     monkeypatch.setattr(pages, "config_defaults", lambda cls: {**config_defaults(cls), "min_lr": 2e-6})
     assert "| `--min-lr` | 2e-6 |" in pages.table(command)
+
+
+# -- the CLI on typer's public API -----------------------------------------------------------------------------------
+
+# What ovkit uses of typer: the app and its option declarations, and two documented hooks (a command class given to
+# `Typer.command(cls=...)`, `typer.main.get_command` for the click object). A name outside this list is a typer
+# internal that may move between the versions `typer>=0.12` admits.
+TYPER_PUBLIC = {
+    "typer",
+    "typer.Typer",
+    "typer.Option",
+    "typer.Argument",
+    "typer.Context",
+    "typer.Exit",
+    "typer.echo",
+    "typer.main.get_command",
+    "typer.core.TyperCommand",
+}
+
+
+def test_src_uses_only_typers_public_api():
+    used = set()
+    for path in (ROOT / "src").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        for module, names in re.findall(r"^\s*from (typer[\w.]*) import \(?([\w, ]+)", text, re.M):
+            used |= {f"{module}.{n.strip()}" for n in names.split(",") if n.strip()}
+        code = re.sub(r"^\s*(from|import) typer.*$", "", text, flags=re.M)
+        used |= set(re.findall(r"(?<![\w.])(typer(?:\.\w+)+)", code))
+    internal = sorted(u for u in used if u not in TYPER_PUBLIC)
+    assert not internal, f"typer internals used in src/: {internal}"
+
+
+def test_one_alias_table_and_one_default_reader():
+    """--help's options and the config file's keys come from one declaration: a flag's other spellings are exactly
+    the YAML aliases `merge` accepts (ovkit.options.aliases), for every command."""
+    from ovkit.options import aliases
+
+    for name in COMMANDS:
+        command = click_command(name)
+        spelt = {
+            o.lstrip("-").replace("-", "_"): p.name
+            for p in command.params
+            for o in p.opts
+            if o.startswith("--") and o.lstrip("-").replace("-", "_") != p.name
+        }
+        assert spelt == aliases(INFO[name].config_class()), name
+
+
+# -- one text per option ---------------------------------------------------------------------------------------------
+
+
+def _choices_named(text: str, choices) -> set[str]:
+    return {c for c in choices if re.search(rf"(?<![\w.-]){re.escape(c)}(?![\w-])", text)}
+
+
+def _defaults_stated(text: str, values) -> set[str]:
+    """The values a text states as the default (`default: 0.5`, `fp32 (the default`, `tiny (default)`), among `values`
+    (the choices, or any number)."""
+    said = re.findall(r"\b[Dd]efault(?: is|:)?\s+`?([\w.+-]+?)`?[\s,;.)]", text + " ")
+    said += re.findall(r"`?([\w.+-]+)`? \((?:the default\b|default[),])", text)
+    number = re.compile(r"^-?[\d.]+(e-?\d+)?$")
+    return {v for v in said if v in values or number.match(v)}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_and_doc_name_the_same_choices_and_defaults(name):
+    """A field keeps a `doc` beside its `help` only where its page needs more than the --help line: then a doc that
+    names any declared choice names the same ones as the help (a doc may defer to a table on the page), and a default
+    either text states is the declared one (a default computed at run time, None in the dataclass, has only its
+    words)."""
+    from ovkit.options import specs
+    from ovkit.pages import shown
+
+    defaults = config_defaults(INFO[name].config_class())
+    for field, o in specs(INFO[name].config_class()).items():
+        declared = {shown(defaults.get(field)), str(defaults.get(field)), o.default_doc}
+        choices = o.choices or ()
+        for text in (o.help, o.doc or "") if defaults.get(field) is not None else ():
+            stated = _defaults_stated(text, choices) - declared
+            assert not stated, f"{name} --{field}: states default {sorted(stated)}, declared {shown(defaults[field])}"
+        if o.doc and _choices_named(o.doc, choices):
+            help_names, doc_names = _choices_named(o.help, choices), _choices_named(o.doc, choices)
+            assert help_names == doc_names, (
+                f"{name} --{field}: only the help names {sorted(help_names - doc_names)}, "
+                f"only the doc {sorted(doc_names - help_names)}"
+            )
+
+
+# Options whose help lists values (`a | b | c`) but that take an open set, checked at start by their own rule:
+# every-K is any K; --correction also takes verl's names; --kernels is case-insensitive.
+OPEN_ENDED = {"activation_checkpointing", "correction", "kernels"}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_choice_like_option_declares_its_choices(name):
+    """An option whose help lists its values (`a | b | c`, or starts `a, b or c:`) declares them (`choices=`), so a
+    typo is refused when the config is built, before any model loads, naming the flag."""
+    from ovkit.options import specs
+
+    listed = re.compile(r"^[\w-]+(, [\w-]+)*,? or [\w-]+[:.]")
+    for field, o in specs(INFO[name].config_class()).items():
+        if (" | " in o.help or listed.match(o.help)) and field not in OPEN_ENDED:
+            assert o.choices, f"{name} --{field} lists values in its help but declares no choices"

@@ -84,7 +84,8 @@ def test_synth_card_loads_every_split_with_its_rows_and_pil_images(corpus):
 
 def test_same_named_outputs_load_their_own_rows_from_one_cache(corpus, tmp_path, monkeypatch):
     """`datasets` keys the cache of `load_dataset(DIR)` by DIR's name and a hash of the card's configs (relative
-    globs): a/data and b/data once shared an entry, and b/data returned a/data's rows. The card's content key (#29)."""
+    globs): a/data and b/data once shared an entry, and b/data returned a/data's rows. The card's content key keeps
+    them apart."""
     from ovkit.cards import write_card
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -1,4 +1,4 @@
-"""Errors a user can cause point to the fix (#29): a file in a format ovkit converts names `ovkit convert --from ...`,
+"""Errors a user can cause point to the fix: a file in a format ovkit converts names `ovkit convert --from ...`,
 messages name the user's input and never ovkit's cache, no command suggests an option it lacks, HF/TRL spellings of
 options are accepted and a misspelt option or YAML key gets the nearest match, and an input error comes before torch
 is imported.

@@ -392,7 +392,7 @@ def test_compare_reads_a_real_lmms_eval_results_file_and_warns_on_tasks_it_canno
 
 def test_eval_output_loads_with_load_dataset_dir(tmp_path, eval_set, eval_tiny, cli, monkeypatch):
     """`datasets.load_dataset(DIR)` on an eval output returns its per-row samples, a split per task, from the card
-    ovkit writes (#29); `load_dataset(DIR, TASK)` one task; a same-named output elsewhere loads its own rows."""
+    ovkit writes; `load_dataset(DIR, TASK)` one task; a same-named output elsewhere loads its own rows."""
     import shutil
 
     import datasets

@@ -1,4 +1,4 @@
-"""An input error appears before the heavy imports (#29): a learner's options, DATA and --model are checked without
+"""An input error appears before the heavy imports: a learner's options, DATA and --model are checked without
 torch, so a typo is reported in a fraction of a second instead of after torch and transformers load (~6 s)."""
 
 import json
@@ -97,3 +97,13 @@ def test_an_input_error_exits_2_before_torch_imports(tmp_path, model_dir, comman
     assert not report["torch"] and not report["transformers"], f"{command}: torch imported before the input error"
     assert elapsed < 3.0, f"{command}: the error took {elapsed:.1f}s (torch alone takes ~5s to import)"
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+@pytest.mark.parametrize("args", [("--help",), ("sft", "--help"), ("rl-train", "--help")])
+def test_help_builds_every_command_without_torch(args):
+    """Every command's options are built when the command table is (eager registration, typer's public API): that
+    stays cheap only while every stage config module imports neither torch nor transformers."""
+    report, err, elapsed = run_cli(*args)
+    assert report["code"] == 0, err
+    assert not report["torch"] and not report["transformers"], f"ovkit {' '.join(args)} imported torch"
+    assert elapsed < 3.0, f"ovkit {' '.join(args)} took {elapsed:.1f}s"

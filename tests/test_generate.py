@@ -272,7 +272,7 @@ def test_bad_options_are_user_errors(spread_tiny, spread_prompts):
         build_engine("hf", model=spread_tiny[0], processor=spread_tiny[1], precision="int4")
     with pytest.raises(OvkitError, match="dtype must be one of"):
         _engine(spread_tiny, dtype="int4")
-    with pytest.raises(OvkitError, match="--quant"):
+    with pytest.raises(OvkitError, match="--sampler-quant"):
         _engine(spread_tiny, quant="int2")
     with pytest.raises(OvkitError, match="prefill must be one of"):
         _engine(spread_tiny, prefill="twice")

@@ -1,4 +1,5 @@
-"""Every `ovkit ...` line in the fenced code blocks of commands/*.md and README.md runs, on the tiny default (#29).
+"""Every `ovkit ...` line in the fenced code blocks of commands/*.md and README.md runs, on the tiny default:
+a page never shows a command that fails.
 
 The examples are read off the pages (a changed page changes the test), run in-process through `ovkit`'s main() in one
 scratch directory per module that holds the embedded default the pages assume: `data/` and `runs/tiny/data/` (one

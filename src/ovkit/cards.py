@@ -3,7 +3,7 @@
 A dataset card's YAML front matter has `configs:` with `data_files` globs, so `datasets.load_dataset(DIR)` returns
 every split with its rows (and images decoded through the `datasets` Image feature the parquet metadata declares);
 without it `datasets` guesses splits from directory names and, for synth's output, returned only `eval/` as `test`.
-Layout rules (DESIGN.md, "The sample table"):
+Layout rules (the sample table of ovkit.data.schema):
 - part files directly in DIR are one table: config `default`, split `train`;
 - each subdirectory holding part files (synth's pretrain/instruct/rl/eval, rl-curate's stage1/stage2) is a subset:
   one config of that name with one split of that name, and the `default` config lists every subset as a split. A
@@ -254,7 +254,7 @@ def dataset_card(
     if not tables:
         return _empty_card(prov, shown, empty)
     configs = card_configs(tables)
-    for cfg in configs:  # in each config, so `load_dataset(DIR)` caches this content apart from any other (#29)
+    for cfg in configs:  # in each config, so `load_dataset(DIR)` caches this content apart from any other
         cfg["description"] = f"ovkit data {key or content_key(tables)}"
     meta = {"configs": configs, "tags": ["ovkit"], "task_categories": ["image-text-to-text"]}
     if prov.get("command") == "pack":
@@ -355,7 +355,7 @@ def _layout_notes(tables: list[Table], configs: list[dict[str, Any]]) -> list[st
         )
     elif tables[0].pattern.endswith(PART_GLOB):
         notes.append(
-            'Columns (ovkit DESIGN.md, "The sample table"): `images` is a list of images (the `datasets` Image '
+            "Columns (the sample table of ovkit.data.schema): `images` is a list of images (the `datasets` Image "
             "feature, "
             "decoded to PIL), `messages` the chat turns with `<image>` where each image goes, `source` the origin "
             "of the "
@@ -490,7 +490,7 @@ def eval_card(directory: Path, tables: list[Table], prov: dict[str, Any], shown:
         for t in tables
         if t.config != "default"
     ]
-    for cfg in configs:  # in each config, so `load_dataset(DIR)` caches this content apart from any other (#29)
+    for cfg in configs:  # in each config, so `load_dataset(DIR)` caches this content apart from any other
         cfg["description"] = f"ovkit eval {key}"
     meta: dict[str, Any] = {"configs": configs}
     if features is not None:

@@ -2,7 +2,7 @@
 samplers) and their checks, without torch: a leaf every config and `ovkit.options` can import.
 
 A config is built, and refused, before anything heavy is imported, so `ovkit sft DATA --precision bf17` answers in
-a fraction of a second instead of after torch and transformers load (#29). The modules that act on these options
+a fraction of a second instead of after torch and transformers load. The modules that act on these options
 (precision, optim, attention, checkpointing, kernels, engines; rl.correction, rl.loss; evaluate.during) import torch and
 re-export
 what is here, so each name has one definition.
@@ -22,7 +22,7 @@ ATTENTION = ("auto", "sdpa", "flash_attention_2", "flex_attention", "eager")
 
 # --precision (ovkit.models.precision). One meaning per spelling: `bf16` is HF Trainer's --bf16 (bf16 compute,
 # fp32 master weights). `bfloat16` once meant bf16-true here (torch_dtype=bfloat16) beside `bf16` meaning
-# bf16-mixed, so it is refused with both choices named rather than silently changing meaning (#29); no shipped
+# bf16-mixed, so it is refused with both choices named rather than silently changing meaning; no shipped
 # config used it.
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16-true")
 PRECISION_ALIASES = {"32": "fp32", "32-true": "fp32", "float32": "fp32", "bf16": "bf16-mixed"}
@@ -131,6 +131,9 @@ def check_kernels(kernels: str, use_liger_kernel: bool = False, cuda: bool | Non
             )
     return kernels
 
+
+# A quantised sampler's weights (rl-train --sampler-quant; ovkit.generate.hf quantises the copy it samples from).
+QUANTS = ("int8", "fp8", "int4")
 
 # A sampler's own precision (rl-train --sampler-precision, mismatch-report's samplers): the dtype of its weights
 # (ovkit.generate.engines).

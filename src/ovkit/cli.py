@@ -50,7 +50,8 @@ _registered = False
 
 
 def _register() -> None:
-    """The command table. Command modules import their library lazily, so this stays cheap."""
+    """The command table. Command modules and their stage configs are torch-free (their libraries import lazily), so
+    this stays cheap."""
     global _registered
     if _registered:
         return
@@ -69,25 +70,26 @@ def _register() -> None:
         synth,
         train,
     )
-    from ovkit.commands._common import StageCommand
+    from ovkit.commands._common import register
 
-    # Every command is a StageCommand: its --help shows its config's defaults, required marks and an example.
-    command = functools.partial(app.command, cls=StageCommand)
+    # Every command's options are built from its stage config's fields; its --help shows the config's defaults,
+    # required marks and an example (ovkit.commands._common.StageCommand).
+    command = functools.partial(register, app)
     # The whole command surface, one line each (add yours in pipeline order):
-    command("synth")(synth.synth)
-    command("balance")(balance.balance)
-    command("caption")(caption.caption)
-    command("convert")(convert.convert)
-    command("init-model")(init_model.init_model)
-    command("pack")(pack.pack)
-    command("align")(train.align)
-    command("midtrain")(train.midtrain)
-    command("sft")(train.sft)
-    command("eval")(eval.evaluate)
-    command("rl-curate")(rl_curate.rl_curate)
-    command("rl-train")(rl_train.rl_train)
-    command("mismatch-report")(mismatch_report.mismatch_report)
-    command("science-report")(science_report.science_report)
+    command("synth", synth.synth)
+    command("balance", balance.balance)
+    command("caption", caption.caption)
+    command("convert", convert.convert)
+    command("init-model", init_model.init_model)
+    command("pack", pack.pack)
+    command("align", train.align)
+    command("midtrain", train.midtrain)
+    command("sft", train.sft)
+    command("eval", eval.evaluate)
+    command("rl-curate", rl_curate.rl_curate)
+    command("rl-train", rl_train.rl_train)
+    command("mismatch-report", mismatch_report.mismatch_report)
+    command("science-report", science_report.science_report)
 
 
 def _command() -> str:

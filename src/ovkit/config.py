@@ -57,16 +57,14 @@ def merge(
     from_cli: set[str],
     file_values: Mapping[str, Any],
     config_path: Path | None = None,
-    aliases: Mapping[str, str] | None = None,
 ) -> Any:
     """Build `cls` from values given on the command line (`from_cli` names those the user typed), then the file,
     then the dataclass defaults: the dataclass is the only place a default is declared. Every value goes through
-    `convert` by the field's declared type. A file key may be an option's other name (`aliases`: `learning_rate` ->
-    `lr`, from the command's option declarations); an unknown key is an error naming it and the nearest option.
+    `convert` by the field's declared type. A file key may be an option's other name (ovkit.options.aliases, the
+    one table of them: `learning_rate` -> `lr`); an unknown key is an error naming it and the nearest option.
     Where `cls.exclusive` pairs options, one typed on the command line replaces the file's whole pair."""
     names = [f.name for f in dataclasses.fields(cls)]
-    aliases = {**declared_aliases(cls), **(aliases or {})}  # the declarations' other spellings, and the command's
-    file_values = _canonical_keys(file_values, names, aliases, config_path)
+    file_values = _canonical_keys(file_values, names, declared_aliases(cls), config_path)
     for group in getattr(
         cls, "exclusive", ()
     ):  # `--max-steps 5` over a file with `epochs: 3`: the flag wins, as any flag does
@@ -289,20 +287,26 @@ def trajectory_options(cls: type, run_control: frozenset[str]) -> tuple[str, ...
     return tuple(n for n in names if n not in run_control)
 
 
+def config_defaults(cls: type) -> dict[str, Any]:
+    """Every field's default as the dataclass declares it (default_factory called): the one reader of declared
+    defaults (--help, the pages, a resumed run's missing keys)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
 def option_default(cls: type, name: str) -> Any:
     """A field's declared default (what a config written before the option existed behaved as)."""
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            if f.default is not dataclasses.MISSING:
-                return f.default
-            if f.default_factory is not dataclasses.MISSING:
-                return f.default_factory()
-    return None
+    return config_defaults(cls).get(name)
 
 
 def check_inputs(cfg: Any) -> None:
     """A learner's DATA and --model exist (or name a Hub dataset / model): checked with the options, so a typo is
-    reported in a fraction of a second instead of after torch and transformers import (#29). The Hub is asked only
+    reported in a fraction of a second instead of after torch and transformers import. The Hub is asked only
     when the stage loads them."""
     check_exists(cfg.data, "DATA")
     check_model(cfg.model, "--model")

@@ -1,6 +1,7 @@
 """What names a Hub dataset or model, and whether the Hub answers: facts that data/, models/, cards and the config
 checks share, in a leaf module (no ovkit import beyond errors, no pyarrow, no torch), so a config check that a
-`DATA` or `--model` exists runs before anything heavy imports (#29).
+`DATA` or `--model` exists runs before anything heavy imports: a typo costs a fraction of a second, not a
+torch import.
 
 A name is local when it exists, starts with `.`, `/` or `~`, has no `/` or more than one, or ends with a data file
 suffix; only the remaining `ORG/NAME` shapes are looked up on the Hub, so a mistyped local path is never sent there.
@@ -58,7 +59,7 @@ def is_hub_id(base: str) -> bool:
 
 def check_exists(texts: list[str | Path], name: str = "DATA") -> None:
     """Each input exists here (a `:CONFIG` / `@SPLIT` suffix aside) or names a Hub dataset: a mistyped path fails in
-    the config check, naming the argument, before torch and the model load (#29)."""
+    the config check, naming the argument, before torch and the model load."""
     for text in texts:
         spec = parse_spec(text)
         if not Path(spec.base).expanduser().exists() and not is_hub_id(spec.base):

@@ -2,10 +2,10 @@
 
 `option(default, help=..., panel=...)` returns a `dataclasses.field` whose metadata holds the help text, the --help
 panel, extra flag spellings (HF/TRL's `--learning-rate` for `lr`), what it accepts (choices, a range), whether a
-resumed run may change it (`run_control`), and an optional longer `doc` for its command page. Everything reads it:
-the typer command is built from the fields (ovkit.commands._common, as HfArgumentParser / TRL's TrlParser build
-theirs), YAML keys and their aliases, `validate` at start, the resume rule (`run_control_names`) and the option
-tables of commands/*.md (ovkit.pages).
+resumed run may change it (`run_control`), and, only where the page needs more than the help, a `doc` for its
+command page. Everything reads it: the typer command is built from the fields (ovkit.commands._common, as
+HfArgumentParser / TRL's TrlParser build theirs), YAML keys and their aliases, `validate` at start, the resume rule
+(`run_control_names`) and the option tables of commands/*.md (ovkit.pages).
 
 The options several commands share are declared once below (`trust_remote_code()`, `precision()`, ...): a config
 calls the function where it declares the field. Torch-free and typer-free: library configs import this module.
@@ -59,7 +59,9 @@ class Option:
     run_control: bool = False  # a resumed run may change it (it does not change the trajectory)
     argument: bool = False  # positional (the command's INPUT), not a --flag
     metavar: str | None = None
-    doc: str | None = None  # the command page's longer text (default: help)
+    # The command page's text where it needs more than the --help line (a link, a table, what one command does
+    # differently); else the page prints the help. It names the same choices and defaults (tests/test_cli.py).
+    doc: str | None = None
     default_doc: str | None = None  # the page's words for a default computed at run time (None in the dataclass)
 
     def cli_name(self, name: str) -> str:
@@ -245,14 +247,12 @@ on_error = _shared(
     help="fail: stop at the first bad row; skip: move bad rows to OUT/rejects.parquet.",
     panel=RUN,
     choices=("fail", "skip"),
-    doc=("`fail`: exit 2 at the first bad record; `skip`: move bad records to `rejects.parquet`"),
 )
 trust_remote_code = _shared(
     False,
     help="Allow model code from the model directory (e.g. LLaVA-OneVision-1.5).",
     panel=RUNTIME,
     run_control=True,
-    doc="allow model code from the model directory / hub",
 )
 precision = _shared(
     "auto",
@@ -339,7 +339,6 @@ gradient_checkpointing = _shared(
     help="TRL/HF's spelling of --activation-checkpointing full.",
     panel=RUNTIME,
     run_control=True,
-    doc="TRL's spelling of `--activation-checkpointing full`",
 )
 compile = _shared(
     False,
@@ -392,13 +391,11 @@ lora_alpha = _shared(
     gt=0,
     help="LoRA scale alpha (the update is alpha / r x B A).",
     panel=LORA,
-    doc="LoRA scale (update = A / r x B A)",
 )
 lora_dropout = _shared(0.0, help="Dropout on the LoRA branch.", panel=LORA, min=0, lt=1)
 lora_targets = _shared(
     help="Regex over module names to adapt instead of the per-architecture default; repeatable.",
     panel=LORA,
-    doc="module names to adapt instead (repeatable)",
 )
 load_in_4bit = _shared(
     False,
@@ -420,7 +417,6 @@ save_every = _shared(
     help="Write a resumable checkpoint every N steps into OUT.partial/checkpoints (0: only the final model).",
     panel=CHECKPOINTS,
     run_control=True,
-    doc="checkpoint every N steps (0: only the final model)",
 )
 keep_checkpoints = _shared(
     2,
@@ -428,14 +424,12 @@ keep_checkpoints = _shared(
     help="Keep the newest N intermediate checkpoints.",
     panel=CHECKPOINTS,
     run_control=True,
-    doc="intermediate checkpoints kept",
 )
 resume = _shared(
     False,
     help="Continue the unfinished run in OUT.partial/ from its last checkpoint (starts fresh if there is none).",
     panel=CHECKPOINTS,
     run_control=True,
-    doc="continue the run in `OUT.partial/`",
 )
 report_to = _shared(
     [],
@@ -482,7 +476,6 @@ eval_limit = _shared(
     help="At most this many --eval-data rows per category (the first ones, as `ovkit eval --limit`).",
     panel=EVALUATION,
     run_control=True,
-    doc="at most N eval rows per category (the first ones, as `ovkit eval --limit`)",
 )
 eval_max_new_tokens = _shared(
     min=1,
@@ -496,7 +489,7 @@ env = _shared(
     help="Multi-turn rollouts with an environment: zoom, verifier, or package.module:factory (see "
     "docs/environments.md).",
     panel=MULTI_TURN,
-    doc=(
+    doc=(  # the page links the guide
         "multi-turn rollouts with an environment: `zoom`, `verifier` or `package.module:factory` "
         "([docs/environments.md](../docs/environments.md))"
     ),
@@ -510,27 +503,23 @@ env_arg = _shared(
     ),
 )
 max_turns = _shared(
-    1,
+    3,
     help="Multi-turn: assistant turns at most (then the rollout ends as max_turns).",
     panel=MULTI_TURN,
-    doc="with `--env`: assistant turns at most (then `max_turns`)",
 )
 max_response_tokens = _shared(
     help="Multi-turn: token budget after the prompt, sampled + observation tokens (then truncated).",
     panel=MULTI_TURN,
-    doc=("with `--env`: token budget after the prompt, sampled + observation tokens (then `truncated`)"),
 )
 env_retries = _shared(
-    0,
+    2,
     help="Multi-turn: extra tries of an environment call that raised or timed out (then env_error).",
     panel=MULTI_TURN,
-    doc=("with `--env`: extra tries of an environment call that raised or timed out (then `env_error`)"),
 )
 env_timeout = _shared(
     30.0,
     help="Multi-turn: seconds per environment call.",
     panel=MULTI_TURN,
-    doc="with `--env`: seconds per environment call",
 )
 # Sampling (ovkit.generate, ovkit.rollouts) on eval, rl-curate, rl-train, mismatch-report and caption. Each command
 # passes its default, and its own panel where it groups them otherwise (eval: Generation, caption: Captioning,
@@ -554,9 +543,7 @@ limit = _shared(
     doc="at most N prompt rows per category (the first ones)",
     default_doc="all",
 )
-max_new_tokens = _shared(
-    help="Tokens per completion at most.", panel=SAMPLING, min=1, doc="tokens per completion at most"
-)
+max_new_tokens = _shared(help="Tokens per completion at most.", panel=SAMPLING, min=1)
 reward_workers = _shared(
     2,
     min=1,
@@ -564,16 +551,13 @@ reward_workers = _shared(
     panel=RUNTIME,
     run_control=True,
 )
-temperature = _shared(
-    min=0, help="Sampling temperature (0 = greedy).", panel=SAMPLING, doc="sampling temperature (0 = greedy)"
-)
+temperature = _shared(min=0, help="Sampling temperature (0 = greedy).", panel=SAMPLING)
 top_p = _shared(
     1.0,
     gt=0,
     max=1,
     help="Nucleus sampling mass (with --temperature > 0).",
     panel=SAMPLING,
-    doc="nucleus sampling mass (with T > 0)",
 )
 max_pixels = _shared(
     512 * 512,
@@ -590,7 +574,6 @@ system_prompt = _shared(
     help="Prepend 'You are a helpful AI assistant.' (the recipe's system prompt).",
     panel=SAMPLING,
     negatable=True,
-    doc='prepend the recipe\'s system prompt, "You are a helpful AI assistant."',
 )
 
 # Sampler/learner mismatch corrections (ovkit.rl.correction): rl-train applies them; mismatch-report reports what they

@@ -52,11 +52,9 @@ class BalanceConfig:
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     # input sample table (not used with --merge)
-    data: Path | None = option(
-        None, help="Sample table (parquet file or directory of shards).", argument=True, doc="input sample table"
-    )
+    data: Path | None = option(None, help="Sample table (parquet file or directory of shards).", argument=True)
     concepts: Path | None = option(None, help="Concept vocabulary: a text file, one concept per line.", panel=O.IO)
-    out: Path | None = O.out(doc="output directory")
+    out: Path | None = O.out()
     # embed: top-K by CLIP-family similarity; text: concept strings in captions; metaclip
     method: str = option(
         "embed",
@@ -65,9 +63,7 @@ class BalanceConfig:
         choices=METHODS,
     )
     # CLIP / SigLIP / MetaCLIP directory (embed); `init-model --preset tiny-clip` builds one
-    encoder: Path | None = option(
-        None, help="CLIP / SigLIP / MetaCLIP directory for --method embed.", panel=O.IO, doc="encoder directory (embed)"
-    )
+    encoder: Path | None = option(None, help="CLIP / SigLIP / MetaCLIP directory for --method embed.", panel=O.IO)
     top_k: int = option(3, help="Concepts per image (embed).", panel=METHOD, min=1)
     # how an image's per-concept inverse frequencies combine into its weight: mean|max|sum
     combine: str = option(
@@ -80,7 +76,6 @@ class BalanceConfig:
         None,
         help="Rows after resampling (default: as many as the input).",
         panel=METHOD,
-        doc="rows after resampling (embed, text)",
         default_doc="input rows",
     )
     # MetaCLIP t: a concept's matches are kept with probability min(1, t / count)
@@ -94,7 +89,6 @@ class BalanceConfig:
         "{}",
         help="Text embedded per concept, e.g. 'a photo of {}.'",
         panel=METHOD,
-        doc="text embedded for each concept, e.g. `a photo of {}.`",
     )
     chunk: int = option(
         65536,
@@ -119,11 +113,11 @@ class BalanceConfig:
         panel=SHARDED_RUNS,
     )
     shard: str | None = O.shard(doc="`I/N`: this machine's part (with `--phase assign` or `sample`)")
-    on_error: str = O.on_error(doc="`fail` or `skip` (bad rows to `rejects.parquet`)")
+    on_error: str = O.on_error()
     device: str = option("cpu", help="Device for the encoder (cpu, cuda).", panel=O.RUNTIME)
-    seed: int = O.seed(doc="seed of the draw")
-    overwrite: bool = O.overwrite(doc="redo a complete output")
-    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
+    seed: int = O.seed()
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self):
         O.validate(self)  # each option's declared range and choices; the checks across options follow

@@ -78,19 +78,17 @@ class CaptionConfig(O.ModelLoading):
         None,
         help="Sample table to recaption (parquet file or directory of shards).",
         argument=True,
-        doc="input sample table",
     )
     model: Path | None = option(
         None,
         help="Captioner: any VLM directory (save_pretrained) or hub id.",
         panel=O.IO,
     )
-    out: Path | None = O.out(doc="output directory")
+    out: Path | None = O.out()
     lang: str = option(
         "en,zh",
         help="Caption languages; each image gets one, drawn by --lang-ratio.",
         panel=CAPTIONING,
-        doc="caption languages, one per image",
     )
     lang_ratio: str | None = option(
         None,
@@ -122,12 +120,9 @@ class CaptionConfig(O.ModelLoading):
         50,
         help="Filter: captions shorter than this are rejected.",
         panel=CAPTION_FILTER,
-        doc="filter lower bound",
         min=0,
     )
-    max_chars: int = option(
-        3500, help="Filter: captions longer than this are rejected.", panel=CAPTION_FILTER, doc="filter upper bound"
-    )
+    max_chars: int = option(3500, help="Filter: captions longer than this are rejected.", panel=CAPTION_FILTER)
     # filter: a run of this many identical consecutive words rejects the caption
     repeat_limit: int = option(
         8,
@@ -153,20 +148,19 @@ class CaptionConfig(O.ModelLoading):
         256,
         help="Rows per saved chunk of generations (a rerun resumes after the last one).",
         panel=O.RUN,
-        doc="rows per saved chunk (resume granularity)",
         min=1,
     )
     shard: str | None = O.shard(doc="`I/N`: caption part I of N into `OUT/part-I-of-N/`")
-    on_error: str = O.on_error(doc="`fail` or `skip` (invalid input rows to `rejects.parquet`)")
+    on_error: str = O.on_error()
     precision: str = O.precision(
         doc=(
             "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
-            "`bf16-mixed` (bf16 weights)"
+            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
         )
     )
     seed: int = O.seed(doc="language draw and sampling seed")
     overwrite: bool = O.overwrite(doc="redo a complete output (and discard saved chunks)")
-    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         O.validate(self)  # each option's declared range and choices; the checks across options follow

@@ -6,9 +6,10 @@ panel, flag spellings and what it accepts. A command module declares only what i
 a worked example, the required inputs; the body that calls the library); `signature` turns the fields into the
 parameters typer reads, as HfArgumentParser / TRL's TrlParser build their parsers from dataclasses. Each option's
 CLI default is None, so `resolve` takes what the user typed, then the --config file, and leaves everything else to the
-dataclass; `--help` shows the dataclass's defaults. A command's options are built when it is first used (parsed,
-completed or its help shown), not at `ovkit --help`: several config modules import torch (balance's encoder), which
-neither `ovkit --help` nor a learner's input check should pay for (#29).
+dataclass; `--help` shows the dataclass's defaults. Every command's options are built when it is registered
+(`register`, through typer's public `Typer.command`): the stage config modules import neither torch nor transformers,
+so `ovkit --help` and a learner's input check stay well under a second (tests/test_cli.py and
+tests/test_fast_errors.py hold both to it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 import typer
 from typer.core import TyperCommand
 
-from ovkit.config import CLI_ONLY, load_yaml, merge
+from ovkit.config import CLI_ONLY, config_defaults, load_yaml, merge
 from ovkit.options import IO, RUN, specs
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -62,7 +63,16 @@ def stage(config: type | str, *, example: str, required: Sequence[str] = ()) -> 
     return declare
 
 
+def stage_of_function(fn: Any) -> Stage:
+    """The `@stage` declaration of a command function."""
+    info = getattr(fn, "ovkit_stage", None)
+    if info is None:
+        raise TypeError(f"command function {getattr(fn, '__name__', fn)!r} has no @stage(...) declaration")
+    return info
+
+
 def stage_of(command: Any) -> Stage:
+    """The `@stage` declaration of a built command (its callback carries it: `functools.wraps` copies it)."""
     info = getattr(getattr(command, "callback", None), "ovkit_stage", None)
     if info is None:
         raise TypeError(f"command {getattr(command, 'name', command)!r} has no @stage(...) declaration")
@@ -111,56 +121,28 @@ def built_from(fn: Callable[[typer.Context], Any], cls: type) -> Callable[..., A
     return command
 
 
-def config_defaults(cls: type) -> dict[str, Any]:
-    """Every field's default as the dataclass declares it (default_factory called)."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
+def register(app: typer.Typer, name: str, fn: Callable[[typer.Context], Any]) -> None:
+    """Add `fn` (declared with `@stage`) to `app` as command `name`, its options built now from the stage config's
+    fields. Every config module is torch-free (tests/test_cli.py checks it), so building them all at start costs
+    `ovkit --help` a few tenths of a second and needs only typer's public `Typer.command`."""
+    app.command(name, cls=StageCommand)(built_from(fn, stage_of_function(fn).config_class()))
 
 
 class StageCommand(TyperCommand):
     """A typer command whose --help ends its description with the worked example, shows the stage config's defaults
     and marks its required inputs. Parsing is untouched: defaults and marks exist only while help is formatted, so
-    an option left out still means "the dataclass's value" and an input given in --config satisfies a mark."""
+    an option left out still means "the dataclass's value" and an input given in --config satisfies a mark.
 
-    _options: list[Any] | None = None  # the built options (None until first used)
-    _ready = False
+    Only public surfaces are used: typer builds the options from the signature `register` gives the command function
+    (`Typer.command(cls=...)`), and the overrides are click's documented `Command` methods."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._ready = True
         info = stage_of(self)
         self.help = f"{(self.help or '').rstrip()}\n\nExample:\n\n{info.example}"
         self.epilog = (
             "\\[required] inputs may also come from --config FILE; flags given on the command line override the file."
         )
-
-    @property  # type: ignore[override]
-    def params(self) -> list[Any]:
-        if self._options is None and self._ready:
-            self._build()
-        return self._options if self._options is not None else self._stub
-
-    @params.setter
-    def params(self, value: list[Any]) -> None:
-        self._stub = value  # what typer built from the bare function: ctx only
-
-    def _build(self) -> None:
-        """The options, from the stage config's fields: typer builds them from the generated signature."""
-        from typer.main import get_command_from_info
-        from typer.models import CommandInfo
-
-        fn = built_from(self.callback.__wrapped__, stage_of(self).config_class())  # typer's wrapper's function
-        built = get_command_from_info(
-            CommandInfo(name=self.name, callback=fn),
-            pretty_exceptions_short=True,
-            rich_markup_mode=self.rich_markup_mode,
-        )
-        self._options, self.callback = built.params, built.callback
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         try:
@@ -214,7 +196,6 @@ def resolve(ctx: typer.Context, cls: type | None = None) -> Any:
         set(typed),
         file_values,
         Path(config_path) if config_path else None,
-        aliases=option_aliases(ctx.command),
     )
     from ovkit.launch import check
 
@@ -224,17 +205,6 @@ def resolve(ctx: typer.Context, cls: type | None = None) -> Any:
 
         ctx.call_on_close(silence_library_bars())
     return cfg
-
-
-def option_aliases(command: Any) -> dict[str, str]:
-    """{other name: field} of a command's options as config-file keys: `--learning-rate` of `lr` is `learning_rate`."""
-    aliases = {}
-    for param in getattr(command, "params", []):
-        for opt in getattr(param, "opts", []):
-            key = opt.lstrip("-").replace("-", "_")
-            if opt.startswith("--") and key != param.name:
-                aliases[key] = param.name
-    return aliases
 
 
 def done(msg: str) -> None:

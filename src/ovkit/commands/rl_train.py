@@ -19,7 +19,7 @@ def rl_train(ctx: typer.Context) -> None:
     sampler/learner mismatch corrections. Stage 1 answer-only, stage 2 chain-of-thought."""
     from ovkit.launch import processes
 
-    cfg = resolve(ctx)  # before the loop's import (torch): an input error appears at once (#29)
+    cfg = resolve(ctx)  # before the loop's import (torch): an input error appears at once
     check_inputs(cfg)
     from ovkit.rl.loop import train_rl
 

@@ -46,7 +46,7 @@ def sft(ctx: typer.Context) -> None:
 
 def run(ctx: typer.Context) -> None:
     """Resolve the stage's config, train, and print the one-line summary."""
-    cfg = resolve(ctx)  # before the loop's import (torch): an input error appears at once (#29)
+    cfg = resolve(ctx)  # before the loop's import (torch): an input error appears at once
     check_inputs(cfg)
     from ovkit.train import train
 

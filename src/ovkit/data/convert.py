@@ -115,7 +115,7 @@ class ConvertConfig:
             "key is `to-format`"
         ),
     )
-    out: Path | None = O.out(doc="output dataset directory")
+    out: Path | None = O.out()
     # relative image paths are resolved against it (default: the input's folder)
     image_root: Path | None = option(
         None,
@@ -137,7 +137,7 @@ class ConvertConfig:
         doc="convert only records `[I*n/N, (I+1)*n/N)`, into `OUT/part-I-of-N/`", default_doc="all"
     )
     on_error: str = O.on_error()
-    overwrite: bool = O.overwrite(doc="redo a complete output instead of skipping")
+    overwrite: bool = O.overwrite()
     quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:

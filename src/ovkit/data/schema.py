@@ -1,4 +1,4 @@
-"""The sample table: the contract between stages (DESIGN.md, "The sample table"), and its checks.
+"""The sample table: the contract between stages, and its checks.
 
 `images` uses the layout of the `datasets` Image feature (list<struct<bytes, path>>) and the parquet files carry the
 `huggingface` schema metadata, so `datasets.load_dataset("parquet", ...)` decodes PIL images.

@@ -12,7 +12,7 @@ A name is local when it exists, starts with `.`, `/` or `~`, has no `/` or more 
 suffix; only the remaining `ORG/NAME` shapes are looked up on the Hub, so a mistyped local path is never sent there
 (ovkit.hub holds that rule and the spec parser, for the config checks that must not import this package).
 
-Rows must be in ovkit's layout (DESIGN.md, "The sample table") or TRL's conversational VLM layout (`images` +
+Rows must be in ovkit's layout (ovkit.data.schema) or TRL's conversational VLM layout (`images` +
 `messages` whose content is text or [{type: text|image}] parts, or `prompt` + `completion`; ShareGPT's `messages` +
 `images` is the same shape). Parquet files in ovkit's
 layout are read where they are; anything else (a Hub dataset, a saved dataset, TRL parquet) is converted once with

@@ -59,7 +59,7 @@ SPLITS = ("pretrain", "instruct", "rl", "val", "eval")
 CONCEPTS_FILE = "concepts.txt"
 PREVIEW_FILE = "preview.png"
 
-# Rows at --scale 1: sized so the whole CPU pipeline trains in minutes (DESIGN.md, "The embedded default").
+# Rows at --scale 1: sized so the whole CPU pipeline trains in minutes on 2 CPU cores.
 PRETRAIN_ROWS = 4000
 INSTRUCT_ROWS = 8000
 RL_ROWS = 600
@@ -85,7 +85,7 @@ CAPTION_PROMPTS = {
 class SynthConfig:
     launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
 
-    out: Path | None = O.out(doc="output directory, written atomically (complete or absent)")
+    out: Path | None = O.out()
     scale: float = option(
         1.0,
         help="Multiplies every split's size (1.0: about 8,000 images).",
@@ -98,7 +98,7 @@ class SynthConfig:
         doc="random seed; the same seed gives byte-identical parquet files, `concepts.txt` and `preview.png`"
     )
     overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         if not isinstance(self.scale, (int, float)) or isinstance(self.scale, bool):

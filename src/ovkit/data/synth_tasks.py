@@ -7,7 +7,8 @@ every seed: one bucket of eight is held out for eval, another for validation, th
 the model has not been trained on (though it has seen every colour, shape, word and digit involved), and choosing
 hyper-parameters on val never looks at an eval composition.
 
-Sizes follow DESIGN.md "Facts verified": shape scenes are 84x84 with 18-24 pixel shapes on a 3x3 grid of 28-pixel
+Sizes are what the tiny model was measured to learn from (ovkit.models.tiny: 84x84 scenes were learnt in ~700 steps,
+56x56 ones stayed at chance): shape scenes are 84x84 with 18-24 pixel shapes on a 3x3 grid of 28-pixel
 cells (one shape per 2x2-merged visual token of a patch-14 model); text-reading tasks get wider images and big glyphs.
 """
 

@@ -46,7 +46,6 @@ class EvalConfig(O.ModelLoading):
     )
     out: Path | None = O.out(
         help="Output directory (written atomically); with --compare: a markdown file for the table.",
-        doc="output directory, written atomically; with `--compare`: optional markdown file for the table",
         default_doc="required (with --compare: none)",
     )
     compare: bool = option(
@@ -64,7 +63,7 @@ class EvalConfig(O.ModelLoading):
         "answer",
         help=(
             "Instruction added to each prompt: answer, think, none, or auto (each row in the mode of its RL "
-            "stage: think for rl-curate's stage-2 categories)."
+            "stage: think for rl-curate's stage-2 categories); the released data's normal = answer, default = think."
         ),
         panel=GENERATION,
         doc=(
@@ -97,7 +96,6 @@ class EvalConfig(O.ModelLoading):
     temperature: float | None = O.temperature(
         help="Sampling temperature (0 = greedy; default: 0 for --n 1, 1.0 for --n > 1).",
         panel=GENERATION,
-        doc="sampling temperature (0 = greedy); `--n` > 1 needs T > 0",
         default_doc="0 for `--n 1`, 1.0 otherwise",
         min=0,
     )
@@ -122,7 +120,7 @@ class EvalConfig(O.ModelLoading):
     precision: str = O.precision(
         doc=(
             "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
-            "`bf16-mixed` (bf16 weights)"
+            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
         )
     )
     env: str | None = O.env(
@@ -137,13 +135,13 @@ class EvalConfig(O.ModelLoading):
             "value}`"
         )
     )
-    max_turns: int = O.max_turns(3)
+    max_turns: int = O.max_turns()
     max_response_tokens: int | None = O.max_response_tokens()
-    env_retries: int = O.env_retries(2)
+    env_retries: int = O.env_retries()
     env_timeout: float = O.env_timeout()
-    seed: int = O.seed(doc="sampling seed")
+    seed: int = O.seed()
     overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         from ovkit.rollouts.episodes import check_env_options

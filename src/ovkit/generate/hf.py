@@ -44,13 +44,13 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from ovkit.choices import QUANTS
 from ovkit.errors import OvkitError
 from ovkit.generate import Completion
 
 # Tensors of an encoded prompt with one value per token; everything else in `Encoded.mm` is per image.
 PER_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTS = ("int8", "fp8", "int4")
 # "shared": a prompt sampled n times (a GRPO group) is prefilled once, its images encoded once, and its KV cache copied
 # to the n sequences; "per-sequence": every sequence is prefilled on its own, as `generate(num_return_sequences=n)`
 # does.
@@ -201,7 +201,7 @@ class HFEngine:
         progress: bool = False,
     ):
         if quant is not None and quant not in QUANTS:
-            raise OvkitError(f"--quant must be one of {', '.join(QUANTS)} (or none), got {quant!r}")
+            raise OvkitError(f"--sampler-quant must be one of {', '.join(QUANTS)} (or none), got {quant!r}")
         if batch_size < 1:
             raise OvkitError(f"--batch-size must be >= 1, got {batch_size}")
         if prefill not in PREFILLS:

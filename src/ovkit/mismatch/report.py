@@ -249,7 +249,7 @@ def comparison_table(runs: dict[str, dict[str, Any]]) -> Table:
     )
 
 
-# The write-ups the notes cite as [1] and [2] (shared/reference/003 and 004).
+# The write-ups the notes cite as [1] and [2].
 REFERENCES = (
     'Feng Yao, Liyuan Liu, Dinghuai Zhang, Chengyu Dong, Jingbo Shang, Jianfeng Gao, "Your Efficient RL Framework '
     'Secretly Brings You Off-Policy RL Training", 2025.',

@@ -49,7 +49,7 @@ class MismatchConfig(O.ModelLoading):
         ),
     )
     model: Path | None = option(None, help="The learner: a model directory (save_pretrained).", panel=O.IO)
-    out: Path | None = O.out(doc="output directory, written atomically (complete or absent)")
+    out: Path | None = O.out()
     generate: Path | None = option(
         None,
         help="Sample fresh rollouts from these prompt rows (RL/eval table) instead of reading ROLLOUTS.",
@@ -80,7 +80,6 @@ class MismatchConfig(O.ModelLoading):
             "producer's, else 1.0)."
         ),
         panel=LEARNER,
-        doc="sampling temperature (0 = greedy); the learner divides its logits by it",
         default_doc="producer's, else 1.0",
         min=0,
     )
@@ -126,10 +125,10 @@ class MismatchConfig(O.ModelLoading):
         "fp32",
         help=(
             "The learner's precision: fp32 (the default, the reference), bf16-true or bf16-mixed (both "
-            "compute in bf16)."
+            "compute in bf16), or auto (bf16-mixed on a bf16 GPU, else fp32). Aliases: bf16 = bf16-mixed, 32 = fp32."
         ),
         panel=LEARNER,
-        doc=("the learner's compute precision: `fp32` (the reference), `bf16-true` / `bf16-mixed` (bf16 weights)"),
+        doc=None,  # the help says it all; the shared page text describes a learner whose default is auto
     )
     # rl-train's correction bounds (ovkit.options), reported as what each correction would clip or mask
     correction_threshold: float = O.correction_threshold(panel=RL_TRAIN_CORRECTIONS)
@@ -160,16 +159,14 @@ class MismatchConfig(O.ModelLoading):
             "with `--generate`: multi-turn rollouts with an environment: `zoom`, `verifier` or `package.module:factory`"
         )
     )
-    env_arg: Any = O.env_arg(doc="environment argument (repeatable; YAML-parsed value)")
-    max_turns: int = O.max_turns(3, doc="with `--env`: assistant turns at most")
-    max_response_tokens: int | None = O.max_response_tokens(
-        doc="with `--env`: token budget after the prompt, sampled + observation tokens"
-    )
-    env_retries: int = O.env_retries(2, doc="with `--env`: extra tries of an environment call that raised or timed out")
+    env_arg: Any = O.env_arg()
+    max_turns: int = O.max_turns()
+    max_response_tokens: int | None = O.max_response_tokens()
+    env_retries: int = O.env_retries()
     env_timeout: float = O.env_timeout()
     seed: int = O.seed(doc="sampling seed with `--generate`; scatter-plot sample")
     overwrite: bool = O.overwrite()
-    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         from ovkit.mismatch.sample import canonical_sampler
@@ -262,7 +259,7 @@ def run_mismatch(cfg: MismatchConfig, out_dir: Path) -> dict[str, Any]:
         inputs.append(("rollouts", rows, str(cfg.rollouts)))
     prompt_rows = _prompt_rows(cfg) if cfg.generate is not None else None
     images_for = data_images(cfg.data)
-    from ovkit.generate.engines import load_for_inference  # torch: after every input is checked (#29)
+    from ovkit.generate.engines import load_for_inference  # torch: after every input check
 
     model, processor = load_for_inference(
         cfg.model,

@@ -202,7 +202,9 @@ class InitModelConfig:
     # compose: weight dtype of the composed model ("auto" keeps the checkpoints')
     dtype: str = option(
         "auto",
-        help=("Compose / random init: weight dtype (auto keeps the checkpoints' / float32; float32, bfloat16, ...)."),
+        help=(
+            "Compose / random init: weight dtype (auto keeps the checkpoints' / float32; float32, bfloat16, float16)."
+        ),
         panel=MODEL,
         choices=DTYPES,
         doc=(
@@ -240,8 +242,8 @@ class InitModelConfig:
     )
     list_presets: bool = option(False, help="Print the preset table and exit.", panel=MODEL)
     seed: int = O.seed(doc=("tokenizer/model initialisation (tiny), projector and new embedding rows (compose)"))
-    overwrite: bool = O.overwrite(doc="rebuild a complete output")
-    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         O.validate(self)  # each option's declared range and choices; the checks across options follow

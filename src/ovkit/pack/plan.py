@@ -60,7 +60,6 @@ class PackConfig:
         None,
         help="Model directory whose processor measures each sample.",
         panel=O.IO,
-        doc="model directory whose processor measures the samples",
     )
     # pack capacity L in tokens; longer samples are rejected
     max_len: int = option(8192, help="Pack capacity L in tokens; longer samples go to rejects.", panel=PACKING, min=1)
@@ -88,12 +87,11 @@ class PackConfig:
         help="B of the 'pad to longest in random batches' baseline.",
         panel=PACKING,
         min=1,
-        doc='B of the "pad to the longest in random batches of B" padding baseline',
     )
-    on_error: str = O.on_error(doc="`fail`: stop at the first bad row; `skip`: move it to `rejects.parquet`")
+    on_error: str = O.on_error()
     seed: int = O.seed(doc="shuffles the random-batch padding baseline (the plan does not depend on it)")
-    overwrite: bool = O.overwrite(doc="replace a complete plan instead of skipping")
-    quiet: bool = O.quiet(doc="no progress bars (transformers', huggingface_hub's and datasets' bars included)")
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         from ovkit.data import parse_shard

@@ -10,6 +10,9 @@ from ovkit import options as O
 from ovkit.choices import (  # torch-free: a bad option fails before torch imports (#29)
     AGGREGATIONS,
     KL_ESTIMATORS,
+    QUANTS,
+    SAMPLER_ALIASES,
+    SAMPLER_PRECISIONS,
     canonical_precision,
     check_checkpointing,
     check_eval_options,
@@ -66,7 +69,7 @@ class RLTrainConfig(O.Learner):
         panel=O.IO,
         doc="model to start from",
     )
-    out: Path | None = O.out(doc="output directory")
+    out: Path | None = O.out()
     stage: int = option(
         1,
         help="1: answer-only prompts; 2: think prompts + format reward (the curriculum).",
@@ -92,20 +95,19 @@ class RLTrainConfig(O.Learner):
         None,
         help="Sample from a copy in another precision than the learner: fp32, bf16, fp16.",
         panel=SAMPLING,
+        choices=(*SAMPLER_PRECISIONS, *SAMPLER_ALIASES),
         default_doc="learner's (an asynchronous run's own copy: its compute dtype)",
     )
-    # int8 | fp8: a low-precision sampler (the INT8-rollout ablation of Yao et al.)
+    # a low-precision sampler (the INT8-rollout ablation of Yao et al.)
     sampler_quant: str | None = option(
         None,
         help=(
             "int8, fp8 or int4: sample from a quantised copy (hf engine: int8 is dynamic W8A8 on CPU, "
-            "weight-only on GPU; fp8 weight-only; int4 group-wise 4-bit weights; vllm: fp8)."
+            "weight-only per-channel rounding on GPU; fp8 weight-only e4m3 on any device; int4 group-wise 4-bit "
+            "weights; vllm: fp8, vLLM's own quantisation)."
         ),
         panel=SAMPLING,
-        doc=(
-            "`int8` (hf engine: dynamic W8A8 on CPU, weight-only per-channel rounding on GPU) or `fp8` "
-            "(weight-only e4m3 on any device; with `--engine vllm`, vLLM's own fp8 quantisation)"
-        ),
+        choices=QUANTS,
     )
     # GRPO groups per step (batch size 32)
     prompts_per_step: int = option(
@@ -122,7 +124,6 @@ class RLTrainConfig(O.Learner):
         min=None,
         gt=0,
         help="Sampling temperature; the learner divides its logits by it too.",
-        doc="sampling temperature; the learner divides its logits by it too",
     )
     top_p: float = O.top_p(
         doc="nucleus sampling mass (with T > 0); the learner does not truncate: top-p < 1 shows up as mismatch"
@@ -154,7 +155,6 @@ class RLTrainConfig(O.Learner):
         panel=OPTIMISER,
         min=0,
         lt=1,
-        doc="linear warmup over this fraction of the steps",
     )
     max_grad_norm: float = option(
         1.0,
@@ -169,7 +169,6 @@ class RLTrainConfig(O.Learner):
         panel=GRPO_LOSS,
         flags=("--eps-clip-higher",),
         min=0,
-        doc="PPO clip, upper (clip-higher)",
     )
     reward_bias: float = option(-0.5, help="r' = (r + bias) * scale.", panel=GRPO_LOSS)
     reward_scale: float = option(10.0, help="r' = (r + bias) * scale.", panel=GRPO_LOSS, flags=("--reward-scaling",))
@@ -184,7 +183,6 @@ class RLTrainConfig(O.Learner):
         help="Divide advantages by the group std (--no-adv-std: centre only, Dr. GRPO).",
         panel=GRPO_LOSS,
         negatable=True,
-        doc="divide by the group std (off: centre only, Dr. GRPO)",
     )
     loss_agg: str = option(
         "token-mean",
@@ -288,7 +286,7 @@ class RLTrainConfig(O.Learner):
     save_every: int = O.save_every(
         250, help="Resumable checkpoint every N steps in OUT.partial/checkpoints (0: only the final model)."
     )
-    keep_checkpoints: int = O.keep_checkpoints(doc="newest checkpoints kept")
+    keep_checkpoints: int = O.keep_checkpoints()
     save_rollouts: bool = option(
         False,
         help="Write every step's trajectories to OUT/rollouts/step-N.parquet.",
@@ -307,9 +305,9 @@ class RLTrainConfig(O.Learner):
     reward_workers: int = O.reward_workers()
     env: str | None = O.env()
     env_arg: Any = O.env_arg()
-    max_turns: int = O.max_turns(3)
+    max_turns: int = O.max_turns()
     max_response_tokens: int | None = O.max_response_tokens()
-    env_retries: int = O.env_retries(2)
+    env_retries: int = O.env_retries()
     env_timeout: float = O.env_timeout()
     seed: int = O.seed(doc="prompt order and sampling seeds")
     overwrite: bool = O.overwrite()

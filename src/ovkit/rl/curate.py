@@ -62,7 +62,7 @@ class CurateConfig(O.ModelLoading):
     )
     # the model RL will start from (the SFT checkpoint)
     model: Path | None = option(None, help="The model RL will start from (e.g. the SFT output).", panel=O.IO)
-    out: Path | None = O.out(doc="output directory")
+    out: Path | None = O.out()
     n: int = O.n(16, doc="rollouts per prompt (pass@N of the selection)")
     limit: int | None = O.limit(
         doc="at most N prompt rows per category (the first ones in the data), to fit a time budget"
@@ -94,7 +94,6 @@ class CurateConfig(O.ModelLoading):
         panel=SELECTION,
         min=0,
         max=1,
-        doc="gap rule: minimum pass@N - pass@1",
     )
     # sources kept whatever their difficulty
     keep_sources: list[str] = option(
@@ -102,7 +101,6 @@ class CurateConfig(O.ModelLoading):
         help="Keep every prompt whose source contains this tag, whatever its difficulty; repeatable.",
         panel=SELECTION,
         flag="--keep-source",
-        doc="source tag kept whole (repeatable)",
     )
     stage2_categories: list[str] = option(
         list(STAGE2_CATEGORIES),
@@ -143,7 +141,7 @@ class CurateConfig(O.ModelLoading):
     precision: str = O.precision(
         doc=(
             "the sampler's compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
-            "`bf16-mixed` (bf16 weights)"
+            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
         )
     )
     batch_size: int = option(64, help="Sequences per generate call (prompts x n).", panel=O.RUNTIME, min=1)
@@ -163,14 +161,14 @@ class CurateConfig(O.ModelLoading):
     reward_workers: int = O.reward_workers()
     env: str | None = O.env()
     env_arg: Any = O.env_arg()
-    max_turns: int = O.max_turns(3)
+    max_turns: int = O.max_turns()
     max_response_tokens: int | None = O.max_response_tokens()
-    env_retries: int = O.env_retries(2)
+    env_retries: int = O.env_retries()
     env_timeout: float = O.env_timeout()
     shard: str | None = O.shard(doc="process part I of N (`I/N`); writes `OUT/part-I-of-N/`")
-    seed: int = O.seed(doc="sampling seed")
-    overwrite: bool = O.overwrite(doc="replace a complete output")
-    quiet: bool = O.quiet(doc="no progress bar (transformers', huggingface_hub's and datasets' bars included)")
+    seed: int = O.seed()
+    overwrite: bool = O.overwrite()
+    quiet: bool = O.quiet()
 
     def __post_init__(self) -> None:
         from ovkit.rollouts.episodes import check_env_options

@@ -9,7 +9,8 @@ the gap the report measures is the one the learner sees.
 A learner forward's inputs are planned on the host (`Trajectories.micro_batch`): its rows, width, model inputs with
 what the model would otherwise work out from ids and grids on the device (rope positions, the vision tower's layout:
 ovkit.models.precompute) and the flat positions of its response tokens, all from host tensors and the trajectories'
-Python lists. The log-probs then stay on the model's device: no device-to-host read in the gradient pass (#25, #26).
+Python lists. The log-probs then stay on the model's device: no device-to-host read in the gradient pass
+(each one stalls a GPU's queue).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import numpy as np
 from ovkit.runtime.log import public_name
 from ovkit.science.stats import gini, head_tail_ratio, matched_positions, mean_sd, seed_band, spikes
 
-# The seed write-ups, cited by title (shared/reference/003 and 004).
+# The seed write-ups, cited by title (the keys are the numbers the findings below are filed under).
 SOURCES = {
     "003": 'Feng Yao, Liyuan Liu, Dinghuai Zhang, Chengyu Dong, Jingbo Shang, Jianfeng Gao, "Your Efficient RL '
     'Framework Secretly Brings You Off-Policy RL Training" (2025)',

@@ -60,7 +60,6 @@ class TrainConfig(O.Learner):
             "Sample table(s) (parquet file or directory of shards), read as one; the last assistant turn is the target."
         ),
         argument=True,
-        doc="sample table(s) (parquet files or directories of shards), read as one",
     )
     model: Path | None = option(
         None,
@@ -84,7 +83,6 @@ class TrainConfig(O.Learner):
             "Default: the stage's preset."
         ),
         panel=OPTIMISER_SCHEDULE,
-        doc="group (`projector`, `vision`, `llm`, `all`) or parameter-name regex; repeatable",
         default_doc="stage preset",
     )
     # drop the vision encoder from the trainable set
@@ -136,7 +134,6 @@ class TrainConfig(O.Learner):
         None,
         help=("AdamW weight decay on weight matrices. Default: the stage's preset (midtrain 0.01, else 0)."),
         panel=OPTIMISER_SCHEDULE,
-        doc="AdamW decoupled weight decay on matrices",
         min=0,
         default_doc="stage preset",
     )
@@ -145,7 +142,6 @@ class TrainConfig(O.Learner):
         1.0,
         help="Clip the global gradient norm to this (0: no clipping).",
         panel=OPTIMISER_SCHEDULE,
-        doc="clip the global gradient norm (0: off)",
         min=0,
     )
     batch_size: int = option(
@@ -157,7 +153,6 @@ class TrainConfig(O.Learner):
         panel=BATCHES_LENGTH,
         flags=("--per-device-train-batch-size",),
         min=1,
-        doc="samples (or packs) per micro-batch per process",
     )
     # micro-batches per optimiser step; global batch = batch_size * grad_accum * processes
     grad_accum: int = option(
@@ -174,7 +169,6 @@ class TrainConfig(O.Learner):
         None,
         help="Optimiser steps to run (instead of --epochs).",
         panel=BATCHES_LENGTH,
-        doc="optimiser steps (exclusive with `--epochs`)",
         min=1,
     )
     epochs: float | None = option(
@@ -191,7 +185,6 @@ class TrainConfig(O.Learner):
         8192,
         help="Skip samples longer than this many tokens (text + image tokens).",
         panel=BATCHES_LENGTH,
-        doc="skip samples longer than this (tokens, image tokens included)",
         min=1,
     )
     precision: str = O.precision(
