@@ -166,3 +166,32 @@ def test_cli_entry_errors_on_a_missing_run(tmp_path, cli):
     code, _, err = cli("science-report", tmp_path / "missing")
     assert code == 2
     assert "no such run directory" in err
+
+
+def test_vllm_kernel_rows_join_the_bucket_table_when_make_science_wrote_them(tmp_path):
+    """science/vllm-buckets/report.json (mismatch-report --sampler vllm-fp32 --sampler vllm-bf16, written where the
+    vLLM environment exists) adds its samplers as rows beside the HF ones, with their vllm-kl and mean |dp|."""
+    from ovkit.science import build_report
+
+    run = _fake_run(tmp_path)
+    sci = run / "science"
+    hf = json.loads((sci / "buckets" / "report.json").read_text())["runs"]["bf16"]["by_sampler_prob"]
+    (sci / "vllm-buckets").mkdir()
+    (sci / "vllm-buckets" / "report.json").write_text(
+        json.dumps(
+            {
+                "runs": {
+                    "vllm-bf16": {
+                        "by_sampler_prob": hf,
+                        "metrics": {"k3_kl": 1.68e-5, "rollout_probs_diff_mean": 5.4e-4},
+                    }
+                }
+            }
+        )
+    )
+    rep = build_report(run)
+    md = (sci / "report.md").read_text()
+    assert set(rep.numbers["buckets"]) == {"bf16", "int8", "vllm-bf16"}
+    row = next(line for line in md.splitlines() if line.startswith("| vllm-bf16 |"))
+    assert row.endswith("| 1.68e-05 | 0.00054 |")
+    assert "vLLM's own kernels" in md
