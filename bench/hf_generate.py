@@ -77,6 +77,18 @@ def ovkit_cli(*args) -> None:
     )
 
 
+def inputs(data: Path | None, model: Path | None, tmp: Path) -> tuple[Path, Path]:
+    """The RL prompts and the tiny model: the given ones, or `ovkit synth --scale 0.25` and `init-model --preset tiny`
+    built under `tmp`."""
+    if data is None:
+        ovkit_cli("synth", "--out", tmp / "synth", "--scale", "0.25")
+        data = tmp / "synth" / "rl"
+    if model is None:
+        ovkit_cli("init-model", "--preset", "tiny", "--corpus", data.parent, "--out", tmp / "tiny")
+        model = tmp / "tiny"
+    return data, model
+
+
 def wide_model(tiny_dir: Path):
     """A random-init model of the tiny preset's architecture and tokenizer with bigger widths."""
     import dataclasses
@@ -233,13 +245,7 @@ def main() -> None:
     from ovkit.rollouts.prompts import encode_prompts
 
     with tempfile.TemporaryDirectory() as tmp:
-        data, model_dir = a.data, a.model
-        if data is None:
-            ovkit_cli("synth", "--out", Path(tmp) / "synth", "--scale", "0.25")
-            data = Path(tmp) / "synth" / "rl"
-        if model_dir is None:
-            ovkit_cli("init-model", "--preset", "tiny", "--corpus", data.parent, "--out", Path(tmp) / "tiny")
-            model_dir = Path(tmp) / "tiny"
+        data, model_dir = inputs(a.data, a.model, Path(tmp))
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}; "
             f"{a.prompts} prompts x n={a.n}, max_new_tokens={a.max_new_tokens}, temperature 1, best of {a.repeats}"

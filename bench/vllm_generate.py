@@ -22,15 +22,13 @@ engine, and vLLM's CPU backend is bound to as many cores (VLLM_CPU_OMP_THREADS_B
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import _result
+from hf_generate import inputs, wide_model  # the HF engine bench's prompts and wide model (bench/ is on sys.path)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -53,32 +51,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def ovkit_cli(*args) -> None:
-    subprocess.run([sys.executable, "-m", "ovkit", *map(str, args), "--quiet"], check=True, stdout=subprocess.DEVNULL)
-
-
 def wide_dir(tiny_dir: Path, out: Path) -> Path:
-    """The tiny preset's architecture and tokenizer at bigger widths, random init, saved to `out`."""
-    import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from ovkit.models import load
-    from ovkit.models.tiny import TINY, tiny_config
-
-    _, processor = load(tiny_dir)
-    spec = dataclasses.replace(
-        TINY,
-        hidden_size=768,
-        num_heads=12,
-        num_kv_heads=4,
-        intermediate_size=2048,
-        mrope_section=(16, 8, 8),
-        vision_hidden_size=256,
-        vision_heads=4,
-        vision_intermediate_size=1024,
-    )
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(tiny_config(processor.tokenizer, spec)).eval()
+    """The HF engine bench's wide model (bench/hf_generate.py), saved to `out` for vLLM to load."""
+    model, processor = wide_model(tiny_dir)
     model.save_pretrained(out)
     processor.save_pretrained(out)
     return out
@@ -110,13 +85,7 @@ def main() -> None:
     from ovkit.rollouts.prompts import encode_prompts
 
     with tempfile.TemporaryDirectory() as tmp:
-        data, tiny = a.data, a.model
-        if data is None:
-            ovkit_cli("synth", "--out", Path(tmp) / "synth", "--scale", "0.25")
-            data = Path(tmp) / "synth" / "rl"
-        if tiny is None:
-            ovkit_cli("init-model", "--preset", "tiny", "--corpus", data.parent, "--out", Path(tmp) / "tiny")
-            tiny = Path(tmp) / "tiny"
+        data, tiny = inputs(a.data, a.model, Path(tmp))
         print(
             f"vllm {vllm.__version__}, torch {torch.__version__}, {a.threads} core(s) each, load average "
             f"{os.getloadavg()[0]:.1f}; {a.prompts} prompts x n={a.n}, max_new_tokens={a.max_new_tokens}, "
