@@ -1,0 +1,167 @@
+"""`--reward-funcs PATH.py:NAME[:WEIGHT]`: the user's own reward functions, called with TRL's arguments in the reward
+worker pool (its time and memory limits), their errors naming the file, the function and the row."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+import time
+
+import pytest
+
+from ovkit.errors import OvkitError
+from ovkit.rewards import custom
+
+MODULE = '''
+import time
+
+def length(prompts, completions, **kwargs):
+    return [float(len(c[0]["content"])) for c in completions]
+
+def echo_columns(prompts, completions, answer, category, id, **kwargs):
+    return [float(len(answer[0]) * 100 + len(category[0]) * 10 + len(prompts[0]))]
+
+def not_applicable(prompts, completions, **kwargs):
+    return [None]
+
+def sleepy(prompts, completions, **kwargs):
+    time.sleep(30)
+    return [1.0]
+
+def hungry(prompts, completions, **kwargs):
+    block = bytearray(8 << 30)
+    return [float(len(block))]
+
+def broken(prompts, completions, **kwargs):
+    return [1.0 / 0]
+
+def two_values(prompts, completions, **kwargs):
+    return [1.0, 2.0]
+
+def no_kwargs(prompts, completions):
+    return [1.0]
+'''
+
+
+@pytest.fixture
+def module(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(textwrap.dedent(MODULE))
+    return path
+
+
+def item(completion="four", **over):
+    row = {
+        "completion": completion,
+        "messages": [{"role": "user", "content": "How many letters?"}],
+        "id": "r1",
+        "answer": "4",
+        "answer_type": "number",
+        "source": "synth",
+        "category": "count",
+        "reward_kwargs": None,
+    }
+    return {**row, **over}
+
+
+def test_a_spec_reads_its_path_name_and_weight(module):
+    f = custom.parse(f"{module}:length:0.5")
+    assert (f.path, f.name, f.weight) == (module.resolve(), "length", 0.5)
+    assert custom.parse(f"{module}:length").weight == 1.0
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("no_colon.py", "expected PATH.py:NAME"),
+        ("{m}:", "not a Python function name"),
+        ("{m}:length:heavy", "weight 'heavy'"),
+        ("{m}:length:nan", "must be finite"),
+        ("missing.py:length", "no such file"),
+    ],
+)
+def test_a_bad_spec_is_one_clear_error_naming_the_option(module, spec, says):
+    with pytest.raises(OvkitError, match="--reward-funcs") as e:
+        custom.parse(spec.format(m=module))
+    assert says in str(e.value)
+
+
+def test_a_missing_function_lists_the_functions_of_the_file(module):
+    with pytest.raises(OvkitError, match=r"no function 'lenght' \(functions in it: broken, echo_columns"):
+        custom.parse_all([f"{module}:lenght"])
+
+
+def test_a_function_without_kwargs_is_refused_at_start(module):
+    with pytest.raises(OvkitError, match=r"must accept \*\*kwargs"):
+        custom.parse_all([f"{module}:no_kwargs"])
+
+
+def test_two_functions_of_one_name_are_refused(module, tmp_path):
+    other = tmp_path / "other.py"
+    other.write_text(module.read_text())
+    with pytest.raises(OvkitError, match="two reward functions named length"):
+        custom.parse_all([f"{module}:length", f"{other}:length"])
+
+
+def test_values_are_what_the_function_returns_with_trl_arguments(module):
+    funcs = custom.parse_all([f"{module}:length", f"{module}:echo_columns"])
+    out = custom.score(funcs, [item("four"), item("seventeen", answer="17", category="c")], timeout=60)
+    assert out[0] == {"length": 4.0, "echo_columns": 100 + 50 + 1}
+    assert out[1] == {"length": 9.0, "echo_columns": 200 + 10 + 1}
+
+
+def test_trl_s_own_reward_function_gives_what_it_gives_under_trl(tmp_path):
+    """TRL's think_format_reward, imported from TRL in the user's file, scores in the pool exactly as TRL calls it."""
+    from trl.rewards import think_format_reward
+
+    path = tmp_path / "use_trl.py"
+    path.write_text("from trl.rewards import think_format_reward\n")
+    texts = ["<think>\nsum\n</think>\n4", "4", "<think>x</think><think>y</think>4"]
+    got = custom.score(custom.parse_all([f"{path}:think_format_reward"]), [item(t) for t in texts], timeout=120)
+    want = think_format_reward([[{"role": "assistant", "content": t}] for t in texts])
+    assert [v["think_format_reward"] for v in got] == want
+    assert want == [1.0, 0.0, 0.0]  # the case holds both values, so the comparison means something
+
+
+def test_none_means_not_applicable_and_counts_zero_in_the_weighted_sum(module):
+    funcs = custom.parse_all([f"{module}:not_applicable", f"{module}:length:0.5"])
+    values = custom.score(funcs, [item("four")], timeout=60)[0]
+    assert math.isnan(values["not_applicable"])
+    assert custom.weighted(funcs, values) == 2.0
+
+
+def test_a_function_past_the_time_limit_scores_zero_and_says_so(module):
+    funcs = custom.parse_all([f"{module}:sleepy"])
+    start = time.monotonic()
+    values = custom.score(funcs, [item()], timeout=2.0)[0]
+    assert values == {"sleepy": 0.0, "sleepy/timeout": 1.0}
+    assert time.monotonic() - start < 25  # killed at its deadline, not waited for
+
+
+def test_a_function_past_the_memory_cap_scores_zero_and_says_so(module):
+    funcs = custom.parse_all([f"{module}:hungry"])
+    assert custom.score(funcs, [item()], timeout=60)[0] == {"hungry": 0.0, "hungry/memory": 1.0}
+
+
+def test_an_exception_names_the_file_the_function_and_the_row(module):
+    funcs = custom.parse_all([f"{module}:broken"])
+    with pytest.raises(OvkitError, match=r"row 'r1': reward function .*my_rewards.py:broken raised ZeroDivisionError"):
+        custom.score(funcs, [item()], timeout=60)
+
+
+def test_a_wrong_number_of_values_is_an_error(module):
+    funcs = custom.parse_all([f"{module}:two_values"])
+    with pytest.raises(OvkitError, match="expected a list with one float per completion"):
+        custom.score(funcs, [item()], timeout=60)
+
+
+def test_a_changed_file_is_imported_anew(tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text("def f(prompts, completions, **kw):\n    return [1.0]\n")
+    assert custom.load(path, "f")(prompts=[[]], completions=[[{}]]) == [1.0]
+    time.sleep(0.01)
+    path.write_text("def f(prompts, completions, **kw):\n    return [2.0]\n")
+    import os
+
+    os.utime(path, (time.time() + 5, time.time() + 5))  # a coarse file-system clock still sees a new version
+    assert custom.load(path, "f")(prompts=[[]], completions=[[{}]]) == [2.0]
