@@ -165,3 +165,29 @@ def test_a_changed_file_is_imported_anew(tmp_path):
 
     os.utime(path, (time.time() + 5, time.time() + 5))  # a coarse file-system clock still sees a new version
     assert custom.load(path, "f")(prompts=[[]], completions=[[{}]]) == [2.0]
+
+
+def test_rl_rewards_add_the_weighted_functions_and_log_them_as_trl_does(module):
+    """score_groups (rl-train, rl-curate): optimised = the built-in mix + sum of weight * value; rollout metrics carry
+    rewards/<name>/mean and /std."""
+    from ovkit.generate import Completion
+    from ovkit.rl.metrics import rollout_metrics
+    from ovkit.rollouts.groups import Group, score_groups
+    from ovkit.rollouts.prompts import Prompt
+
+    prompt = Prompt(
+        id="p", encoded=None, answer="4", answer_type="number", source="s", category="count",
+        messages=[{"role": "user", "content": "2+2?"}],
+    )
+    texts = ["<answer>4</answer>", "<answer>5</answer> and more"]
+    group = Group(prompt, 0, 0, [Completion([1] * 3, t, [0.0] * 3, "stop") for t in texts])
+    funcs = custom.parse_all([f"{module}:length:0.5", f"{module}:not_applicable"])
+    score_groups([group], mode="answer", format_weight=0.0, workers=1, timeout=60, funcs=funcs)
+    assert group.task_rewards == [1.0, 0.0]
+    assert group.rewards == [1.0 + 0.5 * len(texts[0]), 0.0 + 0.5 * len(texts[1])]
+    assert group.parts[0]["funcs"]["length"] == len(texts[0])
+    m = rollout_metrics([group])
+    lengths = [float(len(t)) for t in texts]
+    assert m["rewards/length/mean"] == sum(lengths) / 2
+    assert m["rewards/length/std"] == pytest.approx(abs(lengths[0] - lengths[1]) / 2)
+    assert math.isnan(m["rewards/not_applicable/mean"])  # TRL's nanmean of a function that never applied

@@ -74,6 +74,22 @@ def reward_stats(rewards: Sequence[float], categories: Sequence[str], correct: S
     return out
 
 
+def func_stats(values: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The user's reward functions (ovkit.rewards.custom) as TRL logs each reward function: `rewards/<name>/mean`
+    and `/std` over the completions it applied to (None -> NaN is left out, TRL's nanmean), and `rewards/<name>/
+    timeout` etc.: how many of its calls scored 0 for a limit."""
+    out: dict[str, float] = {}
+    for name in sorted({k for v in values for k in v}):
+        got = [v[name] for v in values if name in v]
+        if "/" in name:  # <function>/timeout, /memory, /crashed: counts
+            out[f"rewards/{name}"] = float(sum(got))
+            continue
+        applied = torch.tensor([x for x in got if x == x], dtype=torch.float64)
+        out[f"rewards/{name}/mean"] = float(applied.mean()) if applied.numel() else float("nan")
+        out[f"rewards/{name}/std"] = float(applied.std(unbiased=False)) if applied.numel() else float("nan")
+    return out
+
+
 def length_stats(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str, float]:
     """Completion lengths, all and those that ended before max_new_tokens ("terminated": TRL's
     completions/*_terminated_length, 0 when every completion was cut, as TRL logs it)."""
@@ -165,6 +181,7 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
     # Reward workers killed from outside during the step (ovkit.rewards.pool), and the items that scored 0 for it.
     out["rewards/worker_crashes"] = sum(g.parts[i].get("worker_crashes", 0) for g, i in trajectories)
     out["rewards/crashed"] = sum(bool(g.parts[i].get("crashed")) for g, i in trajectories)
+    out.update(func_stats([g.parts[i].get("funcs", {}) for g, i in trajectories]))
     completions = [g.completions[i] for g, i in trajectories]
     out.update(length_stats([sum(c.mask) for c in completions], [c.finish_reason == "length" for c in completions]))
     if any(c.termination is not None for c in completions):

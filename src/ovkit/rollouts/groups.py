@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ovkit.data import image_cell
-from ovkit.rewards import score_batch
+from ovkit.rewards import custom, score_batch
+from ovkit.rewards.custom import RewardFunc
 from ovkit.rollouts.episodes import episode_reward, transcript
 from ovkit.rollouts.prompts import Prompt
 from ovkit.rollouts.table import rollouts_table
@@ -32,11 +33,18 @@ class Group:
 
 
 def score_groups(
-    groups: Sequence[Group], *, mode: str, format_weight: float, workers: int = 2, timeout: float = 10.0
+    groups: Sequence[Group],
+    *,
+    mode: str,
+    format_weight: float,
+    workers: int = 2,
+    timeout: float = 10.0,
+    funcs: Sequence[RewardFunc] = (),
 ) -> None:
     """Fill each group's rewards: the task reward from ovkit.rewards (scorer by answer_type / source; `parts` has
     `accuracy` and the `format` reward of the stage's mode), mixed as (1 - format_weight) * task + format_weight *
-    format for GRPO."""
+    format for GRPO, plus the weighted values of the user's reward functions (`funcs`, ovkit.rewards.custom), which
+    `parts["funcs"]` keeps by name."""
 
     items = [
         {
@@ -52,15 +60,24 @@ def score_groups(
         for c in g.completions
     ]
     scored = iter(score_batch(items, workers=workers, timeout=timeout))
+    if funcs:  # the user's functions also see the prompt as asked and the row's category (TRL: every column)
+        owners = (g for g in groups for _ in g.completions)
+        for item, g in zip(items, owners):
+            item.update(category=g.prompt.category, messages=g.prompt.messages)
+        extra = iter(custom.score(funcs, items, workers=workers, timeout=timeout))
     for g in groups:
         g.task_rewards, g.format_rewards, g.rewards, g.parts = [], [], [], []
         for c in g.completions:
             task = next(scored)
             fmt = float(task.parts.get("format", 0.0))
             reward, parts = episode_reward(float(task.reward), dict(task.parts), c)  # multi-turn: x the env's scale
+            mixed = (1.0 - format_weight) * reward + format_weight * fmt
+            if funcs:
+                parts["funcs"] = next(extra)
+                mixed += custom.weighted(funcs, parts["funcs"])
             g.task_rewards.append(reward)
             g.format_rewards.append(float(fmt))
-            g.rewards.append((1.0 - format_weight) * reward + format_weight * fmt)
+            g.rewards.append(mixed)
             g.parts.append(parts)
 
 
