@@ -85,6 +85,17 @@ def row_metrics(rewards: Sequence[float], finish_reasons: Sequence[str] = ()) ->
     return out
 
 
+def func_means(values: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """A row's mean of each user reward function over its completions (`rewards/<name>`, aggregated like every
+    metric); a function that returned None for all of them has no entry, so the row does not count for it."""
+    out: dict[str, float] = {}
+    for name in sorted({k for v in values for k in v if "/" not in k}):
+        applied = [v[name] for v in values if name in v and v[name] == v[name]]
+        if applied:
+            out[f"rewards/{name}"] = sum(applied) / len(applied)
+    return out
+
+
 def aggregate(rows: Iterable[Mapping[str, float]]) -> dict[str, float]:
     """Mean and standard error of every metric over rows, plus the row count (`rows`)."""
     values: dict[str, list[float]] = defaultdict(list)

@@ -418,7 +418,7 @@ def generate_rows(
 
 def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:
     """One record per row: what the results files and the metrics need."""
-    from ovkit.evaluate.metrics import row_metrics
+    from ovkit.evaluate.metrics import func_means, row_metrics
 
     records = []
     doc_ids: dict[str, int] = {}
@@ -443,7 +443,10 @@ def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:
                     }
                     for c, r in zip(outs, rs)
                 ],
-                "metrics": row_metrics([r.reward for r in rs], [c.finish_reason for c in outs]),
+                "metrics": {
+                    **row_metrics([r.reward for r in rs], [c.finish_reason for c in outs]),
+                    **func_means([r.parts.get("funcs", {}) for r in rs]),
+                },
             }
         )
     return records
@@ -466,9 +469,17 @@ def build_engine(cfg: EvalConfig) -> tuple[Any, Any]:
     return engine, engine.processor
 
 
-def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], prompt: str) -> list[list[Any]]:
-    """Rewards of every completion, grouped per row like `completions`."""
-    from ovkit.rewards import Reward, score_batch
+def score(
+    rows: Sequence[dict[str, Any]],
+    completions: Sequence[Sequence[Any]],
+    prompt: str,
+    funcs: Sequence[Any] = (),
+    asked: Sequence[list] = (),
+) -> list[list[Any]]:
+    """Rewards of every completion, grouped per row like `completions`; with the user's reward functions (`funcs`,
+    ovkit.rewards.custom; `asked`: each row's prompt messages as the model was asked them) their values are in each
+    reward's `parts["funcs"]` (reported beside the built-in score, which they do not change)."""
+    from ovkit.rewards import Reward, custom, score_batch
     from ovkit.rollouts.episodes import episode_reward
 
     items = [
@@ -485,6 +496,12 @@ def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], 
         for c in outs
     ]
     flat = score_batch(items)
+    if funcs:
+        per_row = [len(outs) for outs in completions]
+        for item, row, messages in zip(items, _repeat(rows, per_row), _repeat(asked, per_row)):
+            item.update(category=row.get("category"), messages=messages)
+        for r, values in zip(flat, custom.score(funcs, items)):
+            r.parts["funcs"] = values
     flat = [
         Reward(*episode_reward(r.reward, r.parts, c)) for r, c in zip(flat, (c for outs in completions for c in outs))
     ]
@@ -493,6 +510,10 @@ def score(rows: Sequence[dict[str, Any]], completions: Sequence[Sequence[Any]], 
         grouped.append(flat[i : i + len(outs)])
         i += len(outs)
     return grouped
+
+
+def _repeat(values: Sequence[Any], counts: Sequence[int]) -> list[Any]:
+    return [v for v, n in zip(values, counts) for _ in range(n)]
 
 
 def _turns(c: Any) -> dict[str, Any]:
