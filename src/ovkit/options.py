@@ -14,6 +14,7 @@ calls the function where it declares the field. Torch-free and typer-free: libra
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,11 @@ def specs(cls: type) -> dict[str, Option]:
     fields = dataclasses.fields(cls)
     order = sorted(fields, key=lambda f: (spec(f).panel == RUN, f.name in inherited))  # run control last
     return {f.name: spec(f) for f in order}
+
+
+def hints(cls: type) -> dict[str, Any]:
+    """{option name: its declared type} of a config class (what the converter and the command line parse by)."""
+    return typing.get_type_hints(cls)
 
 
 def aliases(cls: type) -> dict[str, str]:
