@@ -27,10 +27,41 @@ GENERATION = "Generation"
 
 
 @dataclass
-class EvalConfig(O.ModelLoading):
+class EvalLoading(O.ModelLoading):
+    """Model loading, with eval's default or wording for --precision."""
+
+    precision: str = O.precision(
+        doc=(
+            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
+            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
+        )
+    )
+
+
+@dataclass
+class EvalMultiTurn(O.MultiTurnOptions):
+    """Multi-turn rollouts, with eval's wording."""
+
+    env: str | None = O.env(
+        doc=(
+            "evaluate under an environment's loop: `zoom`, `verifier` or `package.module:factory` "
+            "([docs/environments.md](../docs/environments.md))"
+        )
+    )
+    env_arg: Any = O.env_arg(
+        doc=(
+            "environment argument, value parsed as YAML (repeatable); in a config file a mapping `env-arg: {key: "
+            "value}`"
+        )
+    )
+
+
+@dataclass(init=False)
+class EvalConfig(O.StageConfig):
     """Options of `ovkit eval` (evaluate a model) and `ovkit eval --compare` (tabulate finished evals)."""
 
     launcher: ClassVar[str] = O.ROW_SHARED  # what it does under torchrun / accelerate launch (ovkit.launch)
+    loading: EvalLoading = O.group(EvalLoading, after=True)  # listed after the command's own options
 
     # eval datasets; with --compare: eval outputs (summary.json dirs), LABEL=PATH allowed
     data: list[Path] | None = option(
@@ -117,28 +148,7 @@ class EvalConfig(O.ModelLoading):
         help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards).",
         panel=O.IO,
     )
-    precision: str = O.precision(
-        doc=(
-            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
-            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
-        )
-    )
-    env: str | None = O.env(
-        doc=(
-            "evaluate under an environment's loop: `zoom`, `verifier` or `package.module:factory` "
-            "([docs/environments.md](../docs/environments.md))"
-        )
-    )
-    env_arg: Any = O.env_arg(
-        doc=(
-            "environment argument, value parsed as YAML (repeatable); in a config file a mapping `env-arg: {key: "
-            "value}`"
-        )
-    )
-    max_turns: int = O.max_turns()
-    max_response_tokens: int | None = O.max_response_tokens()
-    env_retries: int = O.env_retries()
-    env_timeout: float = O.env_timeout()
+    multi_turn: EvalMultiTurn = O.group(EvalMultiTurn)
     seed: int = O.seed()
     overwrite: bool = O.overwrite()
     quiet: bool = O.quiet()
