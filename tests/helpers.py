@@ -142,6 +142,17 @@ def config(cls_name: str, assets: Path, out: Path, **kw):
     return getattr(train, cls_name)(**opts)
 
 
+def sft_runtime(cfg, trajectory=None):
+    """The Runtime `ovkit.train.loop.train` builds for `cfg` (its run and option groups)."""
+    from ovkit.runs import LearnerRun
+    from ovkit.runtime import Runtime
+    from ovkit.train.config import SMALLER, TRAJECTORY
+
+    run = LearnerRun.of(cfg, cfg.stage, TRAJECTORY if trajectory is None else trajectory, smaller=SMALLER)
+    groups = (cfg.loading, cfg.optimiser, cfg.compute, cfg.lora, cfg.checkpoints, cfg.trackers)
+    return Runtime(run, *groups, cfg.load_in_4bit)
+
+
 def pack_plan(cli, root: Path, max_len: int) -> tuple[Path, int]:
     """`ovkit pack` of root/data for root/model at `max_len` (made once per root and length): (plan dir, packs)."""
     import pyarrow.parquet as pq

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from helpers import config, dies_at_first_checkpoint, interrupted_then_resumed, losses, weights
+from helpers import config, dies_at_first_checkpoint, interrupted_then_resumed, losses, sft_runtime, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -173,7 +173,7 @@ def test_several_processes_are_refused(assets, tmp_path, monkeypatch):
     monkeypatch.setattr(Runtime, "distributed", property(lambda self: DistributedType.MULTI_CPU.value))
     cfg = config("SFTConfig", assets, tmp_path / "out", optimizer_in_backward=True, max_grad_norm=0.0)
     with pytest.raises(OvkitError, match="--optimizer-in-backward needs one process"):
-        Runtime(cfg, command="sft", trajectory=())
+        sft_runtime(cfg, trajectory=())
     assert not (tmp_path / "out.lock").exists()
 
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ENV, config, interrupted_then_resumed, make_rows, pack_plan, rl_cfg, weights
+from helpers import ENV, config, interrupted_then_resumed, make_rows, pack_plan, rl_cfg, sft_runtime, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -339,9 +339,7 @@ def test_qlora_trains_adapters_on_a_four_bit_base_and_saves_a_plain_merged_model
     from ovkit.errors import OvkitError
     from ovkit.models import lora
     from ovkit.models.encode import decode_images, encode_sample
-    from ovkit.runtime import Runtime
     from ovkit.train import train
-    from ovkit.train.config import TRAJECTORY
 
     root, _ = deep
     with pytest.raises(OvkitError, match="--lora-r"):
@@ -357,7 +355,7 @@ def test_qlora_trains_adapters_on_a_four_bit_base_and_saves_a_plain_merged_model
         trainable=["llm"],
         load_in_4bit=True,
     )
-    rt = Runtime(cfg, command="sft", trajectory=TRAJECTORY)
+    rt = sft_runtime(cfg)
     model, processor = rt.load_model(root / "model")
     four_bit = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert four_bit and all("layers." in n and "visual" not in n for n in four_bit) and "lm_head" not in four_bit

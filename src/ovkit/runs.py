@@ -25,6 +25,7 @@ lock file (ovkit.faults), a learner's `OUT.partial` and caption's work directory
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import re
@@ -42,10 +43,63 @@ from ovkit.errors import OvkitError
 from ovkit.faults import Interrupted, hold, write_failure
 from ovkit.files import MARK, PROVENANCE, fingerprint, is_complete, mark, read_provenance, write_json, written_by_ovkit
 from ovkit.hub import is_remote, parse_spec
+from ovkit.options import StageConfig
 
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerRun:
+    """What a learner's run is beyond its option groups (ovkit.runtime.Runtime): the entry point (train, train_rl)
+    builds it from its stage config. `config` is written whole (config.yaml, ovkit.json) and its flat options are
+    what a resume compares; everything the runtime decides by is a field here or in a group."""
+
+    command: str
+    config: StageConfig
+    out: Path
+    model: Path  # the parent checkpoint: ovkit.json's `parent`
+    seed: int
+    overwrite: bool
+    quiet: bool
+    inputs: dict[Path, str]  # {input path: the option it came from (DATA, --plan, --model)}: fingerprinted for --resume
+    trajectory: tuple[str, ...]  # the options a resumed run must keep
+    lr: float  # named when the run diverges
+    smaller: tuple[str, ...]  # the stage's options that shrink a micro-batch, named when memory runs out
+
+    @classmethod
+    def of(
+        cls,
+        cfg: StageConfig,
+        command: str,
+        trajectory: Iterable[str],
+        *,
+        smaller: Iterable[str],
+        plan: Path | None = None,
+    ) -> LearnerRun:
+        """The run of a learner's stage config (DATA, --model, --out, --seed, --overwrite, --quiet, --lr: every
+        learner declares them); `plan` is a pack plan it reads besides DATA."""
+        named = [*((p, "DATA") for p in cfg.data), (plan, "--plan"), (cfg.model, "--model")]
+        inputs = {Path(p): role for p, role in named if p is not None}  # a Hub id is noted, not fingerprinted
+        return cls(
+            command=command,
+            config=cfg,
+            out=cfg.out,
+            model=cfg.model,
+            seed=cfg.seed,
+            overwrite=cfg.overwrite,
+            quiet=cfg.quiet,
+            inputs=inputs,
+            trajectory=tuple(trajectory),
+            lr=cfg.lr,
+            smaller=tuple(smaller),
+        )
+
+    @property
+    def partial(self) -> Path:
+        """Where the run lives until it completes (renamed to OUT at the end)."""
+        return self.out.parent / f"{self.out.name}.partial"
 
 
 class Stage:
@@ -60,7 +114,7 @@ class Stage:
     def __init__(
         self,
         command: str,
-        cfg: Any,
+        cfg: StageConfig,
         out: Path,
         *,
         inputs: Iterable[Path] = (),

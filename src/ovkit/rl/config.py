@@ -429,3 +429,5 @@ class RLTrainConfig(O.StageConfig):
 # without being listed (Runtime.resume exits 2 naming it).
 RUN_CONTROL = run_control_names(RLTrainConfig)
 TRAJECTORY = trajectory_options(RLTrainConfig, RUN_CONTROL)
+# What shrinks a learner micro-batch's memory, as the out-of-memory message names it (Runtime.out_of_memory).
+SMALLER = ("--micro-batch-size", "--max-new-tokens")

@@ -44,13 +44,14 @@ from ovkit.generate.engines import build_engine, device
 from ovkit.models import pad_token_id
 from ovkit.models import precision as prec
 from ovkit.models.groups import set_trainable, trainable_names
-from ovkit.rl.config import TRAJECTORY, RLTrainConfig
+from ovkit.rl.config import SMALLER, TRAJECTORY, RLTrainConfig
 from ovkit.rl.metrics import console_line, rollout_metrics
 from ovkit.rl.rollout import AsyncRollouts, SyncRollouts
 from ovkit.rl.update import train_step
 from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
 from ovkit.rollouts.groups import Group, Sampling, groups_table, score_groups
 from ovkit.rollouts.prompts import encode_prompts
+from ovkit.runs import LearnerRun
 from ovkit.runtime import Runtime
 from ovkit.runtime.guard import NonFiniteSteps
 from ovkit.runtime.heap import large_blocks_off_heap
@@ -71,7 +72,8 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
 
 
 def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
-    rt = Runtime(cfg, command="rl-train", trajectory=TRAJECTORY)
+    run = LearnerRun.of(cfg, "rl-train", TRAJECTORY, smaller=SMALLER)
+    rt = Runtime(run, cfg.loading, cfg.optimiser, cfg.compute, cfg.lora, cfg.checkpoints, cfg.trackers)
     rt.check_run_dir()
     large_blocks_off_heap()  # the sampler's vocabulary-sized temporaries go back to the system (ovkit.runtime.heap)
     tables = _tables(cfg)  # every row checked (answers included) before the model loads

@@ -350,3 +350,5 @@ STAGE_CONFIGS: dict[str, type[TrainConfig]] = {"align": AlignConfig, "midtrain":
 # (Runtime.resume exits 2 naming it).
 RUN_CONTROL = run_control_names(TrainConfig)
 TRAJECTORY = trajectory_options(TrainConfig, RUN_CONTROL)
+# What shrinks a micro-batch's memory, as the out-of-memory message names it (ovkit.runtime.Runtime.out_of_memory).
+SMALLER = ("--batch-size (with --grad-accum for the same global batch)", "--max-len")

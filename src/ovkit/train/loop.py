@@ -33,11 +33,12 @@ from ovkit.models import pad_token_id
 from ovkit.models.groups import group_of, set_trainable, trainable_names
 from ovkit.models.precompute import model_inputs, on_device
 from ovkit.pack.batches import real_tokens, target_tokens
+from ovkit.runs import LearnerRun
 from ovkit.runtime import Result, Runtime
 from ovkit.runtime.guard import NonFiniteSteps, in_backward
 from ovkit.runtime.loss import nll_sum
 from ovkit.runtime.optim import cosine_factor
-from ovkit.train.config import TRAJECTORY, TrainConfig
+from ovkit.train.config import SMALLER, TRAJECTORY, TrainConfig
 from ovkit.train.data import PackedSource, SampleSource, Schedule, total_steps
 
 
@@ -45,7 +46,10 @@ def train(cfg: TrainConfig) -> Result:
     """Train cfg.model on cfg.data and write cfg.out (layout: ovkit.runtime)."""
     if is_complete(cfg.out) and not cfg.overwrite:
         return Result("skipped")
-    rt = Runtime(cfg, command=cfg.stage, trajectory=TRAJECTORY)
+    run = LearnerRun.of(cfg, cfg.stage, TRAJECTORY, smaller=SMALLER, plan=cfg.plan)
+    rt = Runtime(
+        run, cfg.loading, cfg.optimiser, cfg.compute, cfg.lora, cfg.checkpoints, cfg.trackers, cfg.load_in_4bit
+    )
     rt.check_run_dir()
     model, processor = rt.load_model(cfg.model)
     names = trainable_names(model, cfg.trainable, freeze_vision=cfg.freeze_vision)
