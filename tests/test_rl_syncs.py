@@ -126,7 +126,7 @@ def test_the_loss_lives_on_the_models_device_with_no_host_read_in_the_gradient_p
     model.to(device)
     params = trainable(model, cfg)
     optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sb = update.prepare_step(groups, 0, processor.tokenizer.pad_token_id, model.config, cfg)
+    sb = update.prepare_step(groups, 0, processor.tokenizer.pad_token_id, model.config, cfg.update_options())
 
     seen, clip = {}, update.clip_grad_norm
 
@@ -137,7 +137,7 @@ def test_the_loss_lives_on_the_models_device_with_no_host_read_in_the_gradient_p
 
     monkeypatch.setattr(update, "clip_grad_norm", clipped)
     with SyncCounter() as syncs, _Devices() as devices:
-        metrics = update.learn(model, optimizer, params, sb, cfg.correction_config(), None, cfg)
+        metrics = update.learn(model, optimizer, params, sb, cfg.correction_config(), None, cfg.update_options())
     assert seen["devices"] == {torch.device(device).type}
     assert not seen["reads"], seen["reads"]  # no .cpu()/.item()/.tolist()/mask index in the pass, transformers included
     assert [k for k in _ours(syncs.where)] == [k for k in _ours(syncs.where) if "ppo_update (Tensor.tolist)" in k]

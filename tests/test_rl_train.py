@@ -32,7 +32,15 @@ def _step(model_dir, data, tmp_path, rewards, **kw):
     optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     metrics = train_step(
-        model, optimizer, params, groups, 0, processor.tokenizer.pad_token_id, cfg.correction_config(), None, cfg
+        model,
+        optimizer,
+        params,
+        groups,
+        0,
+        processor.tokenizer.pad_token_id,
+        cfg.correction_config(),
+        None,
+        cfg.update_options(),
     )
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     return metrics, changed

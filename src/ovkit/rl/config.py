@@ -196,6 +196,21 @@ class Corrections:
         )
 
 
+@dataclass(frozen=True)
+class Update:
+    """What one GRPO step's update reads (ovkit.rl.update), from rl-train's options: the loss, how the learner
+    re-scores the samples (the sampler's temperature; --max-new-tokens, the constant normaliser of
+    seq-mean-token-sum-norm), and how the step is cut into optimiser steps and passes, and clipped."""
+
+    ppo: PPOLoss
+    temperature: float
+    max_new_tokens: int
+    ppo_minibatches: int
+    micro_batch_size: int
+    max_grad_norm: float
+    max_nonfinite_steps: int  # the guard's, where no Runtime holds one (a bare model in tests)
+
+
 @dataclass
 class RLCheckpoints(O.Checkpoints):
     """Checkpoints, with rl-train's default interval and wording."""
@@ -419,6 +434,18 @@ class RLTrainConfig(O.StageConfig):
 
     def correction_config(self) -> Correction:
         return self.corrections.build()
+
+    def update_options(self) -> Update:
+        """What the PPO update reads of these options (ovkit.rl.update)."""
+        return Update(
+            ppo=self.ppo,
+            temperature=self.temperature,
+            max_new_tokens=self.max_new_tokens,
+            ppo_minibatches=self.ppo_minibatches,
+            micro_batch_size=self.micro_batch_size,
+            max_grad_norm=self.max_grad_norm,
+            max_nonfinite_steps=self.max_nonfinite_steps,
+        )
 
 
 # Options a resumed run may change (declared `run_control=True` where the field is): where it writes and reports, how it

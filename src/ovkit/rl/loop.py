@@ -129,7 +129,7 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     rollouts = _rollouts(cfg, model, processor, prompts, rt.accelerator.process_index, rt.processes)
     owned.callback(close_engine, rollouts.engine)
     logger = rt.logger(n_steps, state["step"], console=console_line, desc=f"rl-train stage {cfg.stage}")
-    corr = cfg.correction_config()
+    corr, update = cfg.correction_config(), cfg.update_options()
     t_start = time.perf_counter() - state["elapsed_s"]
     scorer.eval()  # no dropout: the proximal pass and the gradient pass are the same function
     rollouts.start(state["step"])
@@ -138,7 +138,7 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
             t0 = time.perf_counter()
             groups = rollouts.next_batch(step)
             t1 = time.perf_counter()
-            metrics = train_step(scorer, optimizer, params, groups, step, pad_id, corr, ref_model, cfg, rt=rt)
+            metrics = train_step(scorer, optimizer, params, groups, step, pad_id, corr, ref_model, update, rt=rt)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             t2 = time.perf_counter()
