@@ -214,7 +214,7 @@ def test_sharded_runs_refuse_what_reads_the_learners_weights_directly(
     rt = type("Rt", (), {"sharded": True, "distributed": engine})()
     cfg = rl_cfg(model_dir, data, tmp_path / "eval", eval_data=[data])
     with pytest.raises(OvkitError, match=f"--eval-data under {engine}: .* DDP"):
-        evaluator(cfg, rt, None, 1, prompt="answer", loss=False, batch_size=1)
+        evaluator(cfg.eval_during, cfg.seed, rt, None, 1, prompt="answer", loss=False, batch_size=1)
 
 
 def test_full_tensor_gathers_an_fsdp2_shard_and_passes_a_tensor_through():

@@ -13,9 +13,12 @@ from __future__ import annotations
 import importlib.util
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ovkit.errors import OvkitError
+
+if TYPE_CHECKING:  # ovkit.options imports this module's tables
+    from ovkit.options import EvalDuring
 
 # --attn-implementation (ovkit.models.attention)
 ATTENTION = ("auto", "sdpa", "flash_attention_2", "flex_attention", "eager")
@@ -198,12 +201,11 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 # --eval-data, --eval-every, --eval-limit, --eval-max-new-tokens (ovkit.evaluate.during)
-def check_eval_options(cfg: Any) -> None:
-    """The eval options of a training config are consistent (messages name the flags; each option's own range is
-    declared on its field, ovkit.options)."""
-    if cfg.eval_data:
-        cfg.eval_data = [
-            Path(p) for p in (cfg.eval_data if isinstance(cfg.eval_data, (list, tuple)) else [cfg.eval_data])
-        ]
-    elif cfg.eval_every:
+def check_eval_options(options: EvalDuring) -> None:
+    """A learner's eval-while-training options are consistent (messages name the flags; each option's own range is
+    declared on its field, ovkit.options); --eval-data becomes a list of paths."""
+    data = options.eval_data
+    if data:
+        options.eval_data = [Path(p) for p in (data if isinstance(data, (list, tuple)) else [data])]
+    elif options.eval_every:
         raise OvkitError("--eval-every needs --eval-data (the held-out rows to evaluate on)")

@@ -287,7 +287,7 @@ def validate(cfg: StageConfig) -> None:
                 raise OvkitError(f"{meta.cli_name(name)} must be {accepts}, got {item}")
 
 
-def check_corrections(cfg: Any) -> None:
+def check_corrections(cfg: StageConfig) -> None:
     """The mismatch-correction bounds across options (rl-train applies them, mismatch-report reports them): each
     bound's own range is declared on its field below."""
     if cfg.correction_lower is not None and cfg.correction_lower > cfg.correction_threshold:

@@ -77,7 +77,7 @@ RECORDS = "Records"
 
 
 @dataclass
-class ConvertConfig:
+class ConvertConfig(O.StageConfig):
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     input: str | None = option(

@@ -6,7 +6,7 @@ import datetime as _dt
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -54,6 +54,21 @@ class EvalMultiTurn(O.MultiTurnOptions):
             "value}`"
         )
     )
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How rows are asked, sampled and scored (score_rows, generate_rows): `ovkit eval`'s options
+    (EvalConfig.scoring), or evaluation while training's (ovkit.evaluate.during: greedy, one completion, single-turn,
+    as `ovkit eval --prompt PROMPT --seed SEED` would)."""
+
+    prompt: str
+    seed: int
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    multi_turn: O.MultiTurnOptions = field(default_factory=O.MultiTurnOptions)  # no --env: single-turn
+    progress: bool = False
 
 
 @dataclass(init=False)
@@ -157,7 +172,7 @@ class EvalConfig(O.StageConfig):
         from ovkit.rollouts.episodes import check_env_options
 
         O.validate(self)  # each option's declared range and choices; the checks across options follow
-        check_env_options(self)
+        check_env_options(self.multi_turn)
 
         if not self.data:
             raise OvkitError(
@@ -181,6 +196,18 @@ class EvalConfig(O.StageConfig):
             self.temperature = 0.0 if self.n == 1 else 1.0
         if self.n > 1 and self.temperature == 0:
             raise OvkitError("--n > 1 needs --temperature > 0 (greedy completions are all the same)")
+
+    def scoring(self) -> Scoring:
+        """How this eval asks, samples and scores its rows (score_rows)."""
+        return Scoring(
+            prompt=self.prompt,
+            seed=self.seed,
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            multi_turn=self.multi_turn,
+            progress=not self.quiet,
+        )
 
 
 # -- the eval set ---------------------------------------------------------------------------------------------------
@@ -258,7 +285,7 @@ def run_eval(
     mine = share(len(rows))
     budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)  # from every row: the same on each process
     try:
-        done = score_rows(cfg, engine, processor, [rows[i] for i in mine], budgets, clock)
+        done = score_rows(cfg.scoring(), engine, processor, [rows[i] for i in mine], budgets, clock)
         every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
     finally:
         if built:  # after the last collective: vLLM's shutdown also ends the process group it joined
@@ -272,7 +299,7 @@ def run_eval(
 
 
 def score_rows(
-    cfg: EvalConfig,
+    scoring: Scoring,
     engine: Any,
     processor: Any,
     rows: Sequence[dict[str, Any]],
@@ -289,16 +316,16 @@ def score_rows(
     prompts = encode_prompts(
         rows,
         processor,
-        mode=[row_mode(r, cfg.prompt) for r in rows],
+        mode=[row_mode(r, scoring.prompt) for r in rows],
         system=False,
-        extra=env_instruction(cfg),
-        tools=env_tools(cfg),
-        progress=not cfg.quiet,
+        extra=env_instruction(scoring.multi_turn),
+        tools=env_tools(scoring.multi_turn),
+        progress=scoring.progress,
     )
     clock["encode"] = time.perf_counter()
-    completions = generate_rows(engine, cfg, prompts, budgets, processor)
+    completions = generate_rows(engine, scoring, prompts, budgets, processor)
     clock["generate"] = time.perf_counter()
-    rewards = score(rows, completions, cfg.prompt)
+    rewards = score(rows, completions, scoring.prompt)
     clock["score"] = time.perf_counter()
     return [
         (prompt_text(p.messages), [int(t) for t in p.encoded.input_ids], c, r)
@@ -397,7 +424,7 @@ def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, f
 
 
 def generate_rows(
-    engine: Any, cfg: EvalConfig, prompts, budgets: dict[str, int], processor: Any = None
+    engine: Any, scoring: Scoring, prompts, budgets: dict[str, int], processor: Any = None
 ) -> list[list[Any]]:
     """Completions per row (ovkit.rollouts.sample: single-turn, or multi-turn with --env); rows that share a token
     budget are sampled together. A row draws from the streams of its id, whatever rows share its call or process."""
@@ -408,17 +435,18 @@ def generate_rows(
     for i, p in enumerate(prompts):
         groups.setdefault(budgets[p.category], []).append(i)
     out: list[list[Any]] = [[] for _ in prompts]
-    mode = "answer" if cfg.prompt == "none" else cfg.prompt
-    episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=None) if cfg.env else None
+    mode = "answer" if scoring.prompt == "none" else scoring.prompt
+    turns = scoring.multi_turn
+    episodes = make_runner(turns, engine, processor, mode=mode, max_pixels=None) if turns.env else None
     for budget, idx in sorted(groups.items()):
         done = sample(
             engine,
             [prompts[i] for i in idx],
-            n=cfg.n,
+            n=scoring.n,
             max_new_tokens=budget,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            seed=cfg.seed,
+            temperature=scoring.temperature,
+            top_p=scoring.top_p,
+            seed=scoring.seed,
             episodes=episodes,
         )
         for i, completions in zip(idx, done):

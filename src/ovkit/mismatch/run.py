@@ -182,7 +182,7 @@ class MismatchConfig(O.StageConfig):
         from ovkit.rollouts.episodes import check_env_options
 
         O.validate(self)  # each option's declared range and choices; the checks across options follow
-        check_env_options(self)
+        check_env_options(self.multi_turn)
         if self.env and self.generate is None:
             raise OvkitError("--env goes with --generate (ROLLOUTS were already sampled)")
 
@@ -344,8 +344,8 @@ def _generate_all(
         mode=cfg.prompt,
         system=cfg.system_prompt,
         max_pixels=cfg.max_pixels or None,
-        extra=env_instruction(cfg),
-        tools=env_tools(cfg),
+        extra=env_instruction(cfg.multi_turn),
+        tools=env_tools(cfg.multi_turn),
     )
     mode = "answer" if cfg.prompt == "none" else cfg.prompt
     out = []
@@ -353,7 +353,9 @@ def _generate_all(
         engine = make_sampler(
             name, model, processor, model_dir=cfg.model, batch_size=cfg.batch_size, seed=cfg.seed, quiet=cfg.quiet
         )
-        episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels or None, model=model)
+        episodes = make_runner(
+            cfg.multi_turn, engine, processor, mode=mode, max_pixels=cfg.max_pixels or None, model=model
+        )
         with owned(engine):  # a vLLM sampler shuts down before the next sampler is built
             rollouts = generate_rollouts(
                 engine,

@@ -386,7 +386,7 @@ class RLTrainConfig(O.StageConfig):
         O.validate(self)  # each option's declared range and choices; the checks across options follow
         if not self.data:
             raise OvkitError("DATA is required: RL sample tables (e.g. rl-curate's OUT/stage1)")
-        check_env_options(self)
+        check_env_options(self.multi_turn)
         self.data = [Path(p) for p in (self.data if isinstance(self.data, (list, tuple)) else [self.data])]
         for name in ("model", "out"):
             if getattr(self, name) is None:
@@ -405,7 +405,7 @@ class RLTrainConfig(O.StageConfig):
             sampler_dtype(self.sampler_precision)  # a bad name fails here, naming the option
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
-        check_eval_options(self)
+        check_eval_options(self.eval_during)
         self._check()
 
     def _check(self) -> None:

@@ -176,7 +176,7 @@ class CurateConfig(O.StageConfig):
         from ovkit.rollouts.episodes import check_env_options
 
         O.validate(self)  # each option's declared range and choices; the checks across options follow
-        check_env_options(self)
+        check_env_options(self.multi_turn)
         for name in ("data", "model", "out"):
             if getattr(self, name) is None:
                 raise OvkitError(f"{'DATA' if name == 'data' else '--' + name} is required")
@@ -277,10 +277,10 @@ def rollout_all(cfg: CurateConfig, engine, processor, table, stages: Sequence[in
             mode=mode,
             system=cfg.system_prompt,
             max_pixels=cfg.max_pixels,
-            extra=env_instruction(cfg),
-            tools=env_tools(cfg),
+            extra=env_instruction(cfg.multi_turn),
+            tools=env_tools(cfg.multi_turn),
         )
-        episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels)
+        episodes = make_runner(cfg.multi_turn, engine, processor, mode=mode, max_pixels=cfg.max_pixels)
         for i, g in zip(rows, sample_groups(cfg, engine, prompts, mode, bar, episodes)):
             g.index = i
             groups[i] = g

@@ -109,7 +109,14 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
         what=", --save-rollouts tables" if cfg.save_rollouts else "",
     )
     evaluate = evaluator(
-        cfg, rt, processor, n_steps, prompt=cfg.mode, loss=False, batch_size=cfg.rollout_batch_size
+        cfg.eval_during,
+        cfg.seed,
+        rt,
+        processor,
+        n_steps,
+        prompt=cfg.mode,
+        loss=False,
+        batch_size=cfg.rollout_batch_size,
     )  # --eval-data
     rt.make_run_dir()  # only now: bad inputs leave nothing behind
     optimizer, scheduler = rt.optimizer(
@@ -277,8 +284,8 @@ def _prompts(cfg: RLTrainConfig, tables: list, processor) -> list:
             mode=cfg.mode,
             system=cfg.system_prompt,
             max_pixels=cfg.max_pixels,
-            extra=env_instruction(cfg),
-            tools=env_tools(cfg),
+            extra=env_instruction(cfg.multi_turn),
+            tools=env_tools(cfg.multi_turn),
         )
     if not prompts:
         raise OvkitError(
@@ -342,7 +349,7 @@ def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, worl
 
     engine = make_sampler(cfg, model, processor)
     engine.update_weights(model)  # a resumed run's sampler starts from the checkpoint's weights
-    episodes = make_runner(cfg, engine, processor, mode=cfg.mode, max_pixels=cfg.max_pixels, model=model)
+    episodes = make_runner(cfg.multi_turn, engine, processor, mode=cfg.mode, max_pixels=cfg.max_pixels, model=model)
     sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed, episodes=episodes)
     score = partial(score_groups, mode=cfg.mode, format_weight=cfg.format_weight, workers=cfg.reward_workers)
     per_process = cfg.prompts_per_step // world

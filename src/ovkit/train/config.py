@@ -293,7 +293,7 @@ class TrainConfig(O.StageConfig):
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
         check_trackers(self.report_to)
-        check_eval_options(self)
+        check_eval_options(self.eval_during)
         if self.optimizer_in_backward:
             self._check_optimizer_in_backward()
 

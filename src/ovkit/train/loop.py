@@ -68,7 +68,7 @@ def train(cfg: TrainConfig) -> Result:
         model, n_steps=n_steps, save_every=cfg.save_every, keep=cfg.keep_checkpoints
     )  # the disk, before any write
     evaluate = evaluator(
-        cfg, rt, processor, n_steps, prompt="answer", loss=True, batch_size=cfg.batch_size
+        cfg.eval_during, cfg.seed, rt, processor, n_steps, prompt="answer", loss=True, batch_size=cfg.batch_size
     )  # --eval-data
     rt.make_run_dir()  # only now: bad inputs leave nothing behind
 
