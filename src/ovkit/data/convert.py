@@ -21,6 +21,7 @@ Each format's mapping (`FORMATS` names them):
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import sys
 from collections import Counter
@@ -154,11 +155,38 @@ class ConvertConfig(O.StageConfig):
         self.from_format = ALIASES.get(str(self.from_format), str(self.from_format))
         parse_shard(self.shard)  # raises with the flag's name
 
+    def conversion(self) -> Conversion:
+        """What the converter reads of these options (INPUT and OUT are the entry point's)."""
+        return Conversion(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Conversion)})
+
     @property
     def out_dir(self) -> Path:
         """Where this run's stage directory goes: OUT, or OUT/part-I-of-N/ for one shard (read as one dataset)."""
         shard = parse_shard(self.shard)
         return self.out / part_name(shard).removesuffix(".parquet") if shard else self.out
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What one conversion does (convert_input): `ovkit convert`'s options less INPUT and OUT. The command builds it
+    from its config (ConvertConfig.conversion); a stage that reads a foreign table (ovkit.data.io) from the options'
+    declared defaults and the format it detected (`Conversion.default`)."""
+
+    from_format: str
+    to_format: str
+    image_root: Path | None
+    source: str | None
+    caption_prompt: str
+    rows_per_file: int
+    shard: str | None
+    on_error: str
+    quiet: bool
+
+    @classmethod
+    def default(cls, **given: Any) -> Conversion:
+        """`ovkit convert`'s declared defaults (ConvertConfig's fields), `given` overriding them."""
+        declared = {name: flat.field.default for name, flat in O.flatten(ConvertConfig).items()}
+        return cls(**{f.name: given.get(f.name, declared[f.name]) for f in dataclasses.fields(cls)})
 
 
 class BadRecord(Exception):
@@ -175,7 +203,7 @@ class BadRecord(Exception):
 class Converter:
     """Maps records of one format to sample rows and keeps the counts the summary reports."""
 
-    def __init__(self, fmt: str, cfg: ConvertConfig, inp: Input, extras: list[str]):
+    def __init__(self, fmt: str, cfg: Conversion, inp: Input, extras: list[str]):
         self.fmt, self.cfg, self.extras = fmt, cfg, extras
         self.root = cfg.image_root or (inp.path if inp.path.is_dir() else inp.path.parent)
         self.name = inp.path.stem if inp.path.is_file() else inp.path.name
@@ -602,13 +630,17 @@ def convert_batch(records: list[Record], conv: Converter) -> tuple[pa.Table, lis
     return (table if not bad else table.take(pa.array(keep, pa.int64()))), rejects
 
 
-def convert(
-    cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None = None, inp: Input | None = None
+def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`ovkit convert`: `cfg.input` into the dataset directory `out_dir` (convert_input); returns the metrics."""
+    return convert_input(cfg.conversion(), open_input(cfg.input), out_dir, log)
+
+
+def convert_input(
+    cfg: Conversion, inp: Input, out_dir: Path, log: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
-    """Convert `cfg.input` (or the already opened `inp`) into the dataset directory `out_dir` (part files +
-    rejects.parquet), in ovkit's layout or, with `to_format='trl'`, TRL's; returns the metrics."""
+    """Convert the opened input `inp` into the dataset directory `out_dir` (part files + rejects.parquet), in
+    ovkit's layout or, with `to_format='trl'`, TRL's; returns the metrics."""
     log = log or (lambda msg: None if cfg.quiet else print(msg, file=sys.stderr))
-    inp = inp or open_input(cfg.input)
     keys, is_str = inp.keys()
     fmt, detected = cfg.from_format, cfg.from_format == "auto"
     if detected:

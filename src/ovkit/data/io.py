@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ovkit import __version__
-from ovkit.data.convert import ConvertConfig, convert
+from ovkit.data.convert import Conversion, convert_input
 from ovkit.data.formats import FORMATS, detect_format, input_of, schema_has_parts
 from ovkit.data.parts import REJECTS, local_parquet_files, shard_bounds
 from ovkit.data.schema import check_columns, conform, row_problems
@@ -271,7 +271,7 @@ def materialize(loc: Located) -> list[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            metrics = convert(ConvertConfig(input=spec.text, from_format=fmt, out=tmp, quiet=True), tmp, inp=inp)
+            metrics = convert_input(Conversion.default(from_format=fmt, quiet=True), inp, tmp)
         except OvkitError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             # the reading command may have no --on-error of its own: the way past bad rows is convert's
