@@ -12,13 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ovkit.errors import OvkitError
-
-if TYPE_CHECKING:  # ovkit.options imports this module's tables
-    from ovkit.options import EvalDuring
 
 # --attn-implementation (ovkit.models.attention)
 ATTENTION = ("auto", "sdpa", "flash_attention_2", "flex_attention", "eager")
@@ -198,14 +193,3 @@ def canonical_correction(name: str) -> str:
 # rl-train --loss-agg and --kl-estimator (ovkit.rl.loss)
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-
-
-# --eval-data, --eval-every, --eval-limit, --eval-max-new-tokens (ovkit.evaluate.during)
-def check_eval_options(options: EvalDuring) -> None:
-    """A learner's eval-while-training options are consistent (messages name the flags; each option's own range is
-    declared on its field, ovkit.options); --eval-data becomes a list of paths."""
-    data = options.eval_data
-    if data:
-        options.eval_data = [Path(p) for p in (data if isinstance(data, (list, tuple)) else [data])]
-    elif options.eval_every:
-        raise OvkitError("--eval-every needs --eval-data (the held-out rows to evaluate on)")

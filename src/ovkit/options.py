@@ -748,6 +748,19 @@ class ModelLoading:
 
 
 @dataclasses.dataclass
+class GeneratorLoading(ModelLoading):
+    """Model loading for a command that only generates with the model (eval, caption): --precision on its page is
+    the weights' compute precision, without a learner's master weights."""
+
+    precision: str = precision(
+        doc=(
+            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
+            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
+        )
+    )
+
+
+@dataclasses.dataclass
 class Optimiser:
     """Which AdamW implementation a learner steps with, and when (ovkit.runtime.optim); the learning rate and its
     schedule are the stage's own options."""
@@ -815,6 +828,15 @@ class EvalDuring:
     eval_every: int = eval_every()
     eval_limit: int | None = eval_limit(default_doc="all")
     eval_max_new_tokens: int | None = eval_max_new_tokens(default_doc="per category")
+
+    def check(self) -> None:
+        """The options are consistent (messages name the flags; each one's range is declared on its field), and
+        --eval-data a list of paths."""
+        data = self.eval_data
+        if data:
+            self.eval_data = [Path(p) for p in (data if isinstance(data, (list, tuple)) else [data])]
+        elif self.eval_every:
+            raise OvkitError("--eval-every needs --eval-data (the held-out rows to evaluate on)")
 
 
 @dataclasses.dataclass

@@ -70,22 +70,10 @@ CAPTIONING = "Captioning"
 CAPTION_FILTER = "Caption filter"
 
 
-@dataclass
-class CaptionLoading(O.ModelLoading):
-    """Model loading, with caption's default or wording for --precision."""
-
-    precision: str = O.precision(
-        doc=(
-            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
-            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
-        )
-    )
-
-
 @dataclass(init=False)
 class CaptionConfig(O.StageConfig):
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
-    loading: CaptionLoading = O.group(CaptionLoading, after=True)  # listed after the command's own options
+    loading: O.GeneratorLoading = O.group(O.GeneratorLoading, after=True)  # listed after the command's own options
 
     data: Path | None = option(
         None,

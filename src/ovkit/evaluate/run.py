@@ -27,18 +27,6 @@ GENERATION = "Generation"
 
 
 @dataclass
-class EvalLoading(O.ModelLoading):
-    """Model loading, with eval's default or wording for --precision."""
-
-    precision: str = O.precision(
-        doc=(
-            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
-            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
-        )
-    )
-
-
-@dataclass
 class EvalMultiTurn(O.MultiTurnOptions):
     """Multi-turn rollouts, with eval's wording."""
 
@@ -76,7 +64,7 @@ class EvalConfig(O.StageConfig):
     """Options of `ovkit eval` (evaluate a model) and `ovkit eval --compare` (tabulate finished evals)."""
 
     launcher: ClassVar[str] = O.ROW_SHARED  # what it does under torchrun / accelerate launch (ovkit.launch)
-    loading: EvalLoading = O.group(EvalLoading, after=True)  # listed after the command's own options
+    loading: O.GeneratorLoading = O.group(O.GeneratorLoading, after=True)  # listed after the command's own options
 
     # eval datasets; with --compare: eval outputs (summary.json dirs), LABEL=PATH allowed
     data: list[Path] | None = option(

@@ -15,7 +15,6 @@ from ovkit.choices import (  # torch-free: a bad option fails before torch impor
     SAMPLER_PRECISIONS,
     canonical_precision,
     check_checkpointing,
-    check_eval_options,
     check_kernels,
     check_optim,
     sampler_dtype,
@@ -405,7 +404,7 @@ class RLTrainConfig(O.StageConfig):
             sampler_dtype(self.sampler_precision)  # a bad name fails here, naming the option
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
-        check_eval_options(self.eval_during)
+        self.eval_during.check()
         self._check()
 
     def _check(self) -> None:

@@ -17,7 +17,6 @@ from ovkit import options as O
 from ovkit.choices import (
     canonical_precision,
     check_checkpointing,
-    check_eval_options,
     check_kernels,
     check_optim,
 )  # torch-free (#29)
@@ -293,7 +292,7 @@ class TrainConfig(O.StageConfig):
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
         check_trackers(self.report_to)
-        check_eval_options(self.eval_during)
+        self.eval_during.check()
         if self.optimizer_in_backward:
             self._check_optimizer_in_backward()
 
