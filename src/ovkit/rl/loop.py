@@ -44,6 +44,7 @@ from ovkit.generate.engines import build_engine, device
 from ovkit.models import pad_token_id
 from ovkit.models import precision as prec
 from ovkit.models.groups import set_trainable, trainable_names
+from ovkit.pack.packed import PackLayout
 from ovkit.rl.config import TRAJECTORY, RLTrainConfig
 from ovkit.rl.metrics import console_line, rollout_metrics
 from ovkit.rl.rollout import AsyncRollouts, SyncRollouts
@@ -118,6 +119,7 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     )
     rt.checkpointing(model, tokens=cfg.micro_batch_size * longest)  # before the sampler copies it
     rt.compile(model)  # after checkpointing; the sampler's generation (KV cache) and its deep copy run eager
+    layout = PackLayout.for_model(model)  # the learner's micro-batch layout (rope index, vision tower), built once
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
     state = rt.resume(
         {"step": 0, "elapsed_s": 0.0, "samples": 0, "tokens": 0}
@@ -136,7 +138,9 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
             t0 = time.perf_counter()
             groups = rollouts.next_batch(step)
             t1 = time.perf_counter()
-            metrics = train_step(scorer, optimizer, params, groups, step, pad_id, corr, ref_model, cfg, rt=rt)
+            metrics = train_step(
+                scorer, optimizer, params, groups, step, pad_id, corr, ref_model, cfg, rt=rt, layout=layout
+            )
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             t2 = time.perf_counter()
