@@ -350,8 +350,8 @@ class Runtime:
     def resume(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` for a fresh run; for a resumed one the checkpoint's, after checking that the run continues the same
         trajectory (same options, same process count), with model, optimiser, schedule and RNG restored. The loop
-        comes next: from here a SIGINT/SIGTERM waits for the step boundary (`stop_if_asked`)."""
-        faults.defer(True)
+        comes next, inside `faults.deferred_signals()`: there a SIGINT/SIGTERM waits for the step boundary
+        (`stop_if_asked`)."""
         ckpt = self.resume_from
         if ckpt is None:
             return {**state, "processes": self.processes}
@@ -653,7 +653,6 @@ class Runtime:
         ckpt = step_dir(self.run_dir, state["step"])
         if not (ckpt / PROVENANCE).is_file():
             self.save_checkpoint(scorer, processor, state, keep)
-        faults.defer(False)
         name = signal.Signals(signum).name
         raise faults.Interrupted(
             signum,
@@ -781,7 +780,6 @@ class Runtime:
     ) -> Result:
         """Save the final model into OUT.partial and, on the main process once every process is done, turn it into
         OUT (config.yaml and ovkit.json with `summary` and the runtime)."""
-        faults.defer(False)  # the loop is over: a signal now stops at once (OUT.partial keeps its checkpoints)
         self.check_weights(scorer, state)
         try:
             self.save_model(scorer, processor, self.run_dir)
