@@ -90,7 +90,7 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     schedule = lambda s: constant_factor(s, n_steps, cfg.warmup_ratio)  # noqa: E731
     optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=schedule)
     rt.checkpointing(model, tokens=cfg.micro_batch_size * longest)  # before the sampler copies it
-    rt.compile(model)  # after checkpointing; the sampler's generation (KV cache) and its deep copy run eager
+    rt.compile(model)  # inside each checkpoint; the sampler's generation (KV cache) and its deep copy run eager
     layout = PackLayout.for_model(model)  # the learner's micro-batch layout (rope index, vision tower), built once
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
     state = rt.resume({"step": 0, "elapsed_s": 0.0, "samples": 0, "tokens": 0})  # a resumed run's weights: `model`

@@ -9,7 +9,7 @@
     optimizer, scheduler = rt.optimizer(model, lr=..., weight_decay=..., schedule=...)   # --optim; casts to bf16 if
                                                                                            asked
     rt.checkpointing(model, tokens=...)                         # --activation-checkpointing (auto resolved here)
-    rt.compile(model)                                           # --compile: each block, around its checkpointing
+    rt.compile(model)                                           # --compile: each block, inside its checkpointing
     scorer, optimizer = rt.prepare(model, optimizer, scheduler) # TokenScorer (loss in forward) under accelerate
     state = rt.resume(state)                                    # trajectory options checked, state loaded
     logger = rt.logger(total, state["step"], console=line_fn)
@@ -490,8 +490,9 @@ class Runtime:
         return mode
 
     def compile(self, model: Any) -> None:
-        """--compile: torch.compile each decoder layer and vision block (ovkit.runtime.compiling), after
-        `checkpointing` so the checkpoint sits inside each compiled block; the counts go into ovkit.json."""
+        """--compile: torch.compile each decoder layer and vision block (ovkit.runtime.compiling), inside the block's
+        checkpoint when `checkpointing` wraps it (ovkit.runtime.wrappers fixes that order); the counts go into
+        ovkit.json."""
         if getattr(self.cfg, "compile", False):
             self.compiled = compiling.apply(model)
 

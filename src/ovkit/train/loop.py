@@ -68,7 +68,7 @@ def train(cfg: TrainConfig) -> Result:
         lrs=vision_lrs(model, cfg.vision_lr),
     )
     rt.checkpointing(model, tokens=cfg.batch_size * max(source.lengths))  # the longest micro-batch, padded
-    rt.compile(model)  # after checkpointing: each block compiled with its checkpoint inside
+    rt.compile(model)  # each block compiled, inside its checkpoint (ovkit.runtime.wrappers)
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
     state = rt.resume({"step": 0, "tokens": 0, "elapsed_s": 0.0})
     logger = rt.logger(n_steps, state["step"], console=step_line, desc=cfg.stage)
