@@ -52,8 +52,8 @@ def _bench_module(name: str):
 
 # The host-sync counter and the optimiser-step boundary: measuring tools, not ovkit's (they patch torch.Tensor
 # methods while counting), so they live beside the benchmarks that report the counts.
-SyncCounter = _bench_module("syncs").SyncCounter
-OptimizerSteps = _bench_module("syncs").OptimizerSteps
+SyncCounter = _bench_module("_syncs").SyncCounter
+OptimizerSteps = _bench_module("_syncs").OptimizerSteps
 
 
 # ------------------------------------------------------------------------------- supervised training (ovkit.train)

@@ -97,7 +97,7 @@ def test_grad_norm_is_the_whole_gradients_norm():
 
 
 def test_the_per_parameter_steps_are_not_counted_as_optimiser_steps():
-    """bench/syncs.py's OptimizerSteps (the sync counter's and bench/step_costs.py's step boundary) sees one step
+    """bench/_syncs.py's OptimizerSteps (the sync counter's and bench/step_costs.py's step boundary) sees one step
     per loop iteration, the façade's, not one per parameter inside backward."""
     from helpers import OptimizerSteps
 

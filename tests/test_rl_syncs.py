@@ -1,6 +1,6 @@
 """The RL learner's step on the device (#25, #26): the host reads the device a bounded number of times per optimiser
 step whatever the batch, and never inside the gradient pass but for the one read of the step's metrics and skip
-guard (bench/syncs.py counts the reads on CPU: on a GPU each one stalls the host).
+guard (bench/_syncs.py counts the reads on CPU: on a GPU each one stalls the host).
 
 On a CPU-only box the model and the host share a device, so "no tensor of the loss on another device" cannot fail
 here; what can is a host read (`.cpu()`, `.item()`, `.tolist()`, a boolean-mask index) in the learner's part of

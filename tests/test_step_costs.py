@@ -1,6 +1,6 @@
 """The training step's host side (#25): what the forward would work out from ids and grids is computed on the host
 ahead of the step and gives the same numbers, and an optimiser step reads the device back a bounded number of times
-whatever the batch (bench/syncs.py: on a GPU each read stalls the host; on a CPU box the reads are counted)."""
+whatever the batch (bench/_syncs.py: on a GPU each read stalls the host; on a CPU box the reads are counted)."""
 
 from __future__ import annotations
 

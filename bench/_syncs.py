@@ -17,7 +17,7 @@ A torch dispatch mode sees the ops; `Tensor.tolist`, `.numpy` and `.cpu` never r
 so they are wrapped for the counter's life (on its thread only).
 
 A measuring tool, not part of ovkit: patching torch.Tensor's methods is acceptable in a benchmark or a test, never
-in the library. The benchmarks import it with bench/ on their path (`from syncs import SyncCounter`), the tests
+in the library. The benchmarks import it with bench/ on their path (`from _syncs import SyncCounter`), the tests
 through tests/helpers.py, which loads this file.
 """
 
