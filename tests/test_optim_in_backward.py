@@ -97,10 +97,11 @@ def test_grad_norm_is_the_whole_gradients_norm():
 
 
 def test_the_per_parameter_steps_are_not_counted_as_optimiser_steps():
-    """ovkit.runtime.syncs.OptimizerSteps (the sync counter's and bench/step_costs.py's step boundary) sees one step
+    """bench/_syncs.py's OptimizerSteps (the sync counter's and bench/step_costs.py's step boundary) sees one step
     per loop iteration, the façade's, not one per parameter inside backward."""
+    from helpers import OptimizerSteps
+
     from ovkit.runtime.optim import OptimizerInBackward, adamw
-    from ovkit.runtime.syncs import OptimizerSteps
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     opt = OptimizerInBackward(model.parameters(), lambda p: adamw([p], lr=1e-3, weight_decay=0.0))

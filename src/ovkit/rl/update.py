@@ -47,16 +47,6 @@ from ovkit.rollouts.trajectories import (
 from ovkit.runtime.guard import StepGuard, in_backward
 from ovkit.runtime.optim import clip_grad_norm
 
-_LAYOUTS: dict[int, Any] = {}
-
-
-def layout_of(config) -> Any:
-    """The ovkit.pack.PackLayout (rope index, vision layout) of a model's config, built once per config."""
-
-    if id(config) not in _LAYOUTS:
-        _LAYOUTS[id(config)] = (config, PackLayout.for_model(config))
-    return _LAYOUTS[id(config)][1]
-
 
 @dataclass
 class StepBatch:
@@ -74,11 +64,15 @@ class StepBatch:
     step: int = 0  # the loop's 0-based step
 
 
-def prepare_step(groups: Sequence[Group], step: int, pad_id: int, config: Any, update: Update) -> StepBatch:
+def prepare_step(
+    groups: Sequence[Group], step: int, pad_id: int, config: Any, update: Update, layout: PackLayout | None = None
+) -> StepBatch:
     """Trajectories, advantages and the micro-batches' host inputs, from the groups and the model's `config` (not the
-    model: nothing here can read a device value; module docstring)."""
+    model: nothing here can read a device value; module docstring). `layout`: the config's ovkit.pack.PackLayout,
+    which rl-train builds once for the run (building one costs a meta-device copy of the model); made here when not
+    given."""
     batch = build_trajectories(groups, pad_id, multimodal_token_ids(config))
-    layout = layout_of(config)
+    layout = PackLayout.for_model(config) if layout is None else layout
     ppo = update.ppo
     rewards = transform_rewards(batch.rewards, ppo.reward_bias, ppo.reward_scale)
     advantages = group_advantages(rewards, batch.group_ids, eps=ppo.adv_eps, std=ppo.adv_std)
@@ -289,10 +283,12 @@ def train_step(
     ref_model,
     update: Update,
     rt: Any = None,
+    layout: PackLayout | None = None,
 ) -> dict[str, float]:
-    """One GRPO step on already-scored groups; returns its metrics (rollout-side ones are added by the caller)."""
+    """One GRPO step on already-scored groups; returns its metrics (rollout-side ones are added by the caller).
+    `layout`: as for `prepare_step`."""
     config = getattr(model, "module", model).config  # a bare model, a TokenScorer, or either under DDP
-    sb = prepare_step(groups, step, pad_id, config, update)
+    sb = prepare_step(groups, step, pad_id, config, update, layout)
     return learn(model, optimizer, params, sb, corr, ref_model, update, rt=rt)
 
 

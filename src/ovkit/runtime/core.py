@@ -9,7 +9,7 @@
     optimizer, scheduler = rt.optimizer(model, lr=..., weight_decay=..., schedule=...)   # --optim; casts to bf16 if
                                                                                            asked
     rt.checkpointing(model, tokens=...)                         # --activation-checkpointing (auto resolved here)
-    rt.compile(model)                                           # --compile: each block, around its checkpointing
+    rt.compile(model)                                           # --compile: each block, inside its checkpointing
     scorer, optimizer = rt.prepare(model, optimizer, scheduler) # TokenScorer (loss in forward) under accelerate
     state = rt.resume(state)                                    # trajectory options checked, state loaded
     logger = rt.logger(total, state["step"], console=line_fn)
@@ -368,8 +368,8 @@ class Runtime:
     def resume(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` for a fresh run; for a resumed one the checkpoint's, after checking that the run continues the same
         trajectory (same options, same process count), with model, optimiser, schedule and RNG restored. The loop
-        comes next: from here a SIGINT/SIGTERM waits for the step boundary (`stop_if_asked`)."""
-        faults.defer(True)
+        comes next, inside `faults.deferred_signals()`: there a SIGINT/SIGTERM waits for the step boundary
+        (`stop_if_asked`)."""
         ckpt = self.resume_from
         if ckpt is None:
             return {**state, "processes": self.processes}
@@ -508,8 +508,9 @@ class Runtime:
         return mode
 
     def compile(self, model: Any) -> None:
-        """--compile: torch.compile each decoder layer and vision block (ovkit.runtime.compiling), after
-        `checkpointing` so the checkpoint sits inside each compiled block; the counts go into ovkit.json."""
+        """--compile: torch.compile each decoder layer and vision block (ovkit.runtime.compiling), inside the block's
+        checkpoint when `checkpointing` wraps it (ovkit.runtime.wrappers fixes that order); the counts go into
+        ovkit.json."""
         if self.compute.compile:
             self.compiled = compiling.apply(model)
 
@@ -672,7 +673,6 @@ class Runtime:
         ckpt = step_dir(self.run_dir, state["step"])
         if not (ckpt / PROVENANCE).is_file():
             self.save_checkpoint(scorer, processor, state, keep)
-        faults.defer(False)
         name = signal.Signals(signum).name
         raise faults.Interrupted(
             signum,
@@ -796,7 +796,6 @@ class Runtime:
     ) -> Result:
         """Save the final model into OUT.partial and, on the main process once every process is done, turn it into
         OUT (config.yaml and ovkit.json with `summary` and the runtime)."""
-        faults.defer(False)  # the loop is over: a signal now stops at once (OUT.partial keeps its checkpoints)
         self.check_weights(scorer, state)
         try:
             self.save_model(scorer, processor, self.run_dir)
