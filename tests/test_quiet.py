@@ -93,3 +93,22 @@ def test_rl_train_quiet_prints_no_bar(cli, tiny):
     )
     assert code == 0 and out.startswith("rl-train stage 1: 1 steps"), err
     assert not BAR.search(err), err
+
+
+def test_quiet_from_python_is_quiet_and_restores_the_library_switches(tiny, tmp_path, capfd):
+    """run_eval(EvalConfig(..., quiet=True)) from Python draws no bar (transformers' "Loading weights" came through:
+    only the CLI turned the libraries' switches off), and the switches are back on after it."""
+    import transformers.utils.logging as transformers_bars
+
+    from ovkit.evaluate import EvalConfig, run_eval
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    cfg = EvalConfig(
+        data=[tiny / "data" / "eval"], model=tiny / "model", out=out, limit=1, max_new_tokens=2, quiet=True
+    )
+    capfd.readouterr()
+    assert run_eval(cfg, out)["rows"] >= 1
+    stdout, err = capfd.readouterr()
+    assert not BAR.search(err) and not stdout, err
+    assert transformers_bars.is_progress_bar_enabled()

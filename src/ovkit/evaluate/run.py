@@ -15,6 +15,7 @@ from ovkit.errors import OvkitError, where
 from ovkit.files import write_json
 from ovkit.generate import ENGINES, close_engine
 from ovkit.options import option
+from ovkit.progress import honours_quiet
 from ovkit.prompts import ALIASES, INSTRUCTIONS
 from ovkit.rollouts.prompts import UNCATEGORIZED  # the task of rows without a `category` (light: no torch)
 
@@ -225,6 +226,7 @@ def shuffle_images(rows: list[dict[str, Any]], seed: int) -> list[dict[str, Any]
 # -- the run --------------------------------------------------------------------------------------------------------
 
 
+@honours_quiet
 def run_eval(
     cfg: EvalConfig, out_dir: Path | None, *, engine: Any = None, processor: Any = None
 ) -> dict[str, Any] | None:

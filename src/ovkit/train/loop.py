@@ -28,11 +28,12 @@ import torch
 
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
-from ovkit.files import is_complete
 from ovkit.models import pad_token_id
 from ovkit.models.groups import group_of, set_trainable, trainable_names
 from ovkit.models.precompute import model_inputs, on_device
 from ovkit.pack.batches import real_tokens, target_tokens
+from ovkit.progress import honours_quiet
+from ovkit.runs import finished
 from ovkit.runtime import Result, Runtime
 from ovkit.runtime.guard import NonFiniteSteps, in_backward
 from ovkit.runtime.loss import nll_sum
@@ -41,9 +42,10 @@ from ovkit.train.config import TRAJECTORY, TrainConfig
 from ovkit.train.data import PackedSource, SampleSource, Schedule, total_steps
 
 
+@honours_quiet
 def train(cfg: TrainConfig) -> Result:
     """Train cfg.model on cfg.data and write cfg.out (layout: ovkit.runtime)."""
-    if is_complete(cfg.out) and not cfg.overwrite:
+    if finished(cfg.out, cfg, cfg.overwrite):  # exits 2 if OUT was made with other options
         return Result("skipped")
     rt = Runtime(cfg, command=cfg.stage, trajectory=TRAJECTORY)
     rt.check_run_dir()
