@@ -258,6 +258,9 @@ def _finish(values: dict[str, float], grad_norms: list[float], skipped: int, cfg
         "clip/low_frac": low / kept,
         "clip/high_frac": high / kept,
         "clip/frac": (low + high) / kept,
+        # this process's fractions again: combine() takes their min / max over processes (TRL's low_min, high_max)
+        "clip/low_min": low / kept,
+        "clip/high_max": high / kept,
         "entropy": entropy,
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
         "skipped_updates": skipped,

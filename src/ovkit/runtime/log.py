@@ -29,6 +29,7 @@ TRL_NAMES = {
     "reward/mean": "reward",
     "reward/std": "reward_std",
     "reward/format": "rewards/format/mean",
+    "reward/format_std": "rewards/format/std",
     "task_reward/mean": "rewards/task/mean",
     "task_reward/std": "rewards/task/std",
     "length/mean": "completions/mean_length",
@@ -41,6 +42,8 @@ TRL_NAMES = {
     "clip/low_frac": "clip_ratio/low_mean",
     "clip/high_frac": "clip_ratio/high_mean",
     "clip/frac": "clip_ratio/region_mean",
+    "clip/low_min": "clip_ratio/low_min",  # over processes (ovkit.rl.loop.combine), as TRL gathers them
+    "clip/high_max": "clip_ratio/high_max",
     "mismatch/delta_logp_mean": "sampling/sampling_logp_difference/mean",
     "mismatch/delta_logp_max": "sampling/sampling_logp_difference/max",
     "is_weight/min": "sampling/importance_sampling_ratio/min",
@@ -59,6 +62,13 @@ def public_name(key: str) -> str:
 
 def public(metrics: dict[str, Any]) -> dict[str, Any]:
     return {public_name(k): v for k, v in metrics.items()}
+
+
+def tracker_tag(name: str) -> str:
+    """A public name as TRL's runs show it in TensorBoard, W&B and Trackio: transformers' Trainer writes its logs
+    under train/ (eval_* under eval/; `rewrite_logs` in transformers.integrations), so train/loss,
+    train/rewards/task/mean, and ovkit's own beside them as train/ovkit/..."""
+    return name if name.startswith(EVAL_PREFIX) else f"train/{name}"
 
 
 class Sink(Protocol):
@@ -121,9 +131,10 @@ def check_trackers(names: list[str]) -> None:
 
 class TrackerSink:
     """accelerate's experiment trackers (TensorBoard, Weights & Biases, MLflow, Trackio), as the HF Trainer and TRL use
-    them, under the same metric names as metrics.jsonl. Offline by default where the tracker allows: TensorBoard writes
-    OUT.partial/trackers/, MLflow a file store in OUT.partial/mlruns (unless MLFLOW_TRACKING_URI is set), W&B into
-    OUT.partial/wandb (WANDB_MODE=offline keeps it off the network), Trackio a local project."""
+    them, under metrics.jsonl's names with the Trainer's train/ prefix (`tracker_tag`). Offline by default where the
+    tracker allows: TensorBoard writes OUT.partial/trackers/, MLflow a file store in OUT.partial/mlruns (unless
+    MLFLOW_TRACKING_URI is set), W&B into OUT.partial/wandb (WANDB_MODE=offline keeps it off the network), Trackio a
+    local project."""
 
     def __init__(self, accelerator, run_dir: Path, *, project: str, config: dict[str, Any]):
 
@@ -134,7 +145,11 @@ class TrackerSink:
         accelerator.init_trackers(project, config=hparams, init_kwargs={"wandb": {"dir": str(run_dir)}})
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in public(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {
+            tracker_tag(k): v
+            for k, v in public(metrics).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         self.accelerator.log(scalars, step=step)
 
     def close(self) -> None:

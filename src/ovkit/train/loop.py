@@ -84,7 +84,7 @@ def train(cfg: TrainConfig) -> Result:
     t0 = time.perf_counter() - state["elapsed_s"]
     scorer.train()
     try:
-        for step, epoch, batches in _prefetched(
+        for step, _epoch, batches in _prefetched(
             schedule.steps(state["step"], n_steps, rt.accelerator.process_index),
             source,
             pad_id,
@@ -116,7 +116,7 @@ def train(cfg: TrainConfig) -> Result:
                 "pad_frac": 1 - n_real / max(n_positions, 1),
                 "target_tokens": n_target,
                 "tokens": state["tokens"],
-                "epoch": epoch,
+                "epoch": step / schedule.steps_per_epoch,  # epochs done, fractional, as the HF Trainer logs it
                 "elapsed_s": state["elapsed_s"],
             }
             metrics.update(
