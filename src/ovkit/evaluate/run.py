@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -402,20 +404,49 @@ def generate_rows(
     out: list[list[Any]] = [[] for _ in prompts]
     mode = "answer" if cfg.prompt == "none" else cfg.prompt
     episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=None) if cfg.env else None
-    for budget, idx in sorted(groups.items()):
-        done = sample(
-            engine,
-            [prompts[i] for i in idx],
-            n=cfg.n,
-            max_new_tokens=budget,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            seed=cfg.seed,
-            episodes=episodes,
-        )
-        for i, completions in zip(idx, done):
-            out[i] = completions
+    copies = cfg.n if cfg.temperature > 0 else 1
+    with one_bar(engine, len(prompts) * copies, per_sequence=episodes is None) as bar:
+        for budget, idx in sorted(groups.items()):
+            done = sample(
+                engine,
+                [prompts[i] for i in idx],
+                n=cfg.n,
+                max_new_tokens=budget,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                seed=cfg.seed,
+                episodes=episodes,
+            )
+            for i, completions in zip(idx, done):
+                out[i] = completions
+            if bar is not None:  # the engine did not advance it per sequence: a group at a time
+                bar.update(len(idx) * copies)
     return out
+
+
+@contextlib.contextmanager
+def one_bar(engine: Any, total: int, *, per_sequence: bool) -> Iterator[Any]:
+    """One progress bar with an ETA over every completion of the run, in place of the engine's bar per call (one per
+    token-budget group). An engine with a `bar` slot (ovkit.generate.hf) advances it per batch of sequences (not with
+    --env: its calls are turns); otherwise the bar is yielded to be advanced per group. Off where the engine's bars
+    are (--quiet)."""
+    if not getattr(engine, "progress", False):
+        yield None
+        return
+    from tqdm.auto import tqdm  # imported on use, like the bar it draws
+
+    shared = per_sequence and hasattr(engine, "bar")
+    bar = tqdm(total=total, desc="eval", unit="seq", dynamic_ncols=True, file=sys.stderr)
+    engine.progress = False
+    if shared:
+        engine.bar = bar
+    try:
+        yield None if shared else bar
+    finally:
+        engine.progress = True
+        if shared:
+            engine.bar = None
+        bar.close()
 
 
 def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:
