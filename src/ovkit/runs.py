@@ -222,7 +222,8 @@ def changed_options(saved: dict[str, Any], cfg: Any) -> list[str]:
         default = _left_at_default(cfg, name)
         if now[key] == default:
             continue
-        old = saved.get(key, default)
+        # an option the output's config does not name did not exist when it was made: it ran as its default
+        old = saved[key] if key in saved else to_plain_values({name: option_default(type(cfg), name)})[key]
         if old != now[key]:
             out.append(f"{meta.cli_name(name)} {old!r} -> {now[key]!r}")
     return out
