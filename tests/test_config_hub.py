@@ -24,7 +24,9 @@ GENERIC = {
     "config.py": {"to_plain", "dump_yaml", "check_inputs"},
     "options.py": {"validate", "check_corrections"},
     "launch.py": {"check"},
-    "runs.py": {"of", "__init__"},  # LearnerRun.of, Stage.__init__: the run record and config.yaml / ovkit.json
+    "runs.py": {"of", "__init__", "finished", "changed_options", "_left_at_default"},  # the run record, config.yaml /
+    # ovkit.json, and whether a finished OUT was made with the same options
+    "progress.py": {"run"},  # honours_quiet: an entry point's `quiet` over the libraries' bars
 }
 # the modules that hold a stage's entry point (called by its command) and the steps it is cut into
 STAGE_MODULES = {

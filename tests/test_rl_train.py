@@ -174,6 +174,11 @@ def test_stage1_then_stage2_end_to_end(rl_assets, tmp_path, cli, one_thread):
         and prov["config"]["format-weight"] == 0.1
     )
     assert "rewards/format/mean" in _metrics(out2)[0]
+    # TRL's names for the clip-ratio extremes over processes (one process here: the means) and each reward's spread
+    for row in rows + _metrics(out2):
+        assert row["clip_ratio/low_min"] == row["clip_ratio/low_mean"]
+        assert row["clip_ratio/high_max"] == row["clip_ratio/high_mean"]
+        assert 0 <= row["rewards/format/std"] <= 0.5 and row["rewards/task/std"] >= 0
     from ovkit.models import load
 
     load(out2)  # the curriculum's output is an ordinary HF model directory

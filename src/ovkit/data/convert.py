@@ -57,6 +57,23 @@ CONSUMED = {
 }
 # Optional sample columns each format fills (present in every output file, so all parts share one schema).
 FILLS = {"ov-rl": ["category", "answer", "answer_type"], "verl": ["category", "answer"]}
+# TRL's GRPO datasets (prompt, image(s), solution) keep the gold answer in `solution` and score it with TRL's
+# accuracy_reward, a math_verify comparison of the completion with it: ovkit's `math` scorer. Such an input (or one
+# whose `solution` was renamed `answer`) fills answer and, where a row names none, answer_type with it.
+TRL_GOLD = ("solution", "answer")
+TRL_SCORER = "math"
+# Part of the key of a converted copy in the cache (ovkit.data.io.materialize): raised when a format's mapping
+# changes, so a copy made by the older mapping (TRL's GRPO rows without their answer, before 2) is not reused.
+MAPPING_REVISION = 2
+
+
+def fills(fmt: str, extras: list[str]) -> list[str]:
+    """The optional sample columns format `fmt` fills, given the input's other text columns."""
+    if fmt == "trl" and any(k in extras for k in TRL_GOLD):
+        return ["answer", "answer_type"]
+    return FILLS.get(fmt, [])
+
+
 # Which input field a contract column came from, for error messages that point at the user's data.
 FIELD_OF = {
     "llava": {"images": "image", "messages": "conversations"},
@@ -208,7 +225,8 @@ class Converter:
         self.root = cfg.image_root or (inp.path if inp.path.is_dir() else inp.path.parent)
         self.name = inp.path.stem if inp.path.is_file() else inp.path.name
         self.default_source = cfg.source or self.name
-        self.columns = [*REQUIRED, *FILLS.get(fmt, []), *[c for c in extras if c not in FILLS.get(fmt, [])]]
+        filled = fills(fmt, extras)
+        self.columns = [*REQUIRED, *filled, *[c for c in extras if c not in filled]]
         self.ids: set[str] = set()
         self.counts: Counter[str] = Counter()
         self.first_rename = ""
@@ -445,6 +463,17 @@ def from_chat(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
     return {"id": raw.get("id"), "images": images, "messages": c.markers(messages, len(images)), "source": None}
 
 
+def from_trl(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
+    """TRL's layouts (from_chat), and for its GRPO datasets the gold answer: `answer`, else `solution`, scored by
+    `answer_type` where the row names one, else by TRL_SCORER."""
+    row = from_chat(raw, c)
+    if "answer_type" in c.columns:
+        gold = raw.get("answer") if raw.get("answer") is not None else raw.get("solution")
+        row["answer"] = gold if gold is None or isinstance(gold, str) else json.dumps(gold, ensure_ascii=False)
+        row["answer_type"] = _optional_text(raw, "answer_type") or TRL_SCORER
+    return row
+
+
 def _as_turns(value: Any, role: str, field: str) -> list[Any]:
     if value is None:
         return []
@@ -510,7 +539,7 @@ MAPPERS: dict[str, Callable[[dict[str, Any], Converter], dict[str, Any]]] = {
     "ov-midtrain": from_midtrain,
     "ov-rl": from_ov_rl,
     "verl": from_verl,
-    "trl": from_chat,
+    "trl": from_trl,
     "ovkit": from_chat,
 }
 

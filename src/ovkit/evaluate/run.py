@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -15,6 +17,7 @@ from ovkit.errors import OvkitError, where
 from ovkit.files import write_json
 from ovkit.generate import ENGINES, close_engine
 from ovkit.options import option
+from ovkit.progress import honours_quiet
 from ovkit.prompts import ALIASES, INSTRUCTIONS
 from ovkit.rollouts.prompts import UNCATEGORIZED  # the task of rows without a `category` (light: no torch)
 
@@ -250,6 +253,7 @@ def shuffle_images(rows: list[dict[str, Any]], seed: int) -> list[dict[str, Any]
 # -- the run --------------------------------------------------------------------------------------------------------
 
 
+@honours_quiet
 def run_eval(
     cfg: EvalConfig, out_dir: Path | None, *, engine: Any = None, processor: Any = None
 ) -> dict[str, Any] | None:
@@ -426,20 +430,49 @@ def generate_rows(
     mode = "answer" if scoring.prompt == "none" else scoring.prompt
     turns = scoring.multi_turn
     episodes = make_runner(turns, engine, processor, mode=mode, max_pixels=None) if turns.env else None
-    for budget, idx in sorted(groups.items()):
-        done = sample(
-            engine,
-            [prompts[i] for i in idx],
-            n=scoring.n,
-            max_new_tokens=budget,
-            temperature=scoring.temperature,
-            top_p=scoring.top_p,
-            seed=scoring.seed,
-            episodes=episodes,
-        )
-        for i, completions in zip(idx, done):
-            out[i] = completions
+    copies = scoring.n if scoring.temperature > 0 else 1
+    with one_bar(engine, len(prompts) * copies, per_sequence=episodes is None) as bar:
+        for budget, idx in sorted(groups.items()):
+            done = sample(
+                engine,
+                [prompts[i] for i in idx],
+                n=scoring.n,
+                max_new_tokens=budget,
+                temperature=scoring.temperature,
+                top_p=scoring.top_p,
+                seed=scoring.seed,
+                episodes=episodes,
+            )
+            for i, completions in zip(idx, done):
+                out[i] = completions
+            if bar is not None:  # the engine did not advance it per sequence: a group at a time
+                bar.update(len(idx) * copies)
     return out
+
+
+@contextlib.contextmanager
+def one_bar(engine: Any, total: int, *, per_sequence: bool) -> Iterator[Any]:
+    """One progress bar with an ETA over every completion of the run, in place of the engine's bar per call (one per
+    token-budget group). An engine with a `bar` slot (ovkit.generate.hf) advances it per batch of sequences (not with
+    --env: its calls are turns); otherwise the bar is yielded to be advanced per group. Off where the engine's bars
+    are (--quiet)."""
+    if not getattr(engine, "progress", False):
+        yield None
+        return
+    from tqdm.auto import tqdm  # imported on use, like the bar it draws
+
+    shared = per_sequence and hasattr(engine, "bar")
+    bar = tqdm(total=total, desc="eval", unit="seq", dynamic_ncols=True, file=sys.stderr)
+    engine.progress = False
+    if shared:
+        engine.bar = bar
+    try:
+        yield None if shared else bar
+    finally:
+        engine.progress = True
+        if shared:
+            engine.bar = None
+        bar.close()
 
 
 def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:

@@ -39,13 +39,13 @@ from ovkit import faults
 from ovkit.data import count_rows, read_samples, write_table
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
-from ovkit.files import is_complete
 from ovkit.generate import close_engine
 from ovkit.generate.engines import build_engine, device
 from ovkit.models import pad_token_id
 from ovkit.models import precision as prec
 from ovkit.models.groups import set_trainable, trainable_names
 from ovkit.pack.packed import PackLayout
+from ovkit.progress import honours_quiet
 from ovkit.rl.config import SMALLER, TRAJECTORY, RLTrainConfig
 from ovkit.rl.metrics import console_line, rollout_metrics
 from ovkit.rl.rollout import AsyncRollouts, SyncRollouts
@@ -53,7 +53,7 @@ from ovkit.rl.update import train_step
 from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
 from ovkit.rollouts.groups import Group, Sampling, groups_table, score_groups
 from ovkit.rollouts.prompts import encode_prompts
-from ovkit.runs import LearnerRun
+from ovkit.runs import LearnerRun, finished
 from ovkit.runtime import Runtime
 from ovkit.runtime.heap import large_blocks_off_heap
 from ovkit.runtime.optim import constant_factor
@@ -63,9 +63,10 @@ from ovkit.runtime.tail import Tail
 ROLLOUT_BYTES_PER_TOKEN = 9
 
 
+@honours_quiet
 def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     """Run GRPO and write cfg.out; None when cfg.out is already complete (skipped)."""
-    if is_complete(cfg.out) and not cfg.overwrite:
+    if finished(cfg.out, cfg, cfg.overwrite):  # exits 2 if OUT was made with other options
         return None
     # The sampler shuts down after the run's last collective (the final save): vLLM's shutdown also ends the process
     # group it joined, which a multi-process learner shares.

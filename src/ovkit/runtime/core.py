@@ -75,7 +75,7 @@ from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import compiling, integrity
 from ovkit.runtime import kernels as kern
 from ovkit.runtime.guard import NonFiniteSteps, StepGuard
-from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
+from ovkit.runtime.log import Logger, TrackerSink, check_trackers, held_out, make_logger
 from ovkit.runtime.loss import TokenScorer
 from ovkit.runtime.optim import OptimizerInBackward, adamw, bytes_per_param, clip_grad_norm, master_pairs
 
@@ -807,6 +807,7 @@ class Runtime:
         self.accelerator.wait_for_everyone()
         if not self.is_main:
             return Result("worker", summary)
+        summary = {**summary, **held_out(self.run_dir / "metrics.jsonl")}  # the last --eval-data evaluation
         write_json(self.run_dir / RUN_STATE, state)
         stage = Stage(
             self.command,

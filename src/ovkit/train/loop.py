@@ -29,12 +29,12 @@ import torch
 from ovkit import faults
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
-from ovkit.files import is_complete
 from ovkit.models import pad_token_id
 from ovkit.models.groups import group_of, set_trainable, trainable_names
 from ovkit.models.precompute import model_inputs, on_device
 from ovkit.pack.batches import real_tokens, target_tokens
-from ovkit.runs import LearnerRun
+from ovkit.progress import honours_quiet
+from ovkit.runs import LearnerRun, finished
 from ovkit.runtime import Result, Runtime
 from ovkit.runtime.guard import in_backward
 from ovkit.runtime.loss import nll_sum
@@ -44,9 +44,10 @@ from ovkit.train.config import SMALLER, TRAJECTORY, TrainConfig
 from ovkit.train.data import PackedSource, SampleSource, Schedule, total_steps
 
 
+@honours_quiet
 def train(cfg: TrainConfig) -> Result:
     """Train cfg.model on cfg.data and write cfg.out (layout: ovkit.runtime)."""
-    if is_complete(cfg.out) and not cfg.overwrite:
+    if finished(cfg.out, cfg, cfg.overwrite):  # exits 2 if OUT was made with other options
         return Result("skipped")
     run = LearnerRun.of(cfg, cfg.stage, TRAJECTORY, smaller=SMALLER, plan=cfg.plan)
     rt = Runtime(
@@ -84,7 +85,7 @@ def train(cfg: TrainConfig) -> Result:
     steps = schedule.steps(state["step"], n_steps, rt.accelerator.process_index)
     scorer.train()
     with faults.deferred_signals(), tail.running(state):  # a SIGINT/SIGTERM now waits for the step's end
-        for step, epoch, batches in _prefetched(steps, source, pad_id, pin=rt.device.type == "cuda"):
+        for step, _epoch, batches in _prefetched(steps, source, pad_id, pin=rt.device.type == "cuda"):
             t_step = time.perf_counter()
             nll, n_target, n_real, n_positions = _step(rt, scorer, batches)
             loss, lr, grad_norm, applied = _apply(rt, optimizer, scheduler, params, step, nll, n_target, cfg)
@@ -100,7 +101,7 @@ def train(cfg: TrainConfig) -> Result:
                 "pad_frac": 1 - n_real / max(n_positions, 1),
                 "target_tokens": n_target,
                 "tokens": state["tokens"],
-                "epoch": epoch,
+                "epoch": step / schedule.steps_per_epoch,  # epochs done, fractional, as the HF Trainer logs it
                 "elapsed_s": state["elapsed_s"],
             }
             tail.log(step, metrics)
