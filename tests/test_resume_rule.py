@@ -202,3 +202,21 @@ def test_rl_resume_refuses_prompts_replaced_at_the_same_path(rl_assets, tmp_path
     _replace_table(data, rl_rows()[1:])  # another table at the same path
     with pytest.raises(OvkitError, match=f"DATA {data} changed since"):
         train_rl(rl_cfg(model, data, out, max_steps=4, save_every=2, resume=True))
+
+
+def test_rl_resume_refuses_a_reward_function_file_changed_since(rl_assets, tmp_path, monkeypatch):
+    """--reward-funcs files are inputs like DATA: their code shapes the rewards the run optimised."""
+    from ovkit.errors import OvkitError
+    from ovkit.rl.loop import train_rl
+
+    model, data = rl_assets
+    rewards, out = tmp_path / "mine.py", tmp_path / "rl"
+    rewards.write_text(
+        "def short(prompts, completions, **kw):\n    return [-len(c[0]['content']) / 10 for c in completions]\n"
+    )
+    cfg = dict(max_steps=4, save_every=2, reward_funcs=[f"{rewards}:short"])
+    with dies_at_first_checkpoint(monkeypatch), pytest.raises(KeyboardInterrupt):
+        train_rl(rl_cfg(model, data, out, **cfg))
+    rewards.write_text(rewards.read_text().replace("/ 10", "/ 20"))
+    with pytest.raises(OvkitError, match=f"--reward-funcs {rewards} changed since"):
+        train_rl(rl_cfg(model, data, out, resume=True, **cfg))

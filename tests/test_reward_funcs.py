@@ -3,16 +3,19 @@ worker pool (its time and memory limits), their errors naming the file, the func
 
 from __future__ import annotations
 
+import json
 import math
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from ovkit.errors import OvkitError
 from ovkit.rewards import custom
 
-MODULE = '''
+MODULE = """
 import time
 
 def length(prompts, completions, **kwargs):
@@ -40,7 +43,7 @@ def two_values(prompts, completions, **kwargs):
 
 def no_kwargs(prompts, completions):
     return [1.0]
-'''
+"""
 
 
 @pytest.fixture
@@ -94,6 +97,13 @@ def test_a_missing_function_lists_the_functions_of_the_file(module):
 def test_a_function_without_kwargs_is_refused_at_start(module):
     with pytest.raises(OvkitError, match=r"must accept \*\*kwargs"):
         custom.parse_all([f"{module}:no_kwargs"])
+
+
+def test_a_function_named_like_ovkit_s_own_rewards_is_refused(tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text("def task(prompts, completions, **kw):\n    return [0.0]\n")
+    with pytest.raises(OvkitError, match="share its metrics"):
+        custom.parse_all([f"{path}:task"])
 
 
 def test_two_functions_of_one_name_are_refused(module, tmp_path):
@@ -176,7 +186,12 @@ def test_rl_rewards_add_the_weighted_functions_and_log_them_as_trl_does(module):
     from ovkit.rollouts.prompts import Prompt
 
     prompt = Prompt(
-        id="p", encoded=None, answer="4", answer_type="number", source="s", category="count",
+        id="p",
+        encoded=None,
+        answer="4",
+        answer_type="number",
+        source="s",
+        category="count",
         messages=[{"role": "user", "content": "2+2?"}],
     )
     texts = ["<answer>4</answer>", "<answer>5</answer> and more"]
@@ -186,8 +201,147 @@ def test_rl_rewards_add_the_weighted_functions_and_log_them_as_trl_does(module):
     assert group.task_rewards == [1.0, 0.0]
     assert group.rewards == [1.0 + 0.5 * len(texts[0]), 0.0 + 0.5 * len(texts[1])]
     assert group.parts[0]["funcs"]["length"] == len(texts[0])
-    m = rollout_metrics([group])
+    from ovkit.runtime.log import public
+
+    m = public(rollout_metrics([group]))
     lengths = [float(len(t)) for t in texts]
     assert m["rewards/length/mean"] == sum(lengths) / 2
     assert m["rewards/length/std"] == pytest.approx(abs(lengths[0] - lengths[1]) / 2)
     assert math.isnan(m["rewards/not_applicable/mean"])  # TRL's nanmean of a function that never applied
+
+
+# -- the three commands ----------------------------------------------------------------------------------------------
+
+LENGTH = 'def length(prompts, completions, **kwargs):\n    return [float(len(c[0]["content"])) for c in completions]\n'
+
+
+@pytest.fixture
+def length_file(tmp_path):
+    path = tmp_path / "lengths.py"
+    path.write_text(LENGTH)
+    return path
+
+
+def test_a_missing_function_exits_2_before_any_model_loads(rl_assets, tmp_path, cli, length_file):
+    model_dir, data = rl_assets
+    for command in (["rl-train", "--stage", "1"], ["rl-curate"], ["eval"]):
+        code, _, err = cli(
+            *command,
+            data,
+            "--model",
+            tmp_path / "no-model",
+            "--out",
+            tmp_path / "o",
+            "--reward-funcs",
+            f"{length_file}:lenght",
+        )
+        assert code == 2 and "--reward-funcs" in err and "no function 'lenght'" in err and "length" in err, err
+
+
+def test_rl_train_optimises_the_weighted_function_and_logs_it(rl_assets, tmp_path, cli, length_file, one_thread):
+    from helpers import TINY
+
+    from ovkit.rollouts.table import read_rollouts
+
+    model_dir, data = rl_assets
+    out = tmp_path / "rl"
+    code, _, err = cli(
+        "rl-train",
+        data,
+        "--model",
+        model_dir,
+        "--out",
+        out,
+        "--stage",
+        "1",
+        "--max-steps",
+        "1",
+        "--max-staleness",
+        "0",
+        "--save-rollouts",
+        "--quiet",
+        "--reward-funcs",
+        f"{length_file}:length:0.25",
+        *TINY,
+    )
+    assert code == 0, err
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    rows = read_rollouts(out / "rollouts").to_pylist()
+    parts = [json.loads(r["reward_parts"]) for r in rows]
+    lengths = [float(len(r["completion"])) for r in rows]
+    assert [p["funcs"]["length"] for p in parts] == lengths
+    # stage 1: format weight 0, so what GRPO optimises is the task reward plus 0.25 x the length
+    assert [p["optimised"] for p in parts] == pytest.approx([r["reward"] + 0.25 * n for r, n in zip(rows, lengths)])
+    assert metrics["rewards/length/mean"] == pytest.approx(sum(lengths) / len(lengths))
+    assert (yaml.safe_load((out / "config.yaml").read_text())["reward-funcs"]) == [f"{length_file}:length:0.25"]
+
+
+def test_rl_curate_keeps_the_values_in_its_rollouts(rl_assets, tmp_path, cli, length_file, one_thread):
+    from ovkit.rollouts.table import read_rollouts
+
+    model_dir, data = rl_assets
+    out = tmp_path / "curated"
+    code, _, err = cli(
+        "rl-curate",
+        data,
+        "--model",
+        model_dir,
+        "--out",
+        out,
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--no-system-prompt",
+        "--reward-workers",
+        "1",
+        "--quiet",
+        "--reward-funcs",
+        f"{length_file}:length",
+    )
+    assert code == 0, err
+    rows = read_rollouts(out / "rollouts").to_pylist()
+    assert rows and all(json.loads(r["reward_parts"])["funcs"] == {"length": len(r["completion"])} for r in rows)
+
+
+def test_eval_reports_the_function_beside_the_score(rl_assets, tmp_path, cli, length_file, one_thread):
+    model_dir, data = rl_assets
+    out = tmp_path / "eval"
+    code, _, err = cli(
+        "eval",
+        data,
+        "--model",
+        model_dir,
+        "--out",
+        out,
+        "--max-new-tokens",
+        "4",
+        "--quiet",
+        "--reward-funcs",
+        f"{length_file}:length",
+    )
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    samples = [json.loads(line) for f in sorted(out.glob("model/*_samples_*.jsonl")) for line in f.open()]
+    assert samples and all(s["rewards/length"] == len(s["filtered_resps"][0]) for s in samples)
+    assert all(s["reward_parts"][0]["funcs"] == {"length": len(s["filtered_resps"][0])} for s in samples)
+    overall = summary["detail"]["overall"]
+    assert overall["rewards/length"] == pytest.approx(sum(s["rewards/length"] for s in samples) / len(samples))
+    assert overall["reward"] == pytest.approx(sum(s["reward"] for s in samples) / len(samples))  # the score unchanged
+
+
+def test_the_worked_example_of_the_rewards_page_scores_as_it_says(tmp_path):
+    """docs/rewards.md's my_rewards.py, run through the pool as `--reward-funcs` runs it."""
+    import re
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "rewards.md").read_text()
+    code = re.search(r"```python\n(# my_rewards\.py\n.*?)```", page, re.S).group(1)
+    path = tmp_path / "my_rewards.py"
+    path.write_text(code)
+    funcs = custom.parse_all([f"{path}:brevity:0.1", f"{path}:cites_the_count:0.5"])
+    short, long = "<answer>4</answer>", "I counted the squares one by one and there are 4 of them. " * 3
+    got = custom.score(funcs, [item(short), item(long), item("five")], timeout=60)
+    assert got[0] == {"brevity": 0.0, "cites_the_count": 1.0}
+    assert got[1] == {"brevity": -1.0, "cites_the_count": 1.0}
+    assert got[2] == {"brevity": 0.0, "cites_the_count": 0.0}
+    assert custom.weighted(funcs, got[1]) == pytest.approx(-0.1 + 0.5)

@@ -648,6 +648,20 @@ reward_workers = _shared(
     panel=RUNTIME,
     run_control=True,
 )
+reward_funcs = _shared(
+    [],
+    help="Your own reward function, PATH.py:NAME or PATH.py:NAME:WEIGHT, with TRL's signature (prompts, completions, "
+    "the row's columns as keyword arguments; one float or None per completion); repeatable.",
+    panel=SAMPLING,
+    doc=(
+        "`PATH.py:NAME[:WEIGHT]`, repeatable: a function of yours with TRL's reward-function signature (`prompts`, "
+        "`completions`, the row's columns as keyword arguments; returns one float, or None, per completion), run in "
+        "the reward worker pool with the built-in scorers' time and memory limits (docs/rewards.md); rl-train adds "
+        "its weighted value to the reward it optimises and logs `rewards/NAME/mean` and `/std`, eval reports "
+        "`rewards/NAME` beside the score, rl-curate keeps its values in the rollouts' `reward_parts` (curation still "
+        "goes by the verifiable reward)"
+    ),
+)
 temperature = _shared(min=0, help="Sampling temperature (0 = greedy).", panel=SAMPLING)
 top_p = _shared(
     1.0,

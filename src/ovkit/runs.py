@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +78,12 @@ class LearnerRun:
         *,
         smaller: Iterable[str],
         plan: Path | None = None,
+        others: Mapping[Path, str] | None = None,
     ) -> LearnerRun:
         """The run of a learner's stage config (DATA, --model, --out, --seed, --overwrite, --quiet, --lr: every
-        learner declares them); `plan` is a pack plan it reads besides DATA."""
-        named = [*((p, "DATA") for p in cfg.data), (plan, "--plan"), (cfg.model, "--model")]
+        learner declares them); `plan` is a pack plan it reads besides DATA, `others` more files it reads
+        ({path: option}, e.g. rl-train's --reward-funcs files), fingerprinted for --resume like DATA."""
+        named = [*((p, "DATA") for p in cfg.data), (plan, "--plan"), (cfg.model, "--model"), *(others or {}).items()]
         inputs = {Path(p): role for p, role in named if p is not None}  # a Hub id is noted, not fingerprinted
         return cls(
             command=command,

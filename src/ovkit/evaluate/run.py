@@ -60,6 +60,7 @@ class Scoring:
     top_p: float = 1.0
     multi_turn: O.MultiTurnOptions = field(default_factory=O.MultiTurnOptions)  # no --env: single-turn
     progress: bool = False
+    reward_funcs: tuple[str, ...] = ()  # the user's reward functions, scored beside (ovkit.rewards.custom)
 
 
 @dataclass(init=False)
@@ -149,6 +150,7 @@ class EvalConfig(O.StageConfig):
         ),
         panel=GENERATION,
     )
+    reward_funcs: list[str] = O.reward_funcs(panel=GENERATION)
     save_logprobs: bool = option(
         False,
         help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards).",
@@ -164,6 +166,10 @@ class EvalConfig(O.StageConfig):
 
         O.validate(self)  # each option's declared range and choices; the checks across options follow
         check_env_options(self.multi_turn)
+        if self.reward_funcs:  # the files and functions, before any model loads (user code: imported only if given)
+            from ovkit.rewards.custom import parse_all
+
+            parse_all(self.reward_funcs)
 
         if not self.data:
             raise OvkitError(
@@ -198,6 +204,7 @@ class EvalConfig(O.StageConfig):
             top_p=self.top_p,
             multi_turn=self.multi_turn,
             progress=not self.quiet,
+            reward_funcs=tuple(self.reward_funcs),
         )
 
 
@@ -301,6 +308,7 @@ def score_rows(
     """(prompt text, prompt token ids, completions, rewards) per row: encoded, generated (each row from the streams
     of its id and the run seed) and scored. The part of an eval that the processes share; `clock` gets each phase's
     end."""
+    from ovkit.rewards.custom import parse_all
     from ovkit.rollouts.episodes import env_instruction, env_tools
     from ovkit.rollouts.prompts import encode_prompts
 
@@ -317,7 +325,8 @@ def score_rows(
     clock["encode"] = time.perf_counter()
     completions = generate_rows(engine, scoring, prompts, budgets, processor)
     clock["generate"] = time.perf_counter()
-    rewards = score(rows, completions, scoring.prompt)
+    funcs = parse_all(scoring.reward_funcs) if scoring.reward_funcs else ()
+    rewards = score(rows, completions, scoring.prompt, funcs, [p.messages for p in prompts])
     clock["score"] = time.perf_counter()
     return [
         (prompt_text(p.messages), [int(t) for t in p.encoded.input_ids], c, r)

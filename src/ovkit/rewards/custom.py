@@ -37,6 +37,7 @@ from ovkit.rewards.base import Reward
 from ovkit.rewards.pool import shared_pool
 
 OPTION = "--reward-funcs"
+RESERVED = ("task", "format")  # rewards/task/*, rewards/format/*: the verifiable reward and the format reward
 COLUMNS = ("id", "answer", "answer_type", "source", "category", "reward_kwargs")  # what a function receives
 
 
@@ -54,7 +55,7 @@ class RewardFunc:
 
 
 def parse(text: str) -> RewardFunc:
-    """`PATH.py:NAME` or `PATH.py:NAME:WEIGHT` -> RewardFunc; the file must exist (the function is checked by `load`)."""
+    """`PATH.py:NAME` or `PATH.py:NAME:WEIGHT` -> RewardFunc; the file must exist (`load` checks the function)."""
     head, sep, tail = str(text).rpartition(".py:")
     if not sep or not head:
         raise OvkitError(f"{OPTION}: expected PATH.py:NAME or PATH.py:NAME:WEIGHT, got {text!r}")
@@ -81,6 +82,12 @@ def parse_all(texts: Sequence[str] | None) -> list[RewardFunc]:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise OvkitError(f"{OPTION}: two reward functions named {', '.join(twice)}; their metrics would share a name")
+    taken = sorted(set(names) & set(RESERVED))
+    if taken:
+        raise OvkitError(
+            f"{OPTION}: a reward function named {', '.join(taken)} would share its metrics (rewards/NAME/mean) with "
+            f"ovkit's own {' and '.join(RESERVED)} rewards; rename it"
+        )
     for f in funcs:
         load(f.path, f.name)
     return funcs
@@ -109,9 +116,7 @@ def load(path: Path, name: str) -> Callable[..., Any]:
     func = getattr(module, name, None)
     if not callable(func):
         found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        raise OvkitError(
-            f"{OPTION}: {path} has no function {name!r} (functions in it: {', '.join(found) or 'none'})"
-        )
+        raise OvkitError(f"{OPTION}: {path} has no function {name!r} (functions in it: {', '.join(found) or 'none'})")
     params = inspect.signature(func).parameters.values()
     if not any(p.kind is p.VAR_KEYWORD for p in params):
         raise OvkitError(

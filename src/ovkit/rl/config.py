@@ -374,6 +374,7 @@ class RLTrainConfig(O.StageConfig):
         run_control=True,
     )
     reward_workers: int = O.reward_workers()
+    reward_funcs: list[str] = O.reward_funcs()
     multi_turn: O.MultiTurnOptions = O.group(O.MultiTurnOptions)
     seed: int = O.seed(doc="prompt order and sampling seeds")
     overwrite: bool = O.overwrite()
@@ -383,6 +384,10 @@ class RLTrainConfig(O.StageConfig):
         from ovkit.rollouts.episodes import check_env_options
 
         O.validate(self)  # each option's declared range and choices; the checks across options follow
+        if self.reward_funcs:  # the files and functions, before any model loads (user code: imported only if given)
+            from ovkit.rewards.custom import parse_all
+
+            parse_all(self.reward_funcs)
         if not self.data:
             raise OvkitError("DATA is required: RL sample tables (e.g. rl-curate's OUT/stage1)")
         check_env_options(self.multi_turn)

@@ -166,6 +166,7 @@ class CurateConfig(O.StageConfig):
         doc="store prompt images in the rollout table",
     )
     reward_workers: int = O.reward_workers()
+    reward_funcs: list[str] = O.reward_funcs()
     multi_turn: O.MultiTurnOptions = O.group(O.MultiTurnOptions)
     shard: str | None = O.shard(doc="process part I of N (`I/N`); writes `OUT/part-I-of-N/`")
     seed: int = O.seed()
@@ -177,6 +178,10 @@ class CurateConfig(O.StageConfig):
 
         O.validate(self)  # each option's declared range and choices; the checks across options follow
         check_env_options(self.multi_turn)
+        if self.reward_funcs:  # the files and functions, before any model loads (user code: imported only if given)
+            from ovkit.rewards.custom import parse_all
+
+            parse_all(self.reward_funcs)
         for name in ("data", "model", "out"):
             if getattr(self, name) is None:
                 raise OvkitError(f"{'DATA' if name == 'data' else '--' + name} is required")
@@ -234,9 +239,11 @@ def sample_groups(cfg: CurateConfig, engine, prompts, mode: str, bar, episodes=N
     """N scored rollouts for every prompt, in sampler calls of about `batch_size` sequences (multi-turn rollouts
     with `episodes`, an ovkit.rollouts.episodes.EpisodeRunner). A prompt's rollouts are drawn from its id's streams
     (ovkit.rollouts.sample), so --shard, --limit and the stage split change no prompt's samples."""
+    from ovkit.rewards.custom import parse_all
     from ovkit.rollouts.groups import Group, score_groups
     from ovkit.rollouts.sample import sample
 
+    funcs = parse_all(cfg.reward_funcs)
     per_call = max(1, cfg.batch_size // cfg.n)
     groups: list = []
     for start in range(0, len(prompts), per_call):
@@ -252,7 +259,7 @@ def sample_groups(cfg: CurateConfig, engine, prompts, mode: str, bar, episodes=N
             episodes=episodes,
         )
         batch = [Group(p, start + i, 0, list(cs)) for i, (p, cs) in enumerate(zip(chunk, outs))]
-        score_groups(batch, mode=mode, format_weight=0.0, workers=cfg.reward_workers)
+        score_groups(batch, mode=mode, format_weight=0.0, workers=cfg.reward_workers, funcs=funcs)
         groups.extend(batch)
         bar.update(len(chunk))
     return groups

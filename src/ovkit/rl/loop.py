@@ -46,6 +46,7 @@ from ovkit.models import precision as prec
 from ovkit.models.groups import set_trainable, trainable_names
 from ovkit.pack.packed import PackLayout
 from ovkit.progress import honours_quiet
+from ovkit.rewards.custom import parse_all
 from ovkit.rl.config import SMALLER, TRAJECTORY, RLTrainConfig
 from ovkit.rl.metrics import console_line, rollout_metrics
 from ovkit.rl.rollout import AsyncRollouts, SyncRollouts
@@ -75,7 +76,8 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
 
 
 def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
-    run = LearnerRun.of(cfg, "rl-train", TRAJECTORY, smaller=SMALLER)
+    files = {f.path: "--reward-funcs" for f in parse_all(cfg.reward_funcs)}  # their code shapes the trajectory
+    run = LearnerRun.of(cfg, "rl-train", TRAJECTORY, smaller=SMALLER, others=files)
     rt = Runtime(run, cfg.loading, cfg.optimiser, cfg.compute, cfg.lora, cfg.checkpoints, cfg.trackers)
     rt.check_run_dir()
     large_blocks_off_heap()  # the sampler's vocabulary-sized temporaries go back to the system (ovkit.runtime.heap)
@@ -349,7 +351,13 @@ def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, worl
     engine.update_weights(model)  # a resumed run's sampler starts from the checkpoint's weights
     episodes = make_runner(cfg.multi_turn, engine, processor, mode=cfg.mode, max_pixels=cfg.max_pixels, model=model)
     sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed, episodes=episodes)
-    score = partial(score_groups, mode=cfg.mode, format_weight=cfg.format_weight, workers=cfg.reward_workers)
+    score = partial(
+        score_groups,
+        mode=cfg.mode,
+        format_weight=cfg.format_weight,
+        workers=cfg.reward_workers,
+        funcs=parse_all(cfg.reward_funcs),
+    )
     per_process = cfg.prompts_per_step // world
     if cfg.max_staleness == 0:
         return SyncRollouts(engine, prompts, per_process, sampling, score, rank=rank, world=world)

@@ -75,18 +75,18 @@ def reward_stats(rewards: Sequence[float], categories: Sequence[str], correct: S
 
 
 def func_stats(values: Sequence[dict[str, float]]) -> dict[str, float]:
-    """The user's reward functions (ovkit.rewards.custom) as TRL logs each reward function: `rewards/<name>/mean`
-    and `/std` over the completions it applied to (None -> NaN is left out, TRL's nanmean), and `rewards/<name>/
-    timeout` etc.: how many of its calls scored 0 for a limit."""
+    """The user's reward functions (ovkit.rewards.custom) as TRL logs each reward function: `func/<name>/mean` and
+    `/std` (written as TRL's rewards/<name>/..., ovkit.runtime.log) over the completions it applied to (None -> NaN
+    is left out, TRL's nanmean), and `func/<name>/timeout` etc.: how many of its calls scored 0 for a limit."""
     out: dict[str, float] = {}
     for name in sorted({k for v in values for k in v}):
         got = [v[name] for v in values if name in v]
         if "/" in name:  # <function>/timeout, /memory, /crashed: counts
-            out[f"rewards/{name}"] = float(sum(got))
+            out[f"func/{name}"] = float(sum(got))
             continue
         applied = torch.tensor([x for x in got if x == x], dtype=torch.float64)
-        out[f"rewards/{name}/mean"] = float(applied.mean()) if applied.numel() else float("nan")
-        out[f"rewards/{name}/std"] = float(applied.std(unbiased=False)) if applied.numel() else float("nan")
+        out[f"func/{name}/mean"] = float(applied.mean()) if applied.numel() else float("nan")
+        out[f"func/{name}/std"] = float(applied.std(unbiased=False)) if applied.numel() else float("nan")
     return out
 
 

@@ -54,10 +54,14 @@ TRL_NAMES = {
 SAME_IN_TRL = frozenset({"loss", "grad_norm", "epoch", "entropy", "kl", "frac_reward_zero_std"})
 # Held-out metrics (ovkit.evaluate.during) keep their name: TRL's eval_loss, eval_reward show as eval/loss, eval/reward.
 EVAL_PREFIX = "eval/"
+# The user's reward functions (--reward-funcs): func/NAME/mean is TRL's rewards/NAME/mean
+FUNC_PREFIX = "func/"
 
 
 def public_name(key: str) -> str:
     """The name a metric is written under (metrics.jsonl, trackers)."""
+    if key.startswith(FUNC_PREFIX):
+        return "rewards/" + key.removeprefix(FUNC_PREFIX)
     return TRL_NAMES.get(key) or (key if key in SAME_IN_TRL or key.startswith(EVAL_PREFIX) else f"ovkit/{key}")
 
 
