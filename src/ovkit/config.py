@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ from ovkit.errors import OvkitError
 from ovkit.hub import check_exists, check_model
 from ovkit.options import StageConfig, flatten, hints, validate
 from ovkit.options import aliases as declared_aliases
+from ovkit.trl_names import translate
 
 # Options that steer the CLI itself rather than the stage; never part of a stage config or of config.yaml.
 CLI_ONLY = frozenset({"config"})
@@ -64,12 +66,21 @@ def merge(
     one table of them: `learning_rate` -> `lr`); an unknown key is an error naming it and the nearest option.
     Where `cls.exclusive` pairs options, one typed on the command line replaces the file's whole pair."""
     names = list(flatten(cls))
-    file_values = _canonical_keys(file_values, names, declared_aliases(cls), config_path)
-    for group in getattr(
-        cls, "exclusive", ()
-    ):  # `--max-steps 5` over a file with `epochs: 3`: the flag wins, as any flag does
-        if from_cli & set(group):
+    foreign = getattr(cls, "foreign_names", {})  # a StageConfig declares it; a plain dataclass has none
+    file_values = _canonical_keys(file_values, names, declared_aliases(cls), config_path, foreign)
+    for group in getattr(cls, "exclusive", ()):
+        if from_cli & set(group):  # `--max-steps 5` over a file with `epochs: 3`: the flag wins, as any flag does
             file_values = {k: v for k, v in file_values.items() if k not in group}
+        elif len(set(group) & set(file_values)) > 1:  # a file with both: the first of the pair wins, as the HF
+            # Trainer's max_steps overrides num_train_epochs (a TRL config often carries both)
+            first, dropped = group[0], [k for k in group[1:] if k in file_values]
+            if not (cli_values.get("quiet") or file_values.get("quiet")):
+                print(
+                    f"note: config file {config_path}: {', '.join(dropped)} ignored, {first} {file_values[first]} "
+                    f"given (the HF Trainer's rule)",
+                    file=sys.stderr,
+                )
+            file_values = {k: v for k, v in file_values.items() if k not in dropped}
     types = hints(cls)
     values: dict[str, Any] = {}
     for name in names:
@@ -86,25 +97,43 @@ def merge(
 
 
 def _canonical_keys(
-    values: Mapping[str, Any], names: list[str], aliases: Mapping[str, str], config_path: Path | None
+    values: Mapping[str, Any],
+    names: list[str],
+    aliases: Mapping[str, str],
+    config_path: Path | None,
+    foreign: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The file's keys as field names: an alias becomes its option's name; an unknown key, or an option given under two
-    of its names, is an error (the unknown one names the nearest key: difflib, as click does for options)."""
+    """The file's keys as field names: an alias becomes its option's name, a peer's key with another value convention
+    its translation (`foreign`: ovkit.trl_names, `bf16: true`); an unknown key, a peer's key ovkit has no meaning for,
+    or an option given under two of its names is an error, and every such key of the file is named in one message (a
+    file brought from TRL is fixed in one pass, not one key per run)."""
+    values, problems = translate(values, foreign)
     out: dict[str, Any] = {}
     spelt: dict[str, str] = {}
     for key, value in values.items():
         name = key if key in names else aliases.get(key)
         if name is None:
-            raise OvkitError(f"config file {config_path}: unknown key '{key}'{nearest(key, [*names, *aliases])}")
-        if name in out:
-            raise OvkitError(f"config file {config_path}: '{spelt[name]}' and '{key}' are the same option; keep one")
-        out[name], spelt[name] = value, key
+            problems.append(f"unknown key '{key}'{nearest(key, [*names, *aliases])}")
+        elif name in out:
+            problems.append(f"'{spelt[name]}' and '{key}' are the same option; keep one")
+        else:
+            out[name], spelt[name] = value, key
+    if len(problems) == 1:
+        raise OvkitError(f"config file {config_path}: {problems[0]}")
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise OvkitError(f"config file {config_path}: {len(problems)} keys are not taken:\n{listed}")
     return out
 
 
+# Close enough to be the same word mistyped: difflib's default (0.6) offers `--stage` for `--beta` and `max_steps`
+# for `save_steps`, words of other meanings; at 0.8 a suggestion is a typo's correction.
+SAME_WORD = 0.8
+
+
 def nearest(key: str, candidates: list[str]) -> str:
-    """' (did you mean 'x'?)' for the closest candidate, or a hint to list the options when none is close."""
-    match = difflib.get_close_matches(key, candidates, n=1)
+    """' (did you mean 'x'?)' for a candidate close enough to be `key` mistyped, or a hint to list the options."""
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=SAME_WORD)
     if match:
         return f"; did you mean '{match[0]}'?"
     return "; keys are the command's option names (see its --help)"

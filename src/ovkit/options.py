@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ovkit.choices import ATTENTION, OPTIMS, PRECISION_ALIASES, PRECISIONS  # torch-free
 from ovkit.errors import OvkitError
@@ -234,6 +234,10 @@ class StageConfig:
     `dataclasses.replace(cfg, lr=...)` works; each config holds its own copy of every group. The generic machinery
     (validate, the YAML loader, config.yaml, the resume rule, the launcher check) takes any StageConfig."""
 
+    # A peer's config keys this stage reads with a translation or refuses with what it does instead (ovkit.trl_names:
+    # the HF Trainer's `bf16: true` on the learners, GRPOConfig's on rl-train); empty for the other stages.
+    foreign_names: ClassVar[Mapping[str, Any]] = {}
+
     def __init__(self, **values: Any) -> None:
         flat = flatten(type(self))
         moved: dict[str, dict[str, Any]] = {}
@@ -443,6 +447,7 @@ compile = _shared(
     "attention's varlen planning left eager). The same losses within float tolerance; pays off after the first steps' "
     "compilation.",
     panel=RUNTIME,
+    flags=("--torch-compile",),
     run_control=True,
     doc=(
         "`torch.compile` each decoder layer and vision block (`ovkit.runtime.compiling`, torchtitan's "
@@ -513,6 +518,7 @@ save_every = _shared(
     min=0,
     help="Write a resumable checkpoint every N steps into OUT.partial/checkpoints (0: only the final model).",
     panel=CHECKPOINTS,
+    flags=("--save-steps",),
     run_control=True,
 )
 keep_checkpoints = _shared(
@@ -520,6 +526,7 @@ keep_checkpoints = _shared(
     min=1,
     help="Keep the newest N intermediate checkpoints.",
     panel=CHECKPOINTS,
+    flags=("--save-total-limit",),
     run_control=True,
 )
 resume = _shared(

@@ -28,8 +28,9 @@ from typing import Any, TypeVar
 import typer
 from typer.core import TyperCommand
 
-from ovkit.config import CLI_ONLY, config_defaults, load_yaml, merge
+from ovkit.config import CLI_ONLY, SAME_WORD, config_defaults, load_yaml, merge
 from ovkit.options import IO, RUN, hints, specs
+from ovkit.trl_names import Instead, Translated
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -121,6 +122,21 @@ def built_from(fn: Callable[[typer.Context], Any], cls: type) -> Callable[..., A
     return command
 
 
+def unknown_option(flag: str, command: Any, ctx: Any) -> str:
+    """The message for a flag the command does not take: what ovkit does instead where it is a peer's name ovkit
+    refuses or reads from a config file only (ovkit.trl_names), else the flag it is a typo of, if one is that close."""
+    key = flag.lstrip("-").replace("-", "_")
+    entry = stage_of(command).config_class().foreign_names.get(key)
+    if isinstance(entry, Instead):
+        return f"No such option: {flag} (TRL's {key}): {entry.text}"
+    if isinstance(entry, Translated):
+        doc = entry.doc.replace("`", "")
+        return f"No such option: {flag}. TRL's {key} is read from a --config file: {doc}"
+    flags = [f for p in command.get_params(ctx) for f in p.opts if f.startswith("--")]
+    best = difflib.get_close_matches(flag, flags, n=1, cutoff=SAME_WORD)
+    return f"No such option: {flag}." + (f" Did you mean {best[0]}?" if best else " See --help for the options.")
+
+
 def register(app: typer.Typer, name: str, fn: Callable[[typer.Context], Any]) -> None:
     """Add `fn` (declared with `@stage`) to `app` as command `name`, its options built now from the stage config's
     fields. Every config module is torch-free (tests/test_cli.py checks it), so building them all at start costs
@@ -147,12 +163,9 @@ class StageCommand(TyperCommand):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         try:
             return super().parse_args(ctx, args)
-        except Exception as e:  # NoSuchOption, of click or of typer's own copy: the nearest option as a question
-            if type(e).__name__ == "NoSuchOption" and getattr(e, "possibilities", None):
-                best = (difflib.get_close_matches(e.option_name, list(e.possibilities), n=1) or list(e.possibilities))[
-                    0
-                ]
-                e.message, e.possibilities = f"No such option: {e.option_name}. Did you mean {best}?", None
+        except Exception as e:  # NoSuchOption, of click or of typer's own copy
+            if type(e).__name__ == "NoSuchOption":
+                e.message, e.possibilities = unknown_option(e.option_name, self, ctx), None
             raise
 
     def get_help_option(self, ctx: Any) -> Any:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from ovkit import options as O
+from ovkit import trl_names
 from ovkit.choices import (  # torch-free: a bad option fails before torch imports (#29)
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -88,8 +89,10 @@ class Sampling:
         min=1,
         doc=("prompts (groups) per step; a DATA with fewer prompts repeats them within a step, with a warning"),
     )
-    group_size: int = option(16, help="Completions per prompt (G).", panel=SAMPLING, flags=("--n-samples",), min=1)
-    max_new_tokens: int = O.max_new_tokens(4096)
+    group_size: int = option(
+        16, help="Completions per prompt (G).", panel=SAMPLING, flags=("--n-samples", "--num-generations"), min=1
+    )
+    max_new_tokens: int = O.max_new_tokens(4096, flags=("--max-completion-length",))
     temperature: float = O.temperature(  # > 0: greedy groups have no spread, and the learner divides by it
         1.0,
         min=None,
@@ -105,12 +108,14 @@ class Sampling:
 class PPOLoss:
     """The GRPO objective (ovkit.rl.loss, ovkit.rl.advantages): clipping, reward shaping, advantages, KL."""
 
-    eps_clip: float = option(0.2, help="PPO clip: ratio lower bound 1 - eps.", panel=GRPO_LOSS, min=0, lt=1)
+    eps_clip: float = option(
+        0.2, help="PPO clip: ratio lower bound 1 - eps.", panel=GRPO_LOSS, flags=("--epsilon",), min=0, lt=1
+    )
     eps_clip_high: float = option(
         0.28,
         help="PPO clip: ratio upper bound 1 + eps_high.",
         panel=GRPO_LOSS,
-        flags=("--eps-clip-higher",),
+        flags=("--eps-clip-higher", "--epsilon-high"),
         min=0,
     )
     reward_bias: float = option(-0.5, help="r' = (r + bias) * scale.", panel=GRPO_LOSS)
@@ -141,6 +146,7 @@ class PPOLoss:
         0.0,
         help="KL penalty to the initial model (0: none, as released).",
         panel=GRPO_LOSS,
+        flags=("--beta",),
         min=0,
         doc="KL penalty to the initial model (a frozen copy is kept when > 0)",
     )
@@ -237,6 +243,8 @@ class RLEvalDuring(O.EvalDuring):
 @dataclass(init=False)
 class RLTrainConfig(O.StageConfig):
     """Options of `ovkit rl-train`. Defaults are the published LLaVA-OneVision-1.5-RL values (anchors.md section 1)."""
+
+    foreign_names: ClassVar[dict] = trl_names.GRPO  # TRL GRPOConfig keys: translated or refused (a page table)
 
     launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
 
@@ -350,6 +358,7 @@ class RLTrainConfig(O.StageConfig):
         "http://localhost:8000",
         help="--engine vllm-server: the server's address (default http://localhost:8000).",
         panel=O.RUNTIME,
+        flags=("--vllm-server-base-url",),
         run_control=True,
         doc="`--engine vllm-server`: where `vllm serve` listens",
     )

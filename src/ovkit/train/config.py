@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ovkit import options as O
+from ovkit import trl_names
 from ovkit.choices import (
     canonical_precision,
     check_checkpointing,
@@ -99,6 +100,8 @@ class TrainEvalDuring(O.EvalDuring):
 @dataclass(init=False)
 class TrainConfig(O.StageConfig):
     """Options of `ovkit align | midtrain | sft`. The stage (a class attribute, not an option) picks the presets."""
+
+    foreign_names: ClassVar[dict] = trl_names.TRAINER  # the HF Trainer keys of a TRL SFT config (bf16: true)
 
     launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
 
