@@ -1,4 +1,4 @@
-"""A diverged run stops (#34): a step whose loss or gradient norm is not finite is not applied (weights and optimiser
+"""A diverged run stops: a step whose loss or gradient norm is not finite is not applied (weights and optimiser
 state as they were), a streak of --max-nonfinite-steps of them ends the run with exit 2 naming the step, the loss and
 the usual causes, OUT is never written with non-finite weights, and the newest checkpoint from before the divergence
 stays for --resume, which may lower --lr from there. One guard for every learner (ovkit.runtime.guard): sft and

@@ -1,4 +1,4 @@
-"""What was dropped is said (#34): a stage that skips, rejects or truncates rows or samples prints one line after its
+"""What was dropped is said: a stage that skips, rejects or truncates rows or samples prints one line after its
 summary with how many, why and where they are listed; a stage that kept everything prints no such line."""
 
 import pyarrow.parquet as pq

@@ -1,4 +1,4 @@
-"""Failures of the machine, not of the input (#28): each one ends in one message and an exit code that say what
+"""Failures of the machine, not of the input: each one ends in one message and an exit code that say what
 happened and what to do, and leaves nothing a later run would trip on.
 
 - one writer per output: a second run of the same OUT exits 2 naming the first one's pid and host; the parts of a
@@ -484,7 +484,7 @@ def test_a_full_disk_at_the_final_save_keeps_the_checkpoints(assets, finished, t
 
     real = modeling_utils.safe_save_file
 
-    def save(tensors, filename, *a, **kw):  # what `ovkit sft` printed on a full disk before (#28)
+    def save(tensors, filename, *a, **kw):  # what `ovkit sft` printed on a full disk before
         if Path(filename).parent.name == "run.partial":
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         return real(tensors, filename, *a, **kw)

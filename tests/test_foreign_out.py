@@ -1,4 +1,4 @@
-"""A path ovkit did not write is never removed, moved or replaced (#34): an existing `--out` that is not a complete
+"""A path ovkit did not write is never removed, moved or replaced: an existing `--out` that is not a complete
 ovkit output is refused with exit 2 naming it, `--overwrite` or not, before any model or data loads; the same for
 what ovkit writes beside an output (`OUT.lock`, `OUT.partial`, a `--shard` part's parent, eval --compare's file)."""
 

@@ -1030,7 +1030,7 @@ def test_an_interrupted_multi_turn_run_resumes_on_the_same_trajectory(zoomer, tm
 
 
 def test_a_multi_turn_trajectory_does_not_depend_on_the_prompts_beside_it(zoomer):
-    """#29: every turn of trajectory k of a prompt draws from (run seed, the prompt's key, k, turn), so the prompts
+    """Every turn of trajectory k of a prompt draws from (run seed, the prompt's key, k, turn), so the prompts
     rolled out in two calls (two processes' shares, another batch size) give the trajectories of one call over all of
     them: tokens, masks, turn ids, observation images; prompts alike but for their id draw apart."""
     from ovkit.envs import ZoomEnv

@@ -1,7 +1,7 @@
-"""Resume is exact or refused (#26): every option of a learner shapes the trajectory unless it is declared run
+"""Resume is exact or refused: every option of a learner shapes the trajectory unless it is declared run
 control, so an option added later can never be forgotten; a resumed run with a changed trajectory option stops with
 exit 2 naming it, and a checkpoint written before an option existed counts as having run at its default. The data
-too (#34): every checkpoint records its inputs' fingerprints, and --resume refuses an input whose contents changed at
+too: every checkpoint records its inputs' fingerprints, and --resume refuses an input whose contents changed at
 the same path."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One rl-train step's memory at Qwen2.5's 151,936-token vocabulary stays under 2.0 GB (#34): the sampler's
+"""One rl-train step's memory at Qwen2.5's 151,936-token vocabulary stays under 2.0 GB: the sampler's
 vocabulary-sized temporaries are served off glibc's heap (ovkit.runtime.heap), so what a decode frees goes back to the
 system instead of piling up under the tensors it keeps. The fast test checks the mechanism on the allocator itself;
 the slow one the peak RSS of a whole step (BENCHMARKS.md has the figures and the bench command)."""

@@ -1,4 +1,4 @@
-"""The RL learner's step on the device (#25, #26): the host reads the device a bounded number of times per optimiser
+"""The RL learner's step on the device: the host reads the device a bounded number of times per optimiser
 step whatever the batch, and never inside the gradient pass but for the one read of the step's metrics and skip
 guard (bench/_syncs.py counts the reads on CPU: on a GPU each one stalls the host).
 
@@ -50,7 +50,7 @@ def _ours(where) -> dict:
 @pytest.mark.parametrize("group_size", [2, 4])
 def test_a_learner_step_reads_the_device_once_whatever_the_batch(rl_assets, tmp_path, group_size):
     """One read per step (the skip guard and every metric, after the backward), none inside transformers' forward.
-    Before #26: 284 per step at 4 prompts x group 4, growing with the batch."""
+    Before the host-side rework: 284 per step at 4 prompts x group 4, growing with the batch."""
     model, data = rl_assets
     counts = {}
     for g in (group_size, 2 * group_size):

@@ -1,4 +1,4 @@
-"""The training step's host side (#25): what the forward would work out from ids and grids is computed on the host
+"""The training step's host side: what the forward would work out from ids and grids is computed on the host
 ahead of the step and gives the same numbers, and an optimiser step reads the device back a bounded number of times
 whatever the batch (bench/_syncs.py: on a GPU each read stalls the host; on a CPU box the reads are counted)."""
 
@@ -93,8 +93,8 @@ def _syncs_per_step(cfg) -> list[int]:
 def test_an_optimiser_step_reads_the_device_back_once_whatever_the_batch(assets, tmp_path, precision):
     """The step's metrics (loss and gradient norm, read together after the optimiser step), nothing else: not inside
     transformers' Qwen-VL forward either, whose image merge (a token count check read twice, the features split by
-    `grid_thw.tolist()`) the learner does itself from host-computed positions. Before #25: 107 at batch 8 and 53 at
-    batch 2 (the per-sample rope index, the vision windows, per-layer boundary reads, the counts)."""
+    `grid_thw.tolist()`) the learner does itself from host-computed positions. Before the host-side rework: 107 at
+    batch 8 and 53 at batch 2 (the per-sample rope index, the vision windows, per-layer boundary reads, the counts)."""
     small = _syncs_per_step(
         config("SFTConfig", assets, tmp_path / "b2", batch_size=2, max_steps=4, precision=precision)
     )

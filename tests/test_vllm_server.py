@@ -86,7 +86,7 @@ def test_requests_are_token_ids_and_log_probs_are_the_sampled_distributions(serv
 
 
 def test_per_prompt_seeds_go_as_one_request_per_prompt_and_split_calls_agree(server, spread_tiny, spread_prompts):
-    """#29: the server's API seeds a request, so with `seeds` every prompt is its own request seeded from its seed
+    """The server's API seeds a request, so with `seeds` every prompt is its own request seeded from its seed
     (`request_seed`, the k-th of its n completions then samples with seed + k on a real server): the prompts sent
     in two calls (two processes' shares) come back as one call over all of them."""
     from ovkit.generate.vllm import request_seed

@@ -1,4 +1,4 @@
-"""Failures of the machine rather than of the input (issue #28): two writers of one output, a stop asked by a signal,
+"""Failures of the machine rather than of the input: two writers of one output, a stop asked by a signal,
 the device out of memory.
 
 One writer per output. Every run holds an advisory lock on its output `OUT` for its whole life: `fcntl.flock` on

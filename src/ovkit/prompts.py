@@ -1,4 +1,4 @@
-"""The stage instructions of LLaVA-OneVision-1.5-RL (anchors.md section 1), added by commands, never stored in data.
+"""The stage instructions of LLaVA-OneVision-1.5-RL (its public repository), added by commands, never stored in data.
 
 `answer` is RL stage 1 ("normal", answer-only); `think` is RL stage 2 ("default", chain-of-thought). The synthetic
 instruction split uses the same texts so that a model fine-tuned on it answers in the format eval and RL score.

@@ -1,9 +1,9 @@
 """Assigning concepts to images by embedding similarity: top-K per image, the LLaVA-OneVision-1.5 way.
 
-The embedding path follows the LLaVA-OneVision-1.5 description (anchors.md section 1): images and a concept
-vocabulary are embedded by one CLIP-family encoder, and each image takes its K most similar concepts. The
-vocabulary can be large (the recipe uses ~500K concepts), so similarities are computed against chunks of the
-vocabulary and merged into a running top-K: memory is bounded by batch x chunk, never batch x vocabulary.
+The embedding path follows the LLaVA-OneVision-1.5 paper and repository: images and a concept vocabulary are embedded by
+one CLIP-family encoder, and each image takes its K most similar concepts. The vocabulary can be large (the recipe uses
+~500K concepts), so similarities are computed against chunks of the vocabulary and merged into a running top-K: memory
+is bounded by batch x chunk, never batch x vocabulary.
 """
 
 from __future__ import annotations

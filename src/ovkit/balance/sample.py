@@ -4,7 +4,7 @@ Inverse-frequency resampling (LLaVA-OneVision-1.5): an image's weight comes from
 concepts; images are drawn in proportion to weight. How the K per-concept weights combine was not published; ovkit
 offers `mean` (default), `max` and `sum`. With `mean` every image spreads one unit over its K concepts, so each
 concept's expected share of the resampled set is close to uniform over the concepts that occur (exactly uniform for
-K=1). MetaCLIP's rule (anchors.md section 3) keeps a concept's matches with probability `min(1, t / count)` and an
+K=1). MetaCLIP's rule (MetaCLIP, Xu et al. 2023) keeps a concept's matches with probability `min(1, t / count)` and an
 image with `1 - prod(1 - p)` over its concepts; images that match nothing are dropped.
 """
 

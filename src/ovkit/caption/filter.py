@@ -1,4 +1,4 @@
-"""The caption filter LLaVA-OneVision-1.5 released with its recaptioned data (anchors.md section 1).
+"""The caption filter LLaVA-OneVision-1.5 released with its recaptioned data (in its public repository).
 
 A caption is rejected when it is a refusal ("i'm sorry", "i cannot", ...), when it holds a run of 8 identical
 consecutive words (the degenerate loop a captioner falls into), or when it is shorter than 50 or longer than 3500

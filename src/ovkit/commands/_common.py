@@ -226,7 +226,7 @@ def done(msg: str) -> None:
 
 
 def dropped(command: str, verb: str, counts: dict[str, int], where: str) -> None:
-    """The line a stage prints after its summary when it skipped, rejected or truncated rows or samples (#34): how
+    """The line a stage prints after its summary when it skipped, rejected or truncated rows or samples: how
     many, why, and where they are listed or counted. Nothing when there were none: a run that kept everything says
     nothing more."""
     counts = {why: n for why, n in counts.items() if n}

@@ -38,5 +38,5 @@ def rl_train(ctx: typer.Context) -> None:
     from ovkit.rl.metrics import cut_or_masked
 
     line = cut_or_masked(cfg.out / "metrics.jsonl", cfg.max_new_tokens)
-    if line:  # what the run cut or masked (#34): one line after the summary, none when nothing was
+    if line:  # what the run cut or masked: one line after the summary, none when nothing was
         done(f"rl-train: {line}")

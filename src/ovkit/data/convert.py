@@ -1,5 +1,5 @@
-"""`ovkit convert`: the data formats users already have (anchors.md section 7) -> the sample table, and the sample
-table -> TRL's conversational VLM format (`--to trl`).
+"""`ovkit convert`: the data formats users already have (LLaVA, ShareGPT, TRL, HF datasets) -> the sample table, and
+the sample table -> TRL's conversational VLM format (`--to trl`).
 
 Every input record becomes one output row or one reject; nothing is dropped silently, so rows in == rows out +
 rejects. Records are read as a stream (a JSON list is decoded record by record, parquet batch by batch) and the

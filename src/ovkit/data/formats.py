@@ -1,8 +1,8 @@
 """Reading any input `ovkit convert` accepts, record by record, and telling which format it is in.
 
-The formats users already have (anchors.md section 7) are named in `FORMATS`; `detect_format` picks one from an
-input's keys/columns. Records are read as a stream (a JSON list is decoded record by record, parquet batch by batch),
-so memory stays bounded by one batch. ovkit.data.sources reads an input's layout through this module and the
+The formats users already have (LLaVA, ShareGPT, TRL, HF datasets) are named in `FORMATS`; `detect_format` picks one
+from an input's keys/columns. Records are read as a stream (a JSON list is decoded record by record, parquet batch by
+batch), so memory stays bounded by one batch. ovkit.data.sources reads an input's layout through this module and the
 converter (ovkit.data.convert) maps its records: neither imports the other for it.
 """
 

@@ -1,4 +1,4 @@
-"""Eval outputs in the lmms-eval layout (anchors.md section 4), `summary.json`, and the table across runs.
+"""Eval outputs in the lmms-eval layout (lmms-eval's output files), `summary.json`, and the table across runs.
 
     OUT/<model-name>/<timestamp>_results.json          results / configs / versions / n-samples / config / git_hash /
                                                        date

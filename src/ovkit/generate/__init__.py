@@ -78,7 +78,7 @@ RL_ENGINES = (*ENGINES, "vllm-server")
 
 
 # The engines load torch and transformers, so they are imported on first use (PEP 562): a config that checks
-# `--engine` against RL_ENGINES stays torch-free (#29).
+# `--engine` against RL_ENGINES stays torch-free.
 _ENGINES = {
     "HFEngine": "ovkit.generate.hf",
     "sampling_logprobs": "ovkit.generate.hf",

@@ -38,7 +38,7 @@ GROUP_PATTERNS: dict[str, tuple[str, ...]] = {
 }
 GROUPS = tuple(GROUP_PATTERNS)  # "all" selects every parameter
 
-# What each supervised stage trains by default (LLaVA-OneVision-1.5, anchors section 1).
+# What each supervised stage trains by default (the LLaVA-OneVision-1.5 repository and paper).
 STAGE_TRAINABLE: dict[str, tuple[str, ...]] = {
     "align": ("projector",),
     "midtrain": ("llm", "projector", "vision"),

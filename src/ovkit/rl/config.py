@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ovkit import options as O
 from ovkit import trl_names
-from ovkit.choices import (  # torch-free: a bad option fails before torch imports (#29)
+from ovkit.choices import (  # torch-free: a bad option fails before torch imports
     AGGREGATIONS,
     KL_ESTIMATORS,
     QUANTS,
@@ -242,7 +242,7 @@ class RLEvalDuring(O.EvalDuring):
 
 @dataclass(init=False)
 class RLTrainConfig(O.StageConfig):
-    """Options of `ovkit rl-train`. Defaults are the published LLaVA-OneVision-1.5-RL values (anchors.md section 1)."""
+    """Options of `ovkit rl-train`. Defaults are the published LLaVA-OneVision-1.5-RL values (its public repository)."""
 
     foreign_names: ClassVar[dict] = trl_names.GRPO  # TRL GRPOConfig keys: translated or refused (a page table)
 

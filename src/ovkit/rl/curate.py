@@ -305,7 +305,7 @@ def curate(cfg: CurateConfig, out_dir: Path, shard: tuple[int, int] | None = Non
 
     table = limit_per_category(read_samples(cfg.data, shard=shard, answers=True).table, cfg.limit)
     table, excluded = exclude_categories(table, cfg.exclude_categories, cfg.data)
-    from ovkit.generate.engines import build_engine  # torch: once the data is read and checked (#29)
+    from ovkit.generate.engines import build_engine  # torch: once the data is read and checked
 
     engine = build_engine(
         cfg.engine,

@@ -332,7 +332,7 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         )
     # An own copy (asynchronous runs) is held in the learner's compute dtype: bf16 under bf16-mixed also where the
-    # learner keeps fp32 weights under autocast (DDP, adamw_8bit), 2 bytes per parameter, not 4 (#26)
+    # learner keeps fp32 weights under autocast (DDP, adamw_8bit), 2 bytes per parameter, not 4
     own = cfg.sampler_precision or ("bf16" if prec.resolve(cfg.precision, device()).dtype == torch.bfloat16 else None)
     return build_engine(
         "hf",

@@ -194,7 +194,7 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
 
 
 def cut_or_masked(metrics_jsonl: Path, max_new_tokens: int) -> str | None:
-    """What a finished run cut or masked, as the mean per-step share over its metrics.jsonl (#34): completions cut at
+    """What a finished run cut or masked, as the mean per-step share over its metrics.jsonl: completions cut at
     --max-new-tokens (`completions/clipped_ratio`; trained on as cut) and sequences the mismatch corrections masked
     out whole (`ovkit/masked/seq_frac`; no gradient). None when neither happened (or no metrics.jsonl)."""
     import json

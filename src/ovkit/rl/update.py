@@ -6,7 +6,7 @@
     weights         = off_policy_weights(prox_logprobs, behave_logprobs)   behaviour cap + --correction
     ppo_update                                         decoupled PPO loss, clip 0.2 / 0.28, --ppo-minibatches
 
-A step has a host side and a device side (#25, #26). `prepare_step` lays the groups out as trajectories and works out
+A step has a host side and a device side. `prepare_step` lays the groups out as trajectories and works out
 on the host all that does not need the model's weights: advantages, token counts, each micro-batch's rows, width,
 rope positions, vision layout and response positions (it takes the model's config, never the model, so it cannot
 read a device value). `learn` then moves the step's tensors to the learner's device once and keeps everything

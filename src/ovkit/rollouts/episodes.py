@@ -2,7 +2,7 @@
 mask 0, until the model finishes, the environment says done, or a turn / token budget runs out.
 
 The design is slime's unified VLM/LLM multi-turn rollout (002 in the references), and it guards against the
-failures users of peer systems report (anchors.md section 9):
+failures users of peer systems report (issue trackers of TRL, verl and OpenRLHF):
 
 - Token-in/token-out. The context is a list of token ids: the model's own tokens are appended exactly as sampled,
   never decoded and re-encoded (which drifts: a decoded-then-retokenised turn can split differently).

@@ -1,6 +1,6 @@
 """The rollout table: one row per sampled trajectory, written by eval (`--save-logprobs`) and rl-train, read by
 rl-train and mismatch-report. Token-in/token-out: the learner re-scores exactly `prompt_ids + response_ids`, never
-a re-tokenised text (anchors.md section 9, "decode-then-re-encode token drift").
+a re-tokenised text (issue trackers of TRL, verl and OpenRLHF, "decode-then-re-encode token drift").
 
 | column | arrow type | meaning |
 |---|---|---|

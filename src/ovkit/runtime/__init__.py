@@ -2,7 +2,7 @@
 
 Importing this package costs nothing: `Runtime` and the other names of ovkit.runtime.core load torch, so they are
 loaded on first use (PEP 562), and a config that only validates option names (ovkit.choices) fails in well
-under a second, before torch and transformers import (#29).
+under a second, before torch and transformers import.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Vocabulary-sized temporaries off glibc's heap, so a sampler's freed memory goes back to the system (#34).
+"""Vocabulary-sized temporaries off glibc's heap, so a sampler's freed memory goes back to the system.
 
 glibc serves an allocation of at least M_MMAP_THRESHOLD bytes with a mapping of its own, unmapped when it is freed;
 smaller ones come from the heap, whose free space is kept for reuse and can only be returned from its top. The

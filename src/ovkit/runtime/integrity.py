@@ -1,4 +1,4 @@
-"""Checkpoints are written completely or not at all, and checked before a resume loads one (#28).
+"""Checkpoints are written completely or not at all, and checked before a resume loads one.
 
 At save, after every file of `checkpoints/.step-N.tmp` is written: `manifest.json` lists each file's size and CRC32,
 every file and directory is fsynced, and only then is the directory renamed to `step-N` (and its parent fsynced), so

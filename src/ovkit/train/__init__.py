@@ -8,7 +8,7 @@ __all__ = ["AlignConfig", "MidtrainConfig", "Result", "SFTConfig", "STAGE_CONFIG
 
 
 def __getattr__(name: str) -> Any:
-    """`train` and `Result` load torch (ovkit.train.loop), so on first use: a config is checked without it (#29)."""
+    """`train` and `Result` load torch (ovkit.train.loop), so on first use: a config is checked without it."""
     if name in ("train", "Result"):
         from ovkit.train import loop
 

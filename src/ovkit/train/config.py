@@ -1,7 +1,7 @@
 """The supervised stages' configuration: one dataclass, three stage presets (align, midtrain, sft).
 
-The stages differ only in what they train and their optimiser defaults (LLaVA-OneVision-1.5 quick-start values,
-anchors section 1): alignment trains the projector at lr 1e-4 without weight decay; mid-training trains LLM,
+The stages differ only in what they train and their optimiser defaults (LLaVA-OneVision-1.5 quick-start values):
+alignment trains the projector at lr 1e-4 without weight decay; mid-training trains LLM,
 projector and vision encoder at 1e-5 with weight decay 0.01; instruction tuning trains everything at 1e-5.
 Every default is overridable; an option left unset (None) takes the stage's value in `__post_init__`, so the
 resolved `config.yaml` always shows the numbers that were used.
@@ -20,7 +20,7 @@ from ovkit.choices import (
     check_checkpointing,
     check_kernels,
     check_optim,
-)  # torch-free (#29)
+)  # torch-free
 from ovkit.config import trajectory_options
 from ovkit.errors import OvkitError
 from ovkit.launch import processes
