@@ -44,12 +44,10 @@ def one_thread():
     """One torch intra-op thread for the test: tiny matrices on 2 contended cores run far faster with one OpenMP
     thread each than with a spinning team. Modules of tiny-model training tests apply it to every test with
     `pytestmark = pytest.mark.usefixtures("one_thread")`."""
-    import torch
+    from helpers import torch_threads
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -79,6 +79,22 @@ def micro_spec(layers: int = 1):
 
 
 @contextlib.contextmanager
+def torch_threads(n: int = 1):
+    """torch's intra-op threads set to `n` inside the block. Sums over a tensor run in an order that depends on the
+    thread count, so a result compared bit for bit, or a training run whose outcome a test checks, must be made with
+    a fixed count: a module fixture is built before the function fixture `one_thread` applies, with whatever count
+    the test process has then."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
 def dies_at_first_checkpoint(monkeypatch):
     """Inside the block a learner writes its first checkpoint, then dies there (KeyboardInterrupt, as a kill at that
     point would); Runtime.save_checkpoint is itself again after the block."""

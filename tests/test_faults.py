@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ENV, config, losses, weights
+from helpers import ENV, config, losses, torch_threads, weights
 
 from ovkit.errors import OvkitError
 
@@ -237,20 +237,13 @@ CKPT = dict(batch_size=2, max_steps=6, lr=1e-2, save_every=2, keep_checkpoints=3
 
 @pytest.fixture(scope="module")
 def finished(assets, tmp_path_factory):
-    """A finished 6-step run with checkpoints at steps 2 and 4, trained with one intra-op thread like the resumed runs
-    compared with it (`one_thread` applies to tests, after a module fixture is made): another thread count sums in
-    another order, and the final weights would differ in their last bits."""
-    import torch
-
+    """A finished 6-step run with checkpoints at steps 2 and 4, trained with one thread like the resumed runs compared
+    with it bit for bit (helpers.torch_threads)."""
     from ovkit.train import train
 
     out = tmp_path_factory.mktemp("ckpt") / "ref"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         train(config("SFTConfig", assets, out, **CKPT))
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 

@@ -8,7 +8,7 @@ import time
 import pyarrow as pa
 import pytest
 import torch
-from helpers import torchrun
+from helpers import torch_threads, torchrun
 
 from ovkit.data import image_cell, samples_table
 from ovkit.generate import Completion
@@ -611,11 +611,12 @@ def zoomer(tmp_path_factory):
     torch.manual_seed(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
-    for _ in range(150):
-        loss = sum(model(**e.model_inputs()).loss for e in examples)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    with torch_threads(1):  # what it learns depends on the thread count: with 2, p reached 0.953, not 0.997
+        for _ in range(150):
+            loss = sum(model(**e.model_inputs()).loss for e in examples)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
     model.eval()
     _assert_learnt(model, examples)
     model.save_pretrained(base / "model")
