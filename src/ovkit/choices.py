@@ -195,6 +195,10 @@ def canonical_correction(name: str) -> str:
 # rl-train --loss-agg and --kl-estimator (ovkit.rl.loss)
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# rl-train's loss menu under TRL's names (ovkit.rl.loss, ovkit.rl.advantages); the first of each is today's loss
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence-token")
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 # --eval-data, --eval-every, --eval-limit, --eval-max-new-tokens (ovkit.evaluate.during)
