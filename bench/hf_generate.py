@@ -21,7 +21,7 @@ parameters, text hidden 192) and a wider random-init model built from the same p
 (`--wide`: text hidden 768, 4 layers, 12 heads, MLP 2048; vision hidden 256; ~40M parameters) so that the numbers are
 not all Python overhead. Then a profile of the engine, both ways: where its time goes (vision encoder, prefill, decode
 forwards, the sampling processor, detokenisation, the rest of the loop) and host syncs per generated token
-(ovkit.runtime.syncs.SyncCounter).
+(bench/_syncs.py's SyncCounter).
 
     python bench/hf_generate.py                       # builds synth + the tiny model in a temp dir
     python bench/hf_generate.py --data D/rl --model M --prompts 16 --n 4 --max-new-tokens 32
@@ -187,8 +187,9 @@ def profile(engine, prompts, a) -> None:
     """Where the engine's wall time goes, and host syncs per generated token."""
     from contextlib import ExitStack
 
+    from _syncs import SyncCounter
+
     from ovkit.generate import hf
-    from ovkit.runtime.syncs import SyncCounter
 
     model = engine.model
     times: dict[str, float] = defaultdict(float)

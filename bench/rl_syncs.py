@@ -1,5 +1,5 @@
 """Device-to-host syncs of the RL learner's step (each stalls a GPU's queue), counted on CPU by SyncCounter
-(ovkit.runtime.syncs).
+(bench/_syncs.py).
 
 What is counted, one count per rl-train step: everything `ovkit.rl.update.train_step` does on the training thread
 (`step`: trajectories -> advantages -> micro-batch plans -> proximal log-probs -> corrections -> decoupled-PPO
@@ -35,8 +35,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def learner_syncs(cfg, part: str = "step") -> tuple[list[int], list]:
     """Syncs of each train_step (`part` "step") or of its device side ("learner") in an rl-train run, and where each
     step's came from."""
+    from _syncs import SyncCounter
+
     from ovkit.rl import loop, update
-    from ovkit.runtime.syncs import SyncCounter
 
     counts, where = [], []
     owner, name = (loop, "train_step") if part == "step" else (update, "learn")

@@ -1,6 +1,6 @@
 """The CPU proxies of one optimiser step's GPU overheads, measured on this checkout (or another, via PYTHONPATH):
 
-  syncs      device-to-host reads per optimiser step on the training thread (ovkit.runtime.syncs.SyncCounter:
+  syncs      device-to-host reads per optimiser step on the training thread (bench/_syncs.py's SyncCounter:
              `.item()`/`float()`/`.tolist()`/`.cpu()`, nonzero, boolean-mask indexing, ...): each one stalls a GPU's
              queue. The profiler's `aten::_local_scalar_dense` count (profiler, every thread) is printed beside it.
   aten ops   aten ops per optimiser step on the training thread (torch.profiler; each top-level one is about a kernel
@@ -15,7 +15,7 @@ captions) for the host-time share (a realistic image and text size).
 
     python bench/step_costs.py                                   # this checkout
     PYTHONPATH=/other/src python bench/step_costs.py --work /tmp/costs   # another checkout, same inputs
-                      # (one from before the sync counter also needs src/ovkit/runtime/syncs.py of this one on its path)
+                      # (the counter is this checkout's bench/_syncs.py, whatever checkout is measured)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from ovkit.runtime.syncs import OptimizerSteps  # noqa: E402 (after the thread count is set: it imports torch)
+from _syncs import OptimizerSteps  # noqa: E402 (after the thread count is set: it imports torch)
 
 
 def prepare(work: Path, image_rows: int) -> None:
@@ -158,7 +158,8 @@ def profiled_ops(cfg) -> dict:
 
 
 def sync_counts(cfg) -> list[int]:
-    from ovkit.runtime.syncs import SyncCounter
+    from _syncs import SyncCounter
+
     from ovkit.train import train
 
     with SyncCounter(steps=True) as syncs:

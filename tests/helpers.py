@@ -37,6 +37,25 @@ def torchrun(n: int, *args, env: dict | None = None, timeout: float = 600) -> su
     )
 
 
+def _bench_module(name: str):
+    """bench/NAME.py, imported once under its own name (the benchmarks import it the same way, with bench/ on their
+    path), so a test and a benchmark measure with the same instrument."""
+    if name not in sys.modules:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# The host-sync counter and the optimiser-step boundary: measuring tools, not ovkit's (they patch torch.Tensor
+# methods while counting), so they live beside the benchmarks that report the counts.
+SyncCounter = _bench_module("_syncs").SyncCounter
+OptimizerSteps = _bench_module("_syncs").OptimizerSteps
+
+
 # ------------------------------------------------------------------------------- supervised training (ovkit.train)
 
 
@@ -140,6 +159,17 @@ def config(cls_name: str, assets: Path, out: Path, **kw):
     )
     opts.update(kw)
     return getattr(train, cls_name)(**opts)
+
+
+def sft_runtime(cfg, trajectory=None):
+    """The Runtime `ovkit.train.loop.train` builds for `cfg` (its run and option groups)."""
+    from ovkit.runs import LearnerRun
+    from ovkit.runtime import Runtime
+    from ovkit.train.config import SMALLER, TRAJECTORY
+
+    run = LearnerRun.of(cfg, cfg.stage, TRAJECTORY if trajectory is None else trajectory, smaller=SMALLER)
+    groups = (cfg.loading, cfg.optimiser, cfg.compute, cfg.lora, cfg.checkpoints, cfg.trackers)
+    return Runtime(run, *groups, cfg.load_in_4bit)
 
 
 def pack_plan(cli, root: Path, max_len: int) -> tuple[Path, int]:

@@ -301,13 +301,13 @@ def test_every_declared_range_and_choice_is_checked_at_start(name):
     """For every option that declares a range or choices: a value just outside is refused when the config is built
     (OvkitError naming the flag: exit 2 before any model loads), the edge of an inclusive range, just inside an
     exclusive one, and every listed choice pass `validate`."""
-    import typing
 
     from ovkit.config import merge
+    from ovkit.options import hints as declared_types
     from ovkit.options import specs, validate
 
     cls = INFO[name].config_class()
-    hints = typing.get_type_hints(cls)
+    hints = declared_types(cls)
     base = minimal_values(name)
     cfg = merge(cls, base, set(base), {})
     checked = 0

@@ -215,3 +215,22 @@ def test_liger_on_cpu_exits_2_and_options_are_not_trajectory(assets, tmp_path, c
     assert code == 2 and "--kernels must be one of" in err
     for name in ("compile", "kernels", "use_liger_kernel"):
         assert name not in TRAJECTORY and name not in RL_TRAJECTORY
+
+
+@pytest.mark.parametrize("first", ["checkpointing", "compile"])
+def test_the_checkpoint_wraps_the_compiled_forward_whichever_is_applied_first(assets, first):
+    model, _ = _model_and_batches(assets, [])
+    names = list(model.state_dict())
+    layer = model.model.language_model.layers[0]
+    own = layer.forward
+    steps = {"checkpointing": lambda: ac.apply(model, "full"), "compile": lambda: compiling.apply(model)}
+    steps[first]()
+    steps[({"checkpointing", "compile"} - {first}).pop()]()
+    assert layer.forward.__func__ is ac._checkpointed_forward
+    assert layer._ovkit_plain_forward.__func__ is compiling._compiled_forward and layer._ovkit_eager_forward == own
+    assert list(model.state_dict()) == names  # no wrapper module: parameter names, hence checkpoints, unchanged
+    ac.remove(model)  # the compiled forward stays, now outermost
+    assert layer.forward.__func__ is compiling._compiled_forward and layer._ovkit_eager_forward == own
+    assert "_ovkit_plain_forward" not in layer.__dict__
+    compiling.remove(model)
+    assert "forward" not in layer.__dict__ and layer.forward == own

@@ -540,3 +540,48 @@ def test_options_from_config_file(tmp_path, llava_images, cli):
     assert code == 0, err
     assert "(detected)" not in stdout and {r["source"] for r in rows_of(tmp_path / "out")} == {"from-yaml"}
     assert "from-format: llava" in (tmp_path / "out" / "config.yaml").read_text()
+
+
+def _trl_grpo(path: Path, gold: str, typed: bool) -> Path:
+    """TRL's GRPO dataset layout: image, prompt (a chat with an image part, or TRL's standard text), the gold answer
+    under `gold` (TRL's `solution`, or `answer` after a rename)."""
+    pic = {"bytes": png(size=(56, 56)), "path": None}
+    text = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many squares?"}]}]
+    rows = [{"image": pic, "prompt": text if typed else "How many squares?", gold: str(i + 1)} for i in range(3)]
+    path.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), path / "train.parquet")
+    return path
+
+
+@pytest.mark.parametrize(("gold", "typed"), [("solution", True), ("solution", False), ("answer", True)])
+def test_trl_grpo_rows_convert_and_read_with_their_answer_scored_as_trl_does(tmp_path, cli, gold, typed):
+    """TRL's GRPO rows (prompt, image, solution; or solution renamed answer) are RL rows: `ovkit convert` (detected,
+    or --from trl) fills answer and answer_type math (TRL's accuracy_reward is a math_verify check), and an RL / eval
+    reader takes the input as it is."""
+    data = _trl_grpo(tmp_path / "grpo", gold, typed)
+    code, _, err = cli("convert", data, "--out", tmp_path / "out", "--quiet")
+    assert code == 0, err
+    rows = rows_of(tmp_path / "out")
+    assert [r["answer"] for r in rows] == ["1", "2", "3"] and {r["answer_type"] for r in rows} == {"math"}
+    assert all(r["messages"][0]["content"].startswith("<image>") and len(r["images"]) == 1 for r in rows)
+    code, _, err = cli("convert", data, "--from", "trl", "--out", tmp_path / "out2", "--quiet")
+    assert code == 0 and [r["answer"] for r in rows_of(tmp_path / "out2")] == ["1", "2", "3"], err
+    from ovkit.data.io import sample_files
+
+    table = read_samples(sample_files(data)[0], answers=True).table
+    assert table.column("answer_type").to_pylist() == ["math"] * 3
+
+
+def test_rl_rows_without_any_scorer_are_named_once_with_the_fix(tmp_path, cli):
+    """A table whose rows name no scorer at all is one error naming the column and what to add, not a first bad row
+    with a convert --on-error skip that would reject every row."""
+    data = _trl_grpo(tmp_path / "grpo", "solution", True)
+    assert cli("convert", data, "--out", tmp_path / "out", "--quiet")[0] == 0
+    table = pq.read_table(next((tmp_path / "out").glob("*.parquet"))).drop(["answer_type"])
+    (tmp_path / "plain").mkdir()
+    pq.write_table(table, tmp_path / "plain" / "part-00000-of-00001.parquet")
+    with pytest.raises(
+        formats.OvkitError, match=r"column .answer_type.: .*no row of this file does: add that column"
+    ) as e:
+        read_samples(tmp_path / "plain", answers=True)
+    assert "--on-error skip" not in str(e.value) and "--from trl" in str(e.value)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -75,10 +76,17 @@ def test_trl_grpo_set_without_answer_names_the_input_and_its_solution_column(tmp
         {"prompt": [prompt, prompt], "image": [Image.new("RGB", (28, 28), "red")] * 2, "solution": ["1", "2"]}
     )
     ds.save_to_disk(str(tmp_path / "grpo"))
+    # TRL's GRPO layout reads as it is: `solution` is the answer, scored with math as TRL's accuracy_reward does
+    table = read_samples(tmp_path / "grpo", answers=True).table
+    assert table.column("answer").to_pylist() == ["1", "2"] and table.column("answer_type").to_pylist() == ["math"] * 2
+    # the same rows in ovkit's own layout, the gold answer still under `solution`: the message names the column
+    plain = table.drop(["answer", "answer_type"])
+    (tmp_path / "plain").mkdir()
+    pq.write_table(plain, tmp_path / "plain" / "part-00000-of-00001.parquet")
     with pytest.raises(OvkitError) as e:
-        read_samples(tmp_path / "grpo", answers=True)
+        read_samples(tmp_path / "plain", answers=True)
     message = str(e.value)
-    assert str(tmp_path / "grpo") in message and "'solution'" in message and "rename" in message
+    assert str(tmp_path / "plain") in message and "'solution'" in message and "rename" in message
     assert "ovkit-cache" not in message and "training split" not in message
 
 

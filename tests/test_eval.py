@@ -390,6 +390,26 @@ def test_compare_reads_a_real_lmms_eval_results_file_and_warns_on_tasks_it_canno
     assert "warning: llava: lmms-eval task 'pope'" not in err
 
 
+def test_compare_counts_an_lmms_eval_files_rows_from_its_n_samples(tmp_path):
+    """An lmms-eval results file's row count is the sum of its tasks' n-samples (it records none for the whole run),
+    and one it cannot know (a task without n-samples) is left out of the note on differing rows, never shown as 0."""
+    from ovkit.evaluate import compare_table, load_run
+
+    every = {t: {"original": 10, "effective": 10} for t in LMMS_RESULTS["results"]}
+    complete, partial = tmp_path / "a" / "x_results.json", tmp_path / "b" / "x_results.json"
+    for path, samples in ((complete, every), (partial, LMMS_RESULTS["n-samples"])):
+        path.parent.mkdir()
+        path.write_text(json.dumps({**LMMS_RESULTS, "n-samples": samples}))
+    runs = [load_run(f"full={complete}"), load_run(f"part={partial}")]
+    assert runs[0][1]["detail"]["overall"]["rows"] == 50 and "rows" not in runs[1][1]["detail"]["overall"]
+    assert "Runs scored different rows" not in compare_table(runs, "mmmu_acc")
+    half = {t: {"original": 5, "effective": 5} for t in LMMS_RESULTS["results"]}
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "x_results.json").write_text(json.dumps({**LMMS_RESULTS, "n-samples": half}))
+    table = compare_table([runs[0], load_run(f"half={tmp_path / 'c' / 'x_results.json'}")], "mmmu_acc")
+    assert "Runs scored different rows: full 50, half 25." in table
+
+
 def test_eval_output_loads_with_load_dataset_dir(tmp_path, eval_set, eval_tiny, cli, monkeypatch):
     """`datasets.load_dataset(DIR)` on an eval output returns its per-row samples, a split per task, from the card
     ovkit writes; `load_dataset(DIR, TASK)` one task; a same-named output elsewhere loads its own rows."""

@@ -96,6 +96,27 @@ def test_supervised_eval_is_logged_at_its_steps_and_leaves_the_trajectory_alone(
     assert rows[1]["eval/loss"] != rows[-1]["eval/loss"]  # the model of step 2, not the final one
 
 
+def test_held_out_results_reach_the_console_the_summary_and_the_card(assets, eval_data, tmp_path, cli):
+    """sft --eval-data: each step that evaluated prints an `eval  step N | reward ...` line under its step line, and
+    the last evaluation is in ovkit.json's metrics, the summary line on stdout and the model card."""
+    out = tmp_path / "sft"
+    code, stdout, err = cli(
+        "sft", assets / "data", "--model", assets / "model", "--out", out, "--max-steps", "3", "--batch-size", "4",
+        "--precision", "fp32", "--eval-data", eval_data, "--eval-every", "2", "--eval-max-new-tokens", "4",
+    )  # fmt: skip
+    assert code == 0, err
+    last = _metrics(out)[-1]
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("eval  step")]
+    assert [line.split(" | ")[0] for line in lines] == ["eval  step 00002", "eval  step 00003"]
+    assert f"reward {last['eval/reward']:.3f}" in lines[-1] and f"loss {last['eval/loss']:.4f}" in lines[-1]
+    held = json.loads((out / "ovkit.json").read_text())["metrics"]["eval"]
+    assert held["step"] == 3 and held["reward"] == last["eval/reward"] and held["loss"] == last["eval/loss"]
+    assert held["reward/colour"] == last["eval/reward/colour"]
+    assert f"; held-out at step 3: reward {last['eval/reward']:.3f}" in stdout
+    card = (out / "README.md").read_text()
+    assert "## Held-out evaluation" in card and f"| loss | {last['eval/loss']:.4g} |" in card
+
+
 def test_eval_options_are_checked(assets, tmp_path):
     from ovkit.errors import OvkitError
 
@@ -214,7 +235,7 @@ def test_sharded_runs_refuse_what_reads_the_learners_weights_directly(
     rt = type("Rt", (), {"sharded": True, "distributed": engine})()
     cfg = rl_cfg(model_dir, data, tmp_path / "eval", eval_data=[data])
     with pytest.raises(OvkitError, match=f"--eval-data under {engine}: .* DDP"):
-        evaluator(cfg, rt, None, 1, prompt="answer", loss=False, batch_size=1)
+        evaluator(cfg.eval_during, cfg.seed, rt, None, 1, prompt="answer", loss=False, batch_size=1)
 
 
 def test_full_tensor_gathers_an_fsdp2_shard_and_passes_a_tensor_through():

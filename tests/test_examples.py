@@ -20,6 +20,8 @@ import pytest
 from ovkit import cli as cli_mod
 from ovkit.config import load_yaml, merge
 from ovkit.errors import OvkitError
+from ovkit.options import flatten
+from ovkit.options import hints as declared_types
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
@@ -63,11 +65,11 @@ def build(cls: type, values: dict, path: Path):
     """merge() as `--config FILE` does it. Inputs and outputs are given on the command line in the examples, so
     when the config refuses, path-typed options the file leaves unset get placeholders, one at a time in
     declaration order, until it accepts; if it still refuses, the first error is the failure."""
-    hints = typing.get_type_hints(cls)
+    hints = declared_types(cls)
     unset = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.name not in values and f.default is None and "Path" in str(hints[f.name])
+        name
+        for name, flat in flatten(cls).items()
+        if name not in values and flat.field.default is None and "Path" in str(hints[name])
     ]
     filled: dict = {}
     first = None

@@ -34,7 +34,7 @@ def test_greedy_with_and_without_kv_cache_agree(spread_tiny, spread_prompts):
 def test_shared_prefill_equals_prefilling_every_sequence(spread_tiny, spread_prompts):
     """A prompt sampled n times is prefilled once (images encoded once) and its KV cache copied: the same seeded
     samples and log-probs as prefilling each of the n sequences on its own, in a batch of mixed lengths."""
-    from ovkit.runtime.syncs import SyncCounter
+    from helpers import SyncCounter
 
     kw = dict(n=3, temperature=1.0, max_new_tokens=8, seed=5)
     with SyncCounter() as shared_syncs:

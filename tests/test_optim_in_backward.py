@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from helpers import config, dies_at_first_checkpoint, interrupted_then_resumed, losses, weights
+from helpers import config, dies_at_first_checkpoint, interrupted_then_resumed, losses, sft_runtime, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -97,10 +97,11 @@ def test_grad_norm_is_the_whole_gradients_norm():
 
 
 def test_the_per_parameter_steps_are_not_counted_as_optimiser_steps():
-    """ovkit.runtime.syncs.OptimizerSteps (the sync counter's and bench/step_costs.py's step boundary) sees one step
+    """bench/_syncs.py's OptimizerSteps (the sync counter's and bench/step_costs.py's step boundary) sees one step
     per loop iteration, the façade's, not one per parameter inside backward."""
+    from helpers import OptimizerSteps
+
     from ovkit.runtime.optim import OptimizerInBackward, adamw
-    from ovkit.runtime.syncs import OptimizerSteps
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     opt = OptimizerInBackward(model.parameters(), lambda p: adamw([p], lr=1e-3, weight_decay=0.0))
@@ -173,7 +174,7 @@ def test_several_processes_are_refused(assets, tmp_path, monkeypatch):
     monkeypatch.setattr(Runtime, "distributed", property(lambda self: DistributedType.MULTI_CPU.value))
     cfg = config("SFTConfig", assets, tmp_path / "out", optimizer_in_backward=True, max_grad_norm=0.0)
     with pytest.raises(OvkitError, match="--optimizer-in-backward needs one process"):
-        Runtime(cfg, command="sft", trajectory=())
+        sft_runtime(cfg, trajectory=())
     assert not (tmp_path / "out.lock").exists()
 
 

@@ -2,6 +2,7 @@
 datasets draw (transformers' "Writing model shards" and "Loading weights" bars came through before); without
 --quiet ovkit's bars are there, and the libraries' switches are back as they were after a quiet command."""
 
+import json
 import re
 
 import pytest
@@ -93,3 +94,39 @@ def test_rl_train_quiet_prints_no_bar(cli, tiny):
     )
     assert code == 0 and out.startswith("rl-train stage 1: 1 steps"), err
     assert not BAR.search(err), err
+
+
+def test_quiet_from_python_is_quiet_and_restores_the_library_switches(tiny, tmp_path, capfd):
+    """run_eval(EvalConfig(..., quiet=True)) from Python draws no bar (transformers' "Loading weights" came through:
+    only the CLI turned the libraries' switches off), and the switches are back on after it."""
+    import transformers.utils.logging as transformers_bars
+
+    from ovkit.evaluate import EvalConfig, run_eval
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    cfg = EvalConfig(
+        data=[tiny / "data" / "eval"], model=tiny / "model", out=out, limit=1, max_new_tokens=2, quiet=True
+    )
+    capfd.readouterr()
+    assert run_eval(cfg, out)["rows"] >= 1
+    stdout, err = capfd.readouterr()
+    assert not BAR.search(err) and not stdout, err
+    assert transformers_bars.is_progress_bar_enabled()
+
+
+def test_eval_draws_one_bar_over_every_token_budget_group(cli, tiny, tmp_path):
+    """Without --max-new-tokens each category has its own token budget and is generated in its own call; the run
+    still shows one bar, over every completion, with its ETA (the engine's bar per call is replaced)."""
+    args = ["eval", tiny / "data" / "eval", "--model", tiny / "model", "--limit", "1", "--out", tmp_path / "e"]
+    code, _, err = cli(*args)
+    assert code == 0, err
+    rows = json.loads((tmp_path / "e" / "ovkit.json").read_text())["metrics"]["rows"]
+    budgets = json.loads((tmp_path / "e" / "summary.json").read_text())["max_new_tokens"]
+    assert len(set(budgets.values())) > 1  # several groups, so several engine calls
+    frames = err.replace("\r", "\n").splitlines()
+    assert not [f for f in frames if f.startswith("generate")]
+    eval_frames = [f for f in frames if re.match(r"eval: +\d+%\|", f)]
+    totals = {re.search(r"\| *\d+/(\d+) \[", f)[1] for f in eval_frames}
+    assert totals == {str(rows)} and any(f"{rows}/{rows}" in f for f in eval_frames)
+    assert any(re.search(r"\[\d\d:\d\d<\d\d:\d\d", f) for f in eval_frames)  # elapsed<remaining: the ETA

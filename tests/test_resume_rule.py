@@ -6,7 +6,6 @@ the same path."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -20,9 +19,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_every_option_is_trajectory_or_run_control(module):
     import importlib
 
+    from ovkit.options import flatten
+
     mod = importlib.import_module(module)
     cls = mod.TrainConfig if module.endswith("train.config") else mod.RLTrainConfig
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = set(flatten(cls))  # every option, those held in groups included
     assert set(mod.TRAJECTORY) == names - mod.RUN_CONTROL
     assert not set(mod.TRAJECTORY) & mod.RUN_CONTROL
 

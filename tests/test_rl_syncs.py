@@ -1,6 +1,6 @@
 """The RL learner's step on the device (#25, #26): the host reads the device a bounded number of times per optimiser
 step whatever the batch, and never inside the gradient pass but for the one read of the step's metrics and skip
-guard (ovkit.runtime.syncs counts the reads on CPU: on a GPU each one stalls the host).
+guard (bench/_syncs.py counts the reads on CPU: on a GPU each one stalls the host).
 
 On a CPU-only box the model and the host share a device, so "no tensor of the loss on another device" cannot fail
 here; what can is a host read (`.cpu()`, `.item()`, `.tolist()`, a boolean-mask index) in the learner's part of
@@ -22,9 +22,10 @@ TRANSFORMERS = ("modeling_qwen2_5_vl.py", "import_utils.py")
 
 def _learner_syncs(cfg) -> list:
     """Where the host read the device in each step's device side (ovkit.rl.update.learn) of an rl-train run."""
+    from helpers import SyncCounter
+
     from ovkit.rl import update
     from ovkit.rl.loop import train_rl
-    from ovkit.runtime.syncs import SyncCounter
 
     sites, learn = [], update.learn
 
@@ -109,12 +110,13 @@ def test_the_loss_lives_on_the_models_device_with_no_host_read_in_the_gradient_p
     """Between the first forward and the optimiser step, no op outputs a tensor off the model's device and the host
     reads nothing but inside transformers' forward, until the step's one read (after the clipping)."""
 
+    from helpers import SyncCounter
+
     from ovkit.models import attention as attn
     from ovkit.models import load
     from ovkit.rl import update
     from ovkit.rl.loop import trainable
     from ovkit.runtime.optim import adamw
-    from ovkit.runtime.syncs import SyncCounter
 
     model_dir, data = rl_assets
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -126,7 +128,7 @@ def test_the_loss_lives_on_the_models_device_with_no_host_read_in_the_gradient_p
     model.to(device)
     params = trainable(model, cfg)
     optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sb = update.prepare_step(groups, 0, processor.tokenizer.pad_token_id, model.config, cfg)
+    sb = update.prepare_step(groups, 0, processor.tokenizer.pad_token_id, model.config, cfg.update_options())
 
     seen, clip = {}, update.clip_grad_norm
 
@@ -137,7 +139,7 @@ def test_the_loss_lives_on_the_models_device_with_no_host_read_in_the_gradient_p
 
     monkeypatch.setattr(update, "clip_grad_norm", clipped)
     with SyncCounter() as syncs, _Devices() as devices:
-        metrics = update.learn(model, optimizer, params, sb, cfg.correction_config(), None, cfg)
+        metrics = update.learn(model, optimizer, params, sb, cfg.correction_config(), None, cfg.update_options())
     assert seen["devices"] == {torch.device(device).type}
     assert not seen["reads"], seen["reads"]  # no .cpu()/.item()/.tolist()/mask index in the pass, transformers included
     assert [k for k in _ours(syncs.where)] == [k for k in _ours(syncs.where) if "ppo_update (Tensor.tolist)" in k]

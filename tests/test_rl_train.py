@@ -32,7 +32,15 @@ def _step(model_dir, data, tmp_path, rewards, **kw):
     optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     metrics = train_step(
-        model, optimizer, params, groups, 0, processor.tokenizer.pad_token_id, cfg.correction_config(), None, cfg
+        model,
+        optimizer,
+        params,
+        groups,
+        0,
+        processor.tokenizer.pad_token_id,
+        cfg.correction_config(),
+        None,
+        cfg.update_options(),
     )
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     return metrics, changed
@@ -166,6 +174,11 @@ def test_stage1_then_stage2_end_to_end(rl_assets, tmp_path, cli, one_thread):
         and prov["config"]["format-weight"] == 0.1
     )
     assert "rewards/format/mean" in _metrics(out2)[0]
+    # TRL's names for the clip-ratio extremes over processes (one process here: the means) and each reward's spread
+    for row in rows + _metrics(out2):
+        assert row["clip_ratio/low_min"] == row["clip_ratio/low_mean"]
+        assert row["clip_ratio/high_max"] == row["clip_ratio/high_mean"]
+        assert 0 <= row["rewards/format/std"] <= 0.5 and row["rewards/task/std"] >= 0
     from ovkit.models import load
 
     load(out2)  # the curriculum's output is an ordinary HF model directory

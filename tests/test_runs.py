@@ -87,6 +87,37 @@ def test_a_rerun_removes_a_killed_runs_temporary_directories(cli, tmp_path, pids
     assert code == 0 and "skipped" in stdout and not made["dead_tmp"].exists()
 
 
+def test_a_rerun_with_other_options_is_refused_naming_them(cli, tmp_path):
+    """A complete OUT re-run with the same options skips (run-control ones, like --quiet, may differ); with an option
+    that shapes the result changed it exits 2 naming each as old -> new and --overwrite, and leaves OUT as it was."""
+    data = tmp_path / "data"
+    cell = image_cell(Image.new("RGB", (28, 28), "red"))
+    rows = [
+        {
+            "id": f"r{i}",
+            "images": [cell],
+            "messages": [{"role": "user", "content": "<image>a red square"}],
+            "source": "t",
+        }
+        for i in range(4)
+    ]
+    write_samples(samples_table(rows), data)
+    (tmp_path / "concepts.txt").write_text("red\n")
+    out = tmp_path / "out"
+    args = ["balance", data, "--concepts", tmp_path / "concepts.txt", "--method", "text", "--out", out]
+    code, _, err = cli(*args, "--quiet")
+    assert code == 0, err
+    before = (out / PROVENANCE).read_text()
+    code, stdout, err = cli(*args)  # --quiet is run control: the same result
+    assert code == 0 and "skipped" in stdout, err
+    code, stdout, err = cli(*args, "--quiet", "--seed", "3", "--threshold", "5")
+    assert code == 2 and not stdout
+    assert "--seed 0 -> 3" in err and "--threshold 20.0 -> 5.0" in err and "--overwrite" in err and str(out) in err
+    assert (out / PROVENANCE).read_text() == before
+    code, _, err = cli(*args, "--quiet", "--seed", "3", "--overwrite")
+    assert code == 0 and (out / PROVENANCE).read_text() != before, err
+
+
 def test_remove_stale_leaves_the_own_process_and_unrelated_names(tmp_path, pids):
     import os
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ENV, config, interrupted_then_resumed, make_rows, pack_plan, rl_cfg, weights
+from helpers import ENV, config, interrupted_then_resumed, make_rows, pack_plan, rl_cfg, sft_runtime, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -295,6 +295,36 @@ def test_lora_trains_adapters_only_and_saves_a_merged_model_and_the_adapter(deep
         torch.testing.assert_close(plain.eval()(**inputs).logits, adapted(**inputs).logits, rtol=1e-4, atol=1e-5)
 
 
+def test_lora_adapter_is_the_whole_update_projector_included(deep, tmp_path, monkeypatch):
+    """sft --lora-r 4 with the default --trainable all: the projector trains in full, so the adapter lists it in
+    modules_to_save and base + adapter (peft's merge) equals OUT's weights exactly; the base is named by its absolute
+    path though --model was typed relative; and the adapter directory given as --model names peft and the merged OUT."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from ovkit.errors import OvkitError
+    from ovkit.models import check_model_dir
+    from ovkit.train import train
+
+    root, _ = deep
+    monkeypatch.chdir(root)
+    out = tmp_path / "lora"
+    train(config("SFTConfig", root, out, model="model", max_steps=3, lr=5e-2, lora_r=4, lora_alpha=8))
+    adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["modules_to_save"] == ["model.visual.merger"]
+    assert adapter_config["base_model_name_or_path"] == str((root / "model").resolve())
+    base = AutoModelForImageTextToText.from_pretrained(adapter_config["base_model_name_or_path"])
+    start = {k: v.clone() for k, v in base.state_dict().items()}
+    merged = AutoModelForImageTextToText.from_pretrained(out).state_dict()
+    assert any(not torch.equal(start[k], merged[k]) for k in start if k.startswith("model.visual.merger."))
+    rebuilt = PeftModel.from_pretrained(base, out / "adapter").merge_and_unload().state_dict()
+    assert set(rebuilt) == set(merged)
+    for k, v in merged.items():
+        torch.testing.assert_close(rebuilt[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    with pytest.raises(OvkitError, match=rf"peft LoRA adapter .* --model {out}\b"):
+        check_model_dir(out / "adapter")
+
+
 def test_rl_train_with_lora_samples_from_the_adapted_model(rl_assets, tmp_path):
     """rl-train --lora-r: the synchronous sampler is the adapted learner (on-policy: the learner re-reads the
     sampler's tokens exactly), an asynchronous sampler's copy carries the adapters; the output is the merged model."""
@@ -339,9 +369,7 @@ def test_qlora_trains_adapters_on_a_four_bit_base_and_saves_a_plain_merged_model
     from ovkit.errors import OvkitError
     from ovkit.models import lora
     from ovkit.models.encode import decode_images, encode_sample
-    from ovkit.runtime import Runtime
     from ovkit.train import train
-    from ovkit.train.config import TRAJECTORY
 
     root, _ = deep
     with pytest.raises(OvkitError, match="--lora-r"):
@@ -357,7 +385,7 @@ def test_qlora_trains_adapters_on_a_four_bit_base_and_saves_a_plain_merged_model
         trainable=["llm"],
         load_in_4bit=True,
     )
-    rt = Runtime(cfg, command="sft", trajectory=TRAJECTORY)
+    rt = sft_runtime(cfg)
     model, processor = rt.load_model(root / "model")
     four_bit = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert four_bit and all("layers." in n and "visual" not in n for n in four_bit) and "lm_head" not in four_bit

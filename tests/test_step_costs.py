@@ -1,6 +1,6 @@
 """The training step's host side (#25): what the forward would work out from ids and grids is computed on the host
 ahead of the step and gives the same numbers, and an optimiser step reads the device back a bounded number of times
-whatever the batch (ovkit.runtime.syncs: on a GPU each read stalls the host; on a CPU box the reads are counted)."""
+whatever the batch (bench/_syncs.py: on a GPU each read stalls the host; on a CPU box the reads are counted)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,8 @@ def test_packed_rows_with_host_boundaries_give_the_loss_of_the_boundary_search(d
 
 
 def _syncs_per_step(cfg) -> list[int]:
-    from ovkit.runtime.syncs import SyncCounter
+    from helpers import SyncCounter
+
     from ovkit.train import train
 
     with SyncCounter(steps=True) as syncs:

@@ -280,11 +280,13 @@ def test_trackers_through_accelerate(assets, tmp_path):
     assert list(run.glob("events.out.tfevents.*"))
     acc = EventAccumulator(str(run))
     acc.Reload()
-    logged = [e.value for e in acc.Scalars("loss")]
+    logged = [e.value for e in acc.Scalars("train/loss")]  # the Trainer's train/ prefix, as TRL's runs show it
     assert logged == pytest.approx(losses(tmp_path / "tb"), rel=1e-6)
-    assert {"learning_rate", "num_tokens", "ovkit/tok_per_s"} <= set(
+    assert {"train/learning_rate", "train/num_tokens", "train/epoch", "train/ovkit/tok_per_s"} <= set(
         acc.Tags()["scalars"]
     )  # TRL's names, ovkit's under ovkit/
+    rows = [json.loads(line) for line in (tmp_path / "tb" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0.25, 0.5]  # epochs done, fractional (16 rows, batch 4): the Trainer's
     with pytest.raises(OvkitError, match="--report-to must be one of"):
         config("SFTConfig", assets, tmp_path / "x", report_to=["neptune"])
     for name in ("mlflow", "wandb", "trackio"):

@@ -594,6 +594,7 @@ def model_card(directory: Path, prov: dict[str, Any], shown: str) -> str:
     settings = [(k, cfg[k]) for k in MODEL_SETTINGS if k in cfg and cfg[k] not in (None, [], "")]
     if settings:
         lines += ["| setting | value |", "|---|---|", *[f"| `{k}` | {_cell(v)} |" for k, v in settings], ""]
+    lines += _held_out_lines(prov.get("metrics") or {})
     headline = _headline(prov.get("metrics") or {}, limit=20)
     if headline:
         lines += [
@@ -606,6 +607,25 @@ def model_card(directory: Path, prov: dict[str, Any], shown: str) -> str:
         ]
     lines += ["## Provenance", "", *_provenance_lines(prov, None, full=False), ""]
     return "\n".join(lines)
+
+
+def _held_out_lines(metrics: dict[str, Any]) -> list[str]:
+    """The card's section for the evaluation while training (--eval-data): the last one, per metric and category."""
+    found = metrics.get("eval")
+    if not isinstance(found, dict) or not found:
+        return []
+    rows = [(k, v) for k, v in found.items() if k not in ("step", "runtime") and isinstance(v, (int, float))]
+    return [
+        "## Held-out evaluation",
+        "",
+        f"Scored while training (`--eval-data`), at step {found.get('step')}, the last one: what `ovkit eval` reports "
+        "for that step's weights (`reward`, `accuracy` per category as `reward/<category>`), and the held-out loss.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        *[f"| {k} | {v:.4g} |" for k, v in rows],
+        "",
+    ]
 
 
 def base_models(prov: dict[str, Any]) -> list[str]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
-from typing import Any
 
 from ovkit.errors import OvkitError
 
@@ -199,15 +197,3 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence-token")
 SCALE_REWARDS = ("group", "batch", "none")
-
-
-# --eval-data, --eval-every, --eval-limit, --eval-max-new-tokens (ovkit.evaluate.during)
-def check_eval_options(cfg: Any) -> None:
-    """The eval options of a training config are consistent (messages name the flags; each option's own range is
-    declared on its field, ovkit.options)."""
-    if cfg.eval_data:
-        cfg.eval_data = [
-            Path(p) for p in (cfg.eval_data if isinstance(cfg.eval_data, (list, tuple)) else [cfg.eval_data])
-        ]
-    elif cfg.eval_every:
-        raise OvkitError("--eval-every needs --eval-data (the held-out rows to evaluate on)")

@@ -23,8 +23,8 @@ import yaml
 
 from ovkit.errors import OvkitError
 from ovkit.hub import check_exists, check_model
+from ovkit.options import StageConfig, flatten, hints, validate
 from ovkit.options import aliases as declared_aliases
-from ovkit.options import validate
 
 # Options that steer the CLI itself rather than the stage; never part of a stage config or of config.yaml.
 CLI_ONLY = frozenset({"config"})
@@ -57,26 +57,26 @@ def merge(
     from_cli: set[str],
     file_values: Mapping[str, Any],
     config_path: Path | None = None,
-) -> Any:
+) -> StageConfig:
     """Build `cls` from values given on the command line (`from_cli` names those the user typed), then the file,
     then the dataclass defaults: the dataclass is the only place a default is declared. Every value goes through
     `convert` by the field's declared type. A file key may be an option's other name (ovkit.options.aliases, the
     one table of them: `learning_rate` -> `lr`); an unknown key is an error naming it and the nearest option.
     Where `cls.exclusive` pairs options, one typed on the command line replaces the file's whole pair."""
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = list(flatten(cls))
     file_values = _canonical_keys(file_values, names, declared_aliases(cls), config_path)
     for group in getattr(
         cls, "exclusive", ()
     ):  # `--max-steps 5` over a file with `epochs: 3`: the flag wins, as any flag does
         if from_cli & set(group):
             file_values = {k: v for k, v in file_values.items() if k not in group}
-    hints = typing.get_type_hints(cls)
+    types = hints(cls)
     values: dict[str, Any] = {}
     for name in names:
         if name in from_cli:
-            values[name] = convert(cli_values[name], hints.get(name), f"option --{name.replace('_', '-')}")
+            values[name] = convert(cli_values[name], types.get(name), f"option --{name.replace('_', '-')}")
         elif name in file_values:
-            values[name] = convert(file_values[name], hints.get(name), f"config file {config_path}: key '{name}'")
+            values[name] = convert(file_values[name], types.get(name), f"config file {config_path}: key '{name}'")
     try:
         cfg = cls(**values)
     except TypeError as e:
@@ -263,9 +263,10 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def to_plain(cfg: Any) -> dict[str, Any]:
-    """A config as YAML-safe plain values (Paths and enums as strings), keyed by option name (dashes)."""
-    return {f.name.replace("_", "-"): _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+def to_plain(cfg: StageConfig) -> dict[str, Any]:
+    """A config as YAML-safe plain values (Paths and enums as strings), keyed by option name (dashes), flat: the
+    options held in groups under their own names, in declaration order."""
+    return {name.replace("_", "-"): _plain(getattr(cfg, name)) for name in flatten(type(cfg))}
 
 
 def to_plain_values(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -273,14 +274,14 @@ def to_plain_values(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k.replace("_", "-"): _plain(v) for k, v in values.items()}
 
 
-def dump_yaml(cfg: Any) -> str:
+def dump_yaml(cfg: StageConfig) -> str:
     return yaml.safe_dump(to_plain(cfg), sort_keys=False, allow_unicode=True)
 
 
 def trajectory_options(cls: type, run_control: frozenset[str]) -> tuple[str, ...]:
     """The options of a learner's config a resumed run must keep: every field except the run-control ones. A name in
     `run_control` that is not a field is a typo that would silently protect nothing, so it fails at import."""
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = list(flatten(cls))
     unknown = set(run_control) - set(names)
     if unknown:
         raise TypeError(f"{cls.__name__}: run-control names that are not options: {sorted(unknown)}")
@@ -291,11 +292,11 @@ def config_defaults(cls: type) -> dict[str, Any]:
     """Every field's default as the dataclass declares it (default_factory called): the one reader of declared
     defaults (--help, the pages, a resumed run's missing keys)."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
+    for name, flat in flatten(cls).items():
+        if flat.field.default is not dataclasses.MISSING:
+            out[name] = flat.field.default
+        elif flat.field.default_factory is not dataclasses.MISSING:
+            out[name] = flat.field.default_factory()
     return out
 
 
@@ -304,7 +305,7 @@ def option_default(cls: type, name: str) -> Any:
     return config_defaults(cls).get(name)
 
 
-def check_inputs(cfg: Any) -> None:
+def check_inputs(cfg: StageConfig) -> None:
     """A learner's DATA and --model exist (or name a Hub dataset / model): checked with the options, so a typo is
     reported in a fraction of a second instead of after torch and transformers import. The Hub is asked only
     when the stage loads them."""

@@ -11,12 +11,13 @@ advisory and per machine on local disks; on NFS (v4, or v3 with lockd) Linux tur
 arbitrates across hosts.
 
 Interrupted on purpose. SIGINT (Ctrl-C) and SIGTERM (SLURM or Kubernetes preemption, `kill`) are handled by the CLI
-(`signals()`). A learner's loop runs with the stop deferred (`defer`): the first signal is noted, the step finishes,
-a checkpoint is written and the run exits saying `--resume` continues it (torchtitan and Lightning do the same); a data
-stage stops at once and its temporary output is removed (ovkit.runs.Stage), so a re-run starts clean. A second signal
-stops at once, whatever runs. Either way there is no traceback and the exit code is the shell's for a death by that
-signal, 128 + its number (130 for SIGINT, 143 for SIGTERM): a job script or scheduler sees a run that did not finish
-(a requeue rule can match it), and `set -e` scripts stop as they would after Ctrl-C.
+(`signals()`). A learner's loop runs with the stop deferred (`with deferred_signals():` around it): the first signal
+is noted, the step finishes, a checkpoint is written and the run exits saying `--resume` continues it (torchtitan and
+Lightning do the same); a data stage stops at once and its temporary output is removed (ovkit.runs.Stage), so a
+re-run starts clean. A second signal stops at once, whatever runs. Either way there is no traceback and the exit code
+is the shell's for a death by that signal, 128 + its number (130 for SIGINT, 143 for SIGTERM): a job script or
+scheduler sees a run that did not finish (a requeue rule can match it), and `set -e` scripts stop as they would after
+Ctrl-C.
 
 Out of space or not writable. Where it can be, before the work starts: taking `OUT.lock` beside the output proves
 its directory writable (a read-only or forbidden place exits 2 there), and a learner compares a rough size of what it
@@ -292,10 +293,17 @@ def signals() -> Iterator[None]:
         _asked, _defer = None, False
 
 
-def defer(on: bool) -> None:
-    """A learner's loop: the first signal waits for the step boundary (`asked`); off again once the loop is done."""
+@contextmanager
+def deferred_signals() -> Iterator[None]:
+    """A learner's loop: while the block runs, the first SIGINT/SIGTERM waits for the step boundary (`asked`, which
+    ovkit.runtime.Runtime.stop_if_asked acts on) and a second stops at once; after it a signal stops at once again
+    (the final save and OUT's rename are quicker to finish than to resume)."""
     global _defer
-    _defer = on
+    _defer = True
+    try:
+        yield
+    finally:
+        _defer = False
 
 
 def asked() -> int | None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ovkit.errors import OvkitError
-from ovkit.options import DATA_PARALLEL, ONE_PROCESS, RANK_SHARDED, ROW_SHARED
+from ovkit.options import DATA_PARALLEL, ONE_PROCESS, RANK_SHARDED, ROW_SHARED, StageConfig
 
 
 def processes() -> tuple[int, int]:
@@ -35,7 +35,7 @@ def processes() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check(command: str, cfg: Any) -> None:
+def check(command: str, cfg: StageConfig) -> None:
     """Refuse what a command cannot do under the launcher, and give a rank-sharded command its shard. The policy is
     the stage config's `launcher` class attribute (ovkit.options: DATA_PARALLEL, RANK_SHARDED, ROW_SHARED,
     ONE_PROCESS)."""

@@ -14,6 +14,8 @@ calls the function where it declares the field. Torch-free and typer-free: libra
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -145,25 +147,79 @@ def spec(f: dataclasses.Field) -> Option:
     return meta
 
 
+# -- option groups: fields of a stage config that hold a dataclass of options --------------------------------------
+# A stage config holds the groups its command shares (`loading: ModelLoading = group(ModelLoading, after=True)`) and
+# those it keeps together for one consumer (rl-train's `ppo: PPOLoss = group(PPOLoss)`); the library below a stage's
+# entry point takes the group, not the whole config (litgpt's `fit(train: TrainArgs, eval: EvalArgs)`, TRL's several
+# dataclasses behind one parser). The user sees one flat surface: `flatten` is the one walk of a stage class into its
+# options, and everything that lists options (specs, aliases, validate, the YAML loader, the command line, the pages,
+# the resume rule) reads it, so a flag, YAML key and config.yaml key is the option's own name, wherever it is held.
+
+GROUP = "ovkit-group"  # the metadata key of a group field: whether --help lists it after the command's own options
+
+
+def group(cls: type, *, after: bool = False) -> Any:
+    """A stage config's field holding option group `cls` (a dataclass of `option(...)` fields), a fresh one per config.
+    `after`: --help and the page list its options after the command's own (the groups every loader or learner shares),
+    else where the field is declared."""
+    return dataclasses.field(default_factory=cls, metadata={GROUP: after})
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat:
+    """One option of a stage as `flatten` finds it: its field, where it is held and its declared type."""
+
+    field: dataclasses.Field
+    hint: Any
+    held_by: str | None = None  # the group field holding it (None: the stage's own field)
+    after: bool = False  # listed after the command's own options
+
+
+@functools.cache
+def flatten(cls: type) -> dict[str, Flat]:
+    """{option name: Flat} of a stage config class in declaration order, each group field replaced by its options (one
+    level: a group holds options only). Names are unique per stage: `cfg.lr` and `SFTConfig(lr=...)` reach the group
+    holding `lr` (StageConfig), and YAML keys and flags are these names."""
+    out: dict[str, Flat] = {}
+    types = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if GROUP in f.metadata:
+            kind = types[f.name]
+            held = typing.get_type_hints(kind)
+            items = [(g.name, Flat(g, held[g.name], f.name, f.metadata[GROUP])) for g in dataclasses.fields(kind)]
+        else:
+            items = [(f.name, Flat(f, types[f.name]))]
+        for name, flat in items:
+            if name in out:
+                raise TypeError(f"{cls.__name__}: option {name!r} is declared twice (options are flat per stage)")
+            out[name] = flat
+    return out
+
+
+def hints(cls: type) -> dict[str, Any]:
+    """{option name: its declared type} of a config class (what the converter and the command line parse by)."""
+    return {name: flat.hint for name, flat in flatten(cls).items()}
+
+
 def specs(cls: type) -> dict[str, Option]:
-    """{field name: Option} of a config class: its own options in declaration order, then those of the shared groups
-    it inherits (ModelLoading, Learner), so --help and the page start with what is particular to the command, and the
-    run-control panel (seed, overwrite, quiet) closes them."""
-    inherited = {f.name for base in cls.__mro__ if base in MIXINS for f in dataclasses.fields(base)}
-    fields = dataclasses.fields(cls)
-    order = sorted(fields, key=lambda f: (spec(f).panel == RUN, f.name in inherited))  # run control last
-    return {f.name: spec(f) for f in order}
+    """{option name: Option} of a config class: its own options in declaration order (groups held in place among
+    them), then those of the shared groups (`group(..., after=True)`: ModelLoading, the learners' groups), so --help
+    and the page start with what is particular to the command, and the run-control panel (seed, overwrite, quiet)
+    closes them."""
+    flat = flatten(cls)
+    order = sorted(flat, key=lambda name: (spec(flat[name].field).panel == RUN, flat[name].after))  # run control last
+    return {name: spec(flat[name].field) for name in order}
 
 
 def aliases(cls: type) -> dict[str, str]:
-    """{other spelling as a config-file key: field}: `learning_rate` -> `lr`, `keep_source` -> `keep_sources`."""
+    """{other spelling as a config-file key: option}: `learning_rate` -> `lr`, `keep_source` -> `keep_sources`."""
     out = {}
-    for f in dataclasses.fields(cls):
-        meta = f.metadata.get(KEY)
+    for name, flat in flatten(cls).items():
+        meta = flat.field.metadata.get(KEY)
         if meta is not None and not meta.argument:
             for flag in (meta.flag, *meta.flags):
-                if flag and flag.lstrip("-").replace("-", "_") != f.name:
-                    out[flag.lstrip("-").replace("-", "_")] = f.name
+                if flag and flag.lstrip("-").replace("-", "_") != name:
+                    out[flag.lstrip("-").replace("-", "_")] = name
     return out
 
 
@@ -172,25 +228,66 @@ def run_control_names(cls: type) -> frozenset[str]:
     return frozenset(name for name, o in specs(cls).items() if o.run_control)
 
 
-def validate(cfg: Any) -> None:
+class StageConfig:
+    """The base of every stage config (a `@dataclass(init=False)`): built from flat keyword arguments
+    (`SFTConfig(data=..., lr=1e-5)` fills the group holding `lr`), read and set flat (`cfg.lr`), and
+    `dataclasses.replace(cfg, lr=...)` works; each config holds its own copy of every group. The generic machinery
+    (validate, the YAML loader, config.yaml, the resume rule, the launcher check) takes any StageConfig."""
+
+    def __init__(self, **values: Any) -> None:
+        flat = flatten(type(self))
+        moved: dict[str, dict[str, Any]] = {}
+        for name in [n for n in values if flat.get(n) is not None and flat[n].held_by is not None]:
+            moved.setdefault(flat[name].held_by, {})[name] = values.pop(name)
+        for f in dataclasses.fields(self):
+            if f.name in values:
+                value = values.pop(f.name)
+            elif f.default is not dataclasses.MISSING:
+                value = f.default
+            else:
+                value = f.default_factory()  # type: ignore[misc]  # every option has a default
+            if GROUP in f.metadata:  # a copy: a config made by `replace` never shares a group with its source
+                value = dataclasses.replace(value, **moved.get(f.name, {}))
+            object.__setattr__(self, f.name, value)
+        if values:
+            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {next(iter(values))!r}")
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        """A stage's checks across options (each option's own range and choices: `validate`)."""
+
+    def __getattr__(self, name: str) -> Any:  # only names that are not the config's own fields arrive here
+        flat = flatten(type(self)).get(name)
+        if flat is None or flat.held_by is None or flat.held_by not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__} has no option {name!r}")
+        return getattr(self.__dict__[flat.held_by], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        flat = flatten(type(self)).get(name)
+        if flat is not None and flat.held_by is not None:
+            setattr(getattr(self, flat.held_by), name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+
+def validate(cfg: StageConfig) -> None:
     """Every option's declared choices and range, checked at start (before any model loads), naming the flag: a stage
     config calls it first in `__post_init__` (its own checks are those across options), and `ovkit.config.build` again
     on the values `__post_init__` filled in."""
-    for f in dataclasses.fields(cfg):
-        meta = f.metadata.get(KEY)
-        value = getattr(cfg, f.name)
+    for name, flat in flatten(type(cfg)).items():
+        meta, value = flat.field.metadata.get(KEY), getattr(cfg, name)
         if meta is None or value is None:
             continue
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if meta.choices is not None and str(item) not in meta.choices:
-                raise OvkitError(f"{meta.cli_name(f.name)} must be one of {', '.join(meta.choices)}, got {item!r}")
+                raise OvkitError(f"{meta.cli_name(name)} must be one of {', '.join(meta.choices)}, got {item!r}")
             if isinstance(item, (int, float)) and not isinstance(item, bool) and meta.refuses(item):
                 accepts = meta.accepts()
                 accepts = f"in {accepts}" if accepts[0] in "[(" else accepts
-                raise OvkitError(f"{meta.cli_name(f.name)} must be {accepts}, got {item}")
+                raise OvkitError(f"{meta.cli_name(name)} must be {accepts}, got {item}")
 
 
-def check_corrections(cfg: Any) -> None:
+def check_corrections(cfg: StageConfig) -> None:
     """The mismatch-correction bounds across options (rl-train applies them, mismatch-report reports them): each
     bound's own range is declared on its field below."""
     if cfg.correction_lower is not None and cfg.correction_lower > cfg.correction_threshold:
@@ -634,13 +731,16 @@ SHARED = {
 }  # {field name: its declaration}, for the converter and the pages
 
 
+# -- the groups several commands share (a stage config holds them: `loading: ModelLoading = group(...)`) -------------
+# A command whose wording or default differs declares a subclass with the field redeclared (sft's --precision page
+# text, rl-train's --save-every 250); a redeclared field keeps its place in the group.
+
+
 @dataclasses.dataclass
 class ModelLoading:
-    """The options of every command that loads a model (align, midtrain, sft, rl-train, eval, caption, rl-curate,
-    mismatch-report): how it loads and computes. A stage config inherits them; one that says something else redeclares
-    the field (mismatch-report's learner precision is fp32). A new model-loading option is one field here (and its
-    use where the model loads): every such command, its --help, YAML keys, validation and page get it. Listed after a
-    command's own options in --help and on its page."""
+    """How a command loads a model and computes with it (align, midtrain, sft, rl-train, eval, caption, rl-curate,
+    mismatch-report). A new model-loading option is one field here (and its use where the model loads): every such
+    command, its --help, YAML keys, validation and page get it. Listed after a command's own options."""
 
     precision: str = precision()
     attn_implementation: str = attn_implementation()
@@ -648,22 +748,52 @@ class ModelLoading:
 
 
 @dataclasses.dataclass
-class Learner(ModelLoading):
-    """The options every learner shares (align, midtrain, sft, rl-train): optimiser implementation, memory and speed,
-    LoRA, checkpoints and trackers, evaluation while training. A new learner option is one field here (and its use in
-    ovkit.runtime); a learner whose wording or default differs redeclares the field."""
+class GeneratorLoading(ModelLoading):
+    """Model loading for a command that only generates with the model (eval, caption): --precision on its page is
+    the weights' compute precision, without a learner's master weights."""
+
+    precision: str = precision(
+        doc=(
+            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
+            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
+        )
+    )
+
+
+@dataclasses.dataclass
+class Optimiser:
+    """Which AdamW implementation a learner steps with, and when (ovkit.runtime.optim); the learning rate and its
+    schedule are the stage's own options."""
 
     optim: str = optim()
     optimizer_in_backward: bool = optimizer_in_backward()
+
+
+@dataclasses.dataclass
+class Compute:
+    """How a learner computes the same numbers: activation checkpointing, compilation, kernels (memory and speed)."""
+
     activation_checkpointing: str = activation_checkpointing()
     gradient_checkpointing: bool = gradient_checkpointing()
     compile: bool = compile()
     kernels: str = kernels()
     use_liger_kernel: bool = use_liger_kernel()
+
+
+@dataclasses.dataclass
+class Lora:
+    """LoRA adapters instead of full fine-tuning (ovkit.models.lora)."""
+
     lora_r: int = lora_r()
     lora_alpha: float = lora_alpha()
     lora_dropout: float = lora_dropout()
     lora_targets: list[str] | None = lora_targets(default_doc="per architecture")
+
+
+@dataclasses.dataclass
+class Checkpoints:
+    """When a learner checkpoints, how many it keeps, whether it resumes, and when it gives up on a diverging run."""
+
     save_every: int = save_every()
     keep_checkpoints: int = keep_checkpoints()
     resume: bool = resume()
@@ -681,11 +811,41 @@ class Learner(ModelLoading):
             "(which may then lower `--lr`), and OUT is not written"
         ),
     )
+
+
+@dataclasses.dataclass
+class Trackers:
+    """Where a learner reports its metrics besides metrics.jsonl."""
+
     report_to: list[str] = report_to()
+
+
+@dataclasses.dataclass
+class EvalDuring:
+    """Evaluation while training (ovkit.evaluate.during)."""
+
     eval_data: list[Path] | None = eval_data()
     eval_every: int = eval_every()
     eval_limit: int | None = eval_limit(default_doc="all")
     eval_max_new_tokens: int | None = eval_max_new_tokens(default_doc="per category")
 
+    def check(self) -> None:
+        """The options are consistent (messages name the flags; each one's range is declared on its field), and
+        --eval-data a list of paths."""
+        data = self.eval_data
+        if data:
+            self.eval_data = [Path(p) for p in (data if isinstance(data, (list, tuple)) else [data])]
+        elif self.eval_every:
+            raise OvkitError("--eval-every needs --eval-data (the held-out rows to evaluate on)")
 
-MIXINS = (ModelLoading, Learner)  # option groups shared by inheritance
+
+@dataclasses.dataclass
+class MultiTurnOptions:
+    """Multi-turn rollouts with an environment (ovkit.envs, ovkit.rollouts.episodes)."""
+
+    env: str | None = env()
+    env_arg: Any = env_arg()
+    max_turns: int = max_turns()
+    max_response_tokens: int | None = max_response_tokens()
+    env_retries: int = env_retries()
+    env_timeout: float = env_timeout()

@@ -8,7 +8,6 @@ its help). The table sits between two marker comments; the rest of the page is w
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import typer.main
 
 from ovkit import cli
 from ovkit.commands._common import config_defaults, stage_of
-from ovkit.options import specs
+from ovkit.options import flatten, specs
 
 BEGIN = "<!-- options: begin (generated from the config's declarations by `make pages`; edit them there) -->"
 END = "<!-- options: end -->"
@@ -53,7 +52,7 @@ def table(command: Any) -> str:
     info = stage_of(command)
     cls = info.config_class()
     defaults = config_defaults(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {name: flat.field for name, flat in flatten(cls).items()}
     rows = ["| option | default | meaning |", "|---|---|---|"]
     for name, o in specs(cls).items():
         if o.argument:

@@ -1,11 +1,19 @@
 """`--quiet` means quiet: ovkit's own tqdm bars take `disable=cfg.quiet`, but the libraries ovkit calls draw their
 own (transformers' "Loading weights" and "Writing model shards", huggingface_hub's downloads, datasets' loading and
-map bars), each behind its own switch. This turns those switches off for one command and back on after it.
+map bars), each behind its own switch. This turns those switches off for one command and back on after it: the
+CLI for a --quiet command, and `honours_quiet` for the library functions called from Python with `quiet=True`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from ovkit.options import StageConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def silence_library_bars() -> Callable[[], None]:
@@ -36,3 +44,20 @@ def silence_library_bars() -> Callable[[], None]:
             datasets_bars.enable_progress_bars()
 
     return restore
+
+
+def honours_quiet(fn: F) -> F:
+    """`fn(cfg, ...)` (train, train_rl, run_eval) with the libraries' bars off while it runs when `cfg.quiet`: from
+    Python, `quiet=True` is as quiet as `--quiet` (transformers' "Loading weights" bar came through before)."""
+
+    @functools.wraps(fn)
+    def run(cfg: StageConfig, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(cfg, "quiet", False):
+            return fn(cfg, *args, **kwargs)
+        restore = silence_library_bars()
+        try:
+            return fn(cfg, *args, **kwargs)
+        finally:
+            restore()
+
+    return run  # type: ignore[return-value]

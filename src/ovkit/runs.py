@@ -4,8 +4,9 @@ A stage writes into `OUT.tmp-<pid>` beside its target and renames it to `OUT` at
 resolved options), `ovkit.json` (provenance: command, version, config, input fingerprints, parent checkpoint, seed,
 times, headline metrics) and, for a data or model output, a `README.md` card generated from it (ovkit.cards). A part
 of a sharded output (`OUT/part-I-of-N`) also writes `OUT/README.md`, covering every part. A complete `OUT` (one with
-`ovkit.json`) is left alone unless `overwrite`. The file utilities the stage uses (provenance, fingerprints,
-atomic JSON) are the leaf module ovkit.files, which the lower layers import without this orchestrator.
+`ovkit.json`) is left alone unless `overwrite`; re-run with other options it is refused (exit 2, naming them:
+`finished`). The file utilities the stage uses (provenance, fingerprints, atomic JSON) are the leaf module
+ovkit.files, which the lower layers import without this orchestrator.
 
 A run killed without a chance to clean up (kill -9, a lost node) leaves its `OUT.tmp-<pid>` (or, mid-swap, the
 replaced `OUT.old-<pid>`). The next run of the same `OUT` removes those whose pid is no live process on this machine;
@@ -25,6 +26,7 @@ lock file (ovkit.faults), a learner's `OUT.partial` and caption's work directory
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import re
@@ -36,16 +38,69 @@ from typing import Any
 
 from ovkit import __version__
 from ovkit.cards import PART_DIR, write_card, write_parts_card
-from ovkit.config import dump_yaml, to_plain
+from ovkit.config import dump_yaml, option_default, to_plain, to_plain_values
 from ovkit.data.sources import describe
 from ovkit.errors import OvkitError
 from ovkit.faults import Interrupted, hold, write_failure
 from ovkit.files import MARK, PROVENANCE, fingerprint, is_complete, mark, read_provenance, write_json, written_by_ovkit
 from ovkit.hub import is_remote, parse_spec
+from ovkit.options import StageConfig, specs
 
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerRun:
+    """What a learner's run is beyond its option groups (ovkit.runtime.Runtime): the entry point (train, train_rl)
+    builds it from its stage config. `config` is written whole (config.yaml, ovkit.json) and its flat options are
+    what a resume compares; everything the runtime decides by is a field here or in a group."""
+
+    command: str
+    config: StageConfig
+    out: Path
+    model: Path  # the parent checkpoint: ovkit.json's `parent`
+    seed: int
+    overwrite: bool
+    quiet: bool
+    inputs: dict[Path, str]  # {input path: the option it came from (DATA, --plan, --model)}: fingerprinted for --resume
+    trajectory: tuple[str, ...]  # the options a resumed run must keep
+    lr: float  # named when the run diverges
+    smaller: tuple[str, ...]  # the stage's options that shrink a micro-batch, named when memory runs out
+
+    @classmethod
+    def of(
+        cls,
+        cfg: StageConfig,
+        command: str,
+        trajectory: Iterable[str],
+        *,
+        smaller: Iterable[str],
+        plan: Path | None = None,
+    ) -> LearnerRun:
+        """The run of a learner's stage config (DATA, --model, --out, --seed, --overwrite, --quiet, --lr: every
+        learner declares them); `plan` is a pack plan it reads besides DATA."""
+        named = [*((p, "DATA") for p in cfg.data), (plan, "--plan"), (cfg.model, "--model")]
+        inputs = {Path(p): role for p, role in named if p is not None}  # a Hub id is noted, not fingerprinted
+        return cls(
+            command=command,
+            config=cfg,
+            out=cfg.out,
+            model=cfg.model,
+            seed=cfg.seed,
+            overwrite=cfg.overwrite,
+            quiet=cfg.quiet,
+            inputs=inputs,
+            trajectory=tuple(trajectory),
+            lr=cfg.lr,
+            smaller=tuple(smaller),
+        )
+
+    @property
+    def partial(self) -> Path:
+        """Where the run lives until it completes (renamed to OUT at the end)."""
+        return self.out.parent / f"{self.out.name}.partial"
 
 
 class Stage:
@@ -60,7 +115,7 @@ class Stage:
     def __init__(
         self,
         command: str,
-        cfg: Any,
+        cfg: StageConfig,
         out: Path,
         *,
         inputs: Iterable[Path] = (),
@@ -81,7 +136,7 @@ class Stage:
         self.restore_to: Path | None = None
         claim(self.out)  # before anything is written beside it: a path ovkit did not write is refused, exit 2
         self.lock = hold(self.out, command)  # one writer per output (ovkit.faults): exit 2 naming the holder
-        self.skipped = is_complete(self.out) and not overwrite
+        self.skipped = finished(self.out, cfg, overwrite)
         if self.skipped:
             self.lock.release()
         self.path = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}"
@@ -183,6 +238,61 @@ class Stage:
             "metrics": self.metrics,
             **self.extra,
         }
+
+
+def finished(out: Path, cfg: StageConfig, overwrite: bool) -> bool:
+    """Whether `out` is a complete output this run skips: complete, no `overwrite`, and no option of `cfg` set to
+    another value than the one `out` was made with. Such a run exits 2 naming each option (old -> new) and
+    --overwrite: a skip would keep the old result under the new options' name. Compared: the options a resumed
+    learner must keep (every one but the run-control ones: --out, --quiet, --overwrite, how it checkpoints, logs and
+    computes), so a skip and a --resume agree on what "the same run" is; and of those only the ones set to other
+    than their default, so the short re-run `ovkit CMD ... --out OUT` (what `make` does after an edit elsewhere) still
+    just finds OUT complete."""
+    if overwrite or not is_complete(out):
+        return False
+    changed = changed_options(read_provenance(out).get("config") or {}, cfg)
+    if changed:
+        raise OvkitError(
+            f"--out {out} is complete but was made with other options ({', '.join(changed)}); use --overwrite to "
+            f"replace it, or give its options to keep it"
+        )
+    return True
+
+
+def changed_options(saved: dict[str, Any], cfg: StageConfig) -> list[str]:
+    """`--flag old -> new` for every option of `cfg` set to other than its default (run-control ones aside) whose
+    value differs from `saved` (the config an output recorded; an option it does not name ran as its default)."""
+    if not dataclasses.is_dataclass(cfg):
+        return []
+    now = to_plain(cfg)
+    init = {f.name for f in dataclasses.fields(cfg) if f.init}
+    out = []
+    for name, meta in specs(type(cfg)).items():
+        key = name.replace("_", "-")
+        if meta.run_control or name not in init or key not in now:
+            continue
+        default = _left_at_default(cfg, name)
+        if now[key] == default:
+            continue
+        # an option the output's config does not name did not exist when it was made: it ran as its default
+        old = saved[key] if key in saved else to_plain_values({name: option_default(type(cfg), name)})[key]
+        if old != now[key]:
+            out.append(f"{meta.cli_name(name)} {old!r} -> {now[key]!r}")
+    return out
+
+
+_UNSET = object()
+
+
+def _left_at_default(cfg: StageConfig, name: str) -> Any:
+    """The value option `name` takes when left at its declared default, the others as they are: a stage's
+    `__post_init__` fills some in (align's --lr is 1e-4, --vision-lr is --lr), so the declared default alone would
+    call a short re-run's value changed. `_UNSET` when the default is refused beside the other options."""
+    try:
+        value = getattr(dataclasses.replace(cfg, **{name: option_default(type(cfg), name)}), name)
+    except OvkitError:
+        return _UNSET
+    return to_plain_values({name: value})[name.replace("_", "-")]
 
 
 def claim(out: Path, *, what: str = "--out", partial: Path | None = None) -> None:

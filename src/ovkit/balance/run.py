@@ -48,7 +48,7 @@ SHARDED_RUNS = "Sharded runs"
 
 
 @dataclass
-class BalanceConfig:
+class BalanceConfig(O.StageConfig):
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     # input sample table (not used with --merge)

@@ -70,9 +70,10 @@ CAPTIONING = "Captioning"
 CAPTION_FILTER = "Caption filter"
 
 
-@dataclass
-class CaptionConfig(O.ModelLoading):
+@dataclass(init=False)
+class CaptionConfig(O.StageConfig):
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
+    loading: O.GeneratorLoading = O.group(O.GeneratorLoading, after=True)  # listed after the command's own options
 
     data: Path | None = option(
         None,
@@ -152,12 +153,6 @@ class CaptionConfig(O.ModelLoading):
     )
     shard: str | None = O.shard(doc="`I/N`: caption part I of N into `OUT/part-I-of-N/`")
     on_error: str = O.on_error()
-    precision: str = O.precision(
-        doc=(
-            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
-            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
-        )
-    )
     seed: int = O.seed(doc="language draw and sampling seed")
     overwrite: bool = O.overwrite(doc="redo a complete output (and discard saved chunks)")
     quiet: bool = O.quiet()

@@ -29,7 +29,7 @@ import typer
 from typer.core import TyperCommand
 
 from ovkit.config import CLI_ONLY, config_defaults, load_yaml, merge
-from ovkit.options import IO, RUN, specs
+from ovkit.options import IO, RUN, hints, specs
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -94,7 +94,7 @@ def cli_type(hint: Any) -> Any:
 def signature(cls: type) -> tuple[inspect.Signature, dict[str, Any]]:
     """The command function's signature (and annotations) typer reads: `ctx`, one parameter per field of `cls`
     (default None: typer's value when not typed), then --config."""
-    hints = typing.get_type_hints(cls)
+    types = hints(cls)
     params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)]
     for name, o in specs(cls).items():
         if o.argument:
@@ -103,7 +103,7 @@ def signature(cls: type) -> tuple[inspect.Signature, dict[str, Any]]:
             flag = o.cli_name(name) + (f"/--no-{o.cli_name(name)[2:]}" if o.negatable else "")
             default = typer.Option(None, flag, *o.flags, help=o.help, rich_help_panel=o.panel, metavar=o.metavar)
         params.append(
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=cli_type(hints[name]))
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=cli_type(types[name]))
         )
     params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=CONFIG, annotation=Path))
     return inspect.Signature(params, return_annotation=None), {p.name: p.annotation for p in params}

@@ -20,9 +20,8 @@ def evaluate(ctx: typer.Context) -> None:
     """Evaluate a model on held-out rows: mean reward and accuracy per category, per source and overall."""
     from ovkit.evaluate import compare_table, load_run, run_eval
     from ovkit.evaluate.results import unmapped
-    from ovkit.files import is_complete
     from ovkit.launch import processes
-    from ovkit.runs import Stage, claim
+    from ovkit.runs import Stage, claim, finished
 
     cfg = resolve(ctx)
     if cfg.compare:
@@ -39,7 +38,7 @@ def evaluate(ctx: typer.Context) -> None:
     rank, world = processes()
     if rank > 0:  # under a launcher: score this process's share of the rows; the main process writes OUT
         claim(cfg.out)  # as the main process's Stage does: a path ovkit did not write stops every process
-        if not is_complete(cfg.out) or cfg.overwrite:
+        if not finished(cfg.out, cfg, cfg.overwrite):
             run_eval(cfg, None)
         return
     stage = Stage(

@@ -22,6 +22,7 @@ def rl_train(ctx: typer.Context) -> None:
     cfg = resolve(ctx)  # before the loop's import (torch): an input error appears at once
     check_inputs(cfg)
     from ovkit.rl.loop import train_rl
+    from ovkit.runtime.log import held_out_note
 
     m = train_rl(cfg)
     if m is None:
@@ -32,7 +33,7 @@ def rl_train(ctx: typer.Context) -> None:
     done(
         f"rl-train stage {cfg.stage}: {m['steps']} steps, reward {reward}, "
         f"{m['samples_per_s']:.1f} samples/s, max staleness {m['max_staleness_seen']}, {m['elapsed_s']:.0f}s -> "
-        f"{cfg.out}"
+        f"{cfg.out}" + held_out_note(m)
     )
     from ovkit.rl.metrics import cut_or_masked
 

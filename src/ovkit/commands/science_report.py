@@ -16,7 +16,7 @@ from ovkit.options import option
 
 
 @dataclass
-class ScienceReportConfig:
+class ScienceReportConfig(O.StageConfig):
     """Options of `ovkit science-report` (ovkit.science.build_report)."""
 
     launcher: ClassVar[str] = O.ONE_PROCESS

@@ -48,6 +48,7 @@ def run(ctx: typer.Context) -> None:
     """Resolve the stage's config, train, and print the one-line summary."""
     cfg = resolve(ctx)  # before the loop's import (torch): an input error appears at once
     check_inputs(cfg)
+    from ovkit.runtime.log import held_out_note
     from ovkit.train import train
 
     result = train(cfg)
@@ -58,6 +59,7 @@ def run(ctx: typer.Context) -> None:
         done(
             f"{cfg.stage}: {m['steps']} steps, loss {m['first_loss']:.4f} -> {m['final_loss']:.4f}, "
             f"{m['trainable_params']:,}/{m['total_params']:,} params trained, {m['elapsed_s']:.0f}s -> {cfg.out}"
+            + held_out_note(m)
         )
         dropped(
             cfg.stage,

@@ -21,6 +21,7 @@ Each format's mapping (`FORMATS` names them):
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import sys
 from collections import Counter
@@ -56,6 +57,23 @@ CONSUMED = {
 }
 # Optional sample columns each format fills (present in every output file, so all parts share one schema).
 FILLS = {"ov-rl": ["category", "answer", "answer_type"], "verl": ["category", "answer"]}
+# TRL's GRPO datasets (prompt, image(s), solution) keep the gold answer in `solution` and score it with TRL's
+# accuracy_reward, a math_verify comparison of the completion with it: ovkit's `math` scorer. Such an input (or one
+# whose `solution` was renamed `answer`) fills answer and, where a row names none, answer_type with it.
+TRL_GOLD = ("solution", "answer")
+TRL_SCORER = "math"
+# Part of the key of a converted copy in the cache (ovkit.data.io.materialize): raised when a format's mapping
+# changes, so a copy made by the older mapping (TRL's GRPO rows without their answer, before 2) is not reused.
+MAPPING_REVISION = 2
+
+
+def fills(fmt: str, extras: list[str]) -> list[str]:
+    """The optional sample columns format `fmt` fills, given the input's other text columns."""
+    if fmt == "trl" and any(k in extras for k in TRL_GOLD):
+        return ["answer", "answer_type"]
+    return FILLS.get(fmt, [])
+
+
 # Which input field a contract column came from, for error messages that point at the user's data.
 FIELD_OF = {
     "llava": {"images": "image", "messages": "conversations"},
@@ -77,7 +95,7 @@ RECORDS = "Records"
 
 
 @dataclass
-class ConvertConfig:
+class ConvertConfig(O.StageConfig):
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     input: str | None = option(
@@ -154,11 +172,38 @@ class ConvertConfig:
         self.from_format = ALIASES.get(str(self.from_format), str(self.from_format))
         parse_shard(self.shard)  # raises with the flag's name
 
+    def conversion(self) -> Conversion:
+        """What the converter reads of these options (INPUT and OUT are the entry point's)."""
+        return Conversion(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Conversion)})
+
     @property
     def out_dir(self) -> Path:
         """Where this run's stage directory goes: OUT, or OUT/part-I-of-N/ for one shard (read as one dataset)."""
         shard = parse_shard(self.shard)
         return self.out / part_name(shard).removesuffix(".parquet") if shard else self.out
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What one conversion does (convert_input): `ovkit convert`'s options less INPUT and OUT. The command builds it
+    from its config (ConvertConfig.conversion); a stage that reads a foreign table (ovkit.data.io) from the options'
+    declared defaults and the format it detected (`Conversion.default`)."""
+
+    from_format: str
+    to_format: str
+    image_root: Path | None
+    source: str | None
+    caption_prompt: str
+    rows_per_file: int
+    shard: str | None
+    on_error: str
+    quiet: bool
+
+    @classmethod
+    def default(cls, **given: Any) -> Conversion:
+        """`ovkit convert`'s declared defaults (ConvertConfig's fields), `given` overriding them."""
+        declared = {name: flat.field.default for name, flat in O.flatten(ConvertConfig).items()}
+        return cls(**{f.name: given.get(f.name, declared[f.name]) for f in dataclasses.fields(cls)})
 
 
 class BadRecord(Exception):
@@ -175,12 +220,13 @@ class BadRecord(Exception):
 class Converter:
     """Maps records of one format to sample rows and keeps the counts the summary reports."""
 
-    def __init__(self, fmt: str, cfg: ConvertConfig, inp: Input, extras: list[str]):
+    def __init__(self, fmt: str, cfg: Conversion, inp: Input, extras: list[str]):
         self.fmt, self.cfg, self.extras = fmt, cfg, extras
         self.root = cfg.image_root or (inp.path if inp.path.is_dir() else inp.path.parent)
         self.name = inp.path.stem if inp.path.is_file() else inp.path.name
         self.default_source = cfg.source or self.name
-        self.columns = [*REQUIRED, *FILLS.get(fmt, []), *[c for c in extras if c not in FILLS.get(fmt, [])]]
+        filled = fills(fmt, extras)
+        self.columns = [*REQUIRED, *filled, *[c for c in extras if c not in filled]]
         self.ids: set[str] = set()
         self.counts: Counter[str] = Counter()
         self.first_rename = ""
@@ -417,6 +463,17 @@ def from_chat(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
     return {"id": raw.get("id"), "images": images, "messages": c.markers(messages, len(images)), "source": None}
 
 
+def from_trl(raw: dict[str, Any], c: Converter) -> dict[str, Any]:
+    """TRL's layouts (from_chat), and for its GRPO datasets the gold answer: `answer`, else `solution`, scored by
+    `answer_type` where the row names one, else by TRL_SCORER."""
+    row = from_chat(raw, c)
+    if "answer_type" in c.columns:
+        gold = raw.get("answer") if raw.get("answer") is not None else raw.get("solution")
+        row["answer"] = gold if gold is None or isinstance(gold, str) else json.dumps(gold, ensure_ascii=False)
+        row["answer_type"] = _optional_text(raw, "answer_type") or TRL_SCORER
+    return row
+
+
 def _as_turns(value: Any, role: str, field: str) -> list[Any]:
     if value is None:
         return []
@@ -482,7 +539,7 @@ MAPPERS: dict[str, Callable[[dict[str, Any], Converter], dict[str, Any]]] = {
     "ov-midtrain": from_midtrain,
     "ov-rl": from_ov_rl,
     "verl": from_verl,
-    "trl": from_chat,
+    "trl": from_trl,
     "ovkit": from_chat,
 }
 
@@ -602,13 +659,17 @@ def convert_batch(records: list[Record], conv: Converter) -> tuple[pa.Table, lis
     return (table if not bad else table.take(pa.array(keep, pa.int64()))), rejects
 
 
-def convert(
-    cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None = None, inp: Input | None = None
+def convert(cfg: ConvertConfig, out_dir: Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`ovkit convert`: `cfg.input` into the dataset directory `out_dir` (convert_input); returns the metrics."""
+    return convert_input(cfg.conversion(), open_input(cfg.input), out_dir, log)
+
+
+def convert_input(
+    cfg: Conversion, inp: Input, out_dir: Path, log: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
-    """Convert `cfg.input` (or the already opened `inp`) into the dataset directory `out_dir` (part files +
-    rejects.parquet), in ovkit's layout or, with `to_format='trl'`, TRL's; returns the metrics."""
+    """Convert the opened input `inp` into the dataset directory `out_dir` (part files + rejects.parquet), in
+    ovkit's layout or, with `to_format='trl'`, TRL's; returns the metrics."""
     log = log or (lambda msg: None if cfg.quiet else print(msg, file=sys.stderr))
-    inp = inp or open_input(cfg.input)
     keys, is_str = inp.keys()
     fmt, detected = cfg.from_format, cfg.from_format == "auto"
     if detected:

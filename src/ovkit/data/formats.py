@@ -30,7 +30,8 @@ FORMATS = {
     "prompt_type",
     "verl": "ROLL / verl RL parquet: data_source, images, prompt (chat list), ability, reward_model.ground_truth",
     "trl": "TRL conversational VLM: images (or image), messages [{role, content: text or [{type: text|image}]}] or "
-    "prompt + completion",
+    "prompt + completion; TRL's GRPO datasets: prompt, image(s), solution (the gold answer, scored with math as "
+    "TRL's accuracy_reward does, unless a row names its answer_type)",
     "ovkit": "ovkit's sample table (e.g. from the Hub): id, images, messages [{role, content}], source",
 }
 BATCH = 256  # records mapped and validated together
@@ -319,6 +320,8 @@ def detect_format(keys: list[str], parts: bool = False) -> tuple[str, str]:
             return "trl", "prompt + completion + " + ("images" if "images" in k else "image")
         if chat == "messages" and "image" in k and "images" not in k:
             return "trl", "messages + image"
+        if chat == "prompt" and "solution" in k:  # TRL's GRPO datasets: the prompt as text, the gold answer
+            return "trl", "prompt + solution" + (" + images" if "images" in k else " + image" if "image" in k else "")
     if set(REQUIRED) <= k:
         return "ovkit", "id + images + messages + source"
     matches = []

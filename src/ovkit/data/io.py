@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ovkit import __version__
-from ovkit.data.convert import ConvertConfig, convert
+from ovkit.data.convert import MAPPING_REVISION, Conversion, convert_input
 from ovkit.data.formats import FORMATS, detect_format, input_of, schema_has_parts
 from ovkit.data.parts import REJECTS, local_parquet_files, shard_bounds
 from ovkit.data.schema import check_columns, conform, row_problems
@@ -28,6 +28,7 @@ from ovkit.data.sources import Located, locate, note_converted
 from ovkit.errors import OvkitError, where
 from ovkit.files import fingerprint, is_complete, write_json
 from ovkit.hub import is_hub_id
+from ovkit.rewards import ALIASES, SCORERS
 
 
 def parquet_files(path: Path | str) -> list[Path]:
@@ -117,6 +118,8 @@ def read_samples(
         check_columns(schema, f)
         if answers and "answer" not in schema.names:
             raise OvkitError(f"{shown(f, path, column='answer')}: {no_answer(schema.names)}")
+        if answers and (reason := no_scorer(f, schema)):
+            raise OvkitError(f"{shown(f, path, column='answer_type')}: {reason}")
     total = sum(counts)
     lo, hi = shard_bounds(total, shard) if shard else (0, total)
     seen = _ids_before(files, counts, lo, hi)  # a repeat of an earlier --shard part's id is a duplicate here too
@@ -179,12 +182,29 @@ def no_answer(columns: list[str]) -> str:
                 f"RL and eval rows need a gold answer in column 'answer' (columns: {shown_columns}); this input "
                 f"keeps it in "
                 f"'{name}': rename that column to 'answer' (e.g. `Dataset.rename_column(\"{name}\", \"answer\")`) "
-                f"and give "
-                f"'answer_type' (the scorer) where the default does not fit"
+                f"and add a column 'answer_type' naming each row's scorer (e.g. math); {TRL_GRPO_HINT}"
             )
     return (
         f"RL and eval rows need a gold answer in column 'answer' (columns: {shown_columns}); this looks like a "
         f"training split"
+    )
+
+
+TRL_GRPO_HINT = (
+    "TRL's GRPO layout (prompt with image(s), and solution or answer) is read as it is, scored with math like TRL's "
+    "accuracy_reward (`ovkit convert DATA --from trl --out DIR` writes that table)"
+)
+
+
+def no_scorer(f: Path, schema: pa.Schema) -> str | None:
+    """Why no row of file `f` can be scored, when its `answer_type` column is missing or all null (one message with
+    the fix, not a first bad row whose suggested --on-error skip would reject them all); else None."""
+    if "answer_type" in schema.names and _read_file(f, ["answer_type"]).column("answer_type").null_count < _num_rows(f):
+        return None
+    known = ", ".join(sorted({*SCORERS, *ALIASES}))
+    return (
+        f"RL and eval rows name the scorer of their answer in column 'answer_type', and no row of this file does: "
+        f"add that column ({known}); {TRL_GRPO_HINT}"
     )
 
 
@@ -263,7 +283,8 @@ def materialize(loc: Located) -> list[Path]:
         raise not_a_sample_table(spec.text, keys) from None
     if fmt not in READABLE:
         raise not_a_sample_table(spec.text, keys, fmt)
-    key = hashlib.sha256(f"{spec.text}\0{inp.fingerprint()}\0{fmt}\0{__version__}".encode()).hexdigest()[:16]
+    key = f"{spec.text}\0{inp.fingerprint()}\0{fmt}\0{__version__}\0{MAPPING_REVISION}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
     slug = re.sub(r"[^\w.-]+", "_", spec.text.strip("/~."))[-80:]
     out = cache_dir() / f"{slug}-{key}"
     if not is_complete(out):
@@ -271,7 +292,7 @@ def materialize(loc: Located) -> list[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            metrics = convert(ConvertConfig(input=spec.text, from_format=fmt, out=tmp, quiet=True), tmp, inp=inp)
+            metrics = convert_input(Conversion.default(from_format=fmt, quiet=True), inp, tmp)
         except OvkitError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             # the reading command may have no --on-error of its own: the way past bad rows is convert's

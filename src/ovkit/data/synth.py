@@ -82,7 +82,7 @@ CAPTION_PROMPTS = {
 
 
 @dataclass
-class SynthConfig:
+class SynthConfig(O.StageConfig):
     launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     out: Path | None = O.out()

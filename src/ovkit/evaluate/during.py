@@ -42,12 +42,13 @@ import torch
 from ovkit.data.io import read_samples
 from ovkit.errors import OvkitError
 from ovkit.evaluate.metrics import summarize
-from ovkit.evaluate.run import UNCATEGORIZED, EvalConfig, make_records, score_rows, token_budgets
+from ovkit.evaluate.run import UNCATEGORIZED, Scoring, make_records, score_rows, token_budgets
 from ovkit.generate import HFEngine
 from ovkit.launch import gather, share
 from ovkit.models import pad_token_id
 from ovkit.models.encode import decode_images, encode_sample
 from ovkit.models.precompute import model_inputs, on_device
+from ovkit.options import EvalDuring
 from ovkit.pack.batches import collate_padded, target_tokens
 from ovkit.pack.packed import PackLayout
 from ovkit.prompts import with_instruction
@@ -60,11 +61,19 @@ def never(step: int, scorer: Any) -> dict[str, float]:
 
 
 def evaluator(
-    cfg: Any, rt: Any, processor: Any, n_steps: int, *, prompt: str, loss: bool, batch_size: int
+    options: EvalDuring,
+    seed: int,
+    rt: Any,
+    processor: Any,
+    n_steps: int,
+    *,
+    prompt: str,
+    loss: bool,
+    batch_size: int,
 ) -> Callable[[int, Any], dict[str, float]]:
-    """`evaluate(step, scorer)`: the eval metrics at the steps that are due (every `cfg.eval_every`, and `n_steps`),
-    else {}; the loops merge them into the step's metrics. Without `cfg.eval_data`, always {}."""
-    if not cfg.eval_data:
+    """`evaluate(step, scorer)`: the eval metrics at the steps that are due (every `--eval-every`, and `n_steps`),
+    else {}; the loops merge them into the step's metrics. Without `--eval-data`, always {}."""
+    if not options.eval_data:
         return never
     if getattr(rt, "sharded", False):
         # Generation reads the learner's own weights, which FSDP/DeepSpeed shard, and each process would run another
@@ -76,20 +85,20 @@ def evaluator(
             "`ovkit eval` on each OUT.partial/checkpoints/step-N, a model directory)"
         )
     held_out = HeldOut(
-        cfg.eval_data,
+        options.eval_data,
         processor,
         rt.accelerator.unwrap_model,
         rt,
         prompt=prompt,
         loss=loss,
-        limit=cfg.eval_limit,
-        max_new_tokens=cfg.eval_max_new_tokens,
+        limit=options.eval_limit,
+        max_new_tokens=options.eval_max_new_tokens,
         batch_size=batch_size,
-        seed=cfg.seed,
+        seed=seed,
     )
 
     def evaluate(step: int, scorer: Any) -> dict[str, float]:
-        if step != n_steps and not (cfg.eval_every and step % cfg.eval_every == 0):
+        if step != n_steps and not (options.eval_every and step % options.eval_every == 0):
             return {}
         return held_out(scorer)
 
@@ -125,19 +134,7 @@ class HeldOut:
         for r in scored:
             r["category"] = r.get("category") or UNCATEGORIZED
         self.rows = scored
-        # an EvalConfig as `ovkit eval --prompt PROMPT --seed SEED --limit L --max-new-tokens M` would hold (greedy,
-        # n=1)
-        self.eval_cfg = EvalConfig(
-            data=list(paths),
-            model=Path("."),
-            out=Path("."),
-            prompt=prompt,
-            batch_size=batch_size,
-            max_new_tokens=max_new_tokens,
-            limit=limit,
-            seed=seed,
-            quiet=True,
-        )
+        self.scoring = Scoring(prompt=prompt, seed=seed)  # `ovkit eval --prompt PROMPT --seed SEED`: greedy, n=1
         self.budgets = token_budgets(scored, processor, prompt, max_new_tokens) if scored else {}
         self.batch_size = batch_size
         self.targets = [_target(r) for r in rows] if loss else []
@@ -197,7 +194,7 @@ class HeldOut:
         engine = HFEngine(model, self.processor, batch_size=self.batch_size)  # the learner's weights, not a copy
         mine = share(len(self.rows))
         with self.rt.autocast():
-            done = score_rows(self.eval_cfg, engine, self.processor, [self.rows[i] for i in mine], self.budgets)
+            done = score_rows(self.scoring, engine, self.processor, [self.rows[i] for i in mine], self.budgets)
         every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
         scored = [every[i] for i in range(len(self.rows))]
         records = make_records(self.rows, [s[0] for s in scored], [s[2] for s in scored], [s[3] for s in scored])

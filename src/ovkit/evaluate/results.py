@@ -173,6 +173,11 @@ def _summary_from_lmms(doc: Mapping[str, Any], path: Path) -> dict[str, Any]:
         if "rows" not in detail[task] and isinstance(n.get("effective", n.get("original")), int):
             detail[task]["rows"] = n.get("effective", n.get("original"))
     overall = metrics((doc.get("groups") or {}).get("overall", {}))
+    # the file's row count is its tasks' n-samples (lmms-eval writes none for the whole run): known only when every
+    # task has one, so a run's count is never a part of its rows
+    counts = [detail[task].get("rows") for task in doc["results"]]
+    if "rows" not in overall and counts and all(isinstance(n, int) for n in counts):
+        overall["rows"] = sum(counts)
     return {"categories": {}, "detail": {"categories": detail, "overall": overall}, "harness": "lmms-eval"}
 
 
@@ -310,7 +315,7 @@ def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "
             f" lmms-eval results: a task without {metric!r} shows its only metric (named in the cell); values"
             " outside [0, 1] (scores, percentages) are shown as the harness reports them, without an interval."
         )
-    counts = {label: _rows(s, None) for label, s in runs}
+    counts = {label: n for label, s in runs if (n := _rows(s, None))}  # 0: not known (lmms-eval without n-samples)
     if len(set(counts.values())) > 1:  # e.g. one run used --limit: its numbers are not comparable row for row
         note += " Runs scored different rows: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + "."
     return "\n".join([note, "", *lines]) + "\n"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
+import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -15,6 +17,7 @@ from ovkit.errors import OvkitError, where
 from ovkit.files import write_json
 from ovkit.generate import ENGINES, close_engine
 from ovkit.options import option
+from ovkit.progress import honours_quiet
 from ovkit.prompts import ALIASES, INSTRUCTIONS
 from ovkit.rollouts.prompts import UNCATEGORIZED  # the task of rows without a `category` (light: no torch)
 
@@ -27,10 +30,44 @@ GENERATION = "Generation"
 
 
 @dataclass
-class EvalConfig(O.ModelLoading):
+class EvalMultiTurn(O.MultiTurnOptions):
+    """Multi-turn rollouts, with eval's wording."""
+
+    env: str | None = O.env(
+        doc=(
+            "evaluate under an environment's loop: `zoom`, `verifier` or `package.module:factory` "
+            "([docs/environments.md](../docs/environments.md))"
+        )
+    )
+    env_arg: Any = O.env_arg(
+        doc=(
+            "environment argument, value parsed as YAML (repeatable); in a config file a mapping `env-arg: {key: "
+            "value}`"
+        )
+    )
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How rows are asked, sampled and scored (score_rows, generate_rows): `ovkit eval`'s options
+    (EvalConfig.scoring), or evaluation while training's (ovkit.evaluate.during: greedy, one completion, single-turn,
+    as `ovkit eval --prompt PROMPT --seed SEED` would)."""
+
+    prompt: str
+    seed: int
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    multi_turn: O.MultiTurnOptions = field(default_factory=O.MultiTurnOptions)  # no --env: single-turn
+    progress: bool = False
+
+
+@dataclass(init=False)
+class EvalConfig(O.StageConfig):
     """Options of `ovkit eval` (evaluate a model) and `ovkit eval --compare` (tabulate finished evals)."""
 
     launcher: ClassVar[str] = O.ROW_SHARED  # what it does under torchrun / accelerate launch (ovkit.launch)
+    loading: O.GeneratorLoading = O.group(O.GeneratorLoading, after=True)  # listed after the command's own options
 
     # eval datasets; with --compare: eval outputs (summary.json dirs), LABEL=PATH allowed
     data: list[Path] | None = option(
@@ -117,28 +154,7 @@ class EvalConfig(O.ModelLoading):
         help="Also write OUT/rollouts.parquet (token ids, sampler log-probs, rewards).",
         panel=O.IO,
     )
-    precision: str = O.precision(
-        doc=(
-            "the weights' compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
-            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
-        )
-    )
-    env: str | None = O.env(
-        doc=(
-            "evaluate under an environment's loop: `zoom`, `verifier` or `package.module:factory` "
-            "([docs/environments.md](../docs/environments.md))"
-        )
-    )
-    env_arg: Any = O.env_arg(
-        doc=(
-            "environment argument, value parsed as YAML (repeatable); in a config file a mapping `env-arg: {key: "
-            "value}`"
-        )
-    )
-    max_turns: int = O.max_turns()
-    max_response_tokens: int | None = O.max_response_tokens()
-    env_retries: int = O.env_retries()
-    env_timeout: float = O.env_timeout()
+    multi_turn: EvalMultiTurn = O.group(EvalMultiTurn)
     seed: int = O.seed()
     overwrite: bool = O.overwrite()
     quiet: bool = O.quiet()
@@ -147,7 +163,7 @@ class EvalConfig(O.ModelLoading):
         from ovkit.rollouts.episodes import check_env_options
 
         O.validate(self)  # each option's declared range and choices; the checks across options follow
-        check_env_options(self)
+        check_env_options(self.multi_turn)
 
         if not self.data:
             raise OvkitError(
@@ -171,6 +187,18 @@ class EvalConfig(O.ModelLoading):
             self.temperature = 0.0 if self.n == 1 else 1.0
         if self.n > 1 and self.temperature == 0:
             raise OvkitError("--n > 1 needs --temperature > 0 (greedy completions are all the same)")
+
+    def scoring(self) -> Scoring:
+        """How this eval asks, samples and scores its rows (score_rows)."""
+        return Scoring(
+            prompt=self.prompt,
+            seed=self.seed,
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            multi_turn=self.multi_turn,
+            progress=not self.quiet,
+        )
 
 
 # -- the eval set ---------------------------------------------------------------------------------------------------
@@ -225,6 +253,7 @@ def shuffle_images(rows: list[dict[str, Any]], seed: int) -> list[dict[str, Any]
 # -- the run --------------------------------------------------------------------------------------------------------
 
 
+@honours_quiet
 def run_eval(
     cfg: EvalConfig, out_dir: Path | None, *, engine: Any = None, processor: Any = None
 ) -> dict[str, Any] | None:
@@ -248,7 +277,7 @@ def run_eval(
     mine = share(len(rows))
     budgets = token_budgets(rows, processor, cfg.prompt, cfg.max_new_tokens)  # from every row: the same on each process
     try:
-        done = score_rows(cfg, engine, processor, [rows[i] for i in mine], budgets, clock)
+        done = score_rows(cfg.scoring(), engine, processor, [rows[i] for i in mine], budgets, clock)
         every = dict(zip((i for part in gather([mine]) for i in part), (r for part in gather([done]) for r in part)))
     finally:
         if built:  # after the last collective: vLLM's shutdown also ends the process group it joined
@@ -262,7 +291,7 @@ def run_eval(
 
 
 def score_rows(
-    cfg: EvalConfig,
+    scoring: Scoring,
     engine: Any,
     processor: Any,
     rows: Sequence[dict[str, Any]],
@@ -279,16 +308,16 @@ def score_rows(
     prompts = encode_prompts(
         rows,
         processor,
-        mode=[row_mode(r, cfg.prompt) for r in rows],
+        mode=[row_mode(r, scoring.prompt) for r in rows],
         system=False,
-        extra=env_instruction(cfg),
-        tools=env_tools(cfg),
-        progress=not cfg.quiet,
+        extra=env_instruction(scoring.multi_turn),
+        tools=env_tools(scoring.multi_turn),
+        progress=scoring.progress,
     )
     clock["encode"] = time.perf_counter()
-    completions = generate_rows(engine, cfg, prompts, budgets, processor)
+    completions = generate_rows(engine, scoring, prompts, budgets, processor)
     clock["generate"] = time.perf_counter()
-    rewards = score(rows, completions, cfg.prompt)
+    rewards = score(rows, completions, scoring.prompt)
     clock["score"] = time.perf_counter()
     return [
         (prompt_text(p.messages), [int(t) for t in p.encoded.input_ids], c, r)
@@ -387,7 +416,7 @@ def token_budgets(rows: Sequence[dict[str, Any]], processor: Any, prompt: str, f
 
 
 def generate_rows(
-    engine: Any, cfg: EvalConfig, prompts, budgets: dict[str, int], processor: Any = None
+    engine: Any, scoring: Scoring, prompts, budgets: dict[str, int], processor: Any = None
 ) -> list[list[Any]]:
     """Completions per row (ovkit.rollouts.sample: single-turn, or multi-turn with --env); rows that share a token
     budget are sampled together. A row draws from the streams of its id, whatever rows share its call or process."""
@@ -398,22 +427,52 @@ def generate_rows(
     for i, p in enumerate(prompts):
         groups.setdefault(budgets[p.category], []).append(i)
     out: list[list[Any]] = [[] for _ in prompts]
-    mode = "answer" if cfg.prompt == "none" else cfg.prompt
-    episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=None) if cfg.env else None
-    for budget, idx in sorted(groups.items()):
-        done = sample(
-            engine,
-            [prompts[i] for i in idx],
-            n=cfg.n,
-            max_new_tokens=budget,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            seed=cfg.seed,
-            episodes=episodes,
-        )
-        for i, completions in zip(idx, done):
-            out[i] = completions
+    mode = "answer" if scoring.prompt == "none" else scoring.prompt
+    turns = scoring.multi_turn
+    episodes = make_runner(turns, engine, processor, mode=mode, max_pixels=None) if turns.env else None
+    copies = scoring.n if scoring.temperature > 0 else 1
+    with one_bar(engine, len(prompts) * copies, per_sequence=episodes is None) as bar:
+        for budget, idx in sorted(groups.items()):
+            done = sample(
+                engine,
+                [prompts[i] for i in idx],
+                n=scoring.n,
+                max_new_tokens=budget,
+                temperature=scoring.temperature,
+                top_p=scoring.top_p,
+                seed=scoring.seed,
+                episodes=episodes,
+            )
+            for i, completions in zip(idx, done):
+                out[i] = completions
+            if bar is not None:  # the engine did not advance it per sequence: a group at a time
+                bar.update(len(idx) * copies)
     return out
+
+
+@contextlib.contextmanager
+def one_bar(engine: Any, total: int, *, per_sequence: bool) -> Iterator[Any]:
+    """One progress bar with an ETA over every completion of the run, in place of the engine's bar per call (one per
+    token-budget group). An engine with a `bar` slot (ovkit.generate.hf) advances it per batch of sequences (not with
+    --env: its calls are turns); otherwise the bar is yielded to be advanced per group. Off where the engine's bars
+    are (--quiet)."""
+    if not getattr(engine, "progress", False):
+        yield None
+        return
+    from tqdm.auto import tqdm  # imported on use, like the bar it draws
+
+    shared = per_sequence and hasattr(engine, "bar")
+    bar = tqdm(total=total, desc="eval", unit="seq", dynamic_ncols=True, file=sys.stderr)
+    engine.progress = False
+    if shared:
+        engine.bar = bar
+    try:
+        yield None if shared else bar
+    finally:
+        engine.progress = True
+        if shared:
+            engine.bar = None
+        bar.close()
 
 
 def make_records(rows, inputs, completions, rewards) -> list[dict[str, Any]]:

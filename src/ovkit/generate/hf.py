@@ -216,6 +216,7 @@ class HFEngine:
         self.prefill = prefill
         self.static_cache = static_cache
         self.progress = progress
+        self.bar: Any = None  # a caller's bar over several calls (eval's one bar), advanced instead of a bar per call
         self.stop_ids = stop_token_ids(self.tokenizer, model)
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.stop_ids[0]
@@ -292,7 +293,7 @@ class HFEngine:
         seqs = [(i, k) for i in order for k in range(copies)]  # (prompt, sample) in the order they are generated
         results: list[list[Completion | None]] = [[None] * copies for _ in prompts]
         chunks = [seqs[s : s + self.batch_size] for s in range(0, len(seqs), self.batch_size)]
-        bar = _progress(len(seqs), self.progress)
+        bar = self.bar if self.bar is not None else _progress(len(seqs), self.progress)
         for c, chunk in enumerate(chunks):
             batch = [prompts[i] for i, _ in chunk]
             streams = (
@@ -303,7 +304,8 @@ class HFEngine:
             for (i, k), completion in zip(chunk, done):
                 results[i][k] = completion
             bar.update(len(chunk))
-        bar.close()
+        if bar is not self.bar:
+            bar.close()
         if copies == n:
             return results  # type: ignore[return-value]
         return [

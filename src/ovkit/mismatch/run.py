@@ -32,10 +32,37 @@ RL_TRAIN_CORRECTIONS = "rl-train corrections reported"
 
 
 @dataclass
-class MismatchConfig(O.ModelLoading):
+class MismatchLoading(O.ModelLoading):
+    """Model loading, with mismatch-report's default or wording for --precision."""
+
+    precision: str = O.precision(
+        "fp32",
+        help=(
+            "The learner's precision: fp32 (the default, the reference), bf16-true or bf16-mixed (both "
+            "compute in bf16), or auto (bf16-mixed on a bf16 GPU, else fp32). Aliases: bf16 = bf16-mixed, 32 = fp32."
+        ),
+        panel=LEARNER,
+        doc=None,  # the help says it all; the shared page text describes a learner whose default is auto
+    )
+
+
+@dataclass
+class MismatchMultiTurn(O.MultiTurnOptions):
+    """Multi-turn rollouts, with mismatch-report's wording."""
+
+    env: str | None = O.env(
+        doc=(
+            "with `--generate`: multi-turn rollouts with an environment: `zoom`, `verifier` or `package.module:factory`"
+        )
+    )
+
+
+@dataclass(init=False)
+class MismatchConfig(O.StageConfig):
     """Options of `ovkit mismatch-report`."""
 
     launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)
+    loading: MismatchLoading = O.group(MismatchLoading, after=True)  # listed after the command's own options
 
     rollouts: Path | None = option(
         None,
@@ -121,15 +148,6 @@ class MismatchConfig(O.ModelLoading):
     batch_size: int = option(
         16, help="Rollouts per learner forward pass (and sequences per generate call).", panel=LEARNER, min=1
     )
-    precision: str = O.precision(
-        "fp32",
-        help=(
-            "The learner's precision: fp32 (the default, the reference), bf16-true or bf16-mixed (both "
-            "compute in bf16), or auto (bf16-mixed on a bf16 GPU, else fp32). Aliases: bf16 = bf16-mixed, 32 = fp32."
-        ),
-        panel=LEARNER,
-        doc=None,  # the help says it all; the shared page text describes a learner whose default is auto
-    )
     # rl-train's correction bounds (ovkit.options), reported as what each correction would clip or mask
     correction_threshold: float = O.correction_threshold(panel=RL_TRAIN_CORRECTIONS)
     correction_lower: float | None = O.correction_lower(panel=RL_TRAIN_CORRECTIONS)
@@ -154,16 +172,7 @@ class MismatchConfig(O.ModelLoading):
         panel=O.IO,
         min=1,
     )
-    env: str | None = O.env(
-        doc=(
-            "with `--generate`: multi-turn rollouts with an environment: `zoom`, `verifier` or `package.module:factory`"
-        )
-    )
-    env_arg: Any = O.env_arg()
-    max_turns: int = O.max_turns()
-    max_response_tokens: int | None = O.max_response_tokens()
-    env_retries: int = O.env_retries()
-    env_timeout: float = O.env_timeout()
+    multi_turn: MismatchMultiTurn = O.group(MismatchMultiTurn)
     seed: int = O.seed(doc="sampling seed with `--generate`; scatter-plot sample")
     overwrite: bool = O.overwrite()
     quiet: bool = O.quiet()
@@ -173,7 +182,7 @@ class MismatchConfig(O.ModelLoading):
         from ovkit.rollouts.episodes import check_env_options
 
         O.validate(self)  # each option's declared range and choices; the checks across options follow
-        check_env_options(self)
+        check_env_options(self.multi_turn)
         if self.env and self.generate is None:
             raise OvkitError("--env goes with --generate (ROLLOUTS were already sampled)")
 
@@ -335,8 +344,8 @@ def _generate_all(
         mode=cfg.prompt,
         system=cfg.system_prompt,
         max_pixels=cfg.max_pixels or None,
-        extra=env_instruction(cfg),
-        tools=env_tools(cfg),
+        extra=env_instruction(cfg.multi_turn),
+        tools=env_tools(cfg.multi_turn),
     )
     mode = "answer" if cfg.prompt == "none" else cfg.prompt
     out = []
@@ -344,7 +353,9 @@ def _generate_all(
         engine = make_sampler(
             name, model, processor, model_dir=cfg.model, batch_size=cfg.batch_size, seed=cfg.seed, quiet=cfg.quiet
         )
-        episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels or None, model=model)
+        episodes = make_runner(
+            cfg.multi_turn, engine, processor, mode=mode, max_pixels=cfg.max_pixels or None, model=model
+        )
         with owned(engine):  # a vLLM sampler shuts down before the next sampler is built
             rollouts = generate_rollouts(
                 engine,

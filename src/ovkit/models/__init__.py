@@ -114,6 +114,24 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE) or any(f in ("1", "ON", "YES", "TRUE") for f in flags)
 
 
+def adapter_message(d: Path, flag: str) -> str:
+    """What to do with a peft adapter directory given where a model is expected (ovkit's --lora-r writes one into
+    OUT/adapter/, beside the merged model at OUT's root)."""
+    base = ""
+    try:
+        base = json.loads((d / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path") or ""
+    except (OSError, ValueError, AttributeError):
+        pass
+    merged = d.parent if (d.parent / "config.json").is_file() else None
+    return (
+        f"{flag} {d}: a peft LoRA adapter (adapter_config.json), not a model"
+        + (f"; give the merged model beside it, {flag} {merged}" if merged else "")
+        + f" (or load it yourself: peft.PeftModel.from_pretrained(base, '{d}')"
+        + (f", base {base}" if base else "")
+        + ")"
+    )
+
+
 def check_model_dir(directory: Path | str, flag: str = "--model", *, weights: bool = True) -> None:
     """A model directory holds a readable config.json and, with `weights`, complete weight files: every safetensors
     file as long as its header says (a truncated copy is named here, not by the loader's deserialisation error).
@@ -122,6 +140,8 @@ def check_model_dir(directory: Path | str, flag: str = "--model", *, weights: bo
     if not d.is_dir():
         raise OvkitError(f"{flag} {d}: not a directory (expected a model saved with save_pretrained)")
     config = d / "config.json"
+    if not config.is_file() and (d / "adapter_config.json").is_file():
+        raise OvkitError(adapter_message(d, flag))
     if config.is_file():
         try:
             parsed = json.loads(config.read_text(encoding="utf-8"))

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,6 @@ import torch.nn.functional as F
 
 from ovkit.choices import ATTENTION  # noqa: F401 (re-exported: one definition, torch-free)
 from ovkit.errors import OvkitError
-from ovkit.models.precompute import forget_dead, host_values
 
 VARLEN = "ovkit_varlen_flash"
 
@@ -177,12 +175,14 @@ def varlen_attention(
     max_length_q: int | None = None,
     max_length_k: int | None = None,
     is_causal: bool | None = None,
+    varlen_plans: VarlenPlans | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: query/key/value (batch, heads, tokens, dim); returns (batch,
     tokens, heads, dim). Sequences are concatenated (batch 1) with boundaries `cu_seq_lens_*` (a vision tower), or
     from the restarting `position_ids` of a packed row (a language model, no mask); a language model's padded batch
-    comes with its 2D padding mask and is plain causal SDPA."""
+    comes with its 2D padding mask and is plain causal SDPA. `varlen_plans`: the micro-batch's plans of its
+    boundaries, made on the host with the batch (a model input that transformers forwards to this function)."""
     causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
     if cu_seq_lens_q is None:
         cu_seq_lens_q = _packed_boundaries(kwargs.get("position_ids"), attention_mask, query)
@@ -210,18 +210,20 @@ def varlen_attention(
         return out.unsqueeze(0), None
     if cu_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q, cu_k):
         raise ValueError("varlen attention without a CUDA kernel needs the same boundaries for queries and keys")
-    return _grouped_sdpa(query, key, value, cu_seq_lens_q, causal, dropout if module.training else 0.0, scaling), None
+    dropout = dropout if module.training else 0.0
+    return _grouped_sdpa(query, key, value, cu_seq_lens_q, causal, dropout, scaling, varlen_plans), None
 
 
-# Under --compile (ovkit.runtime.compiling) this runs eagerly, one graph break per attention call: its plan is read
-# from the boundaries' values on the host (data-dependent group count and widths, a cache keyed by the tensor's
-# identity), which Dynamo would otherwise specialise on and recompile for every new set of image sizes.
+# Under --compile (ovkit.runtime.compiling) this runs eagerly, one graph break per attention call: its plan comes
+# from the boundaries' values on the host (data-dependent group count and widths), which Dynamo would otherwise
+# specialise on and recompile for every new set of image sizes. The plans travel in here unopened for that reason.
 @torch.compiler.disable
 def _grouped_sdpa(
-    query, key, value, cu: torch.Tensor, causal: bool, dropout: float, scaling: float | None
+    query, key, value, cu: torch.Tensor, causal: bool, dropout: float, scaling: float | None, plans=None
 ) -> torch.Tensor:
     out = torch.empty_like(query)
-    for flat, mask, keep, n, width in _gather_plan(cu, causal):
+    planned = plans.find(cu, causal) if plans is not None else None
+    for flat, mask, keep, n, width in (planned or _own_plan(cu, causal)).calls:
         q, k, v = (t[0][:, flat].reshape(t.shape[1], n, width, -1).transpose(0, 1) for t in (query, key, value))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
         out[0][:, flat.index_select(0, keep)] = (
@@ -230,35 +232,59 @@ def _grouped_sdpa(
     return out.transpose(1, 2)
 
 
-_PLANS: dict[tuple[int, bool], tuple[Any, list]] = {}
+@dataclass(frozen=True)
+class VarlenPlan:
+    """The SDPA calls of `_groups(cu)` for one set of sequence boundaries: for each, the token positions to gather
+    (padded past each sequence's end by repeating its start), the mask, the positions of the real tokens among them,
+    the sequence count and the width. Made from the boundaries' values on the host (`of`), so planning costs the
+    device nothing; a tower passes the same boundaries to every block, and each block uses the one plan."""
+
+    causal: bool
+    calls: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int], ...]
+
+    @classmethod
+    def of(cls, cu: list[int], causal: bool) -> VarlenPlan:
+        calls = []
+        for starts, lengths in _groups(cu):
+            width = max(lengths)
+            offsets = torch.arange(width)
+            index = torch.tensor(starts)[:, None] + torch.minimum(offsets[None, :], torch.tensor(lengths)[:, None] - 1)
+            valid = offsets[None, :] < torch.tensor(lengths)[:, None]  # (n, width)
+            mask = valid[:, None, None, :]  # keys past a sequence's end are never attended to
+            if causal:
+                mask = mask & torch.ones(width, width, dtype=torch.bool).tril()
+            keep = torch.tensor([r * width + c for r, n in enumerate(lengths) for c in range(n)])
+            calls.append((index.reshape(-1), mask, keep, len(starts), width))
+        return cls(causal, tuple(calls))
+
+    def to(self, device: Any) -> VarlenPlan:
+        """The plan on `device` (copies queued without waiting)."""
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return VarlenPlan(self.causal, tuple((move(f), move(m), move(k), n, w) for f, m, k, n, w in self.calls))
 
 
-def _gather_plan(cu: torch.Tensor, causal: bool) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]:
-    """For each SDPA call of `_groups(cu)`: the token positions to gather (padded past each sequence's end by
-    repeating its start), the mask, the positions of the real tokens among them, the sequence count and width; on
-    cu's device. Kept for as long as `cu` lives: a tower passes the same boundaries to every block, so the host reads
-    them once per forward, not once per layer (on a GPU each read waits for the device)."""
+class VarlenPlans:
+    """A micro-batch's plans on its device, each with the boundaries tensor it was made for, as the model is given
+    them (ovkit.models.precompute.to_device). The model takes them as the `varlen_plans` keyword, which transformers
+    forwards through the vision tower and the language model to the attention function; the boundaries a call gets
+    are matched by identity (the same tensor object travels from the inputs to every block)."""
 
-    key = (id(cu), causal)
-    hit = _PLANS.get(key)
-    if hit is not None and hit[0]() is cu:
-        return hit[1]
-    plan = []
-    values = host_values(cu)
-    values = cu.tolist() if values is None else values
-    for starts, lengths in _groups(values):
-        width = max(lengths)
-        offsets = torch.arange(width)
-        index = torch.tensor(starts)[:, None] + torch.minimum(offsets[None, :], torch.tensor(lengths)[:, None] - 1)
-        valid = offsets[None, :] < torch.tensor(lengths)[:, None]  # (n, width)
-        mask = valid[:, None, None, :]  # keys past a sequence's end are never attended to
-        if causal:
-            mask = mask & torch.ones(width, width, dtype=torch.bool).tril()
-        keep = torch.tensor([r * width + c for r, n in enumerate(lengths) for c in range(n)])
-        plan.append((index.reshape(-1).to(cu.device), mask.to(cu.device), keep.to(cu.device), len(starts), width))
-    forget_dead(_PLANS)
-    _PLANS[key] = (weakref.ref(cu), plan)
-    return plan
+    def __init__(self, bound: list[tuple[torch.Tensor, VarlenPlan]]):
+        self.bound = bound
+
+    def find(self, cu: torch.Tensor, causal: bool) -> VarlenPlan | None:
+        return next((plan for t, plan in self.bound if t is cu and plan.causal == causal), None)
+
+
+def _own_plan(cu: torch.Tensor, causal: bool) -> VarlenPlan:
+    """The plan of boundaries that came without one: those the model works out itself on the device (generation's
+    vision tower) or a packed row's restarts. Their values are read back once and the plan is kept on the tensor
+    (`cu` lives for one forward and belongs to the thread that runs it), so a tower's blocks after the first reuse
+    it instead of reading the device again."""
+    own = cu.__dict__.setdefault("_ovkit_varlen_plans", {})
+    if causal not in own:
+        own[causal] = VarlenPlan.of(cu.tolist(), causal).to(cu.device)
+    return own[causal]
 
 
 def _packed_boundaries(

@@ -3,7 +3,8 @@
 With `--lora-r` > 0 the model's attention and MLP projections inside the selected trainable groups (`--trainable`)
 get low-rank adapters (peft's `inject_adapter_in_model`: LoRA layers replace those Linear modules in place, so the
 model stays the transformers model every other part of ovkit knows); the adapters train, the base weights do not,
-and the projector keeps training in full when it is selected (it is small, and newly initialised at stage 0).
+and the projector keeps training in full when it is selected (it is small, and newly initialised at stage 0). What
+trains in full is the adapter's `modules_to_save` (peft's name for it), so OUT/adapter/ is the whole update.
 Adapter targets per architecture (`--lora-targets` overrides with regular expressions over module names):
 
     Qwen2.5-VL / Qwen3-VL    language model q/k/v/o_proj, gate/up/down_proj; ViT blocks attn.qkv, attn.proj, mlp.*
@@ -11,8 +12,9 @@ Adapter targets per architecture (`--lora-targets` overrides with regular expres
 
 Outputs: the merged model at OUT's root (base + scale * B A, computed out of place: loadable with
 AutoModelForImageTextToText like any other stage's output), and the adapter alone in OUT/adapter/
-(`peft.PeftModel.from_pretrained(base, OUT/adapter)`). The RL sampler samples from the adapted model (the learner
-itself, its copy with the adapters, or vLLM given the merged weights).
+(`peft.PeftModel.from_pretrained(base, OUT/adapter)` gives the weights at OUT's root: the adapters plus the modules
+trained in full; adapter_config.json names the base by its absolute path, or its Hub id). The RL sampler samples
+from the adapted model (the learner itself, its copy with the adapters, or vLLM given the merged weights).
 
 QLoRA (`--load-in-4bit` with `--lora-r`): the language model's Linear weights load as 4-bit NF4 with double
 quantisation (bitsandbytes, through transformers' BitsAndBytesConfig; the vision tower, the projector and the output
@@ -84,8 +86,11 @@ def apply(model: Any, trainable: list[str], spec: LoraSpec) -> tuple[int, int]:
     targets = target_modules(model, trainable, spec)
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets, bias="none")
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)
-    model._ovkit_lora_config = config
     full = {n for n in trainable if group_of(n) == "projector"}
+    # Set after injection: given to inject_adapter_in_model it would wrap them (ModulesToSaveWrapper) and rename their
+    # parameters, which the merged save and every other part of ovkit read by their transformers names.
+    config.modules_to_save = modules_to_save(model, full) or None
+    model._ovkit_lora_config = config
     n_train = n_total = 0
     for name, p in model.named_parameters():
         train = "lora_" in name or name in full
@@ -94,6 +99,33 @@ def apply(model: Any, trainable: list[str], spec: LoraSpec) -> tuple[int, int]:
         n_total += 0 if "lora_" in name else (int(torch.Size(shape).numel()) if shape is not None else p.numel())
         n_train += p.numel() if train else 0
     return n_train, n_total
+
+
+def modules_to_save(model: Any, full: set[str]) -> list[str]:
+    """The smallest modules that together hold the parameters in `full` (trained in full beside the adapters) and
+    nothing else: peft's `modules_to_save`, so the adapter directory carries them and base + adapter equals the merged
+    model (the whole `model.visual.merger` when the projector trains, not each of its Linear layers)."""
+    params = [n for n, _ in model.named_parameters()]
+    found: list[str] = []
+    for name in params:
+        if name not in full or any(name.startswith(f"{m}.") for m in found):
+            continue
+        parts = name.split(".")
+        for depth in range(1, len(parts)):
+            prefix = ".".join(parts[:depth])
+            if all(n in full for n in params if n.startswith(f"{prefix}.")):
+                found.append(prefix)
+                break
+    return found
+
+
+def base_model_name(model: Any) -> str | None:
+    """The base model as adapter_config.json names it: a local directory's absolute path (the path as typed would
+    only resolve from where the run started), else the Hub id."""
+    name = getattr(model.config, "_name_or_path", None)
+    if name and Path(name).expanduser().exists():
+        return str(Path(name).expanduser().resolve())
+    return name or None
 
 
 # Modules never quantised: the vision tower, the projector and the output head (by the names of the supported
@@ -196,7 +228,13 @@ def save_adapter(model: Any, out: Path) -> None:
         f"base_model.model.{k}": v.detach().contiguous().cpu()
         for k, v in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()
     }
-    save_file(state, str(out / "adapter_model.safetensors"))
     config = model._ovkit_lora_config
-    config.base_model_name_or_path = getattr(model.config, "_name_or_path", None)
+    # peft saves a modules_to_save module's weights under its own name (without modules_to_save.<adapter>), and
+    # PeftModel.from_pretrained maps them back onto its copy of the module
+    saved = tuple(f"{m}." for m in config.modules_to_save or ())
+    for name, p in model.named_parameters():
+        if name.startswith(saved):
+            state[f"base_model.model.{name}"] = p.detach().float().contiguous().cpu()
+    save_file(state, str(out / "adapter_model.safetensors"))
+    config.base_model_name_or_path = base_model_name(model)
     config.save_pretrained(str(out))

@@ -14,6 +14,9 @@ there with transformers' own helpers (the values are the same by construction) a
   `image_cu_window_seqlens`, `image_max_window_seqlen` (transformers' precomputed-kwargs interface of the Qwen2.5-VL
   tower, `accepts_precomputed_kwargs`);
 - `cu_seq_lens_q/k` and `max_length_q/k` of a packed row (the flash varlen kwargs: no boundary search per layer);
+- `varlen_plans`: for the boundaries above that the learner's `ovkit_varlen_flash` attention takes, its SDPA calls
+  (ovkit.models.attention.VarlenPlan), planned from their values here; `to_device` binds each plan to the device
+  copy of its boundaries, and transformers forwards the keyword to the attention function;
 - `target_index`: the flat positions that carry a loss, so the loss gathers them with `index_select` instead of a
   boolean mask (whose output size the host must read back);
 - `image_token_index`: where the image features go, so the learner builds the input embeddings itself
@@ -23,15 +26,15 @@ there with transformers' own helpers (the values are the same by construction) a
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
+from ovkit.models.attention import VARLEN, VarlenPlan, VarlenPlans, text_implementation
+
 # Keys that describe a batch for the loss, not inputs of the model's forward.
 LOSS_KEYS = ("labels", "num_tokens", "num_targets", "target_index")
-# Sequence boundaries the attention kernels take; `to_device` tells the CPU-path kernel their host values.
-BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "image_cu_seqlens", "image_cu_window_seqlens")
+PLANS = "varlen_plans"  # {boundary key: VarlenPlan} on the host; a VarlenPlans on the device
 # Inputs of the vision tower's own forward, under the names transformers' precomputed-kwargs interface strips.
 VISION_KEYS = (
     "image_cu_seqlens",
@@ -44,43 +47,29 @@ VISION_KEYS = (
 
 
 def to_device(batch: dict[str, Any], device: Any, skip: tuple[str, ...] = LOSS_KEYS) -> dict[str, Any]:
-    """The model inputs of `batch` on `device` (copies queued without waiting; host values stay as they are)."""
-    out = {}
+    """The model inputs of `batch` on `device` (copies queued without waiting; host values stay as they are), with
+    the batch's attention plans bound to the device copies of the boundaries they were made for."""
+    out, moved = {}, {}
     for k, v in batch.items():
-        if k in skip:
+        if k in skip or k == PLANS:
             continue
         if isinstance(v, torch.Tensor):
-            moved = v.to(device, non_blocking=True)
-            if k in BOUNDARY_KEYS:
-                remember_host(moved, v)
-            v = moved
+            # one copy per host tensor: a packed row's cu_seq_lens_q and _k are one tensor, and stay one
+            if id(v) not in moved:
+                moved[id(v)] = v.to(device, non_blocking=True)
+            v = moved[id(v)]
         out[k] = v
+    plans = batch.get(PLANS)
+    if plans:
+        out[PLANS] = VarlenPlans([(out[k], plan.to(device)) for k, plan in plans.items() if k in out])
     return out
 
 
-# The host values of boundaries `to_device` moved: the CPU-path varlen attention (ovkit.models.attention) plans from
-# these instead of reading the device copy back. Kept here, beside the move, so the model inputs need no runtime.
-_HOST: dict[int, tuple[Any, list[int]]] = {}
-_host_list = torch.Tensor.tolist  # bound at import: a host tensor's values, which ovkit.runtime.syncs need not count
-
-
-def remember_host(device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
-    """Boundaries moved to the device whose values the host already has."""
-    forget_dead(_HOST)
-    _HOST[id(device_tensor)] = (weakref.ref(device_tensor), _host_list(host_tensor))
-
-
-def host_values(device_tensor: torch.Tensor) -> list[int] | None:
-    """The values `remember_host` kept for `device_tensor` (None when it kept none for this tensor)."""
-    host = _HOST.get(id(device_tensor))
-    return host[1] if host is not None and host[0]() is device_tensor else None
-
-
-def forget_dead(table: dict) -> None:
-    """Drop the entries of a {id: (weakref, value)} table whose tensor is gone."""
-    # the async sampler's thread runs the attention beside the learner's: a snapshot of the keys, and pop
-    for k in [k for k, (ref, _) in list(table.items()) if ref() is None]:
-        table.pop(k, None)
+def with_plans(batch: dict[str, Any], plans: dict[str, VarlenPlan]) -> dict[str, Any]:
+    """`batch` with `plans` added to its attention plans."""
+    if plans:
+        batch[PLANS] = {**batch.get(PLANS, {}), **plans}
+    return batch
 
 
 def target_index(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -102,13 +91,17 @@ def padded_positions(rope: list[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
-def varlen_boundaries(text_positions: torch.Tensor) -> dict[str, Any]:
-    """The flash varlen kwargs of one packed row (positions restart at 0 where a sample starts)."""
+def varlen_boundaries(text_positions: torch.Tensor, config: Any = None) -> dict[str, Any]:
+    """The flash varlen kwargs of one packed row (positions restart at 0 where a sample starts), and their plan
+    when `config`'s language model attends with `ovkit_varlen_flash`."""
     pos = text_positions.reshape(-1)
     starts = (pos == 0).nonzero().reshape(-1)
     cu = torch.cat([starts, torch.tensor([pos.numel()])]).to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    values = cu.tolist()
+    longest = _longest(values)
+    out = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    plans = {"cu_seq_lens_q": VarlenPlan.of(values, causal=True)} if text_implementation(config) == VARLEN else {}
+    return with_plans(out, plans)
 
 
 def vision_inputs(config: Any, grid_thw: torch.Tensor | None, input_ids: torch.Tensor | None = None) -> dict[str, Any]:
@@ -137,18 +130,26 @@ def vision_inputs(config: Any, grid_thw: torch.Tensor | None, input_ids: torch.T
         if index.numel() != features:
             raise ValueError(f"the batch has {index.numel()} image tokens for {features} image features")
         out["image_token_index"] = index
-    return out | {
+    values, window_values = cu.tolist(), cu_window.tolist()
+    out |= {
         "image_cu_seqlens": cu,
-        "image_max_seqlen": _longest(cu),
+        "image_max_seqlen": _longest(values),
         "image_position_ids": get_vision_position_ids(grid, vision.spatial_merge_size),
         "image_window_index": window_index,
         "image_cu_window_seqlens": cu_window,
-        "image_max_window_seqlen": _longest(cu_window),
+        "image_max_window_seqlen": _longest(window_values),
     }
+    if getattr(vision, "_attn_implementation", None) != VARLEN:
+        return out
+    plans = {
+        "image_cu_seqlens": VarlenPlan.of(values, causal=False),
+        "image_cu_window_seqlens": VarlenPlan.of(window_values, causal=False),
+    }
+    return with_plans(out, plans)
 
 
-def _longest(cu: torch.Tensor) -> int:
-    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+def _longest(cu: list[int]) -> int:
+    return max((b - a for a, b in zip(cu, cu[1:])), default=0)
 
 
 def on_device(tensor: torch.Tensor | None, device) -> torch.Tensor | None:

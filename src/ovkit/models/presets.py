@@ -172,7 +172,7 @@ MODEL = "Model"
 
 
 @dataclass
-class InitModelConfig:
+class InitModelConfig(O.StageConfig):
     """Options of `ovkit init-model` (see commands/init-model.md)."""
 
     launcher: ClassVar[str] = O.ONE_PROCESS  # what it does under torchrun / accelerate launch (ovkit.launch)

@@ -86,7 +86,9 @@ def host_inputs(batch: dict[str, Any], layout: Any) -> dict[str, Any]:
     index = precompute.target_index(batch["labels"])
     batch["target_index"], batch["num_targets"] = index, int(index.numel())
     if layout is not None:
-        batch.update(precompute.vision_inputs(layout.config, batch.get("image_grid_thw"), batch["input_ids"]))
+        vision = precompute.vision_inputs(layout.config, batch.get("image_grid_thw"), batch["input_ids"])
+        precompute.with_plans(batch, vision.pop(precompute.PLANS, {}))  # beside a packed row's own
+        batch.update(vision)
     return batch
 
 

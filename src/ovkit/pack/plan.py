@@ -48,7 +48,7 @@ PACKING = "Packing"
 
 
 @dataclass
-class PackConfig:
+class PackConfig(O.StageConfig):
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
 
     data: Path | None = option(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from ovkit import options as O
 from ovkit.choices import (  # torch-free: a bad option fails before torch imports (#29)
@@ -15,7 +15,6 @@ from ovkit.choices import (  # torch-free: a bad option fails before torch impor
     SAMPLER_PRECISIONS,
     canonical_precision,
     check_checkpointing,
-    check_eval_options,
     check_kernels,
     check_optim,
     sampler_dtype,
@@ -46,37 +45,9 @@ MISMATCH_CORRECTIONS = O.CORRECTIONS
 
 
 @dataclass
-class RLTrainConfig(O.Learner):
-    """Options of `ovkit rl-train`. Defaults are the published LLaVA-OneVision-1.5-RL values (anchors.md section 1)."""
+class Sampling:
+    """How rl-train samples each step's groups: the engine, the sampler's copy, groups per step and their size."""
 
-    launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
-
-    # Options that exclude each other: one given on the command line drops the config file's other (flags override the
-    # file)
-    exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
-
-    data: list[Path] | None = option(
-        None,
-        help=(
-            "RL sample tables with answer/answer_type (e.g. rl-curate's OUT/stage1, or OUT/part-*/stage1 of a"
-            " sharded curate)."
-        ),
-        argument=True,
-    )
-    model: Path | None = option(
-        None,
-        help="Model directory: the SFT model for stage 1, the stage-1 output for stage 2.",
-        panel=O.IO,
-        doc="model to start from",
-    )
-    out: Path | None = O.out()
-    stage: int = option(
-        1,
-        help="1: answer-only prompts; 2: think prompts + format reward (the curriculum).",
-        panel=O.IO,
-        min=1,
-        max=2,
-    )
     # hf | vllm (colocated) | vllm-server (ovkit.generate)
     engine: str = O.engine(
         help=(
@@ -128,40 +99,12 @@ class RLTrainConfig(O.Learner):
     top_p: float = O.top_p(
         doc="nucleus sampling mass (with T > 0); the learner does not truncate: top-p < 1 shows up as mismatch"
     )
-    # exclusive with --epochs
-    max_steps: int | None = option(None, help="GRPO steps to run (instead of --epochs).", panel=OPTIMISER, min=1)
-    # passes over the prompts (30 when neither is given)
-    epochs: float | None = option(
-        None,
-        help=("Passes over the prompts (default 30 when --max-steps is not given). Also --num-train-epochs (HF/TRL)."),
-        panel=OPTIMISER,
-        flags=("--num-train-epochs",),
-        gt=0,
-        default_doc="30",
-    )
-    lr: float = option(
-        2e-6,
-        help="Constant learning rate after warmup (AdamW). Also --learning-rate (HF/TRL).",
-        panel=OPTIMISER,
-        flags=("--learning-rate",),
-        gt=0,
-        doc="constant after warmup (AdamW, eps 1e-5)",
-    )
-    weight_decay: float = option(0.01, help="AdamW weight decay on weight matrices.", panel=OPTIMISER, min=0)
-    # constant learning rate after a linear warmup over this fraction of the steps
-    warmup_ratio: float = option(
-        0.001,
-        help="Fraction of the steps with linear warmup.",
-        panel=OPTIMISER,
-        min=0,
-        lt=1,
-    )
-    max_grad_norm: float = option(
-        1.0,
-        help="Clip the global gradient norm (0: no clipping).",
-        panel=OPTIMISER,
-        min=0,
-    )
+
+
+@dataclass
+class PPOLoss:
+    """The GRPO objective (ovkit.rl.loss, ovkit.rl.advantages): clipping, reward shaping, advantages, KL."""
+
     eps_clip: float = option(0.2, help="PPO clip: ratio lower bound 1 - eps.", panel=GRPO_LOSS, min=0, lt=1)
     eps_clip_high: float = option(
         0.28,
@@ -202,6 +145,12 @@ class RLTrainConfig(O.Learner):
         doc="KL penalty to the initial model (a frozen copy is kept when > 0)",
     )
     kl_estimator: str = option("k3", help="k1 | k2 | k3.", panel=GRPO_LOSS, choices=KL_ESTIMATORS)
+
+
+@dataclass
+class Corrections:
+    """Sampler/learner mismatch corrections (`build()`: the Correction the update applies)."""
+
     behave_cap: float = O.behave_cap(flags=("--behav-imp-weight-cap",))  # AReaL's behav_imp_weight_cap
     behave_action: str = option(
         "mask",
@@ -228,6 +177,141 @@ class RLTrainConfig(O.Learner):
     geo_lower: float = O.geo_lower()
     geo_upper: float = O.geo_upper()
     veto_threshold: float | None = O.veto_threshold()
+
+    def build(self) -> Correction:
+        """The Correction these options describe (what the PPO update applies)."""
+        from ovkit.rl.correction import Correction
+
+        return Correction(
+            mode=self.correction,
+            upper=self.correction_threshold,
+            lower=self.correction_lower,
+            geo_lower=self.geo_lower,
+            geo_upper=self.geo_upper,
+            veto=self.veto_threshold,
+            behave_cap=self.behave_cap or None,
+            behave_action=self.behave_action,
+            behave_level=self.behave_level,
+        )
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one GRPO step's update reads (ovkit.rl.update), from rl-train's options: the loss, how the learner
+    re-scores the samples (the sampler's temperature; --max-new-tokens, the constant normaliser of
+    seq-mean-token-sum-norm), and how the step is cut into optimiser steps and passes, and clipped."""
+
+    ppo: PPOLoss
+    temperature: float
+    max_new_tokens: int
+    ppo_minibatches: int
+    micro_batch_size: int
+    max_grad_norm: float
+    max_nonfinite_steps: int  # the guard's, where no Runtime holds one (a bare model in tests)
+
+
+@dataclass
+class RLCheckpoints(O.Checkpoints):
+    """Checkpoints, with rl-train's default interval and wording."""
+
+    save_every: int = O.save_every(
+        250, help="Resumable checkpoint every N steps in OUT.partial/checkpoints (0: only the final model)."
+    )
+    resume: bool = O.resume(help="Continue the unfinished run in OUT.partial/ from its last checkpoint.")
+
+
+@dataclass
+class RLEvalDuring(O.EvalDuring):
+    """Evaluation while training, as rl-train scores it (the stage's prompt mode, rewards)."""
+
+    eval_data: list[Path] | None = O.eval_data(
+        doc=(
+            "held-out table(s) scored while training as `ovkit eval` scores them (answer-mode prompts, greedy, "
+            "the learner's weights): the stage's prompt mode (`ovkit eval --prompt answer` for stage 1, `think` "
+            "for stage 2; single-turn), every row needs a gold `answer`: `eval/reward`, `eval/accuracy`, "
+            "`eval/reward/<category>`, `eval/accuracy/<category>`; repeatable"
+        )
+    )
+
+
+@dataclass(init=False)
+class RLTrainConfig(O.StageConfig):
+    """Options of `ovkit rl-train`. Defaults are the published LLaVA-OneVision-1.5-RL values (anchors.md section 1)."""
+
+    launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
+
+    # Options that exclude each other: one given on the command line drops the config file's other (flags override the
+    # file)
+    exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
+
+    # the groups every learner shares, listed after the stage's own options
+    loading: O.ModelLoading = O.group(O.ModelLoading, after=True)
+    optimiser: O.Optimiser = O.group(O.Optimiser, after=True)
+    compute: O.Compute = O.group(O.Compute, after=True)
+    lora: O.Lora = O.group(O.Lora, after=True)
+    checkpoints: RLCheckpoints = O.group(RLCheckpoints, after=True)
+    trackers: O.Trackers = O.group(O.Trackers, after=True)
+    eval_during: RLEvalDuring = O.group(RLEvalDuring, after=True)
+
+    data: list[Path] | None = option(
+        None,
+        help=(
+            "RL sample tables with answer/answer_type (e.g. rl-curate's OUT/stage1, or OUT/part-*/stage1 of a"
+            " sharded curate)."
+        ),
+        argument=True,
+    )
+    model: Path | None = option(
+        None,
+        help="Model directory: the SFT model for stage 1, the stage-1 output for stage 2.",
+        panel=O.IO,
+        doc="model to start from",
+    )
+    out: Path | None = O.out()
+    stage: int = option(
+        1,
+        help="1: answer-only prompts; 2: think prompts + format reward (the curriculum).",
+        panel=O.IO,
+        min=1,
+        max=2,
+    )
+    sampling: Sampling = O.group(Sampling)
+    # exclusive with --epochs
+    max_steps: int | None = option(None, help="GRPO steps to run (instead of --epochs).", panel=OPTIMISER, min=1)
+    # passes over the prompts (30 when neither is given)
+    epochs: float | None = option(
+        None,
+        help=("Passes over the prompts (default 30 when --max-steps is not given). Also --num-train-epochs (HF/TRL)."),
+        panel=OPTIMISER,
+        flags=("--num-train-epochs",),
+        gt=0,
+        default_doc="30",
+    )
+    lr: float = option(
+        2e-6,
+        help="Constant learning rate after warmup (AdamW). Also --learning-rate (HF/TRL).",
+        panel=OPTIMISER,
+        flags=("--learning-rate",),
+        gt=0,
+        doc="constant after warmup (AdamW, eps 1e-5)",
+    )
+    weight_decay: float = option(0.01, help="AdamW weight decay on weight matrices.", panel=OPTIMISER, min=0)
+    # constant learning rate after a linear warmup over this fraction of the steps
+    warmup_ratio: float = option(
+        0.001,
+        help="Fraction of the steps with linear warmup.",
+        panel=OPTIMISER,
+        min=0,
+        lt=1,
+    )
+    max_grad_norm: float = option(
+        1.0,
+        help="Clip the global gradient norm (0: no clipping).",
+        panel=OPTIMISER,
+        min=0,
+    )
+    ppo: PPOLoss = O.group(PPOLoss)
+    corrections: Corrections = O.group(Corrections)
     # ETA: max versions between the sampler that made a sample and the learner using it
     max_staleness: int = option(
         4,
@@ -283,32 +367,14 @@ class RLTrainConfig(O.Learner):
     system_prompt: bool = O.system_prompt()
     max_pixels: int = O.max_pixels()
     freeze_vision: bool = option(False, help="Keep the vision encoder frozen.", panel=OPTIMISER)
-    save_every: int = O.save_every(
-        250, help="Resumable checkpoint every N steps in OUT.partial/checkpoints (0: only the final model)."
-    )
-    keep_checkpoints: int = O.keep_checkpoints()
     save_rollouts: bool = option(
         False,
         help="Write every step's trajectories to OUT/rollouts/step-N.parquet.",
         panel=O.CHECKPOINTS,
         run_control=True,
     )
-    resume: bool = O.resume(help="Continue the unfinished run in OUT.partial/ from its last checkpoint.")
-    eval_data: list[Path] | None = O.eval_data(
-        doc=(
-            "held-out table(s) scored while training as `ovkit eval` scores them (answer-mode prompts, greedy, "
-            "the learner's weights): the stage's prompt mode (`ovkit eval --prompt answer` for stage 1, `think` "
-            "for stage 2; single-turn), every row needs a gold `answer`: `eval/reward`, `eval/accuracy`, "
-            "`eval/reward/<category>`, `eval/accuracy/<category>`; repeatable"
-        )
-    )
     reward_workers: int = O.reward_workers()
-    env: str | None = O.env()
-    env_arg: Any = O.env_arg()
-    max_turns: int = O.max_turns()
-    max_response_tokens: int | None = O.max_response_tokens()
-    env_retries: int = O.env_retries()
-    env_timeout: float = O.env_timeout()
+    multi_turn: O.MultiTurnOptions = O.group(O.MultiTurnOptions)
     seed: int = O.seed(doc="prompt order and sampling seeds")
     overwrite: bool = O.overwrite()
     quiet: bool = O.quiet(doc="no console line (transformers', huggingface_hub's and datasets' bars included)")
@@ -319,7 +385,7 @@ class RLTrainConfig(O.Learner):
         O.validate(self)  # each option's declared range and choices; the checks across options follow
         if not self.data:
             raise OvkitError("DATA is required: RL sample tables (e.g. rl-curate's OUT/stage1)")
-        check_env_options(self)
+        check_env_options(self.multi_turn)
         self.data = [Path(p) for p in (self.data if isinstance(self.data, (list, tuple)) else [self.data])]
         for name in ("model", "out"):
             if getattr(self, name) is None:
@@ -338,7 +404,7 @@ class RLTrainConfig(O.Learner):
             sampler_dtype(self.sampler_precision)  # a bad name fails here, naming the option
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
-        check_eval_options(self)
+        self.eval_during.check()
         self._check()
 
     def _check(self) -> None:
@@ -366,18 +432,18 @@ class RLTrainConfig(O.Learner):
         return STAGE_MODES[self.stage]
 
     def correction_config(self) -> Correction:
-        from ovkit.rl.correction import Correction
+        return self.corrections.build()
 
-        return Correction(
-            mode=self.correction,
-            upper=self.correction_threshold,
-            lower=self.correction_lower,
-            geo_lower=self.geo_lower,
-            geo_upper=self.geo_upper,
-            veto=self.veto_threshold,
-            behave_cap=self.behave_cap or None,
-            behave_action=self.behave_action,
-            behave_level=self.behave_level,
+    def update_options(self) -> Update:
+        """What the PPO update reads of these options (ovkit.rl.update)."""
+        return Update(
+            ppo=self.ppo,
+            temperature=self.temperature,
+            max_new_tokens=self.max_new_tokens,
+            ppo_minibatches=self.ppo_minibatches,
+            micro_batch_size=self.micro_batch_size,
+            max_grad_norm=self.max_grad_norm,
+            max_nonfinite_steps=self.max_nonfinite_steps,
         )
 
 
@@ -389,3 +455,5 @@ class RLTrainConfig(O.Learner):
 # without being listed (Runtime.resume exits 2 naming it).
 RUN_CONTROL = run_control_names(RLTrainConfig)
 TRAJECTORY = trajectory_options(RLTrainConfig, RUN_CONTROL)
+# What shrinks a learner micro-batch's memory, as the out-of-memory message names it (Runtime.out_of_memory).
+SMALLER = ("--micro-batch-size", "--max-new-tokens")

@@ -45,10 +45,23 @@ SELECTION = "Selection"
 
 
 @dataclass
-class CurateConfig(O.ModelLoading):
+class CurateLoading(O.ModelLoading):
+    """Model loading, with rl-curate's default or wording for --precision."""
+
+    precision: str = O.precision(
+        doc=(
+            "the sampler's compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
+            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
+        )
+    )
+
+
+@dataclass(init=False)
+class CurateConfig(O.StageConfig):
     """Options of `ovkit rl-curate`."""
 
     launcher: ClassVar[str] = O.RANK_SHARDED  # what it does under torchrun / accelerate launch (ovkit.launch)
+    loading: CurateLoading = O.group(CurateLoading, after=True)  # listed after the command's own options
 
     data: Path | None = option(
         None,
@@ -138,12 +151,6 @@ class CurateConfig(O.ModelLoading):
         ),
     )
     engine: str = O.engine(choices=ENGINES)
-    precision: str = O.precision(
-        doc=(
-            "the sampler's compute precision: `auto` (bf16 on a GPU with bf16, else fp32), `fp32`, `bf16-true` / "
-            "`bf16-mixed` (bf16 weights); `bf16` = bf16-mixed, `32` = fp32"
-        )
-    )
     batch_size: int = option(64, help="Sequences per generate call (prompts x n).", panel=O.RUNTIME, min=1)
     max_new_tokens: int = O.max_new_tokens(1024)
     temperature: float = O.temperature(1.0)
@@ -159,12 +166,7 @@ class CurateConfig(O.ModelLoading):
         doc="store prompt images in the rollout table",
     )
     reward_workers: int = O.reward_workers()
-    env: str | None = O.env()
-    env_arg: Any = O.env_arg()
-    max_turns: int = O.max_turns()
-    max_response_tokens: int | None = O.max_response_tokens()
-    env_retries: int = O.env_retries()
-    env_timeout: float = O.env_timeout()
+    multi_turn: O.MultiTurnOptions = O.group(O.MultiTurnOptions)
     shard: str | None = O.shard(doc="process part I of N (`I/N`); writes `OUT/part-I-of-N/`")
     seed: int = O.seed()
     overwrite: bool = O.overwrite()
@@ -174,7 +176,7 @@ class CurateConfig(O.ModelLoading):
         from ovkit.rollouts.episodes import check_env_options
 
         O.validate(self)  # each option's declared range and choices; the checks across options follow
-        check_env_options(self)
+        check_env_options(self.multi_turn)
         for name in ("data", "model", "out"):
             if getattr(self, name) is None:
                 raise OvkitError(f"{'DATA' if name == 'data' else '--' + name} is required")
@@ -275,10 +277,10 @@ def rollout_all(cfg: CurateConfig, engine, processor, table, stages: Sequence[in
             mode=mode,
             system=cfg.system_prompt,
             max_pixels=cfg.max_pixels,
-            extra=env_instruction(cfg),
-            tools=env_tools(cfg),
+            extra=env_instruction(cfg.multi_turn),
+            tools=env_tools(cfg.multi_turn),
         )
-        episodes = make_runner(cfg, engine, processor, mode=mode, max_pixels=cfg.max_pixels)
+        episodes = make_runner(cfg.multi_turn, engine, processor, mode=mode, max_pixels=cfg.max_pixels)
         for i, g in zip(rows, sample_groups(cfg, engine, prompts, mode, bar, episodes)):
             g.index = i
             groups[i] = g

@@ -35,34 +35,38 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from ovkit import faults
 from ovkit.data import count_rows, read_samples, write_table
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
-from ovkit.files import is_complete
 from ovkit.generate import close_engine
 from ovkit.generate.engines import build_engine, device
 from ovkit.models import pad_token_id
 from ovkit.models import precision as prec
 from ovkit.models.groups import set_trainable, trainable_names
-from ovkit.rl.config import TRAJECTORY, RLTrainConfig
+from ovkit.pack.packed import PackLayout
+from ovkit.progress import honours_quiet
+from ovkit.rl.config import SMALLER, TRAJECTORY, RLTrainConfig
 from ovkit.rl.metrics import console_line, rollout_metrics
 from ovkit.rl.rollout import AsyncRollouts, SyncRollouts
 from ovkit.rl.update import train_step
 from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
 from ovkit.rollouts.groups import Group, Sampling, groups_table, score_groups
 from ovkit.rollouts.prompts import encode_prompts
+from ovkit.runs import LearnerRun, finished
 from ovkit.runtime import Runtime
-from ovkit.runtime.guard import NonFiniteSteps
 from ovkit.runtime.heap import large_blocks_off_heap
 from ovkit.runtime.optim import constant_factor
+from ovkit.runtime.tail import Tail
 
 # A rollout table's row per token at most: token id, sampler log-prob, loss mask (before parquet's compression).
 ROLLOUT_BYTES_PER_TOKEN = 9
 
 
+@honours_quiet
 def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
     """Run GRPO and write cfg.out; None when cfg.out is already complete (skipped)."""
-    if is_complete(cfg.out) and not cfg.overwrite:
+    if finished(cfg.out, cfg, cfg.overwrite):  # exits 2 if OUT was made with other options
         return None
     # The sampler shuts down after the run's last collective (the final save): vLLM's shutdown also ends the process
     # group it joined, which a multi-process learner shares.
@@ -71,13 +75,74 @@ def train_rl(cfg: RLTrainConfig) -> dict[str, Any] | None:
 
 
 def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
-    rt = Runtime(cfg, command="rl-train", trajectory=TRAJECTORY)
+    run = LearnerRun.of(cfg, "rl-train", TRAJECTORY, smaller=SMALLER)
+    rt = Runtime(run, cfg.loading, cfg.optimiser, cfg.compute, cfg.lora, cfg.checkpoints, cfg.trackers)
     rt.check_run_dir()
     large_blocks_off_heap()  # the sampler's vocabulary-sized temporaries go back to the system (ovkit.runtime.heap)
     tables = _tables(cfg)  # every row checked (answers included) before the model loads
     model, processor = rt.load_model(cfg.model)
     params = trainable(model, cfg, rt)
     prompts = _prompts(cfg, tables, processor)
+    _check_processes(cfg, rt)
+    warn_few_prompts(cfg, len(prompts), rt.is_main)
+    n_steps = total_steps(cfg, len(prompts))
+    longest = max(p.encoded.length for p in prompts) + (cfg.max_response_tokens or cfg.max_new_tokens)
+    _check_space(cfg, rt, model, n_steps, longest)
+    evaluate = evaluator(
+        cfg.eval_during,
+        cfg.seed,
+        rt,
+        processor,
+        n_steps,
+        prompt=cfg.mode,
+        loss=False,
+        batch_size=cfg.rollout_batch_size,
+    )  # --eval-data
+    rt.make_run_dir()  # only now: bad inputs leave nothing behind
+    schedule = lambda s: constant_factor(s, n_steps, cfg.warmup_ratio)  # noqa: E731
+    optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=schedule)
+    rt.checkpointing(model, tokens=cfg.micro_batch_size * longest)  # before the sampler copies it
+    rt.compile(model)  # inside each checkpoint; the sampler's generation (KV cache) and its deep copy run eager
+    layout = PackLayout.for_model(model)  # the learner's micro-batch layout (rope index, vision tower), built once
+    scorer, optimizer = rt.prepare(model, optimizer, scheduler)
+    state = rt.resume({"step": 0, "elapsed_s": 0.0, "samples": 0, "tokens": 0})  # a resumed run's weights: `model`
+    with faults.deferred_signals():  # a SIGINT/SIGTERM now waits for the step's end
+        ref_model = _reference(rt, cfg) if cfg.kl_coef else None
+        pad_id = pad_token_id(processor, model)
+        rollouts = _rollouts(cfg, model, processor, prompts, rt.accelerator.process_index, rt.processes)
+        owned.callback(close_engine, rollouts.engine)
+        logger = rt.logger(n_steps, state["step"], console=console_line, desc=f"rl-train stage {cfg.stage}")
+        tail = Tail(rt, scorer, processor, logger, evaluate, n_steps, cfg.save_every, cfg.keep_checkpoints)
+        corr, update = cfg.correction_config(), cfg.update_options()
+        t_start = time.perf_counter() - state["elapsed_s"]
+        scorer.eval()  # no dropout: the proximal pass and the gradient pass are the same function
+        rollouts.start(state["step"])
+        with tail.running(state), ExitStack() as running:
+            running.callback(rollouts.stop)
+            for step in range(state["step"], n_steps):
+                t = [time.perf_counter()]  # rollout, train, sync: each phase's end
+                groups = rollouts.next_batch(step)
+                t.append(time.perf_counter())
+                metrics = train_step(
+                    scorer, optimizer, params, groups, step, pad_id, corr, ref_model, update, rt=rt, layout=layout
+                )
+                metrics["lr"] = scheduler.get_last_lr()[0]
+                scheduler.step()
+                t.append(time.perf_counter())
+                rollouts.sync(model, step + 1)
+                t.append(time.perf_counter())
+                if cfg.save_rollouts:
+                    _save_rollouts(rt, step + 1, groups, processor)
+                n = sum(len(g.completions) for g in groups) * rt.processes
+                state.update(step=step + 1, samples=state["samples"] + n, elapsed_s=time.perf_counter() - t_start)
+                metrics = tail.log(step + 1, _step_metrics(cfg, rt, state, groups, metrics, t, n, len(prompts)))
+                state["last"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+                tail.end_step(step + 1, state)
+    return rt.finish(scorer, processor, state, _summary(cfg, rt, state, n_steps), inputs=cfg.data).metrics
+
+
+def _check_processes(cfg: RLTrainConfig, rt: Runtime) -> None:
+    """Options that do not fit the process layout: an unequal share of prompts, the HF engine on sharded weights."""
     if cfg.prompts_per_step % rt.processes:
         raise OvkitError(
             f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of the {rt.processes} processes (each "
@@ -91,10 +156,10 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
             "own weights, which this engine shards across processes; use --engine vllm (colocated, weights gathered "
             "every step) or --engine vllm-server, or DDP (accelerate launch without an FSDP/DeepSpeed config, torchrun)"
         )
-    warn_few_prompts(cfg, len(prompts), rt.is_main)
-    n_steps = total_steps(cfg, len(prompts))
-    response = cfg.max_response_tokens or cfg.max_new_tokens
-    longest = max(p.encoded.length for p in prompts) + response
+
+
+def _check_space(cfg: RLTrainConfig, rt: Runtime, model, n_steps: int, longest: int) -> None:
+    """The disk, before any write: checkpoints, the final model and, with --save-rollouts, the rollout tables."""
     rollout_bytes = (
         n_steps * cfg.prompts_per_step * cfg.group_size * longest * ROLLOUT_BYTES_PER_TOKEN if cfg.save_rollouts else 0
     )
@@ -106,91 +171,33 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
         extra=rollout_bytes,
         what=", --save-rollouts tables" if cfg.save_rollouts else "",
     )
-    evaluate = evaluator(
-        cfg, rt, processor, n_steps, prompt=cfg.mode, loss=False, batch_size=cfg.rollout_batch_size
-    )  # --eval-data
-    rt.make_run_dir()  # only now: bad inputs leave nothing behind
-    optimizer, scheduler = rt.optimizer(
-        model,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        schedule=lambda s: constant_factor(s, n_steps, cfg.warmup_ratio),
+
+
+def _step_metrics(cfg: RLTrainConfig, rt: Runtime, state, groups, metrics, t: list, n: int, n_prompts: int) -> dict:
+    """The step's metrics (`metrics`: the update's and its lr) with the rollouts', every process's combined; the
+    run's token count in `state` moved on. `t`: the step's start and its rollout, train and sync phases' ends; `n`:
+    the step's samples, every process's."""
+    lr, step = metrics.pop("lr"), state["step"]
+    metrics = combine(
+        rt,
+        {
+            **rollout_metrics(groups),
+            **metrics,
+            "step_tokens": step_tokens(groups),
+            "lr": lr,
+            "version": step,
+            "time/rollout": t[1] - t[0],
+            "time/train": t[2] - t[1],
+            "time/sync": t[3] - t[2],
+            "samples_per_s": n / max(t[3] - t[0], 1e-9),
+            "samples": state["samples"],
+            "elapsed_s": state["elapsed_s"],
+        },
     )
-    rt.checkpointing(model, tokens=cfg.micro_batch_size * longest)  # before the sampler copies it
-    rt.compile(model)  # after checkpointing; the sampler's generation (KV cache) and its deep copy run eager
-    scorer, optimizer = rt.prepare(model, optimizer, scheduler)
-    state = rt.resume(
-        {"step": 0, "elapsed_s": 0.0, "samples": 0, "tokens": 0}
-    )  # a resumed run's weights are back in `model`
-    ref_model = _reference(rt, cfg) if cfg.kl_coef else None
-    pad_id = pad_token_id(processor, model)
-    rollouts = _rollouts(cfg, model, processor, prompts, rt.accelerator.process_index, rt.processes)
-    owned.callback(close_engine, rollouts.engine)
-    logger = rt.logger(n_steps, state["step"], console=console_line, desc=f"rl-train stage {cfg.stage}")
-    corr = cfg.correction_config()
-    t_start = time.perf_counter() - state["elapsed_s"]
-    scorer.eval()  # no dropout: the proximal pass and the gradient pass are the same function
-    rollouts.start(state["step"])
-    try:
-        for step in range(state["step"], n_steps):
-            t0 = time.perf_counter()
-            groups = rollouts.next_batch(step)
-            t1 = time.perf_counter()
-            metrics = train_step(scorer, optimizer, params, groups, step, pad_id, corr, ref_model, cfg, rt=rt)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            t2 = time.perf_counter()
-            rollouts.sync(model, step + 1)
-            t3 = time.perf_counter()
-            if cfg.save_rollouts:
-                _save_rollouts(rt, step + 1, groups, processor)
-            n = sum(len(g.completions) for g in groups) * rt.processes
-            state.update(step=step + 1, samples=state["samples"] + n, elapsed_s=time.perf_counter() - t_start)
-            metrics = combine(
-                rt,
-                {
-                    **rollout_metrics(groups),
-                    **metrics,
-                    "step_tokens": step_tokens(groups),
-                    "lr": lr,
-                    "version": step + 1,
-                    "time/rollout": t1 - t0,
-                    "time/train": t2 - t1,
-                    "time/sync": t3 - t2,
-                    "samples_per_s": n / max(t3 - t0, 1e-9),
-                    "samples": state["samples"],
-                    "elapsed_s": state["elapsed_s"],
-                },
-            )
-            state["tokens"] = state.get("tokens", 0) + metrics.pop(
-                "step_tokens"
-            )  # a checkpoint from before #29 has none
-            # TRL's names: num_tokens (prompt + completion, cumulative), epoch (passes over DATA, fractional)
-            metrics.update(tokens=state["tokens"], epoch=(step + 1) * cfg.prompts_per_step / len(prompts))
-            metrics.update(
-                evaluate(step + 1, scorer)
-            )  # every --eval-every steps and at the end; the trajectory is untouched
-            logger.log(step + 1, metrics)
-            state["last"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-            # not inside a streak of non-finite steps: the checkpoint would hold the weights that failed (guard)
-            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < n_steps and not rt.guard.diverging:
-                rt.save_checkpoint(scorer, processor, state, cfg.keep_checkpoints)
-            rt.stop_if_asked(
-                scorer, processor, state, cfg.keep_checkpoints, n_steps
-            )  # SIGINT/SIGTERM: checkpoint, exit
-    except torch.cuda.OutOfMemoryError as e:  # one message, exit 3; the last checkpoint stays
-        raise rt.out_of_memory(e, state) from e
-    except NonFiniteSteps as e:  # diverged: one message, exit 2; the last checkpoint from before it stays
-        raise rt.diverged(e) from None
-    except OSError as e:  # disk full while logging or writing rollouts: one line, exit 2; the last checkpoint stays
-        failure = rt.write_failure(e, rt.run_dir, saving=False)
-        if failure is None:
-            raise
-        raise failure from e
-    finally:
-        rollouts.stop()
-        logger.close()
-    return rt.finish(scorer, processor, state, _summary(cfg, rt, state, n_steps), inputs=cfg.data).metrics
+    state["tokens"] = state.get("tokens", 0) + metrics.pop("step_tokens")  # a checkpoint of an older ovkit has none
+    # TRL's names: num_tokens (prompt + completion, cumulative), epoch (passes over DATA, fractional)
+    metrics.update(tokens=state["tokens"], epoch=step * cfg.prompts_per_step / n_prompts)
+    return metrics
 
 
 def step_tokens(groups: Sequence[Group]) -> int:
@@ -275,8 +282,8 @@ def _prompts(cfg: RLTrainConfig, tables: list, processor) -> list:
             mode=cfg.mode,
             system=cfg.system_prompt,
             max_pixels=cfg.max_pixels,
-            extra=env_instruction(cfg),
-            tools=env_tools(cfg),
+            extra=env_instruction(cfg.multi_turn),
+            tools=env_tools(cfg.multi_turn),
         )
     if not prompts:
         raise OvkitError(
@@ -340,7 +347,7 @@ def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, worl
 
     engine = make_sampler(cfg, model, processor)
     engine.update_weights(model)  # a resumed run's sampler starts from the checkpoint's weights
-    episodes = make_runner(cfg, engine, processor, mode=cfg.mode, max_pixels=cfg.max_pixels, model=model)
+    episodes = make_runner(cfg.multi_turn, engine, processor, mode=cfg.mode, max_pixels=cfg.max_pixels, model=model)
     sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed, episodes=episodes)
     score = partial(score_groups, mode=cfg.mode, format_weight=cfg.format_weight, workers=cfg.reward_workers)
     per_process = cfg.prompts_per_step // world

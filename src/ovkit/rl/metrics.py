@@ -158,9 +158,10 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
         [g.parts[i].get("accuracy", 0.0) >= 1.0 for g, i in trajectories],
     )
     # The task reward alone (the answer's score before --format-weight mixes in the format reward): TRL logs each
-    # reward function as rewards/<name>/mean and /std, so this is rewards/task/*, beside rewards/format/mean.
+    # reward function as rewards/<name>/mean and /std, so this is rewards/task/*, beside rewards/format/*.
     out["task_reward/mean"], out["task_reward/std"] = out["reward/mean"], out["reward/std"]
-    out["reward/format"] = sum(g.format_rewards[i] for g, i in trajectories) / len(trajectories)
+    fmt = torch.tensor([float(g.format_rewards[i]) for g, i in trajectories], dtype=torch.float64)
+    out["reward/format"], out["reward/format_std"] = float(fmt.mean()), float(fmt.std(unbiased=False))
     out["reward/optimised"] = sum(g.rewards[i] for g, i in trajectories) / len(trajectories)
     # Reward workers killed from outside during the step (ovkit.rewards.pool), and the items that scored 0 for it.
     out["rewards/worker_crashes"] = sum(g.parts[i].get("worker_crashes", 0) for g, i in trajectories)

@@ -31,6 +31,7 @@ import torch
 from ovkit.models.encode import multimodal_token_ids
 from ovkit.pack.packed import PackLayout
 from ovkit.rl.advantages import group_advantages, transform_rewards, zero_std_fraction
+from ovkit.rl.config import Update
 from ovkit.rl.correction import Correction, off_policy_weights
 from ovkit.rl.loss import aggregation_weights, decoupled_ppo_loss
 from ovkit.rl.metrics import mismatch_tensors, staleness_metrics, turn_mismatch_tensors
@@ -45,16 +46,6 @@ from ovkit.rollouts.trajectories import (
 )
 from ovkit.runtime.guard import StepGuard, in_backward
 from ovkit.runtime.optim import clip_grad_norm
-
-_LAYOUTS: dict[int, Any] = {}
-
-
-def layout_of(config) -> Any:
-    """The ovkit.pack.PackLayout (rope index, vision layout) of a model's config, built once per config."""
-
-    if id(config) not in _LAYOUTS:
-        _LAYOUTS[id(config)] = (config, PackLayout.for_model(config))
-    return _LAYOUTS[id(config)][1]
 
 
 @dataclass
@@ -73,17 +64,22 @@ class StepBatch:
     step: int = 0  # the loop's 0-based step
 
 
-def prepare_step(groups: Sequence[Group], step: int, pad_id: int, config: Any, cfg: Any) -> StepBatch:
+def prepare_step(
+    groups: Sequence[Group], step: int, pad_id: int, config: Any, update: Update, layout: PackLayout | None = None
+) -> StepBatch:
     """Trajectories, advantages and the micro-batches' host inputs, from the groups and the model's `config` (not the
-    model: nothing here can read a device value; module docstring)."""
+    model: nothing here can read a device value; module docstring). `layout`: the config's ovkit.pack.PackLayout,
+    which rl-train builds once for the run (building one costs a meta-device copy of the model); made here when not
+    given."""
     batch = build_trajectories(groups, pad_id, multimodal_token_ids(config))
-    layout = layout_of(config)
-    rewards = transform_rewards(batch.rewards, cfg.reward_bias, cfg.reward_scale)
-    advantages = group_advantages(rewards, batch.group_ids, eps=cfg.adv_eps, std=cfg.adv_std)
+    layout = PackLayout.for_model(config) if layout is None else layout
+    ppo = update.ppo
+    rewards = transform_rewards(batch.rewards, ppo.reward_bias, ppo.reward_scale)
+    advantages = group_advantages(rewards, batch.group_ids, eps=ppo.adv_eps, std=ppo.adv_std)
     minibatches, totals = [], []
-    for mb in chunks(range(batch.size), math.ceil(batch.size / cfg.ppo_minibatches)):
+    for mb in chunks(range(batch.size), math.ceil(batch.size / update.ppo_minibatches)):
         minibatches.append(
-            [batch.micro_batch(idx, layout) for idx in chunks(batch.by_length(mb), cfg.micro_batch_size)]
+            [batch.micro_batch(idx, layout) for idx in chunks(batch.by_length(mb), update.micro_batch_size)]
         )
         totals.append(
             [float(sum(len(batch.mask_cols[i]) for i in mb)), float(sum(1 for i in mb if batch.mask_cols[i]))]
@@ -92,7 +88,8 @@ def prepare_step(groups: Sequence[Group], step: int, pad_id: int, config: Any, c
         minibatches[0]
         if len(minibatches) == 1
         else [
-            batch.micro_batch(idx, layout) for idx in chunks(batch.by_length(range(batch.size)), cfg.micro_batch_size)
+            batch.micro_batch(idx, layout)
+            for idx in chunks(batch.by_length(range(batch.size)), update.micro_batch_size)
         ]
     )
     metrics = {
@@ -128,7 +125,7 @@ def ppo_update(
     dev: OnDevice,
     ref,
     corr: Correction,
-    cfg: Any,
+    update: Update,
     prox=None,
     entropy=None,
     rt: Any = None,
@@ -156,7 +153,8 @@ def ppo_update(
     grad_norms: list[float] = []
     skipped = nonfinite = 0
     metrics: dict[str, float] = {}
-    guard = rt.guard if rt is not None else StepGuard(cfg.max_nonfinite_steps, command="rl-train")
+    guard = rt.guard if rt is not None else StepGuard(update.max_nonfinite_steps, command="rl-train")
+    ppo = update.ppo
     for k, micro in enumerate(sb.minibatches):
         optimizer.zero_grad(set_to_none=True)
         kept = zero.clone()
@@ -166,13 +164,14 @@ def ppo_update(
             cols = slice(0, plan.width - 1)
             mask = dev.mask[rows]
             agg = (
-                aggregation_weights(mask, cfg.loss_agg, constant=cfg.max_new_tokens, totals=totals[k])[:, cols] * world
+                aggregation_weights(mask, ppo.loss_agg, constant=update.max_new_tokens, totals=totals[k])[:, cols]
+                * world
             )
             # gradients are all-reduced once per optimiser step, after the last micro-batch (DDP's no_sync)
             with rt.no_sync(model, sync=j == len(micro) - 1) if rt is not None else nullcontext():
                 with rt.autocast() if rt is not None else nullcontext():
                     logp, ent, width = sequence_logprobs(
-                        model, sb.traj, plan.rows, cfg.temperature, entropy=fused, plan=plan
+                        model, sb.traj, plan.rows, update.temperature, entropy=fused, plan=plan
                     )
                 if fused:
                     prox[rows, cols], entropy[rows, cols] = logp.detach(), ent
@@ -185,11 +184,11 @@ def ppo_update(
                     dev.adv[rows, cols],
                     weights,
                     agg,
-                    eps_clip=cfg.eps_clip,
-                    eps_clip_high=cfg.eps_clip_high,
+                    eps_clip=ppo.eps_clip,
+                    eps_clip_high=ppo.eps_clip_high,
                     ref_logprobs=ref[rows, cols] if ref is not None else None,
-                    kl_coef=cfg.kl_coef,
-                    kl_estimator=cfg.kl_estimator,
+                    kl_coef=ppo.kl_coef,
+                    kl_estimator=ppo.kl_estimator,
                 )
                 if rt is not None:
                     rt.backward(parts.loss)
@@ -202,13 +201,13 @@ def ppo_update(
         if world > 1:  # every process skips the step together or none does: one all-reduce of both
             kept, loss = rt.accelerator.reduce(torch.stack([kept, loss]), "sum").unbind()
         norm = (
-            rt.clip(params, optimizer, cfg.max_grad_norm)
+            rt.clip(params, optimizer, update.max_grad_norm)
             if rt is not None
-            else clip_grad_norm(optimizer, params, cfg.max_grad_norm)
+            else clip_grad_norm(optimizer, params, update.max_grad_norm)
         )
         # the host's one read of this optimiser step: the skip guard needs `kept`, the loss and the norm before
         # optimizer.step; the last minibatch's read carries every metric of the step (all final by now)
-        pending = step_tensors(sb, dev, prox, entropy, parts_sum, corr, cfg) if k == len(sb.minibatches) - 1 else {}
+        pending = step_tensors(sb, dev, prox, entropy, parts_sum, corr) if k == len(sb.minibatches) - 1 else {}
         values = torch.stack(
             [
                 kept.double(),
@@ -228,11 +227,11 @@ def ppo_update(
         if rt is not None:
             rt.measure(params, optimizer)  # bytes per parameter, once (ovkit.json)
     optimizer.zero_grad(set_to_none=True)
-    return {**_finish(metrics, grad_norms, skipped, cfg), "nonfinite_updates": nonfinite}
+    return {**_finish(metrics, grad_norms, skipped, with_kl=ppo.kl_coef > 0), "nonfinite_updates": nonfinite}
 
 
 def step_tensors(
-    sb: StepBatch, dev: OnDevice, prox, entropy, parts_sum: dict[str, torch.Tensor], corr: Correction, cfg: Any
+    sb: StepBatch, dev: OnDevice, prox, entropy, parts_sum: dict[str, torch.Tensor], corr: Correction
 ) -> dict[str, torch.Tensor]:
     """The step's learner metrics as 0-dim device tensors (read once, by ppo_update)."""
     out = {f"sum/{k}": v for k, v in parts_sum.items()}
@@ -247,7 +246,7 @@ def step_tensors(
     return out
 
 
-def _finish(values: dict[str, float], grad_norms: list[float], skipped: int, cfg: Any) -> dict[str, Any]:
+def _finish(values: dict[str, float], grad_norms: list[float], skipped: int, *, with_kl: bool) -> dict[str, Any]:
     kept = max(values.pop("sum/tokens"), 1.0)
     low, high = values.pop("sum/clipped_low"), values.pop("sum/clipped_high")
     pg_loss, kl = values.pop("sum/pg_loss"), values.pop("sum/kl")
@@ -258,10 +257,13 @@ def _finish(values: dict[str, float], grad_norms: list[float], skipped: int, cfg
         "clip/low_frac": low / kept,
         "clip/high_frac": high / kept,
         "clip/frac": (low + high) / kept,
+        # this process's fractions again: combine() takes their min / max over processes (TRL's low_min, high_max)
+        "clip/low_min": low / kept,
+        "clip/high_max": high / kept,
         "entropy": entropy,
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
         "skipped_updates": skipped,
-        **({"kl": kl} if cfg.kl_coef else {}),
+        **({"kl": kl} if with_kl else {}),
         **mismatch,
         **values,  # the off-policy weights' statistics
     }
@@ -282,31 +284,34 @@ def train_step(
     pad_id: int,
     corr: Correction,
     ref_model,
-    cfg: Any,
+    update: Update,
     rt: Any = None,
+    layout: PackLayout | None = None,
 ) -> dict[str, float]:
-    """One GRPO step on already-scored groups; returns its metrics (rollout-side ones are added by the caller)."""
+    """One GRPO step on already-scored groups; returns its metrics (rollout-side ones are added by the caller).
+    `layout`: as for `prepare_step`."""
     config = getattr(model, "module", model).config  # a bare model, a TokenScorer, or either under DDP
-    return learn(model, optimizer, params, prepare_step(groups, step, pad_id, config, cfg), corr, ref_model, cfg, rt=rt)
+    sb = prepare_step(groups, step, pad_id, config, update, layout)
+    return learn(model, optimizer, params, sb, corr, ref_model, update, rt=rt)
 
 
 def learn(
-    model, optimizer, params, sb: StepBatch, corr: Correction, ref_model, cfg: Any, rt: Any = None
+    model, optimizer, params, sb: StepBatch, corr: Correction, ref_model, update: Update, rt: Any = None
 ) -> dict[str, Any]:
     """The device side of a step (module docstring)."""
     device = next(model.parameters()).device
     dev = OnDevice.of(sb, device)
     ref = (
-        forward_all(ref_model, sb.traj, cfg.micro_batch_size, cfg.temperature, plans=sb.whole, device=device)[0]
+        forward_all(ref_model, sb.traj, update.micro_batch_size, update.temperature, plans=sb.whole, device=device)[0]
         if ref_model is not None
         else None
     )
     prox = entropy = None
-    if cfg.ppo_minibatches > 1:
+    if update.ppo_minibatches > 1:
         prox, entropy = forward_all(
-            model, sb.traj, cfg.micro_batch_size, cfg.temperature, entropy=True, plans=sb.whole, device=device
+            model, sb.traj, update.micro_batch_size, update.temperature, entropy=True, plans=sb.whole, device=device
         )
-    learner = ppo_update(model, optimizer, params, sb, dev, ref, corr, cfg, prox, entropy, rt=rt)
+    learner = ppo_update(model, optimizer, params, sb, dev, ref, corr, update, prox, entropy, rt=rt)
     metrics = {**learner, **sb.metrics}
     order = (
         "pg_loss",

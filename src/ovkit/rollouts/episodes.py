@@ -43,6 +43,7 @@ from ovkit.envs import REASONS, load_env, parse_env_args
 from ovkit.errors import OvkitError
 from ovkit.generate import Completion
 from ovkit.models.encode import Encoded, encode_messages, merge_mm, multimodal_token_ids, placeholder_ids
+from ovkit.options import MultiTurnOptions
 from ovkit.rollouts.prompts import cap_pixels
 from ovkit.rollouts.sample import prompt_seed
 from ovkit.rollouts.table import TERMINATIONS  # completed, env_done, max_turns, truncated, env_error
@@ -497,56 +498,56 @@ def transcript(tokenizer: Any, token_ids: Sequence[int]) -> str:
 # ------------------------------------------------------------------------------------------------ from the options
 
 
-def check_env_options(cfg: Any) -> None:
-    """Check a stage config's multi-turn options (env, env_arg, max_turns, ...): --env is built once here so a bad
-    name, import path or argument fails before any model is loaded."""
+def check_env_options(turns: MultiTurnOptions) -> None:
+    """Check a stage's multi-turn options (env, env_arg, max_turns, ...): --env is built once here so a bad name,
+    import path or argument fails before any model is loaded; --env-arg becomes a mapping."""
 
-    cfg.env_arg = parse_env_args(cfg.env_arg)
-    if cfg.env is None:
-        if cfg.env_arg:
+    turns.env_arg = parse_env_args(turns.env_arg)
+    if turns.env is None:
+        if turns.env_arg:
             raise OvkitError("--env-arg needs --env")
         return
-    spec = load_env(cfg.env, cfg.env_arg)
+    spec = load_env(turns.env, turns.env_arg)
     try:  # the arguments' names, against the factory's signature (their values are the factory's to check)
         inspect.signature(spec.factory).bind({}, **spec.args)
     except TypeError as e:
-        raise OvkitError(f"--env {cfg.env}: --env-arg {', '.join(spec.args) or '(none)'}: {e}") from None
+        raise OvkitError(f"--env {turns.env}: --env-arg {', '.join(spec.args) or '(none)'}: {e}") from None
     except ValueError:
         pass  # a builtin without a signature
     MultiTurn(
         env=None,
-        max_turns=cfg.max_turns,
-        max_response_tokens=cfg.max_response_tokens,
-        env_retries=cfg.env_retries,
-        env_timeout=cfg.env_timeout,
+        max_turns=turns.max_turns,
+        max_response_tokens=turns.max_response_tokens,
+        env_retries=turns.env_retries,
+        env_timeout=turns.env_timeout,
     )
 
 
-def env_instruction(cfg: Any) -> str:
+def env_instruction(turns: MultiTurnOptions) -> str:
     """The prompt line of the environment class (e.g. the zoom syntax), '' without --env."""
 
-    return load_env(cfg.env, cfg.env_arg).instruction if cfg.env else ""
+    return load_env(turns.env, turns.env_arg).instruction if turns.env else ""
 
 
-def env_tools(cfg: Any) -> list[dict] | None:
+def env_tools(turns: MultiTurnOptions) -> list[dict] | None:
     """The environment class's tool schemas for the chat template, None without --env or without tools."""
 
-    return load_env(cfg.env, cfg.env_arg).tools if cfg.env else None
+    return load_env(turns.env, turns.env_arg).tools if turns.env else None
 
 
 def make_runner(
-    cfg: Any, engine: Any, processor: Any, *, mode: str, max_pixels: int | None, model: Any = None
+    turns: MultiTurnOptions, engine: Any, processor: Any, *, mode: str, max_pixels: int | None, model: Any = None
 ) -> EpisodeRunner | None:
-    """The EpisodeRunner of a stage config with --env, else None (single-turn)."""
+    """The EpisodeRunner of a stage's multi-turn options with --env, else None (single-turn)."""
 
-    if not cfg.env:
+    if not turns.env:
         return None
     mt = MultiTurn(
-        env=load_env(cfg.env, cfg.env_arg),
-        max_turns=cfg.max_turns,
-        max_response_tokens=cfg.max_response_tokens,
-        env_retries=cfg.env_retries,
-        env_timeout=cfg.env_timeout,
+        env=load_env(turns.env, turns.env_arg),
+        max_turns=turns.max_turns,
+        max_response_tokens=turns.max_response_tokens,
+        env_retries=turns.env_retries,
+        env_timeout=turns.env_timeout,
         max_pixels=max_pixels,
         mode=mode,
     )

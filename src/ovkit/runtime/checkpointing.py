@@ -21,15 +21,15 @@ language model or the vision encoder, by the parameter-name groups of ovkit.mode
 `model.vision_model.encoder.layers` and `model.text_model.layers`); stacks inside a block (MoE experts) are not
 blocks. A block's MLP is its child named mlp / feed_forward / ffn.
 
-Checkpointing wraps the block's own `forward` (a bound method, so deepcopy -- the asynchronous sampler's copy --
-rebinds it to the copy), keeping parameter names and therefore save_pretrained, LoRA targets and groups unchanged.
-It only engages when autograd records (torch.is_grad_enabled()): generation and the no-grad proximal pass of RL run
-the plain forward, so a KV cache is never updated twice.
+Checkpointing is the outermost wrapper of the block's forward (ovkit.runtime.wrappers owns the order of the per-block
+wrappers: the compiled forward of --compile sits inside it), a bound method, so deepcopy -- the asynchronous
+sampler's copy -- rebinds it to the copy, and parameter names, therefore save_pretrained, LoRA targets and groups,
+stay unchanged. It only engages when autograd records (torch.is_grad_enabled()): generation and the no-grad proximal
+pass of RL run the plain forward, so a KV cache is never updated twice.
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +40,7 @@ from ovkit.choices import CHECKPOINTING_MODES as MODES  # noqa: F401 (re-exporte
 from ovkit.choices import canonical_checkpointing as canonical  # noqa: F401
 from ovkit.choices import check_checkpointing as check_option  # noqa: F401
 from ovkit.models.groups import group_of
+from ovkit.runtime import wrappers
 
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 STACKS = ("llm", "vision")
@@ -93,7 +94,7 @@ def targets(model: nn.Module, mode: str) -> list[tuple[str, nn.Module]]:
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    inner = self._ovkit_plain_forward
+    inner = getattr(self, wrappers.CHECKPOINTED)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
@@ -101,9 +102,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def wrap(module: nn.Module) -> nn.Module:
     """Checkpoint `module`'s forward, in place (once)."""
-    if "_ovkit_plain_forward" not in module.__dict__:
-        module._ovkit_plain_forward = module.forward
-        module.forward = types.MethodType(_checkpointed_forward, module)
+    wrappers.wrap(module, wrappers.CHECKPOINTED, _checkpointed_forward)
     return module
 
 
@@ -118,9 +117,7 @@ def apply(model: nn.Module, mode: str) -> list[str]:
 def remove(model: nn.Module) -> None:
     """Undo `apply` (benchmarks and tests compare modes on one model)."""
     for module in model.modules():
-        if "_ovkit_plain_forward" in module.__dict__:
-            del module.__dict__["forward"]
-            del module.__dict__["_ovkit_plain_forward"]
+        wrappers.unwrap(module, wrappers.CHECKPOINTED)
 
 
 # -- auto ------------------------------------------------------------------------------------------------------------

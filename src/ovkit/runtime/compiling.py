@@ -1,18 +1,18 @@
 """`--compile`: torch.compile per decoder layer and per vision block, the way torchtitan compiles a model.
 
 Each block of the language model's and the vision tower's stacks (found as activation checkpointing finds them:
-ovkit.runtime.checkpointing.block_stacks) gets a forward that runs through one `torch.compile`d function. It is
-applied after activation checkpointing and composes with it the other way round from torchtitan (which checkpoints
-each block, then compiles the checkpointed block, so the checkpoint is a higher-order op inside the graph): here a
-checkpointed block's checkpoint stays eager and calls the compiled forward, in forward and again to recompute it in
-backward. The reason is the graph break below: Dynamo cannot break a graph inside a checkpoint, so a checkpoint
-around a block whose attention breaks runs the whole block eagerly (measured: no graph compiled at all with
-`--activation-checkpointing full`). With `mlp` checkpointing the checkpointed MLP has no break and sits inside the
-compiled block, as in torchtitan. Compiling blocks, not the whole model: the model's own forward holds the
-data-dependent work
-(image placement, rotary indices, the chunked loss) that would break the graph anyway, while every block of a stack
-is the same code with other weights, so one graph serves them all (Dynamo lifts a module's parameters to graph
-inputs instead of guarding on the module's identity) and compile time does not grow with depth.
+ovkit.runtime.checkpointing.block_stacks) gets a forward that runs through one `torch.compile`d function. It composes
+with activation checkpointing the other way round from torchtitan (which checkpoints each block, then compiles the
+checkpointed block, so the checkpoint is a higher-order op inside the graph): here a checkpointed block's checkpoint
+stays eager and calls the compiled forward, in forward and again to recompute it in backward, whichever of the two is
+applied first (ovkit.runtime.wrappers owns that order). The reason is the graph break below: Dynamo cannot break a
+graph inside a checkpoint, so a checkpoint around a block whose attention breaks runs the whole block eagerly
+(measured: no graph compiled at all with `--activation-checkpointing full`). With `mlp` checkpointing the
+checkpointed MLP has no break and sits inside the compiled block, as in torchtitan. Compiling blocks, not the whole
+model: the model's own forward holds the data-dependent work (image placement, rotary indices, the chunked loss) that
+would break the graph anyway, while every block of a stack is the same code with other weights, so one graph serves
+them all (Dynamo lifts a module's parameters to graph inputs instead of guarding on the module's identity) and
+compile time does not grow with depth.
 
 Graphs, breaks and recompiles. `dynamic=True`: sequence length, batch size and image count vary from step to step,
 and a graph specialised to the first step's shapes would recompile on the next; with symbolic shapes what compiles
@@ -35,19 +35,19 @@ within float tolerance, not bit for bit, so `--compile` is run control, not part
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any
 
 import torch
 from torch import nn
 
+from ovkit.runtime import wrappers
 from ovkit.runtime.checkpointing import block_stacks
 
 BACKEND = "inductor"  # tests switch to aot_eager (graph capture and AOTAutograd without code generation: fast)
 
 
 def _run_block(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return block._ovkit_eager_forward(*args, **kwargs)
+    return getattr(block, wrappers.COMPILED)(*args, **kwargs)
 
 
 @functools.cache
@@ -58,19 +58,15 @@ def _compiled(backend: str):
 def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     cached = kwargs.get("past_key_values", kwargs.get("past_key_value")) is not None
     if cached or self.__dict__.get("_ovkit_compiled_id") != id(self):  # generation / a deep copy: eager
-        return self._ovkit_eager_forward(*args, **kwargs)
+        return getattr(self, wrappers.COMPILED)(*args, **kwargs)
     return _compiled(BACKEND)(self, *args, **kwargs)
 
 
 def wrap(block: nn.Module) -> nn.Module:
     """Run `block`'s forward compiled, in place (once). A checkpointed block (ovkit.runtime.checkpointing.wrap)
     keeps its checkpoint outside: the checkpoint calls the compiled forward, in forward and again to recompute."""
-    if "_ovkit_eager_forward" in block.__dict__:
-        return block
-    slot = "_ovkit_plain_forward" if "_ovkit_plain_forward" in block.__dict__ else "forward"
-    block._ovkit_eager_forward = getattr(block, slot)
-    setattr(block, slot, types.MethodType(_compiled_forward, block))
-    block._ovkit_compiled_id = id(block)
+    if wrappers.wrap(block, wrappers.COMPILED, _compiled_forward):
+        block._ovkit_compiled_id = id(block)
     return block
 
 
@@ -88,13 +84,9 @@ def apply(model: nn.Module) -> dict[str, Any]:
 def remove(model: nn.Module) -> None:
     """Undo `apply` (tests and benchmarks compare on one model)."""
     for module in model.modules():
-        if "_ovkit_eager_forward" in module.__dict__:
-            eager = module.__dict__.pop("_ovkit_eager_forward")
+        if wrappers.COMPILED in module.__dict__:
+            wrappers.unwrap(module, wrappers.COMPILED)
             del module.__dict__["_ovkit_compiled_id"]
-            if "_ovkit_plain_forward" in module.__dict__:
-                module._ovkit_plain_forward = eager
-            else:
-                del module.__dict__["forward"]
 
 
 def counts() -> dict[str, int]:

@@ -3,13 +3,13 @@
 `ovkit align | midtrain | sft` (ovkit.train.loop) and `ovkit rl-train` (ovkit.rl.loop) are two loops
 (nanochat-style); everything around them is here, once:
 
-    rt = Runtime(cfg, command="sft", trajectory=TRAJECTORY)   # accelerator, device, precision, attention, seed
+    rt = Runtime(LearnerRun.of(cfg, ...), cfg.loading, cfg.optimiser, ...)  # accelerator, device, precision, seed
     rt.check_run_dir()                                          # OUT.partial: fresh, or the checkpoint to resume
     model, processor = rt.load_model(cfg.model)                 # attention and --kernels set, on the device, fp32
     optimizer, scheduler = rt.optimizer(model, lr=..., weight_decay=..., schedule=...)   # --optim; casts to bf16 if
                                                                                            asked
     rt.checkpointing(model, tokens=...)                         # --activation-checkpointing (auto resolved here)
-    rt.compile(model)                                           # --compile: each block, around its checkpointing
+    rt.compile(model)                                           # --compile: each block, inside its checkpointing
     scorer, optimizer = rt.prepare(model, optimizer, scheduler) # TokenScorer (loss in forward) under accelerate
     state = rt.resume(state)                                    # trajectory options checked, state loaded
     logger = rt.logger(total, state["step"], console=line_fn)
@@ -69,12 +69,13 @@ from ovkit.launch import engine_warning, requested_engine
 from ovkit.models import attention as attn
 from ovkit.models import load, lora
 from ovkit.models import precision as prec
-from ovkit.runs import Stage, claim, input_print
+from ovkit.options import Checkpoints, Compute, Lora, ModelLoading, Optimiser, Trackers
+from ovkit.runs import LearnerRun, Stage, claim, input_print
 from ovkit.runtime import checkpointing as ac
 from ovkit.runtime import compiling, integrity
 from ovkit.runtime import kernels as kern
 from ovkit.runtime.guard import NonFiniteSteps, StepGuard
-from ovkit.runtime.log import Logger, TrackerSink, check_trackers, make_logger
+from ovkit.runtime.log import Logger, TrackerSink, check_trackers, held_out, make_logger
 from ovkit.runtime.loss import TokenScorer
 from ovkit.runtime.optim import OptimizerInBackward, adamw, bytes_per_param, clip_grad_norm, master_pairs
 
@@ -111,31 +112,46 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 class Runtime:
-    """One learner run: see the module docstring. `cfg` needs `out`, `seed`, `resume`, `overwrite`, `quiet`,
-    `report_to`, `precision`, `attn_implementation`, `trust_remote_code`; `trajectory` names the options a resumed run
-    must keep."""
+    """One learner run: see the module docstring. The entry point hands it the run (ovkit.runs.LearnerRun: where it
+    writes, what it read, what a resume must keep) and the option groups it acts on: how the model loads, the
+    optimiser's implementation, memory and speed, LoRA, checkpoints and trackers; `four_bit` is --load-in-4bit (the
+    supervised stages')."""
 
-    def __init__(self, cfg: Any, *, command: str, trajectory: Sequence[str], parent: Path | None = None):
+    def __init__(
+        self,
+        run: LearnerRun,
+        loading: ModelLoading,
+        optimiser: Optimiser,
+        compute: Compute,
+        adapters: Lora,
+        checkpoints: Checkpoints,
+        trackers: Trackers,
+        four_bit: bool = False,
+        *,
+        parent: Path | None = None,
+    ):
         # heavy: accelerate loads on first use, not at CLI start or in config checks
         from accelerate import Accelerator, PartialState
         from accelerate.state import AcceleratorState
         from accelerate.utils import DistributedDataParallelKwargs, set_seed
         from transformers.utils import logging as hf_logging
 
-        self.cfg, self.command, self.trajectory = cfg, command, tuple(trajectory)
-        self.parent = Path(parent if parent is not None else cfg.model)
+        self.run, self.command, self.trajectory = run, run.command, run.trajectory
+        self.loading, self.compute, self.adapters, self.checkpoints = loading, compute, adapters, checkpoints
+        self.in_backward, self.four_bit = optimiser.optimizer_in_backward, four_bit
+        self.parent = Path(parent if parent is not None else run.model)
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.precision = prec.resolve(cfg.precision, device)
+        self.precision = prec.resolve(loading.precision, device)
         # Master weights need the gradients to themselves; DDP all-reduces the parameters' .grad and FSDP/DeepSpeed
         # bring their own mixed-precision policy: those runs use accelerate's bf16 (autocast / the engine's policy).
         # (cpu=True: on a CPU box, the process group torchrun set up is gloo's; without it accelerate sees one process)
         distributed = PartialState(cpu=device.type == "cpu").distributed_type.value not in ("NO",)
         # One writer per output (ovkit.faults): the main process holds OUT.lock until finish(), before it reads the run
         # directory; a second run exits 2 naming this one.
-        self.lock = hold(cfg.out, command) if PartialState().is_main_process else None
+        self.lock = hold(run.out, run.command) if PartialState().is_main_process else None
         # --optim adamw_8bit keeps its 8-bit state over the weights themselves: bf16-mixed is autocast over fp32 weights
         # with it (transformers' Trainer's bf16 + adamw_8bit), not fp32 masters (ovkit.runtime.optim's table).
-        self.optim = getattr(cfg, "optim", "adamw_torch_fused")
+        self.optim = optimiser.optim
         autocast = distributed or self.optim == "adamw_8bit"
         self.master_weights = self.precision.master_weights and not autocast
         mixed = "bf16" if self.precision.name == "bf16-mixed" and autocast else "no"
@@ -145,7 +161,7 @@ class Runtime:
         # heavy: accelerate loads on first use, not at CLI start or in config checks
         from accelerate.utils import ProjectConfiguration
 
-        report_to = list(getattr(cfg, "report_to", None) or [])
+        self.report_to = report_to = list(trackers.report_to)
         check_trackers(report_to)
         project = ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "trackers"))
         self.accelerator = Accelerator(
@@ -156,7 +172,7 @@ class Runtime:
             project_config=project,
         )
         self.device = self.accelerator.device
-        if getattr(cfg, "optimizer_in_backward", False) and self.distributed != "NO":
+        if self.in_backward and self.distributed != "NO":
             if self.lock is not None:
                 self.lock.release()
             raise OvkitError(
@@ -169,31 +185,33 @@ class Runtime:
         warning = engine_warning(self.accelerator.distributed_type.value)
         if warning and self.accelerator.is_main_process:
             print(warning, file=sys.stderr)
-        self.attention = attn.resolve(getattr(cfg, "attn_implementation", "auto"), self.device, train=True)
-        set_seed(cfg.seed, device_specific=True)
+        self.attention = attn.resolve(loading.attn_implementation, self.device, train=True)
+        set_seed(run.seed, device_specific=True)
         hf_logging.disable_progress_bar()  # weight loading/saving bars would break up the step lines
         self.resume_from: Path | None = None
-        self.inputs = _input_paths(cfg)  # {path: the option it came from}
+        self.inputs = run.inputs  # {path: the option it came from}
         self.input_prints: list[dict[str, Any]] = []  # their fingerprints, in every checkpoint: --resume checks them
         self.scheduler = self._optimizer = None
         self.bytes_per_param: dict[str, Any] | None = None  # measured after the first optimiser step (rt.measure)
         self.activation_checkpointing: dict[str, Any] = {"mode": "off", "why": "not applied"}
-        self.kernel_choice, why = kern.resolve(getattr(cfg, "kernels", "torch"), self.device)
+        self.kernel_choice, why = kern.resolve(compute.kernels, self.device)
         self.kernels: dict[str, Any] = {
             "kernels": self.kernel_choice,
-            "requested": getattr(cfg, "kernels", "torch"),
+            "requested": compute.kernels,
             "why": why,
         }
         self.compiled: dict[str, Any] = {"enabled": False}
         self.checkpoint_bytes: int | None = None  # the estimate check_space makes, named when a save fails
         # which optimiser steps are applied (ovkit.runtime.guard), for every loop and every process alike
-        self.guard = StepGuard(cfg.max_nonfinite_steps, command=command, main=self.accelerator.is_main_process)
+        self.guard = StepGuard(
+            checkpoints.max_nonfinite_steps, command=run.command, main=self.accelerator.is_main_process
+        )
 
     # -- facts ------------------------------------------------------------------------------------------------------
 
     @property
     def run_dir(self) -> Path:
-        return self.cfg.out.parent / f"{self.cfg.out.name}.partial"
+        return self.run.partial
 
     @property
     def is_main(self) -> bool:
@@ -237,12 +255,12 @@ class Runtime:
         --overwrite. Nothing is written: `make_run_dir` does that, once the inputs have been checked. OUT and
         OUT.partial must be ovkit's (ovkit.runs.claim), and a resumed run's inputs what its checkpoint trained on."""
         run_dir = self.run_dir
-        claim(self.cfg.out, partial=run_dir)  # a path ovkit did not write: exit 2, before any model loads
+        claim(self.run.out, partial=run_dir)  # a path ovkit did not write: exit 2, before any model loads
         self.input_prints = [f for f in map(input_print, self.inputs) if f is not None]
-        if not run_dir.exists() or self.cfg.overwrite:
+        if not run_dir.exists() or self.run.overwrite:
             return None
         ckpt = latest_checkpoint(run_dir)
-        if not self.cfg.resume:
+        if not self.checkpoints.resume:
             at = f"its last checkpoint is {ckpt.name}" if ckpt else "it has no checkpoint yet"
             raise OvkitError(
                 f"{run_dir} holds an unfinished run ({at}); pass --resume to continue it or --overwrite to start over"
@@ -335,7 +353,7 @@ class Runtime:
             f"{new} checkpoint{'s' if new != 1 else ''} of about {faults.size(self.checkpoint_bytes)} and "
             f"the final model{what}"
         )
-        faults.check_space(self.cfg.out, needed, described)
+        faults.check_space(self.run.out, needed, described)
 
     def make_run_dir(self) -> None:
         """OUT.partial, emptied unless the run resumes from it."""
@@ -350,15 +368,15 @@ class Runtime:
     def resume(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` for a fresh run; for a resumed one the checkpoint's, after checking that the run continues the same
         trajectory (same options, same process count), with model, optimiser, schedule and RNG restored. The loop
-        comes next: from here a SIGINT/SIGTERM waits for the step boundary (`stop_if_asked`)."""
-        faults.defer(True)
+        comes next, inside `faults.deferred_signals()`: there a SIGINT/SIGTERM waits for the step boundary
+        (`stop_if_asked`)."""
         ckpt = self.resume_from
         if ckpt is None:
             return {**state, "processes": self.processes}
         saved = json.loads((ckpt / PROVENANCE).read_text())["config"]
-        now = to_plain(self.cfg)
+        now = to_plain(self.run.config)
         # an option the checkpoint's config does not name did not exist when it was written: it ran as the default
-        defaults = to_plain_values({k: option_default(type(self.cfg), k) for k in self.trajectory})
+        defaults = to_plain_values({k: option_default(type(self.run.config), k) for k in self.trajectory})
         loosened = self._after_divergence(ckpt)
         keys = [k.replace("_", "-") for k in self.trajectory if k not in loosened]
         changed = [k for k in keys if saved.get(k, defaults[k]) != now.get(k)]
@@ -414,11 +432,11 @@ class Runtime:
         """(model, processor) from `path`, in fp32 (the optimiser decides the compute dtype), with the attention
         implementation applied, on this process's device."""
 
-        quant = lora.four_bit_config(self.precision.dtype) if getattr(self.cfg, "load_in_4bit", False) else None
+        quant = lora.four_bit_config(self.precision.dtype) if self.four_bit else None
         model, processor = load(
             path,
             dtype=torch.float32,
-            trust_remote_code=self.cfg.trust_remote_code,
+            trust_remote_code=self.loading.trust_remote_code,
             quantization_config=quant,
             device=self.device if quant is not None else None,
         )
@@ -444,7 +462,7 @@ class Runtime:
         kw = dict(lr=lr, weight_decay=weight_decay, lrs=lrs, optim=self.optim)
 
         def build(**extra: Any) -> torch.optim.Optimizer:
-            if getattr(self.cfg, "optimizer_in_backward", False):
+            if self.in_backward:
                 return OptimizerInBackward(params, lambda p: adamw([p], **kw, **extra))
             return adamw(params, **kw, **extra)
 
@@ -465,7 +483,7 @@ class Runtime:
         of `tokens` tokens against the free memory less the gradients and AdamW moments still to come
         (ovkit.runtime.checkpointing.choose). The mode and why go into ovkit.json
         (`runtime.activation_checkpointing`)."""
-        asked = getattr(self.cfg, "activation_checkpointing", "off")
+        asked = self.compute.activation_checkpointing
         needed = free = None
         if asked == "auto" and self.device.type == "cuda":
             element = 2 if self.precision.dtype == torch.bfloat16 else 4
@@ -473,7 +491,7 @@ class Runtime:
             free = ac.free_cuda_bytes(self.device) - ac.optimiser_bytes(
                 model,
                 state_element_bytes=2 if self.precision.name == "bf16-true" else 4,
-                gradients=not getattr(self.cfg, "optimizer_in_backward", False),
+                gradients=not self.in_backward,
             )
         mode, why = ac.choose(asked, self.device, needed, free)
         blocks = ac.apply(model, mode)
@@ -490,9 +508,10 @@ class Runtime:
         return mode
 
     def compile(self, model: Any) -> None:
-        """--compile: torch.compile each decoder layer and vision block (ovkit.runtime.compiling), after
-        `checkpointing` so the checkpoint sits inside each compiled block; the counts go into ovkit.json."""
-        if getattr(self.cfg, "compile", False):
+        """--compile: torch.compile each decoder layer and vision block (ovkit.runtime.compiling), inside the block's
+        checkpoint when `checkpointing` wraps it (ovkit.runtime.wrappers fixes that order); the counts go into
+        ovkit.json."""
+        if self.compute.compile:
             self.compiled = compiling.apply(model)
 
     def _fused_ok(self) -> bool:
@@ -537,14 +556,14 @@ class Runtime:
 
     def logger(self, total: int, start: int, *, console: Callable[[int, dict], str], desc: str) -> Logger:
         trackers = None
-        if self.cfg.report_to:
+        if self.report_to:
             trackers = TrackerSink(
-                self.accelerator, self.run_dir, project=f"ovkit-{self.command}", config=to_plain(self.cfg)
+                self.accelerator, self.run_dir, project=f"ovkit-{self.command}", config=to_plain(self.run.config)
             )
         return make_logger(
             self.run_dir,
             main=self.is_main,
-            quiet=self.cfg.quiet,
+            quiet=self.run.quiet,
             total=total,
             start=start,
             desc=desc,
@@ -574,17 +593,18 @@ class Runtime:
 
     def lora(self, model: Any, trainable: list[str]) -> tuple[int, int] | None:
         """Adapters instead of full fine-tuning when --lora-r > 0 (ovkit.models.lora); (trainable, total) counts."""
-        r = getattr(self.cfg, "lora_r", 0)
+        r = self.adapters.lora_r
         if not r:
             return None
         if self.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
             raise OvkitError(
                 "--lora-r with FSDP or DeepSpeed is not supported here; use DDP (plain accelerate launch / torchrun)"
             )
+        adapters = self.adapters
         spec = lora.LoraSpec(
-            r=r, alpha=self.cfg.lora_alpha, dropout=self.cfg.lora_dropout, targets=tuple(self.cfg.lora_targets or ())
+            r=r, alpha=adapters.lora_alpha, dropout=adapters.lora_dropout, targets=tuple(adapters.lora_targets or ())
         )
-        if getattr(self.cfg, "load_in_4bit", False):
+        if self.four_bit:
             # --activation-checkpointing does the recomputing (non-reentrant: no input gradients needed), not peft
             lora.prepare_four_bit(model, gradient_checkpointing=False)
         return lora.apply(model, trainable, spec)
@@ -653,7 +673,6 @@ class Runtime:
         ckpt = step_dir(self.run_dir, state["step"])
         if not (ckpt / PROVENANCE).is_file():
             self.save_checkpoint(scorer, processor, state, keep)
-        faults.defer(False)
         name = signal.Signals(signum).name
         raise faults.Interrupted(
             signum,
@@ -665,17 +684,13 @@ class Runtime:
     def out_of_memory(self, e: BaseException, state: dict[str, Any]) -> OutOfMemory:
         """The one message for a CUDA OOM during the loop (raise it from the loop's except): the stage, the step, the
         tokens per micro-batch, peak and total memory, what needs less, and the checkpoint --resume continues from."""
-        cfg = self.cfg
+        smaller = self.run.smaller
         options = [
-            "--micro-batch-size"
-            if hasattr(cfg, "micro_batch_size")
-            else "--batch-size (with --grad-accum for the same global batch)",
+            smaller[0],
             "--activation-checkpointing full",
             "--precision bf16-true or --optim adamw_8bit",
+            *smaller[1:],
         ]
-        options += (
-            ["--max-len"] if hasattr(cfg, "max_len") else ["--max-new-tokens"] if hasattr(cfg, "max_new_tokens") else []
-        )
         tokens = self.activation_checkpointing.get("tokens_per_micro_batch")
         ckpt = latest_checkpoint(self.run_dir)
         after = (
@@ -722,7 +737,7 @@ class Runtime:
             write_json(
                 self.run_dir / DIVERGED, {"step": step, "last_applied": last_good, "may_change": DIVERGENCE_FIXES}
             )
-        lr = getattr(self.cfg, "lr", None)
+        lr = self.run.lr
         name = self.precision.name
         causes = (
             f"the usual causes are too high a learning rate (--lr {lr if lr is None else format(lr, 'g')}) and too "
@@ -766,11 +781,11 @@ class Runtime:
         return {
             "command": self.command,
             "ovkit_version": __version__,
-            "config": to_plain(self.cfg),
+            "config": to_plain(self.run.config),
             "parent": {"path": str(self.parent)},
             "inputs": self.input_prints,
             "step": state["step"],
-            "seed": self.cfg.seed,
+            "seed": self.run.seed,
             "runtime": self.info(),
             "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "metrics": state.get("last", {}),
@@ -781,7 +796,6 @@ class Runtime:
     ) -> Result:
         """Save the final model into OUT.partial and, on the main process once every process is done, turn it into
         OUT (config.yaml and ovkit.json with `summary` and the runtime)."""
-        faults.defer(False)  # the loop is over: a signal now stops at once (OUT.partial keeps its checkpoints)
         self.check_weights(scorer, state)
         try:
             self.save_model(scorer, processor, self.run_dir)
@@ -793,14 +807,15 @@ class Runtime:
         self.accelerator.wait_for_everyone()
         if not self.is_main:
             return Result("worker", summary)
+        summary = {**summary, **held_out(self.run_dir / "metrics.jsonl")}  # the last --eval-data evaluation
         write_json(self.run_dir / RUN_STATE, state)
         stage = Stage(
             self.command,
-            self.cfg,
-            self.cfg.out,
+            self.run.config,
+            self.run.out,
             inputs=inputs,
-            overwrite=self.cfg.overwrite,
-            seed=self.cfg.seed,
+            overwrite=self.run.overwrite,
+            seed=self.run.seed,
             parent=self.parent,
         )
         marker = self.run_dir / DIVERGED
@@ -819,14 +834,6 @@ class Runtime:
 
 def _step_of(ckpt: Path) -> int:
     return int(ckpt.name.split("-")[1])
-
-
-def _input_paths(cfg: Any) -> dict[Path, str]:
-    """What a learner's checkpoints fingerprint, and the option each came from: DATA, --plan and --model (a Hub id
-    is noted, not fingerprinted)."""
-    data = cfg.data if isinstance(cfg.data, (list, tuple)) else [cfg.data]
-    named = [*((p, "DATA") for p in data), (getattr(cfg, "plan", None), "--plan"), (cfg.model, "--model")]
-    return {Path(p): role for p, role in named if p is not None}
 
 
 def _print_note(p: dict[str, Any]) -> str:

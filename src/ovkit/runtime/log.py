@@ -4,7 +4,8 @@ once, when the Logger is built, so the training loop never branches on logging. 
 The console line is one dense, readable line per step (nanochat's style), formatted by the loop's own function:
     step 00042 | loss 2.3100 | lr 1.00e-05 | tok/s 5400 | pad 3% | 3.1m                 (supervised)
     step 00042 | reward 0.410 | acc 0.31 | len 12.0 | clip 0.020 | ... | 25.3 samples/s   (RL)
-above a tqdm bar with the ETA over the run's steps.
+    eval  step 00040 | reward 0.410 | accuracy 0.31 | loss 2.1034 | 3.2s                 (a step that evaluated)
+above a tqdm bar with the ETA over the run's steps. The last evaluation also reaches the run's summary (`held_out`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ TRL_NAMES = {
     "reward/mean": "reward",
     "reward/std": "reward_std",
     "reward/format": "rewards/format/mean",
+    "reward/format_std": "rewards/format/std",
     "task_reward/mean": "rewards/task/mean",
     "task_reward/std": "rewards/task/std",
     "length/mean": "completions/mean_length",
@@ -41,6 +43,8 @@ TRL_NAMES = {
     "clip/low_frac": "clip_ratio/low_mean",
     "clip/high_frac": "clip_ratio/high_mean",
     "clip/frac": "clip_ratio/region_mean",
+    "clip/low_min": "clip_ratio/low_min",  # over processes (ovkit.rl.loop.combine), as TRL gathers them
+    "clip/high_max": "clip_ratio/high_max",
     "mismatch/delta_logp_mean": "sampling/sampling_logp_difference/mean",
     "mismatch/delta_logp_max": "sampling/sampling_logp_difference/max",
     "is_weight/min": "sampling/importance_sampling_ratio/min",
@@ -61,6 +65,51 @@ def public(metrics: dict[str, Any]) -> dict[str, Any]:
     return {public_name(k): v for k, v in metrics.items()}
 
 
+def tracker_tag(name: str) -> str:
+    """A public name as TRL's runs show it in TensorBoard, W&B and Trackio: transformers' Trainer writes its logs
+    under train/ (eval_* under eval/; `rewrite_logs` in transformers.integrations), so train/loss,
+    train/rewards/task/mean, and ovkit's own beside them as train/ovkit/..."""
+    return name if name.startswith(EVAL_PREFIX) else f"train/{name}"
+
+
+def eval_line(step: int, metrics: dict[str, Any]) -> str | None:
+    """The console line of a step that evaluated on --eval-data (ovkit.evaluate.during), beside its step line:
+    `eval  step 00040 | reward 0.410 | accuracy 0.31 | loss 2.1034 | 3.2s`; None for a step that did not."""
+    found = {k.removeprefix(EVAL_PREFIX): v for k, v in metrics.items() if k.startswith(EVAL_PREFIX)}
+    if not found:
+        return None
+    return " | ".join([f"eval  step {step:05d}", *_held_out_parts(found)])
+
+
+def _held_out_parts(found: dict[str, Any], *, runtime: bool = True) -> list[str]:
+    formats = {"reward": "reward {:.3f}", "accuracy": "accuracy {:.2f}", "loss": "loss {:.4f}"}
+    if runtime:
+        formats["runtime"] = "{:.1f}s"
+    return [f.format(found[k]) for k, f in formats.items() if isinstance(found.get(k), (int, float))]
+
+
+def held_out(metrics_jsonl: Path) -> dict[str, Any]:
+    """`{"eval": {"step": N, "reward": ..., "accuracy": ..., "loss": ..., "reward/<category>": ...}}`: the last
+    evaluation of the run (--eval-data; its last step evaluates), read from metrics.jsonl, so a resumed run reports
+    it too, for ovkit.json's metrics, the command's summary line and the model card; {} without one."""
+    path = Path(metrics_jsonl)
+    last: dict[str, Any] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            found = {k.removeprefix(EVAL_PREFIX): v for k, v in row.items() if k.startswith(EVAL_PREFIX)}
+            if found:
+                last = {"step": row["step"], **found}
+    return {"eval": last} if last else {}
+
+
+def held_out_note(metrics: dict[str, Any]) -> str:
+    """`; held-out at step 40: reward 0.410, accuracy 0.31, loss 2.1034` for a summary line ('' without one)."""
+    found = metrics.get("eval") or {}
+    parts = _held_out_parts(found, runtime=False)
+    return f"; held-out at step {found['step']}: {', '.join(parts)}" if found and parts else ""
+
+
 class Sink(Protocol):
     def write(self, step: int, metrics: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
@@ -78,6 +127,9 @@ class ConsoleSink:
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         self.bar.write(self.line(step, metrics), file=sys.stderr)
+        held = eval_line(step, metrics)
+        if held is not None:
+            self.bar.write(held, file=sys.stderr)
         self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
@@ -121,9 +173,10 @@ def check_trackers(names: list[str]) -> None:
 
 class TrackerSink:
     """accelerate's experiment trackers (TensorBoard, Weights & Biases, MLflow, Trackio), as the HF Trainer and TRL use
-    them, under the same metric names as metrics.jsonl. Offline by default where the tracker allows: TensorBoard writes
-    OUT.partial/trackers/, MLflow a file store in OUT.partial/mlruns (unless MLFLOW_TRACKING_URI is set), W&B into
-    OUT.partial/wandb (WANDB_MODE=offline keeps it off the network), Trackio a local project."""
+    them, under metrics.jsonl's names with the Trainer's train/ prefix (`tracker_tag`). Offline by default where the
+    tracker allows: TensorBoard writes OUT.partial/trackers/, MLflow a file store in OUT.partial/mlruns (unless
+    MLFLOW_TRACKING_URI is set), W&B into OUT.partial/wandb (WANDB_MODE=offline keeps it off the network), Trackio a
+    local project."""
 
     def __init__(self, accelerator, run_dir: Path, *, project: str, config: dict[str, Any]):
 
@@ -134,7 +187,11 @@ class TrackerSink:
         accelerator.init_trackers(project, config=hparams, init_kwargs={"wandb": {"dir": str(run_dir)}})
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in public(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {
+            tracker_tag(k): v
+            for k, v in public(metrics).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         self.accelerator.log(scalars, step=step)
 
     def close(self) -> None:

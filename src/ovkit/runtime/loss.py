@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ovkit.models.precompute import VISION_KEYS
+from ovkit.models.precompute import PLANS, VISION_KEYS
 
 CHUNK_BYTES = 64 << 20  # fp32 logits of one chunk (its gradient and the softmax double it in the backward pass)
 
@@ -75,6 +75,8 @@ def _embedded(base: Any, inputs: dict[str, Any]) -> dict[str, Any]:
         if k not in ("image_token_index", "pixel_values", "image_grid_thw", *VISION_KEYS)
     }
     vision = {k.removeprefix("image_"): inputs[k] for k in VISION_KEYS if k in inputs}
+    if PLANS in inputs:  # the tower's boundaries' plans (the language model gets them with `rest`)
+        vision[PLANS] = inputs[PLANS]
     features = base.visual(
         inputs["pixel_values"].type(base.visual.dtype), grid_thw=inputs["image_grid_thw"], **vision
     ).pooler_output

@@ -309,7 +309,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
             raise ValueError("OptimizerInBackward got no trainable parameters")
         self.optimizers = [make(p) for p in params]
         for o in self.optimizers:
-            o.in_backward = True  # its steps are parts of this one (ovkit.runtime.syncs.OptimizerSteps counts steps)
+            o.in_backward = True  # its steps are parts of this one (bench/_syncs.py's OptimizerSteps counts steps)
         super().__init__(params, {})
         self.param_groups = self._groups()
         self._squares: torch.Tensor | None = None

@@ -17,7 +17,6 @@ from ovkit import options as O
 from ovkit.choices import (
     canonical_precision,
     check_checkpointing,
-    check_eval_options,
     check_kernels,
     check_optim,
 )  # torch-free (#29)
@@ -42,8 +41,63 @@ OPTIMISER_SCHEDULE = "Optimiser & schedule"
 BATCHES_LENGTH = "Batches & length"
 
 
+# The shared groups where sft, midtrain and align say more than the other commands (their page text).
+
+
 @dataclass
-class TrainConfig(O.Learner):
+class TrainLoading(O.ModelLoading):
+    """Model loading, with the supervised stages' page text for --precision."""
+
+    precision: str = O.precision(
+        doc=(
+            "`auto` (bf16-mixed on a GPU with bf16, else fp32), `fp32`, `bf16-mixed` (bf16 weights in compute, "
+            "fp32 master weights, gradients and AdamW state: no per-op casts), `bf16-true` (pure bf16); `bf16` = "
+            "bf16-mixed, `32` = fp32 (ovkit.models.precision)"
+        )
+    )
+
+
+@dataclass
+class TrainCompute(O.Compute):
+    """Memory and speed, with the supervised stages' page text (the loss's fused kernel, the checkpointing modes)."""
+
+    activation_checkpointing: str = O.activation_checkpointing(
+        doc=(
+            "recompute activations in backward, in the LLM's decoder layers and the ViT's blocks alike "
+            "(`ovkit.runtime.checkpointing`): `off`; `full` (every block keeps only its input); `every-K` (the "
+            "K-th, 2K-th, ... block, torchtitan's selective layer checkpointing); `mlp` (only each block's MLP: "
+            "its wide intermediate activations are recomputed, attention keeps what it saved); `auto`: off on "
+            "CPU, on CUDA `full` when a micro-batch's estimated activations (bytes per token per block measured "
+            "by `bench/activation_bytes.py` x tokens x blocks) exceed the memory free after weights and optimiser"
+            " state, else off. The gradients are the same; the mode used and why are in ovkit.json "
+            "`runtime.activation_checkpointing`; it may change on `--resume`"
+        )
+    )
+    kernels: str = O.kernels(
+        doc=(
+            "`liger`: Liger-Kernel's Triton kernels (CUDA only; `pip install 'ovkit[liger]'`): RMSNorm, SwiGLU "
+            "and RoPE patched into the model, and the supervised loss through its fused linear cross-entropy "
+            "instead of ovkit's chunked head; `torch`: PyTorch ops and the chunked head; `auto`: liger on CUDA "
+            "when liger-kernel is installed, else torch. `liger` on a machine without CUDA or without the package"
+            " exits 2. What was applied is in ovkit.json `runtime.kernels`"
+        )
+    )
+
+
+@dataclass
+class TrainEvalDuring(O.EvalDuring):
+    """Evaluation while training, with the supervised stages' page text for --eval-every (losses, not rewards)."""
+
+    eval_every: int = O.eval_every(
+        doc=(
+            "evaluate every N steps and after the last (0: after the last only); also `--eval-steps` (HF/TRL). "
+            "Run control: the losses and weights are bit-identical with and without it"
+        )
+    )
+
+
+@dataclass(init=False)
+class TrainConfig(O.StageConfig):
     """Options of `ovkit align | midtrain | sft`. The stage (a class attribute, not an option) picks the presets."""
 
     launcher: ClassVar[str] = O.DATA_PARALLEL  # what it does under torchrun / accelerate launch (ovkit.launch)
@@ -52,6 +106,15 @@ class TrainConfig(O.Learner):
     # Options that exclude each other: one given on the command line drops the config file's other (flags override the
     # file)
     exclusive: ClassVar[tuple[tuple[str, ...], ...]] = (("max_steps", "epochs"),)
+
+    # the groups every learner shares, listed after the stage's own options
+    loading: TrainLoading = O.group(TrainLoading, after=True)
+    optimiser: O.Optimiser = O.group(O.Optimiser, after=True)
+    compute: TrainCompute = O.group(TrainCompute, after=True)
+    lora: O.Lora = O.group(O.Lora, after=True)
+    checkpoints: O.Checkpoints = O.group(O.Checkpoints, after=True)
+    trackers: O.Trackers = O.group(O.Trackers, after=True)
+    eval_during: TrainEvalDuring = O.group(TrainEvalDuring, after=True)
 
     # sample tables (parquet files or dirs of shards), read as one; the last assistant turn is the target
     data: list[Path] | None = option(
@@ -187,41 +250,7 @@ class TrainConfig(O.Learner):
         panel=BATCHES_LENGTH,
         min=1,
     )
-    precision: str = O.precision(
-        doc=(
-            "`auto` (bf16-mixed on a GPU with bf16, else fp32), `fp32`, `bf16-mixed` (bf16 weights in compute, "
-            "fp32 master weights, gradients and AdamW state: no per-op casts), `bf16-true` (pure bf16); `bf16` = "
-            "bf16-mixed, `32` = fp32 (ovkit.models.precision)"
-        )
-    )
     load_in_4bit: bool = O.load_in_4bit()
-    activation_checkpointing: str = O.activation_checkpointing(
-        doc=(
-            "recompute activations in backward, in the LLM's decoder layers and the ViT's blocks alike "
-            "(`ovkit.runtime.checkpointing`): `off`; `full` (every block keeps only its input); `every-K` (the "
-            "K-th, 2K-th, ... block, torchtitan's selective layer checkpointing); `mlp` (only each block's MLP: "
-            "its wide intermediate activations are recomputed, attention keeps what it saved); `auto`: off on "
-            "CPU, on CUDA `full` when a micro-batch's estimated activations (bytes per token per block measured "
-            "by `bench/activation_bytes.py` x tokens x blocks) exceed the memory free after weights and optimiser"
-            " state, else off. The gradients are the same; the mode used and why are in ovkit.json "
-            "`runtime.activation_checkpointing`; it may change on `--resume`"
-        )
-    )
-    kernels: str = O.kernels(
-        doc=(
-            "`liger`: Liger-Kernel's Triton kernels (CUDA only; `pip install 'ovkit[liger]'`): RMSNorm, SwiGLU "
-            "and RoPE patched into the model, and the supervised loss through its fused linear cross-entropy "
-            "instead of ovkit's chunked head; `torch`: PyTorch ops and the chunked head; `auto`: liger on CUDA "
-            "when liger-kernel is installed, else torch. `liger` on a machine without CUDA or without the package"
-            " exits 2. What was applied is in ovkit.json `runtime.kernels`"
-        )
-    )
-    eval_every: int = O.eval_every(
-        doc=(
-            "evaluate every N steps and after the last (0: after the last only); also `--eval-steps` (HF/TRL). "
-            "Run control: the losses and weights are bit-identical with and without it"
-        )
-    )
     seed: int = O.seed(doc="sample order, dropout; every process seeds with seed + rank")
     overwrite: bool = O.overwrite(doc="replace a complete OUT / discard OUT.partial")
     quiet: bool = O.quiet(
@@ -263,7 +292,7 @@ class TrainConfig(O.Learner):
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
         check_trackers(self.report_to)
-        check_eval_options(self)
+        self.eval_during.check()
         if self.optimizer_in_backward:
             self._check_optimizer_in_backward()
 
@@ -320,3 +349,5 @@ STAGE_CONFIGS: dict[str, type[TrainConfig]] = {"align": AlignConfig, "midtrain":
 # (Runtime.resume exits 2 naming it).
 RUN_CONTROL = run_control_names(TrainConfig)
 TRAJECTORY = trajectory_options(TrainConfig, RUN_CONTROL)
+# What shrinks a micro-batch's memory, as the out-of-memory message names it (ovkit.runtime.Runtime.out_of_memory).
+SMALLER = ("--batch-size (with --grad-accum for the same global batch)", "--max-len")

@@ -172,7 +172,7 @@ class PackedSource:
             batch = dict(self.dataset.collate(items))
             batch["num_tokens"] = batch["input_ids"].numel()
             text = batch["position_ids"][0] if batch["position_ids"].ndim == 3 else batch["position_ids"]
-            batch.update(precompute.varlen_boundaries(text))
+            batch.update(precompute.varlen_boundaries(text, layout.config))
             return host_inputs(batch, layout)
         return host_inputs(stack_packs(items, layout, pad_id), layout)
 

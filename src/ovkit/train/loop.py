@@ -26,82 +26,69 @@ from typing import Any
 
 import torch
 
+from ovkit import faults
 from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
-from ovkit.files import is_complete
 from ovkit.models import pad_token_id
 from ovkit.models.groups import group_of, set_trainable, trainable_names
 from ovkit.models.precompute import model_inputs, on_device
 from ovkit.pack.batches import real_tokens, target_tokens
+from ovkit.progress import honours_quiet
+from ovkit.runs import LearnerRun, finished
 from ovkit.runtime import Result, Runtime
-from ovkit.runtime.guard import NonFiniteSteps, in_backward
+from ovkit.runtime.guard import in_backward
 from ovkit.runtime.loss import nll_sum
 from ovkit.runtime.optim import cosine_factor
-from ovkit.train.config import TRAJECTORY, TrainConfig
+from ovkit.runtime.tail import Tail
+from ovkit.train.config import SMALLER, TRAJECTORY, TrainConfig
 from ovkit.train.data import PackedSource, SampleSource, Schedule, total_steps
 
 
+@honours_quiet
 def train(cfg: TrainConfig) -> Result:
     """Train cfg.model on cfg.data and write cfg.out (layout: ovkit.runtime)."""
-    if is_complete(cfg.out) and not cfg.overwrite:
+    if finished(cfg.out, cfg, cfg.overwrite):  # exits 2 if OUT was made with other options
         return Result("skipped")
-    rt = Runtime(cfg, command=cfg.stage, trajectory=TRAJECTORY)
+    run = LearnerRun.of(cfg, cfg.stage, TRAJECTORY, smaller=SMALLER, plan=cfg.plan)
+    rt = Runtime(
+        run, cfg.loading, cfg.optimiser, cfg.compute, cfg.lora, cfg.checkpoints, cfg.trackers, cfg.load_in_4bit
+    )
     rt.check_run_dir()
     model, processor = rt.load_model(cfg.model)
     names = trainable_names(model, cfg.trainable, freeze_vision=cfg.freeze_vision)
-    n_trainable, n_total = rt.lora(model, names) or set_trainable(model, names)
-
+    sizes = rt.lora(model, names) or set_trainable(model, names)  # (trainable, total) parameters
     source = _source(cfg, processor, model)
-    schedule = Schedule(tuple(source.lengths), cfg.batch_size, cfg.grad_accum, rt.processes, cfg.seed)
-    if schedule.steps_per_epoch == 0:
-        raise OvkitError(
-            f"DATA has {len(source)} usable {'packs' if source.kind == 'packed' else 'samples'}, fewer than one "
-            f"global batch "
-            f"({schedule.global_batch} = --batch-size x --grad-accum x processes); lower them"
-        )
+    schedule = _schedule(cfg, source, rt.processes)
     n_steps = total_steps(cfg.max_steps, cfg.epochs, schedule.steps_per_epoch)
-    rt.check_space(
-        model, n_steps=n_steps, save_every=cfg.save_every, keep=cfg.keep_checkpoints
-    )  # the disk, before any write
+    rt.check_space(model, n_steps=n_steps, save_every=cfg.save_every, keep=cfg.keep_checkpoints)  # before any write
     evaluate = evaluator(
-        cfg, rt, processor, n_steps, prompt="answer", loss=True, batch_size=cfg.batch_size
+        cfg.eval_during, cfg.seed, rt, processor, n_steps, prompt="answer", loss=True, batch_size=cfg.batch_size
     )  # --eval-data
     rt.make_run_dir()  # only now: bad inputs leave nothing behind
 
     pad_id = pad_token_id(processor, model)
-    lrs = vision_lrs(model, cfg.vision_lr)
     optimizer, scheduler = rt.optimizer(
-        model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=lambda s: lr_factor(s, n_steps, cfg), lrs=lrs
+        model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        schedule=lambda s: lr_factor(s, n_steps, cfg),
+        lrs=vision_lrs(model, cfg.vision_lr),
     )
     rt.checkpointing(model, tokens=cfg.batch_size * max(source.lengths))  # the longest micro-batch, padded
-    rt.compile(model)  # after checkpointing: each block compiled with its checkpoint inside
+    rt.compile(model)  # each block compiled, inside its checkpoint (ovkit.runtime.wrappers)
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
     state = rt.resume({"step": 0, "tokens": 0, "elapsed_s": 0.0})
     logger = rt.logger(n_steps, state["step"], console=step_line, desc=cfg.stage)
+    tail = Tail(rt, scorer, processor, logger, evaluate, n_steps, cfg.save_every, cfg.keep_checkpoints)
     params = [p for p in model.parameters() if p.requires_grad]
     t0 = time.perf_counter() - state["elapsed_s"]
+    steps = schedule.steps(state["step"], n_steps, rt.accelerator.process_index)
     scorer.train()
-    try:
-        for step, epoch, batches in _prefetched(
-            schedule.steps(state["step"], n_steps, rt.accelerator.process_index),
-            source,
-            pad_id,
-            pin=rt.device.type == "cuda",
-        ):
+    with faults.deferred_signals(), tail.running(state):  # a SIGINT/SIGTERM now waits for the step's end
+        for step, _epoch, batches in _prefetched(steps, source, pad_id, pin=rt.device.type == "cuda"):
             t_step = time.perf_counter()
             nll, n_target, n_real, n_positions = _step(rt, scorer, batches)
-            grad_norm = rt.clip(params, optimizer, cfg.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]
-            # the step's one device-to-host read: its metrics, which the skip guard needs before the optimiser step
-            # (ovkit.runtime.guard: a non-finite loss or gradient norm is not applied)
-            nll, grad_norm = torch.stack([nll, grad_norm.to(nll.device, torch.float32)]).tolist()
-            loss = nll / max(n_target, 1)
-            applied = rt.guard.admit(step, loss, grad_norm, in_backward=in_backward(optimizer))
-            if applied:
-                optimizer.step()
-                rt.measure(params, optimizer)
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            loss, lr, grad_norm, applied = _apply(rt, optimizer, scheduler, params, step, nll, n_target, cfg)
             step_s = time.perf_counter() - t_step
             state.update(step=step, tokens=state["tokens"] + n_real, elapsed_s=time.perf_counter() - t0)
             metrics = {
@@ -114,37 +101,54 @@ def train(cfg: TrainConfig) -> Result:
                 "pad_frac": 1 - n_real / max(n_positions, 1),
                 "target_tokens": n_target,
                 "tokens": state["tokens"],
-                "epoch": epoch,
+                "epoch": step / schedule.steps_per_epoch,  # epochs done, fractional, as the HF Trainer logs it
                 "elapsed_s": state["elapsed_s"],
             }
-            metrics.update(
-                evaluate(step, scorer)
-            )  # every --eval-every steps and at the end; the trajectory is untouched
-            logger.log(step, metrics)
+            tail.log(step, metrics)
             if applied:  # a skipped step's loss describes no weights the run keeps
                 state.setdefault("first_loss", loss)
                 state["last"] = {"loss": loss, "lr": lr}
             else:
                 state["skipped_nonfinite"] = state.get("skipped_nonfinite", 0) + 1
-            # not inside a streak of non-finite steps: the checkpoint would hold the weights that failed (guard)
-            if cfg.save_every and step % cfg.save_every == 0 and step < n_steps and not rt.guard.diverging:
-                rt.save_checkpoint(scorer, processor, state, cfg.keep_checkpoints)
-            rt.stop_if_asked(
-                scorer, processor, state, cfg.keep_checkpoints, n_steps
-            )  # SIGINT/SIGTERM: checkpoint, exit
-    except torch.cuda.OutOfMemoryError as e:  # one message, exit 3; the last checkpoint stays
-        raise rt.out_of_memory(e, state) from e
-    except NonFiniteSteps as e:  # diverged: one message, exit 2; the last checkpoint from before it stays
-        raise rt.diverged(e) from None
-    except OSError as e:  # disk full while logging: one line, exit 2; the last checkpoint stays
-        failure = rt.write_failure(e, rt.run_dir, saving=False)
-        if failure is None:
-            raise
-        raise failure from e
-    finally:
-        logger.close()
+            tail.end_step(step, state)
+    summary = _summary(cfg, rt, state, n_steps, source, schedule, sizes)
+    return rt.finish(scorer, processor, state, summary, inputs=[*cfg.data, *([cfg.plan] if cfg.plan else [])])
 
-    summary = {
+
+def _schedule(cfg: TrainConfig, source: Any, processes: int) -> Schedule:
+    """The order of the micro-batches; at least one global batch of DATA."""
+    schedule = Schedule(tuple(source.lengths), cfg.batch_size, cfg.grad_accum, processes, cfg.seed)
+    if schedule.steps_per_epoch == 0:
+        raise OvkitError(
+            f"DATA has {len(source)} usable {'packs' if source.kind == 'packed' else 'samples'}, fewer than one "
+            f"global batch "
+            f"({schedule.global_batch} = --batch-size x --grad-accum x processes); lower them"
+        )
+    return schedule
+
+
+def _apply(rt: Runtime, optimizer, scheduler, params, step: int, nll, n_target: int, cfg: TrainConfig):
+    """Clip, read the step's metrics, and take the optimiser step unless the skip guard refuses it; (loss, lr,
+    gradient norm, applied)."""
+    grad_norm = rt.clip(params, optimizer, cfg.max_grad_norm)
+    lr = scheduler.get_last_lr()[0]
+    # the step's one device-to-host read: its metrics, which the skip guard needs before the optimiser step
+    # (ovkit.runtime.guard: a non-finite loss or gradient norm is not applied)
+    nll, grad_norm = torch.stack([nll, grad_norm.to(nll.device, torch.float32)]).tolist()
+    loss = nll / max(n_target, 1)
+    applied = rt.guard.admit(step, loss, grad_norm, in_backward=in_backward(optimizer))
+    if applied:
+        optimizer.step()
+        rt.measure(params, optimizer)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, lr, grad_norm, applied
+
+
+def _summary(cfg: TrainConfig, rt: Runtime, state, n_steps: int, source, schedule, sizes) -> dict[str, Any]:
+    """The run's headline numbers (ovkit.json's metrics)."""
+    n_trainable, n_total = sizes
+    return {
         "steps": n_steps,
         "first_loss": state.get("first_loss"),
         "final_loss": state.get("last", {}).get("loss"),
@@ -161,7 +165,6 @@ def train(cfg: TrainConfig) -> Result:
         "processes": rt.processes,
         "resumed_from": str(rt.resume_from) if rt.resume_from else None,
     }
-    return rt.finish(scorer, processor, state, summary, inputs=[*cfg.data, *([cfg.plan] if cfg.plan else [])])
 
 
 def _prefetched(

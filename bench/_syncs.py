@@ -15,6 +15,10 @@ and never touches the device), per optimiser step when `steps=True`:
 
 A torch dispatch mode sees the ops; `Tensor.tolist`, `.numpy` and `.cpu` never reach the dispatcher on a CPU tensor,
 so they are wrapped for the counter's life (on its thread only).
+
+A measuring tool, not part of ovkit: patching torch.Tensor's methods is acceptable in a benchmark or a test, never
+in the library. The benchmarks import it with bench/ on their path (`from _syncs import SyncCounter`), the tests
+through tests/helpers.py, which loads this file.
 """
 
 from __future__ import annotations
