@@ -37,7 +37,11 @@ def _centred(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tens
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, std: bool | str = True
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    eps: float = 1e-6,
+    std: bool | str = True,
+    batch_std: float | None = None,
 ) -> torch.Tensor:
     """One advantage per trajectory: its reward minus the mean of its group, over a std (+ eps).
 
@@ -45,7 +49,8 @@ def group_advantages(
     which std divides, as TRL's `scale_rewards`: "group" (or True) the group's; "batch" the whole batch's (group
     mean, batch std: Liu et al. 2025, "Tricks or Traps"); "none" (or False) none, the centred reward (Dr. GRPO). Both
     stds are population stds (divide by G), as in the released example (rewards 1, 1, 1, 0.5, 0 -> std 0.40); TRL
-    divides by G - 1. A group of one, or of equal rewards, gets zeros.
+    divides by G - 1. A group of one, or of equal rewards, gets zeros. `batch_std`: the batch's std when the batch
+    is wider than `rewards` (the step's rewards over several processes).
     """
     scale = {True: "group", False: "none"}.get(std, std)
     if scale not in SCALE_REWARDS:
@@ -55,7 +60,8 @@ def group_advantages(
     if scale == "group":
         adv = centred / (group_std + eps)
     elif scale == "batch":
-        adv = centred / (rewards.to(torch.float64).std(correction=0) + eps)
+        spread = rewards.to(torch.float64).std(correction=0) if batch_std is None else batch_std
+        adv = centred / (spread + eps)
     else:
         adv = centred
     return torch.where(tied, torch.zeros_like(adv), adv).to(torch.float32)

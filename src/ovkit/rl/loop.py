@@ -49,6 +49,7 @@ from ovkit.progress import honours_quiet
 from ovkit.rl.config import SMALLER, TRAJECTORY, RLTrainConfig
 from ovkit.rl.metrics import console_line, rollout_metrics
 from ovkit.rl.rollout import AsyncRollouts, SyncRollouts
+from ovkit.rl.shaping import score_with_overlong
 from ovkit.rl.update import train_step
 from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
 from ovkit.rollouts.groups import Group, Sampling, groups_table, score_groups
@@ -350,6 +351,14 @@ def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, worl
     episodes = make_runner(cfg.multi_turn, engine, processor, mode=cfg.mode, max_pixels=cfg.max_pixels, model=model)
     sampling = Sampling(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed, episodes=episodes)
     score = partial(score_groups, mode=cfg.mode, format_weight=cfg.format_weight, workers=cfg.reward_workers)
+    if cfg.overlong_buffer_len:
+        score = partial(
+            score_with_overlong,
+            score=score,
+            max_len=cfg.max_new_tokens,
+            buffer_len=cfg.overlong_buffer_len,
+            factor=cfg.overlong_penalty_factor,
+        )
     per_process = cfg.prompts_per_step // world
     if cfg.max_staleness == 0:
         return SyncRollouts(engine, prompts, per_process, sampling, score, rank=rank, world=world)

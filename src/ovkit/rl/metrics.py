@@ -166,6 +166,10 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
     # Reward workers killed from outside during the step (ovkit.rewards.pool), and the items that scored 0 for it.
     out["rewards/worker_crashes"] = sum(g.parts[i].get("worker_crashes", 0) for g, i in trajectories)
     out["rewards/crashed"] = sum(bool(g.parts[i].get("crashed")) for g, i in trajectories)
+    penalties = [g.parts[i]["overlong_penalty"] for g, i in trajectories if "overlong_penalty" in g.parts[i]]
+    if penalties:  # --overlong-buffer-len: DAPO's length penalty, already in reward/optimised
+        out["overlong/penalty_mean"] = sum(penalties) / len(penalties)
+        out["overlong/frac"] = sum(p < 0 for p in penalties) / len(penalties)
     completions = [g.completions[i] for g, i in trajectories]
     out.update(length_stats([sum(c.mask) for c in completions], [c.finish_reason == "length" for c in completions]))
     if any(c.termination is not None for c in completions):

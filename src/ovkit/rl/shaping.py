@@ -8,7 +8,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -25,6 +26,20 @@ def overlong_penalty(lengths: Sequence[int], max_len: int, buffer_len: int, pena
         raise ValueError(f"the overlong buffer must be within (0, max_len = {max_len}] tokens, got {buffer_len}")
     start = max_len - buffer_len
     return [-min(max(n - start, 0) / buffer_len, 1.0) * penalty_factor for n in lengths]
+
+
+def score_with_overlong(
+    groups: Sequence[Any], score: Callable[[Sequence[Any]], None], max_len: int, buffer_len: int, factor: float
+) -> None:
+    """`score` the groups, then add each completion's `overlong_penalty` (of its token count) to the reward GRPO
+    optimises, before advantages and any group filter see it; the penalty is kept in the completion's parts
+    (`overlong_penalty`, for the metrics and the rollout table). The task reward is left as scored."""
+    score(groups)
+    for g in groups:
+        penalties = overlong_penalty([len(c.token_ids) for c in g.completions], max_len, buffer_len, factor)
+        g.rewards = [r + p for r, p in zip(g.rewards, penalties)]
+        for parts, p in zip(g.parts, penalties):
+            parts["overlong_penalty"] = p
 
 
 def truncated(finish_reason: str, termination: str | None = None) -> bool:

@@ -1,0 +1,158 @@
+"""rl-train's algorithm menu as options: what the options refuse together, DAPO's overlong penalty in the optimised
+reward and the metrics, and a real step on the tiny model for every loss type, ratio level, reward scaling,
+top-entropy share and the truncated-completion mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rl_cfg, rl_groups
+
+from ovkit.errors import OvkitError
+from ovkit.generate import Completion
+from ovkit.rl.metrics import rollout_metrics
+from ovkit.rl.shaping import score_with_overlong
+from ovkit.rollouts.groups import Group
+
+
+def _cfg(**kw):
+    return rl_cfg("model", "data", "out", **kw)
+
+
+def test_a_loss_type_sets_what_it_prescribes_when_left_at_its_default():
+    cfg = _cfg(loss_type="dr_grpo")
+    assert (cfg.loss_agg, cfg.scale_rewards) == ("seq-mean-token-sum-norm", "none")
+    assert _cfg(loss_type="dapo").loss_agg == "token-mean"
+    assert _cfg(loss_type="dr_grpo", loss_agg="seq-mean-token-sum-norm").loss_agg == "seq-mean-token-sum-norm"
+    assert (_cfg().loss_type, _cfg().scale_rewards, _cfg().importance_sampling_level) == ("grpo", "group", "token")
+
+
+@pytest.mark.parametrize(
+    "kw, names",
+    [
+        ({"loss_type": "dr_grpo", "loss_agg": "seq-mean-token-mean"}, ("--loss-type dr_grpo", "--loss-agg")),
+        ({"loss_type": "dr_grpo", "scale_rewards": "batch"}, ("--loss-type dr_grpo", "--scale-rewards")),
+        ({"loss_type": "dapo", "loss_agg": "seq-mean-token-sum"}, ("--loss-type dapo", "--loss-agg")),
+        ({"adv_std": False, "scale_rewards": "batch"}, ("--no-adv-std", "--scale-rewards batch")),
+        ({"sapo_temperature_neg": 2.0}, ("--sapo-temperature", "grpo")),
+        ({"overlong_buffer_len": 7}, ("--overlong-buffer-len", "--max-new-tokens")),
+        ({"overlong_buffer_len": 2, "env": "verifier"}, ("--overlong-buffer-len", "--env")),
+    ],
+)
+def test_combinations_without_meaning_are_refused_naming_both_options(kw, names):
+    with pytest.raises(OvkitError) as e:
+        _cfg(**kw)
+    assert all(n in str(e.value) for n in names), str(e.value)
+
+
+def test_no_adv_std_reads_as_scale_rewards_none():
+    assert _cfg(adv_std=False).scale_rewards == "none"
+
+
+def _group(lengths, rewards):
+    completions = [Completion(token_ids=[5] * n, text="x", logprobs=[0.0] * n) for n in lengths]
+    return Group(prompt=None, index=0, version=0, completions=completions)
+
+
+def test_the_overlong_penalty_enters_the_optimised_reward_and_the_metrics():
+    def score(groups):
+        for g in groups:
+            n = len(g.completions)
+            g.task_rewards, g.format_rewards, g.rewards = [1.0] * n, [0.0] * n, [1.0] * n
+            g.parts = [{"accuracy": 1.0} for _ in range(n)]
+
+    groups = [_group([2, 6, 8, 10], [1.0] * 4)]
+    groups[0].prompt = type("P", (), {"category": "math"})()
+    score_with_overlong(groups, score, max_len=10, buffer_len=4, factor=0.5)
+    # start of the buffer = 6: lengths 2 and 6 free, 8 half-way (-0.25), 10 at the end (-0.5)
+    assert groups[0].rewards == [1.0, 1.0, 0.75, 0.5]
+    assert groups[0].task_rewards == [1.0] * 4  # the answer's score is left as scored
+    m = rollout_metrics(groups)
+    assert m["overlong/penalty_mean"] == pytest.approx(-0.1875) and m["overlong/frac"] == 0.5
+    assert m["reward/optimised"] == pytest.approx(0.8125)
+
+
+def _step(rl_assets, tmp_path, rewards, groups_hook=None, **kw):
+    from ovkit.models import load
+    from ovkit.rl.loop import trainable
+    from ovkit.rl.update import train_step
+    from ovkit.runtime.optim import adamw
+
+    model_dir, data = rl_assets
+    cfg = rl_cfg(model_dir, data, tmp_path / "unused", **kw)
+    torch.manual_seed(0)
+    model, processor = load(model_dir)
+    model.eval()
+    groups = rl_groups(model, processor, data, cfg, rewards)
+    if groups_hook is not None:
+        groups_hook(groups)
+    params = trainable(model, cfg)
+    optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    pad = processor.tokenizer.pad_token_id
+    metrics = train_step(model, optimizer, params, groups, 0, pad, cfg.correction_config(), None, cfg.update_options())
+    return metrics, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+REWARDS = [[1, 0, 1, 0], [1, 0, 0, 0.5]]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"loss_type": "dr_grpo"},
+        {"loss_type": "cispo"},
+        {"loss_type": "sapo", "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05},
+        {"importance_sampling_level": "sequence"},
+        # on-policy GSPO-token is GRPO (value 1, each token's own gradient): its second minibatch is off-policy
+        {"importance_sampling_level": "sequence-token", "ppo_minibatches": 2},
+        {"scale_rewards": "batch"},
+        {"top_entropy_quantile": 0.5},
+    ],
+    ids=lambda kw: "-".join(str(v) for v in kw.values()),
+)
+def test_every_menu_entry_trains_a_step_and_differs_from_grpo(rl_assets, tmp_path, one_thread, kw):
+    base, base_weights = _step(rl_assets, tmp_path, REWARDS, ppo_minibatches=kw.get("ppo_minibatches", 1))
+    metrics, weights = _step(rl_assets, tmp_path, REWARDS, **kw)
+    assert metrics["skipped_updates"] == 0 and torch.isfinite(torch.tensor(metrics["pg_loss"]))
+    assert metrics["grad_norm"] > 0
+    # on-policy (ratio 1) CISPO's and SAPO's gradients are GRPO's: their losses differ (-A log p, -2A / tau), and the
+    # others move the weights differently
+    moved = any(not torch.equal(weights[n], base_weights[n]) for n in weights)
+    assert moved or metrics["pg_loss"] != base["pg_loss"], f"{kw} trained what grpo does"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"loss_type": "grpo", "importance_sampling_level": "token", "scale_rewards": "group"},
+        {"top_entropy_quantile": 1.0, "mask_truncated_completions": False, "overlong_buffer_len": 0},
+        {"loss_type": "dapo"},  # DAPO's surrogate is GRPO's clip-higher one, with today's default token-mean
+    ],
+    ids=["defaults", "off", "dapo"],
+)
+def test_what_today_trains_is_trained_bit_for_bit(rl_assets, tmp_path, one_thread, kw):
+    m0, w0 = _step(rl_assets, tmp_path, REWARDS)
+    m1, w1 = _step(rl_assets, tmp_path, REWARDS, **kw)
+    assert all(torch.equal(w0[n], w1[n]) for n in w0) and m0["pg_loss"] == m1["pg_loss"]
+
+
+def test_masked_truncated_completions_train_nothing(rl_assets, tmp_path, one_thread):
+    def cut_all(groups):
+        for g in groups:
+            for c in g.completions:
+                c.finish_reason = "length"
+
+    metrics, _ = _step(rl_assets, tmp_path, REWARDS, groups_hook=cut_all, mask_truncated_completions=True)
+    assert metrics["masked_truncated_frac"] == 1.0
+    assert metrics["skipped_updates"] == 1 and metrics["grad_norm"] == 0.0
+    metrics, _ = _step(rl_assets, tmp_path, REWARDS, groups_hook=cut_all)
+    assert metrics["skipped_updates"] == 0 and "masked_truncated_frac" not in metrics
+
+
+def test_the_top_entropy_tokens_are_the_steps_whatever_the_micro_batches(rl_assets, tmp_path, one_thread):
+    # a threshold per micro-batch would pick other tokens in each of 4 micro-batches than in one
+    _, whole = _step(rl_assets, tmp_path, REWARDS, top_entropy_quantile=0.3, micro_batch_size=8)
+    _, split = _step(rl_assets, tmp_path, REWARDS, top_entropy_quantile=0.3, micro_batch_size=2)
+    _, every = _step(rl_assets, tmp_path, REWARDS, micro_batch_size=2)
+    assert all(torch.allclose(whole[n], split[n], atol=1e-6) for n in whole)
+    assert not all(torch.allclose(every[n], split[n], atol=1e-6) for n in whole)
