@@ -175,12 +175,11 @@ def test_each_algorithm_example_trains_on_the_tiny_model(rl_assets, tmp_path, cl
 
     model_dir, data = rl_assets
     small = [*TINY[:4], "--max-new-tokens", "40", *TINY[6:]]  # 40: room for the DAPO example's 32-token buffer
-    code, _, err = cli(
-        "rl-train", data, "--model", model_dir, "--out", tmp_path / "o", "--config", path, "--max-steps", "2", "--quiet",
-        *small,
-    )  # fmt: skip
+    out = tmp_path / "o"
+    run = ["--model", model_dir, "--out", out, "--config", path, "--max-steps", "2", "--quiet"]
+    code, _, err = cli("rl-train", data, *run, *small)
     assert code == 0, err
-    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # a step trains unless no group had a signal (2 groups of 4 on the tiny model can tie)
     assert len(rows) == 2 and all(r["ovkit/skipped_updates"] == 0 or r["frac_reward_zero_std"] == 1 for r in rows)
     assert all(math.isfinite(r["loss"]) for r in rows)
