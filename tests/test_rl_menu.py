@@ -4,11 +4,12 @@ top-entropy share and the truncated-completion mask."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
-from helpers import ROOT, TINY, rl_cfg, rl_groups
+from helpers import ROOT, TINY, rl_cfg, rl_groups, torchrun
 
 from ovkit.errors import OvkitError
 from ovkit.generate import Completion
@@ -185,3 +186,117 @@ def test_each_algorithm_example_trains_on_the_tiny_model(rl_assets, tmp_path, cl
     assert all(math.isfinite(r["loss"]) for r in rows)
     if path.stem == "dapo":
         assert all(-1.0 <= r["ovkit/overlong/penalty_mean"] <= 0.0 for r in rows)
+        assert all(1 <= r["ovkit/dynamic_sampling/gen_batches_max"] <= 3 for r in rows)
+
+
+# -- dynamic sampling ------------------------------------------------------------------------------------------------
+
+
+def _fake(tied: set[int], calls: list):
+    """generate/score stand-ins: the group at stream position i has rewards [0, 0] when i is in `tied`, else [0, 1]."""
+
+    def generate(indices):
+        calls.append(list(indices))
+        return [Group(prompt=None, index=i, version=0, completions=[]) for i in indices]
+
+    def score(groups):
+        for g in groups:
+            g.rewards = [0.0, 0.0] if g.index in tied else [0.0, 1.0]
+
+    return generate, score
+
+
+def test_a_tied_groups_place_draws_again_at_its_own_stream_positions_up_to_the_bound():
+    from ovkit.rl.rollout import draw_groups, redraw_index
+
+    always = {3, *(redraw_index(3, d) for d in range(1, 5))}
+    tied = {1, redraw_index(1, 1), *always}  # place 1 finds a signal at its 2nd redraw, place 3 never
+    calls: list = []
+    groups = draw_groups(*_fake(tied, calls), [0, 1, 2, 3], max_draws=4)
+    assert [g.index for g in groups] == [0, redraw_index(1, 2), 2, redraw_index(3, 3)]
+    assert [g.draws for g in groups] == [1, 3, 1, 4]
+    assert calls == [
+        [0, 1, 2, 3],
+        [redraw_index(1, 1), redraw_index(3, 1)],
+        [redraw_index(1, 2), redraw_index(3, 2)],
+    ] + [[redraw_index(3, 3)]]
+    assert len(calls) == 4  # the bound: at most max_draws generate calls, and a place draws at most max_draws groups
+
+
+def test_which_groups_a_step_trains_does_not_depend_on_how_places_are_split_over_processes():
+    from ovkit.rl.rollout import draw_groups, redraw_index
+
+    tied = {0, 2, 5, redraw_index(2, 1), redraw_index(5, 1), redraw_index(5, 2)}
+    one = draw_groups(*_fake(tied, []), list(range(8)), max_draws=3)
+    shares = [draw_groups(*_fake(tied, []), list(range(r, 8, 2)), max_draws=3) for r in (0, 1)]
+    assert [g.index for g in one] == [g.index for pair in zip(*shares) for g in pair]
+
+
+def test_without_dynamic_sampling_a_place_draws_once():
+    from ovkit.rl.rollout import draw_groups
+
+    calls: list = []
+    groups = draw_groups(*_fake({0, 1}, calls), [0, 1], max_draws=1)
+    assert [g.index for g in groups] == [0, 1] and calls == [[0, 1]]
+
+
+@pytest.mark.parametrize(
+    "staleness, turns",
+    [(0, {}), (1, {}), (0, {"env": "verifier", "max_turns": 2})],
+    ids=["sync", "async", "multi-turn"],
+)
+def test_dynamic_sampling_trains_no_tied_group_but_at_the_bound_and_counts_it(rl_assets, tmp_path, staleness, turns):
+    import json
+
+    from ovkit.rl.loop import train_rl
+
+    model_dir, data = rl_assets
+    out = tmp_path / "o"
+    cfg = rl_cfg(model_dir, data, out, max_steps=3, max_staleness=staleness, quiet=True, max_new_tokens=40, **turns)
+    train_rl(dataclasses.replace(cfg, dynamic_sampling=True, max_num_gen_batches=8))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    filtered = sum(r["ovkit/dynamic_sampling/groups_filtered"] for r in rows)
+    assert filtered > 0  # the tiny model ties groups: the filter ran
+    if not staleness and not turns:  # and a redraw found a signal (a synchronous run is a function of its seed)
+        assert any(r["ovkit/dynamic_sampling/groups_filtered"] > 7 * r["ovkit/dynamic_sampling/unfilled"] for r in rows)
+    for r in rows:
+        assert r["frac_reward_zero_std"] * cfg.prompts_per_step == r["ovkit/dynamic_sampling/unfilled"]
+        assert 1 <= r["ovkit/dynamic_sampling/gen_batches_max"] <= 8
+        if staleness:
+            assert max(int(v) for v in r["ovkit/staleness/hist"]) <= staleness
+        if turns:
+            assert r["ovkit/turns/max"] <= 2
+
+
+def test_two_processes_draw_and_train_the_groups_one_process_does_with_dynamic_sampling(rl_assets, tmp_path):
+    """As tests/test_rl_train.py's 2-process test, with --dynamic-sampling: each place of a step redraws alone, so
+    the 2 processes' trained groups, their rewards and the filter's counts are the one process's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from ovkit.rollouts.table import read_rollouts
+
+    model_dir, data = rl_assets
+    args = ["rl-train", data, "--model", model_dir, "--prompts-per-step", "4", "--group-size", "4"]
+    args += ["--max-new-tokens", "24", "--lr", "1e-2", "--warmup-ratio", "0", "--max-steps", "2"]
+    args += ["--micro-batch-size", "3", "--reward-workers", "1", "--precision", "fp32", "--save-rollouts", "--quiet"]
+    args += ["--dynamic-sampling", "--max-num-gen-batches", "4"]
+    for n in (1, 2):
+        run = torchrun(n, "-m", "ovkit", *args, "--out", str(tmp_path / f"p{n}"))
+        assert run.returncode == 0, run.stderr[-3000:]
+    one, two = tmp_path / "p1", tmp_path / "p2"
+    for step in (1, 2):
+        r1, r2 = (read_rollouts(d / "rollouts" / f"step-{step:06d}.parquet").to_pylist() for d in (one, two))
+        key = lambda rows: sorted((r["group"], r["response_ids"], r["reward"]) for r in rows)  # noqa: E731
+        assert key(r1) == key(r2) and len(r1) == 16
+    m1, m2 = ([json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two))
+    names = ("groups_filtered", "unfilled", "gen_batches_max")
+    assert sum(r["ovkit/dynamic_sampling/groups_filtered"] for r in m1) > 0
+    for a, b in zip(m1, m2):
+        assert all(a[f"ovkit/dynamic_sampling/{k}"] == b[f"ovkit/dynamic_sampling/{k}"] for k in names)
+        assert b["reward"] == pytest.approx(a["reward"]) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    w1, w2 = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=2e-5, msg=k)

@@ -39,6 +39,8 @@ STAGE_MODES = {1: "answer", 2: "think"}  # stage 1: answer-only prompts; stage 2
 
 STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
 
+MAX_GEN_BATCHES = 64  # --max-num-gen-batches' bound: a group's redraws take stream positions of their own (rl.rollout)
+
 
 # --help panels of this config's own options (ovkit.options holds the shared ones)
 SAMPLING = O.SAMPLING
@@ -113,6 +115,25 @@ class Sampling:
             "- N gets a penalty growing linearly to --overlong-penalty-factor at max-new-tokens, added to its reward "
             "before the advantages (`overlong/penalty_mean`, `overlong/frac`)"
         ),
+    )
+    # DAPO's dynamic sampling (verl's algorithm.filter_groups.enable / max_num_gen_batches)
+    dynamic_sampling: bool = option(
+        False,
+        help="Draw again for a group whose rewards are all equal (DAPO), up to --max-num-gen-batches.",
+        panel=SAMPLING,
+        doc=(
+            "DAPO's dynamic sampling (verl's algorithm.filter_groups): a group whose rewards are all equal is dropped "
+            "and its place in the step draws a new prompt, until one carries a signal or its place has drawn "
+            "--max-num-gen-batches groups (then the last one stays: it trains nothing). "
+            "`dynamic_sampling/groups_filtered`, `/unfilled`, `/gen_batches_max`"
+        ),
+    )
+    max_num_gen_batches: int = option(
+        10,
+        help="--dynamic-sampling: groups each place of a step may draw, the first included (verl's name).",
+        panel=SAMPLING,
+        min=1,
+        max=MAX_GEN_BATCHES,
     )
     overlong_penalty_factor: float = option(
         1.0,
@@ -523,6 +544,10 @@ class RLTrainConfig(O.StageConfig):
             setattr(self, name, value)
         if self.loss_type != "sapo" and (self.sapo_temperature_pos, self.sapo_temperature_neg) != (1.0, 1.05):
             raise OvkitError(f"--sapo-temperature-pos/-neg apply to --loss-type sapo, not {self.loss_type}")
+        if not self.dynamic_sampling and self.max_num_gen_batches != 10:
+            raise OvkitError("--max-num-gen-batches bounds --dynamic-sampling; give --dynamic-sampling too")
+        if self.dynamic_sampling and self.group_size < 2:
+            raise OvkitError("--dynamic-sampling keeps groups whose rewards differ: it needs --group-size 2 or more")
         if self.overlong_buffer_len:
             if self.overlong_buffer_len > self.max_new_tokens:
                 raise OvkitError(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ovkit.rl.advantages import groups_with_signal
 from ovkit.rl.correction import read
 from ovkit.rl.staleness import staleness_histogram
 
@@ -178,6 +179,17 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
 
         out.update(turn_stats(completions, task))
     return out
+
+
+def dynamic_sampling_metrics(groups: Sequence[Group]) -> dict[str, Any]:
+    """--dynamic-sampling: groups dropped for tied rewards (counts, summed over processes), places that kept a tied
+    group at the bound, and the most groups one place drew (verl's num_gen_batches)."""
+    signal = groups_with_signal([g.rewards for g in groups])
+    return {
+        "dynamic_sampling/groups_filtered": sum(g.draws - 1 for g in groups),
+        "dynamic_sampling/unfilled": sum(not s for s in signal),
+        "dynamic_sampling/gen_batches_max": max((g.draws for g in groups), default=0),
+    }
 
 
 def cut_or_masked(metrics_jsonl: Path, max_new_tokens: int) -> str | None:
