@@ -38,6 +38,8 @@ def test_a_loss_type_sets_what_it_prescribes_when_left_at_its_default():
         ({"loss_type": "dapo", "loss_agg": "seq-mean-token-sum"}, ("--loss-type dapo", "--loss-agg")),
         ({"adv_std": False, "scale_rewards": "batch"}, ("--no-adv-std", "--scale-rewards batch")),
         ({"sapo_temperature_neg": 2.0}, ("--sapo-temperature", "grpo")),
+        ({"loss_type": "sapo", "eps_clip_high": 0.3}, ("--loss-type sapo", "--eps-clip-high")),
+        ({"loss_type": "cispo", "eps_clip": 0.1}, ("--loss-type cispo", "--eps-clip")),
         ({"overlong_buffer_len": 7}, ("--overlong-buffer-len", "--max-new-tokens")),
         ({"overlong_buffer_len": 2, "env": "verifier"}, ("--overlong-buffer-len", "--env")),
     ],
@@ -269,9 +271,18 @@ def test_dynamic_sampling_trains_no_tied_group_but_at_the_bound_and_counts_it(rl
             assert r["ovkit/turns/max"] <= 2
 
 
-def test_two_processes_draw_and_train_the_groups_one_process_does_with_dynamic_sampling(rl_assets, tmp_path):
-    """As tests/test_rl_train.py's 2-process test, with --dynamic-sampling: each place of a step redraws alone, so
-    the 2 processes' trained groups, their rewards and the filter's counts are the one process's."""
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--dynamic-sampling", "--max-num-gen-batches", "4"],
+        ["--scale-rewards", "batch", "--top-entropy-quantile", "0.5"],
+    ],
+    ids=["dynamic-sampling", "batch-std-top-entropy"],
+)
+def test_two_processes_train_what_one_process_does(rl_assets, tmp_path, extra):
+    """As tests/test_rl_train.py's 2-process test: with --dynamic-sampling each place of a step redraws alone, so
+    the 2 processes' trained groups, their rewards and the filter's counts are the one process's; the batch std and
+    the top-entropy threshold are the step's over both processes, so the weights are the one process's."""
     import json
 
     from safetensors.torch import load_file
@@ -282,7 +293,7 @@ def test_two_processes_draw_and_train_the_groups_one_process_does_with_dynamic_s
     args = ["rl-train", data, "--model", model_dir, "--prompts-per-step", "4", "--group-size", "4"]
     args += ["--max-new-tokens", "24", "--lr", "1e-2", "--warmup-ratio", "0", "--max-steps", "2"]
     args += ["--micro-batch-size", "3", "--reward-workers", "1", "--precision", "fp32", "--save-rollouts", "--quiet"]
-    args += ["--dynamic-sampling", "--max-num-gen-batches", "4"]
+    args += extra
     for n in (1, 2):
         run = torchrun(n, "-m", "ovkit", *args, "--out", str(tmp_path / f"p{n}"))
         assert run.returncode == 0, run.stderr[-3000:]
@@ -292,8 +303,8 @@ def test_two_processes_draw_and_train_the_groups_one_process_does_with_dynamic_s
         key = lambda rows: sorted((r["group"], r["response_ids"], r["reward"]) for r in rows)  # noqa: E731
         assert key(r1) == key(r2) and len(r1) == 16
     m1, m2 = ([json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two))
-    names = ("groups_filtered", "unfilled", "gen_batches_max")
-    assert sum(r["ovkit/dynamic_sampling/groups_filtered"] for r in m1) > 0
+    names = ("groups_filtered", "unfilled", "gen_batches_max") if "--dynamic-sampling" in extra else ()
+    assert not names or sum(r["ovkit/dynamic_sampling/groups_filtered"] for r in m1) > 0
     for a, b in zip(m1, m2):
         assert all(a[f"ovkit/dynamic_sampling/{k}"] == b[f"ovkit/dynamic_sampling/{k}"] for k in names)
         assert b["reward"] == pytest.approx(a["reward"]) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)

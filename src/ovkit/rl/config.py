@@ -544,6 +544,15 @@ class RLTrainConfig(O.StageConfig):
             setattr(self, name, value)
         if self.loss_type != "sapo" and (self.sapo_temperature_pos, self.sapo_temperature_neg) != (1.0, 1.05):
             raise OvkitError(f"--sapo-temperature-pos/-neg apply to --loss-type sapo, not {self.loss_type}")
+        # the clip bounds a loss type never reads (their defaults pass: they are every run's)
+        unread = {"sapo": {"eps_clip": 0.2, "eps_clip_high": 0.28}, "cispo": {"eps_clip": 0.2}}
+        for name, default in unread.get(self.loss_type, {}).items():
+            if getattr(self, name) != default:
+                raise OvkitError(
+                    f"--loss-type {self.loss_type} does not clip at --{name.replace('_', '-')} (sapo gates with "
+                    "--sapo-temperature-pos/-neg; cispo caps its weight at 1 + --eps-clip-high only): drop one of "
+                    "the two"
+                )
         if not self.dynamic_sampling and self.max_num_gen_batches != 10:
             raise OvkitError("--max-num-gen-batches bounds --dynamic-sampling; give --dynamic-sampling too")
         if self.dynamic_sampling and self.group_size < 2:
