@@ -311,3 +311,22 @@ def test_two_processes_train_what_one_process_does(rl_assets, tmp_path, extra):
     w1, w2 = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=2e-5, msg=k)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"loss_type": "cispo", "importance_sampling_level": "sequence"},
+        {"loss_type": "sapo", "scale_rewards": "batch", "mask_truncated_completions": True},
+        {"top_entropy_quantile": 0.2},
+    ],
+    ids=["cispo-sequence", "sapo-batch-masked", "top-entropy"],
+)
+def test_the_menu_keeps_one_device_read_per_step_on_one_process(rl_assets, tmp_path, kw):
+    """tests/test_rl_syncs.py's count: the threshold of the top-entropy tokens is taken without a host read."""
+    from test_rl_syncs import _learner_syncs, _ours
+
+    model, data = rl_assets
+    cfg = rl_cfg(model, data, tmp_path / "s", group_size=4, micro_batch_size=3, max_steps=1, quiet=True, **kw)
+    (where,) = _learner_syncs(cfg)
+    assert list(_ours(where).values()) == [1], dict(where)
