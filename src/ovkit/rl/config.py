@@ -205,7 +205,8 @@ class PPOLoss:
         panel=GRPO_LOSS,
         choices=LOSS_TYPES,
         doc=(
-            "TRL's loss_type. grpo: the released clipped surrogate; dr_grpo implies --loss-agg seq-mean-token-sum-norm and --scale-rewards none, dapo "
+            "TRL's loss_type. grpo: the released clipped surrogate; dr_grpo implies --loss-agg "
+            "seq-mean-token-sum-norm and --scale-rewards none, dapo "
             "--loss-agg token-mean (a different value given is refused); cispo caps its detached weight at "
             "1 + --eps-clip-high; sapo gates with --sapo-temperature-pos/-neg"
         ),
