@@ -291,7 +291,7 @@ def test_two_processes_train_what_one_process_does(rl_assets, tmp_path, extra):
 
     model_dir, data = rl_assets
     args = ["rl-train", data, "--model", model_dir, "--prompts-per-step", "4", "--group-size", "4"]
-    args += ["--max-new-tokens", "24", "--lr", "1e-2", "--warmup-ratio", "0", "--max-steps", "2"]
+    args += ["--max-new-tokens", "8", "--lr", "1e-2", "--warmup-ratio", "0", "--max-steps", "2"]
     args += ["--micro-batch-size", "3", "--reward-workers", "1", "--precision", "fp32", "--save-rollouts", "--quiet"]
     args += extra
     for n in (1, 2):

@@ -12,6 +12,7 @@ from ovkit.choices import (  # torch-free: a bad option fails before torch impor
     IMPORTANCE_SAMPLING_LEVELS,
     KL_ESTIMATORS,
     LOSS_TYPES,
+    PRESCRIBED,
     QUANTS,
     SAMPLER_ALIASES,
     SAMPLER_PRECISIONS,
@@ -526,8 +527,6 @@ class RLTrainConfig(O.StageConfig):
 
     def _check_algorithm(self) -> None:
         """The loss menu's options together: what a loss type prescribes, and combinations with no meaning."""
-        from ovkit.rl.loss import PRESCRIBED
-
         defaults = {"loss_agg": "token-mean", "scale_rewards": "group"}  # the fields' own, declared above
         if not self.adv_std:  # --no-adv-std is --scale-rewards none (verl's norm_adv_by_std_in_grpo=false)
             if self.scale_rewards == "batch":

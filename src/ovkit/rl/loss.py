@@ -29,15 +29,8 @@ from ovkit.choices import (  # noqa: F401 (re-exported: one definition, torch-fr
     IMPORTANCE_SAMPLING_LEVELS,
     KL_ESTIMATORS,
     LOSS_TYPES,
+    PRESCRIBED,
 )
-
-# What a loss type fixes beyond its surrogate, as option values (the papers' definitions; TRL's loss_type): Dr. GRPO
-# divides by a constant instead of the lengths and does not scale by the group's std; DAPO averages over every token
-# of the step. grpo, cispo and sapo aggregate as --loss-agg says.
-PRESCRIBED = {
-    "dr_grpo": {"loss_agg": "seq-mean-token-sum-norm", "scale_rewards": "none"},
-    "dapo": {"loss_agg": "token-mean"},
-}
 
 
 def aggregation_weights(
