@@ -43,6 +43,8 @@ COMMANDS = {c.name: c for c in cli_mod.app.registered_commands}
 
 
 def command_of(path: Path) -> str:
+    if path.parent.name == "rl":  # examples/rl/<algorithm>.yaml: rl-train's algorithm menu
+        return "rl-train"
     return FILE_COMMANDS.get(path.stem, path.stem)
 
 

@@ -193,3 +193,14 @@ def canonical_correction(name: str) -> str:
 # rl-train --loss-agg and --kl-estimator (ovkit.rl.loss)
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# rl-train's loss menu under TRL's names (ovkit.rl.loss, ovkit.rl.advantages); the first of each is today's loss
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence-token")
+SCALE_REWARDS = ("group", "batch", "none")
+# What a loss type fixes beyond its surrogate, as option values (the papers' definitions; TRL's loss_type): Dr. GRPO
+# divides by a constant instead of the lengths and does not scale by the group's std; DAPO averages over every token
+# of the step. grpo, cispo and sapo aggregate as --loss-agg says. Here, torch-free, for rl-train's option checks.
+PRESCRIBED = {
+    "dr_grpo": {"loss_agg": "seq-mean-token-sum-norm", "scale_rewards": "none"},
+    "dapo": {"loss_agg": "token-mean"},
+}

@@ -10,10 +10,14 @@ from ovkit import options as O
 from ovkit import trl_names
 from ovkit.choices import (  # torch-free: a bad option fails before torch imports
     AGGREGATIONS,
+    IMPORTANCE_SAMPLING_LEVELS,
     KL_ESTIMATORS,
+    LOSS_TYPES,
+    PRESCRIBED,
     QUANTS,
     SAMPLER_ALIASES,
     SAMPLER_PRECISIONS,
+    SCALE_REWARDS,
     canonical_precision,
     check_checkpointing,
     check_kernels,
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
 STAGE_MODES = {1: "answer", 2: "think"}  # stage 1: answer-only prompts; stage 2: think prompts (ovkit.prompts)
 
 STAGE_FORMAT_WEIGHT = {1: 0.0, 2: 0.1}
+
+MAX_GEN_BATCHES = 64  # --max-num-gen-batches' bound: a group's redraws take stream positions of their own (rl.rollout)
 
 
 # --help panels of this config's own options (ovkit.options holds the shared ones)
@@ -102,6 +108,43 @@ class Sampling:
     top_p: float = O.top_p(
         doc="nucleus sampling mass (with T > 0); the learner does not truncate: top-p < 1 shows up as mismatch"
     )
+    # DAPO's soft overlong punishment (verl's overlong_buffer.len / penalty_factor)
+    overlong_buffer_len: int = option(
+        0,
+        help="Penalise completions in the last N tokens before --max-new-tokens (0: off).",
+        panel=SAMPLING,
+        min=0,
+        doc=(
+            "DAPO's overlong reward shaping (verl's overlong_buffer.len): a completion longer than max-new-tokens "
+            "- N gets a penalty growing linearly to --overlong-penalty-factor at max-new-tokens, added to its reward "
+            "before the advantages (`overlong/penalty_mean`, `overlong/frac`)"
+        ),
+    )
+    # DAPO's dynamic sampling (verl's algorithm.filter_groups.enable / max_num_gen_batches)
+    dynamic_sampling: bool = option(
+        False,
+        help="Draw again for a group whose rewards are all equal (DAPO), up to --max-num-gen-batches.",
+        panel=SAMPLING,
+        doc=(
+            "DAPO's dynamic sampling (verl's algorithm.filter_groups): a group whose rewards are all equal is dropped "
+            "and its place in the step draws a new prompt, until one carries a signal or its place has drawn "
+            "--max-num-gen-batches groups (then the last one stays: it trains nothing). "
+            "`dynamic_sampling/groups_filtered`, `/unfilled`, `/gen_batches_max`"
+        ),
+    )
+    max_num_gen_batches: int = option(
+        10,
+        help="--dynamic-sampling: groups each place of a step may draw, the first included (verl's name).",
+        panel=SAMPLING,
+        min=1,
+        max=MAX_GEN_BATCHES,
+    )
+    overlong_penalty_factor: float = option(
+        1.0,
+        help="The overlong penalty at --max-new-tokens (verl's overlong_buffer.penalty_factor).",
+        panel=SAMPLING,
+        min=0,
+    )
 
 
 @dataclass
@@ -132,6 +175,18 @@ class PPOLoss:
         panel=GRPO_LOSS,
         negatable=True,
     )
+    # TRL's scale_rewards, a superset of --adv-std (kept, verl's norm_adv_by_std_in_grpo): --no-adv-std reads as none
+    scale_rewards: str = option(
+        "group",
+        help="Divide advantages by the group's std, the whole step's (batch) or none (centre only, Dr. GRPO).",
+        panel=GRPO_LOSS,
+        choices=SCALE_REWARDS,
+        doc=(
+            "group: the group's std; batch: the std of the step's rewards over every process (Liu et al. 2025); "
+            "none: centred only (Dr. GRPO). TRL's scale_rewards; `--no-adv-std` (verl's norm_adv_by_std_in_grpo=false) "
+            "is none, and refused with batch"
+        ),
+    )
     loss_agg: str = option(
         "token-mean",
         help=(
@@ -151,6 +206,52 @@ class PPOLoss:
         doc="KL penalty to the initial model (a frozen copy is kept when > 0)",
     )
     kl_estimator: str = option("k3", help="k1 | k2 | k3.", panel=GRPO_LOSS, choices=KL_ESTIMATORS)
+    loss_type: str = option(
+        "grpo",
+        help="The policy loss: grpo (clipped), dr_grpo, dapo, cispo (clipped weight) or sapo (soft gate).",
+        panel=GRPO_LOSS,
+        choices=LOSS_TYPES,
+        doc=(
+            "TRL's loss_type. grpo: the released clipped surrogate; dr_grpo implies --loss-agg "
+            "seq-mean-token-sum-norm and --scale-rewards none, dapo "
+            "--loss-agg token-mean (a different value given is refused); cispo caps its detached weight at "
+            "1 + --eps-clip-high; sapo gates with --sapo-temperature-pos/-neg"
+        ),
+    )
+    importance_sampling_level: str = option(
+        "token",
+        help="The ratio: token, sequence (GSPO) or sequence-token (GSPO-token).",
+        panel=GRPO_LOSS,
+        choices=IMPORTANCE_SAMPLING_LEVELS,
+        doc=(
+            "TRL's importance_sampling_level; sequence-token is verl's loss_mode gspo (the sequence ratio's value, "
+            "each token's own gradient)"
+        ),
+    )
+    sapo_temperature_pos: float = option(
+        1.0, help="--loss-type sapo: the gate's temperature where the advantage is > 0.", panel=GRPO_LOSS, gt=0
+    )
+    sapo_temperature_neg: float = option(
+        1.05, help="--loss-type sapo: the gate's temperature where the advantage is <= 0.", panel=GRPO_LOSS, gt=0
+    )
+    top_entropy_quantile: float = option(
+        1.0,
+        help="Train the policy term on the step's top share of tokens by entropy (1: every token).",
+        panel=GRPO_LOSS,
+        min=0,
+        max=1,
+        doc=(
+            "TRL's top_entropy_quantile (Wang et al. 2025: 0.2). The threshold is the step's, over every response "
+            "token of every process, from a no-grad pass before the gradient pass (one more forward when "
+            "--ppo-minibatches is 1)"
+        ),
+    )
+    mask_truncated_completions: bool = option(
+        False,
+        help="Train nothing on completions cut off by --max-new-tokens (or a multi-turn budget).",
+        panel=GRPO_LOSS,
+        doc="TRL's mask_truncated_completions (DAPO): their reward still counts in their group's advantages",
+    )
 
 
 @dataclass
@@ -436,6 +537,51 @@ class RLTrainConfig(O.StageConfig):
                 "drop the flag (align, midtrain and sft take it)"
             )
         O.check_corrections(self)
+        self._check_algorithm()
+
+    def _check_algorithm(self) -> None:
+        """The loss menu's options together: what a loss type prescribes, and combinations with no meaning."""
+        defaults = {"loss_agg": "token-mean", "scale_rewards": "group"}  # the fields' own, declared above
+        if not self.adv_std:  # --no-adv-std is --scale-rewards none (verl's norm_adv_by_std_in_grpo=false)
+            if self.scale_rewards == "batch":
+                raise OvkitError("--no-adv-std and --scale-rewards batch contradict each other; give one")
+            self.scale_rewards = "none"
+        # dr_grpo and dapo fix the aggregation (and dr_grpo the scaling): a value left at its default takes the
+        # prescribed one; a different value is refused rather than silently replaced
+        for name, value in PRESCRIBED.get(self.loss_type, {}).items():
+            given = getattr(self, name)
+            if given != value and given != defaults[name]:
+                flag = name.replace("_", "-")
+                raise OvkitError(
+                    f"--loss-type {self.loss_type} means --{flag} {value}, got --{flag} {given}; drop one of the two"
+                )
+            setattr(self, name, value)
+        if self.loss_type != "sapo" and (self.sapo_temperature_pos, self.sapo_temperature_neg) != (1.0, 1.05):
+            raise OvkitError(f"--sapo-temperature-pos/-neg apply to --loss-type sapo, not {self.loss_type}")
+        # the clip bounds a loss type never reads (their defaults pass: they are every run's)
+        unread = {"sapo": {"eps_clip": 0.2, "eps_clip_high": 0.28}, "cispo": {"eps_clip": 0.2}}
+        for name, default in unread.get(self.loss_type, {}).items():
+            if getattr(self, name) != default:
+                raise OvkitError(
+                    f"--loss-type {self.loss_type} does not clip at --{name.replace('_', '-')} (sapo gates with "
+                    "--sapo-temperature-pos/-neg; cispo caps its weight at 1 + --eps-clip-high only): drop one of "
+                    "the two"
+                )
+        if not self.dynamic_sampling and self.max_num_gen_batches != 10:
+            raise OvkitError("--max-num-gen-batches bounds --dynamic-sampling; give --dynamic-sampling too")
+        if self.dynamic_sampling and self.group_size < 2:
+            raise OvkitError("--dynamic-sampling keeps groups whose rewards differ: it needs --group-size 2 or more")
+        if self.overlong_buffer_len:
+            if self.overlong_buffer_len > self.max_new_tokens:
+                raise OvkitError(
+                    f"--overlong-buffer-len ({self.overlong_buffer_len}) cannot exceed --max-new-tokens "
+                    f"({self.max_new_tokens})"
+                )
+            if self.env is not None:
+                raise OvkitError(
+                    "--overlong-buffer-len penalises a single completion's length against --max-new-tokens; a "
+                    "multi-turn --env episode has no such one length: drop one of the two"
+                )
 
     @property
     def partial(self) -> Path:

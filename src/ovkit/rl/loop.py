@@ -48,8 +48,9 @@ from ovkit.pack.packed import PackLayout
 from ovkit.progress import honours_quiet
 from ovkit.rewards.custom import parse_all
 from ovkit.rl.config import SMALLER, TRAJECTORY, RLTrainConfig
-from ovkit.rl.metrics import console_line, rollout_metrics
+from ovkit.rl.metrics import console_line, dynamic_sampling_metrics, rollout_metrics
 from ovkit.rl.rollout import AsyncRollouts, SyncRollouts
+from ovkit.rl.shaping import score_with_overlong
 from ovkit.rl.update import train_step
 from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
 from ovkit.rollouts.groups import Group, Sampling, groups_table, score_groups
@@ -184,6 +185,7 @@ def _step_metrics(cfg: RLTrainConfig, rt: Runtime, state, groups, metrics, t: li
         rt,
         {
             **rollout_metrics(groups),
+            **(dynamic_sampling_metrics(groups) if cfg.dynamic_sampling else {}),
             **metrics,
             "step_tokens": step_tokens(groups),
             "lr": lr,
@@ -358,9 +360,18 @@ def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, worl
         workers=cfg.reward_workers,
         funcs=parse_all(cfg.reward_funcs),
     )
+    if cfg.overlong_buffer_len:
+        score = partial(
+            score_with_overlong,
+            score=score,
+            max_len=cfg.max_new_tokens,
+            buffer_len=cfg.overlong_buffer_len,
+            factor=cfg.overlong_penalty_factor,
+        )
     per_process = cfg.prompts_per_step // world
+    draws = cfg.max_num_gen_batches if cfg.dynamic_sampling else 1
     if cfg.max_staleness == 0:
-        return SyncRollouts(engine, prompts, per_process, sampling, score, rank=rank, world=world)
+        return SyncRollouts(engine, prompts, per_process, sampling, score, rank=rank, world=world, max_draws=draws)
     return AsyncRollouts(
         engine,
         prompts,
@@ -371,6 +382,7 @@ def _rollouts(cfg: RLTrainConfig, model, processor, prompts, rank: int = 0, worl
         groups_per_call=per_process,
         rank=rank,
         world=world,
+        max_draws=draws,
     )
 
 
@@ -386,6 +398,15 @@ def _save_rollouts(rt: Runtime, step: int, groups: Sequence[Group], tokenizer: A
         table = pa.concat_tables(tables, promote_options="default") if rt.is_main else table
     if rt.is_main:
         write_table(table, rt.run_dir / "rollouts" / f"step-{step:06d}.parquet")
+
+
+COUNTS = (
+    "rewards/worker_crashes",
+    "rewards/crashed",
+    "step_tokens",
+    "dynamic_sampling/groups_filtered",
+    "dynamic_sampling/unfilled",
+)
 
 
 def combine(rt: Runtime, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -409,7 +430,7 @@ def combine(rt: Runtime, metrics: dict[str, Any]) -> dict[str, Any]:
             out[key] = dict(sorted(hist.items(), key=lambda kv: int(kv[0]) if str(kv[0]).lstrip("-").isdigit() else 0))
         elif key in ("samples", "elapsed_s", "lr", "version"):
             out[key] = values[0]
-        elif key in ("rewards/worker_crashes", "rewards/crashed", "step_tokens"):  # counts: every process's add up
+        elif key in COUNTS:  # counts: every process's add up
             out[key] = sum(values)
         elif "max" in key.split("/")[-1]:
             out[key] = max(values)

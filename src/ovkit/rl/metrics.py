@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ovkit.rl.advantages import groups_with_signal
 from ovkit.rl.correction import read
 from ovkit.rl.staleness import staleness_histogram
 
@@ -183,6 +184,10 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
     out["rewards/worker_crashes"] = sum(g.parts[i].get("worker_crashes", 0) for g, i in trajectories)
     out["rewards/crashed"] = sum(bool(g.parts[i].get("crashed")) for g, i in trajectories)
     out.update(func_stats([g.parts[i].get("funcs", {}) for g, i in trajectories]))
+    penalties = [g.parts[i]["overlong_penalty"] for g, i in trajectories if "overlong_penalty" in g.parts[i]]
+    if penalties:  # --overlong-buffer-len: DAPO's length penalty, already in reward/optimised
+        out["overlong/penalty_mean"] = sum(penalties) / len(penalties)
+        out["overlong/frac"] = sum(p < 0 for p in penalties) / len(penalties)
     completions = [g.completions[i] for g, i in trajectories]
     out.update(length_stats([sum(c.mask) for c in completions], [c.finish_reason == "length" for c in completions]))
     if any(c.termination is not None for c in completions):
@@ -191,6 +196,17 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
 
         out.update(turn_stats(completions, task))
     return out
+
+
+def dynamic_sampling_metrics(groups: Sequence[Group]) -> dict[str, Any]:
+    """--dynamic-sampling: groups dropped for tied rewards (counts, summed over processes), places that kept a tied
+    group at the bound, and the most groups one place drew (verl's num_gen_batches)."""
+    signal = groups_with_signal([g.rewards for g in groups])
+    return {
+        "dynamic_sampling/groups_filtered": sum(g.draws - 1 for g in groups),
+        "dynamic_sampling/unfilled": sum(not s for s in signal),
+        "dynamic_sampling/gen_batches_max": max((g.draws for g in groups), default=0),
+    }
 
 
 def cut_or_masked(metrics_jsonl: Path, max_new_tokens: int) -> str | None:

@@ -4,6 +4,12 @@ Both hand the learner `prompts_per_step` scored groups per step (ovkit.rollouts.
 ahead on its own thread under admission control (ovkit.rl.staleness). Under several processes each has its own
 producer for its share: process r of N takes the groups at stream positions r, r + N, r + 2N, ... (local group k
 is global group k * N + r), so the N processes of a step together sample exactly the groups one process would.
+
+Dynamic sampling (DAPO; `max_draws` > 1) keeps that property without any exchange between processes: each place of
+the step (stream position i) decides alone. A group whose rewards are all equal is dropped and the place draws again,
+at stream position `redraw_index(i, d)` for its d-th redraw, until a group carries a signal or the place has drawn
+`max_draws` groups (the last stays, and trains nothing). So which groups a step trains is a function of the seed and
+the step, whichever process holds the place, and the extra sampling is bounded by max_draws per place.
 """
 
 from __future__ import annotations
@@ -15,9 +21,39 @@ from typing import Any
 
 import torch
 
+from ovkit.rl.advantages import groups_with_signal
+from ovkit.rl.config import MAX_GEN_BATCHES
 from ovkit.rl.staleness import StalenessController
 from ovkit.rollouts.groups import Group, Sampling, generate_groups
 from ovkit.rollouts.prompts import Prompt
+
+# Redraws take stream positions far beyond any run's own (2**40 groups), MAX_GEN_BATCHES apart per place, so they
+# never repeat a step's groups or each other, and a resumed run draws them again.
+REDRAWS = 2**40
+
+
+def redraw_index(index: int, draw: int) -> int:
+    """The stream position of the `draw`-th redraw (1, 2, ...) of the place at stream position `index`."""
+    return REDRAWS + index * MAX_GEN_BATCHES + draw
+
+
+def draw_groups(
+    generate: Callable[[list[int]], list[Group]], score: Callable, indices: Sequence[int], max_draws: int = 1
+) -> list[Group]:
+    """The scored groups at stream positions `indices`; with `max_draws` > 1, a tied group's place draws again (module
+    docstring). `generate(indices)` samples the groups of those positions."""
+    groups = generate(list(indices))
+    score(groups)
+    for draw in range(1, max_draws):
+        redo = [j for j, signal in enumerate(groups_with_signal([g.rewards for g in groups])) if not signal]
+        if not redo:
+            break
+        new = generate([redraw_index(indices[j], draw) for j in redo])
+        score(new)
+        for j, g in zip(redo, new):
+            g.draws = draw + 1
+            groups[j] = g
+    return groups
 
 
 class SyncRollouts:
@@ -32,6 +68,7 @@ class SyncRollouts:
         score: Callable,
         rank: int = 0,
         world: int = 1,
+        max_draws: int = 1,
     ):
         self.engine, self.prompts, self.per_step, self.sampling, self.score = (
             engine,
@@ -41,6 +78,7 @@ class SyncRollouts:
             score,
         )
         self.rank, self.world = rank, world
+        self.max_draws = max_draws
         self.version = 0
 
     def start(self, version: int) -> None:
@@ -48,9 +86,8 @@ class SyncRollouts:
 
     def next_batch(self, step: int) -> list[Group]:
         indices = [k * self.world + self.rank for k in range(step * self.per_step, (step + 1) * self.per_step)]
-        groups = generate_groups(self.engine, self.prompts, indices, self.version, self.sampling)
-        self.score(groups)
-        return groups
+        generate = lambda idx: generate_groups(self.engine, self.prompts, idx, self.version, self.sampling)  # noqa: E731
+        return draw_groups(generate, self.score, indices, self.max_draws)
 
     def sync(self, model: Any, version: int) -> None:
         self.engine.update_weights(model)
@@ -79,6 +116,7 @@ class AsyncRollouts:
         groups_per_call: int,
         rank: int = 0,
         world: int = 1,
+        max_draws: int = 1,
     ):
 
         self.engine, self.prompts, self.per_step, self.sampling, self.score = (
@@ -90,6 +128,7 @@ class AsyncRollouts:
         )
         self.rank, self.world = rank, world
         self.max_staleness = max_staleness
+        self.max_draws = max_draws
         self.groups_per_call = max(1, groups_per_call)
         self.lock = threading.Lock()
         self.queue: queue.Queue = queue.Queue()
@@ -118,16 +157,19 @@ class AsyncRollouts:
                 if n == 0:
                     return
                 first, next_index = next_index, next_index + n
-                with self.lock:
-                    version = self.version
-                    indices = [k * self.world + self.rank for k in range(first, first + n)]
-                    groups = generate_groups(self.engine, self.prompts, indices, version, self.sampling)
-                self.score(groups)
+                indices = [k * self.world + self.rank for k in range(first, first + n)]
+                # a redraw samples with the version current then, under the lock as any generate call: a place is
+                # admitted once, so its redraws are never staler than its admission allows
+                groups = draw_groups(self._generate, self.score, indices, self.max_draws)
                 for g in groups:
                     self.queue.put(g)
         except BaseException as e:  # noqa: BLE001 -- handed to the learner, which re-raises it
             self.error = e
             self.queue.put(None)
+
+    def _generate(self, indices: list[int]) -> list[Group]:
+        with self.lock:
+            return generate_groups(self.engine, self.prompts, indices, self.version, self.sampling)
 
     def next_batch(self, step: int) -> list[Group]:
         batch = []

@@ -1,10 +1,12 @@
 """One GRPO update: advantages, the proximal log-probs, the mismatch corrections and decoupled-PPO optimiser steps.
 
-    advantages      = group_advantages((r + bias) * scale)
+    advantages      = group_advantages((r + bias) * scale)   over the group's std, the step's or none (--scale-rewards)
     prox_logprobs   = the learner at the start of the step (pi_prox; with one minibatch, the detached log-probs
                       of the gradient pass itself, since no parameter can move before it)
     weights         = off_policy_weights(prox_logprobs, behave_logprobs)   behaviour cap + --correction
     ppo_update                                         decoupled PPO loss, clip 0.2 / 0.28, --ppo-minibatches
+                                                       (--loss-type, --importance-sampling-level: ovkit.rl.loss)
+    --top-entropy-quantile                             the step's entropy threshold, from a no-grad pass first
 
 A step has a host side and a device side. `prepare_step` lays the groups out as trajectories and works out
 on the host all that does not need the model's weights: advantages, token counts, each micro-batch's rows, width,
@@ -20,6 +22,7 @@ transformers' Qwen-VL forward 3 reads per forward remain (image-token count chec
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -35,6 +38,7 @@ from ovkit.rl.config import Update
 from ovkit.rl.correction import Correction, off_policy_weights
 from ovkit.rl.loss import aggregation_weights, decoupled_ppo_loss
 from ovkit.rl.metrics import mismatch_tensors, staleness_metrics, turn_mismatch_tensors
+from ovkit.rl.shaping import entropy_threshold, high_entropy_mask, mask_truncated, truncated
 from ovkit.rollouts.groups import Group
 from ovkit.rollouts.trajectories import (
     MicroBatch,
@@ -74,8 +78,16 @@ def prepare_step(
     batch = build_trajectories(groups, pad_id, multimodal_token_ids(config))
     layout = PackLayout.for_model(config) if layout is None else layout
     ppo = update.ppo
-    rewards = transform_rewards(batch.rewards, ppo.reward_bias, ppo.reward_scale)
-    advantages = group_advantages(rewards, batch.group_ids, eps=ppo.adv_eps, std=ppo.adv_std)
+    cut = [truncated(c.finish_reason, c.termination) for g in groups for c in g.completions]
+    if ppo.mask_truncated_completions and any(cut):
+        # the rows train nothing and leave the normalisers; their rewards still shape their groups' advantages
+        batch = dataclasses.replace(
+            batch,
+            mask=mask_truncated(batch.mask, cut),
+            mask_cols=[[] if c else cols for c, cols in zip(cut, batch.mask_cols)],
+            turn_tokens=None,
+        )
+    advantages = step_advantages(batch, ppo)
     minibatches, totals = [], []
     for mb in chunks(range(batch.size), math.ceil(batch.size / update.ppo_minibatches)):
         minibatches.append(
@@ -95,9 +107,25 @@ def prepare_step(
     metrics = {
         "advantage/abs_mean": float(advantages.abs().mean()),
         "frac_reward_zero_std": zero_std_fraction(batch.rewards, batch.group_ids),
+        **({"masked_truncated_frac": sum(cut) / max(len(cut), 1)} if ppo.mask_truncated_completions else {}),
         **staleness_metrics(step, batch.versions),
     }
     return StepBatch(batch, advantages, minibatches, totals, whole, sum(map(len, batch.mask_cols)), metrics, step)
+
+
+def step_advantages(batch: Trajectories, ppo: Any, batch_std: float | None = None) -> torch.Tensor:
+    """The step's advantages (--scale-rewards); `batch_std`: the std of the transformed rewards of every process."""
+    rewards = transform_rewards(batch.rewards, ppo.reward_bias, ppo.reward_scale)
+    return group_advantages(rewards, batch.group_ids, eps=ppo.adv_eps, std=ppo.scale_rewards, batch_std=batch_std)
+
+
+def global_reward_std(rt: Any, batch: Trajectories, ppo: Any) -> float:
+    """The population std of the step's transformed rewards over every process (two all-reduces: the mean first,
+    then the squared deviations from it, as a one-process std computes it)."""
+    rewards = transform_rewards(batch.rewards, ppo.reward_bias, ppo.reward_scale).to(torch.float64)
+    n, total = _global(rt, [float(rewards.numel()), float(rewards.sum())])
+    (squares,) = _global(rt, [float(((rewards - total / max(n, 1.0)) ** 2).sum())])
+    return math.sqrt(squares / max(n, 1.0))
 
 
 @dataclass
@@ -129,6 +157,7 @@ def ppo_update(
     prox=None,
     entropy=None,
     rt: Any = None,
+    pg_mask=None,
 ):
     """Decoupled-PPO optimizer steps over `ppo_minibatches` slices of the batch -> the step's learner metrics.
     `model` is the prepared TokenScorer (or a bare model); `rt` the runtime whose backward and clipping to use (the
@@ -137,6 +166,7 @@ def ppo_update(
     With `prox` given (the learner's log-probs at the start of the step, from a no-grad pass) every minibatch uses
     them. Without it (one minibatch: the parameters cannot move before the only gradient pass), the gradient pass
     itself provides them: pi_prox is exactly that pass's detached log-probs, so the recompute costs nothing extra.
+    `pg_mask` [N, T-1]: the tokens the policy-gradient term trains (--top-entropy-quantile); None: all.
     """
     fused = prox is None
     prox = torch.zeros_like(dev.behave) if fused else prox
@@ -189,6 +219,12 @@ def ppo_update(
                     ref_logprobs=ref[rows, cols] if ref is not None else None,
                     kl_coef=ppo.kl_coef,
                     kl_estimator=ppo.kl_estimator,
+                    loss_type=ppo.loss_type,
+                    importance_sampling_level=ppo.importance_sampling_level,
+                    sapo_tau_pos=ppo.sapo_temperature_pos,
+                    sapo_tau_neg=ppo.sapo_temperature_neg,
+                    mask=mask[:, cols],
+                    pg_mask=pg_mask[rows, cols] if pg_mask is not None else None,
                 )
                 if rt is not None:
                     rt.backward(parts.loss)
@@ -300,18 +336,34 @@ def learn(
 ) -> dict[str, Any]:
     """The device side of a step (module docstring)."""
     device = next(model.parameters()).device
+    ppo = update.ppo
+    if ppo.scale_rewards == "batch" and rt is not None and rt.processes > 1:
+        # every process's rewards make the std, so N processes train what one process would on the same groups
+        sb.advantages = step_advantages(sb.traj, ppo, global_reward_std(rt, sb.traj, ppo))
+        sb.metrics["advantage/abs_mean"] = float(sb.advantages.abs().mean())
     dev = OnDevice.of(sb, device)
     ref = (
         forward_all(ref_model, sb.traj, update.micro_batch_size, update.temperature, plans=sb.whole, device=device)[0]
         if ref_model is not None
         else None
     )
-    prox = entropy = None
-    if update.ppo_minibatches > 1:
+    prox = entropy = pg_mask = None
+    top_entropy = ppo.top_entropy_quantile < 1.0
+    # the top-entropy threshold is the whole step's, known only before the gradient pass: the no-grad pass gives it
+    if update.ppo_minibatches > 1 or top_entropy:
         prox, entropy = forward_all(
             model, sb.traj, update.micro_batch_size, update.temperature, entropy=True, plans=sb.whole, device=device
         )
-    learner = ppo_update(model, optimizer, params, sb, dev, ref, corr, update, prox, entropy, rt=rt)
+    if top_entropy:
+        # the response tokens' entropies, without a host read: sorted with the others last, the first n_tokens (known
+        # on the host) are exactly them. Several processes gather them (padding NaN), which reads sizes and values.
+        values = entropy.float().masked_fill(~dev.mask, float("inf")).flatten().sort().values[: sb.n_tokens]
+        if rt is not None and rt.processes > 1:
+            acc = rt.accelerator
+            values = acc.gather(acc.pad_across_processes(values, dim=0, pad_index=float("nan")))
+            values = values[~values.isnan()]
+        pg_mask = high_entropy_mask(entropy, dev.mask, entropy_threshold(values, ppo.top_entropy_quantile))
+    learner = ppo_update(model, optimizer, params, sb, dev, ref, corr, update, prox, entropy, rt=rt, pg_mask=pg_mask)
     metrics = {**learner, **sb.metrics}
     order = (
         "pg_loss",

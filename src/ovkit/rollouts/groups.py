@@ -30,6 +30,7 @@ class Group:
     format_rewards: list[float] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)  # what GRPO optimises: task and format mixed
     parts: list[dict] = field(default_factory=list)
+    draws: int = 1  # groups its slot of the step drew (dynamic sampling draws again for a tied group; ovkit.rl.rollout)
 
 
 def score_groups(
