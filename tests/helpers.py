@@ -295,6 +295,51 @@ def rl_groups(model, processor, data, cfg, rewards):
     return groups
 
 
+# ---------------------------------------------------------------------------- the RL learner, plain and shared-prefix
+
+
+def logprobs_and_grads(model, batch, plans):
+    """Log-probs and entropies [N, T-1] over `plans`, and every parameter's gradient of a fixed random weighting of
+    the log-probs (sum over the plans' micro-batches, as the learner accumulates them)."""
+    from ovkit.rollouts.trajectories import sequence_logprobs
+
+    torch.manual_seed(1)
+    weights = torch.randn(batch.mask.shape)
+    logp, ent = torch.zeros(batch.mask.shape), torch.zeros(batch.mask.shape)
+    model.zero_grad(set_to_none=True)
+    for plan in plans:
+        lp, e, width = sequence_logprobs(model, batch, plan.rows, 1.0, entropy=True, plan=plan)
+        (lp * weights[plan.row_index, : width - 1]).sum().backward()
+        logp[plan.row_index, : width - 1], ent[plan.row_index, : width - 1] = lp.detach(), e
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logp, ent, grads
+
+
+def assert_same_learner(plain, shared):
+    """Two `logprobs_and_grads` results agree: log-probs and entropies to 1e-5, each gradient to 1e-4 of its largest
+    entry, the vision tower's included."""
+    logp, ent, grads = plain
+    torch.testing.assert_close(shared[0], logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared[1], ent, rtol=0, atol=1e-5)
+    assert shared[2].keys() == grads.keys() and any("visual" in n for n in grads)  # the tower trained in both
+    for name, g in grads.items():
+        scale = g.abs().max().clamp(min=1e-6)
+        assert (shared[2][name] - g).abs().max() <= 1e-4 * scale, name
+
+
+def learner_plans(batch, layout, micro, share):
+    """The learner's micro-batches of `batch`, `micro` trajectories each: shared-prefix rows or a row each."""
+    from ovkit.rollouts import shared
+    from ovkit.rollouts.trajectories import chunks
+
+    if share:
+        return [
+            shared.micro_batch(batch, idx, layout) for idx in chunks(shared.by_prompt(batch, range(batch.size)), micro)
+        ]
+    return [batch.micro_batch(idx, layout) for idx in chunks(batch.by_length(range(batch.size)), micro)]
+
+
 # ---------------------------------------------------------------------------- generation (ovkit.generate)
 
 

@@ -1,7 +1,9 @@
 """Run by tests/test_rl_train.py under torchrun (not a test module): rl-train with a scripted policy, so the groups
 of a step are the same whatever the number of processes (tests/scripted_policy.py).
 
-    torchrun --nproc_per_node N tests/rl_ddp_runner.py MODEL DATA OUT [--resume]
+    torchrun --nproc_per_node N tests/rl_ddp_runner.py MODEL DATA OUT [--resume] [--plain]
+
+--plain: the learner forwards one row per trajectory (--shared-prefix off).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def main() -> None:
         quiet=True,
         precision="fp32",
         resume="--resume" in sys.argv,
+        shared_prefix="off" if "--plain" in sys.argv else "on",
         save_rollouts=True,
     )
     loop.train_rl(cfg)

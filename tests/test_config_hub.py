@@ -45,6 +45,7 @@ STAGE_MODULES = {
 # `config: Any` that is a transformers model config (PretrainedConfig), not a stage's
 MODEL_CONFIG = {("models/attention.py", "text_implementation"), ("models/precompute.py", "vision_inputs")}
 MODEL_CONFIG |= {("models/precompute.py", "varlen_boundaries"), ("rl/update.py", "prepare_step")}
+MODEL_CONFIG |= {("rollouts/shared.py", "unsupported"), ("rollouts/shared.py", "sharing")}
 
 
 def _modules() -> dict[str, ast.Module]:

@@ -1099,3 +1099,37 @@ def test_multi_turn_eval_over_two_processes_samples_what_one_process_samples(zoo
     assert one == two and len(one) == 4
     multiturn = lambda d: json.loads((tmp_path / d / "summary.json").read_text())["multiturn"]  # noqa: E731
     assert multiturn("p1") == multiturn("p2") and multiturn("p1")["turns/max"] >= 2
+
+
+def test_the_shared_prefix_learner_shares_only_the_first_turn(zoomer):
+    """rl-train's --shared-prefix on two-turn zoom episodes: each group's prompt (the first turn, its image) is
+    forwarded once, each episode's later turn and its observation image stay with the episode, and the log-probs,
+    entropies and every gradient are the plain learner's (ovkit.rollouts.shared)."""
+    import copy
+
+    from helpers import assert_same_learner, learner_plans, logprobs_and_grads
+
+    from ovkit.envs import ZoomEnv
+    from ovkit.generate import HFEngine
+    from ovkit.models import attention as attn
+    from ovkit.models.encode import multimodal_token_ids
+    from ovkit.pack.packed import PackLayout
+    from ovkit.rollouts.groups import Group
+    from ovkit.rollouts.trajectories import build_trajectories
+
+    model, processor, _ = zoomer
+    model = copy.deepcopy(model)
+    attn.apply(model, attn.resolve("sdpa", "cpu", train=True))  # the learner's attention, as rl-train loads it
+    prompts = _prompts(processor, n=2, answer="1", extra=ZoomEnv.instruction)
+    runner = _runner(HFEngine(model, processor), processor, "zoom", model=model)
+    outs = runner.run(prompts, n=3, max_new_tokens=16, temperature=0.5, top_p=1.0, seed=0)
+    observed = sum(len(c.images) for cs in outs for c in cs)
+    assert observed >= 2  # the model zooms, then answers
+    groups = [Group(p, i, 0, cs, rewards=[0.0] * len(cs)) for i, (p, cs) in enumerate(zip(prompts, outs))]
+    batch = build_trajectories(groups, processor.tokenizer.pad_token_id, multimodal_token_ids(model))
+    layout = PackLayout.for_model(model)
+    plain, shared = learner_plans(batch, layout, 8, False), learner_plans(batch, layout, 8, True)
+    assert shared[0].inputs["image_grid_thw"].shape[0] == len(groups) + observed
+    assert plain[0].inputs["image_grid_thw"].shape[0] == batch.size + observed
+    with torch_threads(1):
+        assert_same_learner(logprobs_and_grads(model, batch, plain), logprobs_and_grads(model, batch, shared))

@@ -367,14 +367,15 @@ def test_two_processes_take_the_single_process_step_over_the_same_groups(rl_asse
     """torchrun (gloo, CPU) with 2 processes against 1, a scripted policy so a step's groups are the same: each process
     samples half of them, the loss is normalised by the global token count, and the weights, the metrics, the
     rollout table and the checkpoints (each process's RNG state) come out as one process's; the output is written
-    once, complete."""
+    once, complete. Both runs share each group's prompt in the learner (--shared-prefix, the default; micro-batches
+    of 3 split the groups of 4), and move the weights as one process with one row per trajectory does."""
     from safetensors.torch import load_file
 
     from ovkit.rollouts.table import read_rollouts
 
     model_dir, data = rl_assets
-    for n in (1, 2):
-        run = _torchrun(n, model_dir, data, tmp_path / f"p{n}")
+    for n, name, *plain in ((1, "p1"), (2, "p2"), (1, "plain", "--plain")):
+        run = _torchrun(n, model_dir, data, tmp_path / name, *plain)
         assert run.returncode == 0, run.stderr[-3000:]
     one, two = tmp_path / "p1", tmp_path / "p2"
     assert json.loads((two / "ovkit.json").read_text())["runtime"]["processes"] == 2
@@ -392,8 +393,10 @@ def test_two_processes_take_the_single_process_step_over_the_same_groups(rl_asse
     w1, w2 = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     start = load_file(model_dir / "model.safetensors")
     assert any(not torch.equal(w1[k], start[k]) for k in w1)  # the run trained
+    plain = load_file(tmp_path / "plain" / "model.safetensors")
     for k in w1:  # two Adam steps at lr 1e-2: float-order differences of the gradient move weights by ~1e-6
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=2e-5, msg=k)
+        torch.testing.assert_close(plain[k], w2[k], rtol=1e-4, atol=2e-5, msg=k)
 
 
 def test_two_processes_sample_and_learn_what_one_process_does(rl_assets, tmp_path):

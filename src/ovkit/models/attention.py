@@ -176,14 +176,18 @@ def varlen_attention(
     max_length_k: int | None = None,
     is_causal: bool | None = None,
     varlen_plans: VarlenPlans | None = None,
+    shared_prefix: SharedPrefixPlan | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: query/key/value (batch, heads, tokens, dim); returns (batch,
     tokens, heads, dim). Sequences are concatenated (batch 1) with boundaries `cu_seq_lens_*` (a vision tower), or
     from the restarting `position_ids` of a packed row (a language model, no mask); a language model's padded batch
     comes with its 2D padding mask and is plain causal SDPA. `varlen_plans`: the micro-batch's plans of its
-    boundaries, made on the host with the batch (a model input that transformers forwards to this function)."""
+    boundaries, made on the host with the batch (a model input that transformers forwards to this function).
+    `shared_prefix`: a language model's row in which completions share their prompt (`SharedPrefixPlan`)."""
     causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
+    if cu_seq_lens_q is None and shared_prefix is not None:
+        return _shared_sdpa(module, query, key, value, shared_prefix, scaling, dropout), None
     if cu_seq_lens_q is None:
         cu_seq_lens_q = _packed_boundaries(kwargs.get("position_ids"), attention_mask, query)
     if cu_seq_lens_q is None:
@@ -274,6 +278,87 @@ class VarlenPlans:
 
     def find(self, cu: torch.Tensor, causal: bool) -> VarlenPlan | None:
         return next((plan for t, plan in self.bound if t is cu and plan.causal == causal), None)
+
+
+@dataclass(frozen=True)
+class SharedPrefixPlan:
+    """The attention of one packed row in which G completions share their prompt (rl-train's --shared-prefix): the
+    prompt's tokens attend causally among themselves, and each completion's tokens attend to the whole prompt and
+    causally to their own completion, never to another completion. Every token then sees exactly the keys it would see
+    in its own trajectory's row, so the hidden states, the log-probs and (through the gathers' scatter-add) every
+    gradient are the plain learner's, while the prompt and its images are computed once per group.
+
+    Planned on the host from the row's segments (`of`). Each call is one SDPA over sequences of similar shape: the
+    query positions, the key positions (a completion's: its prompt's, then its own), both padded by repeating a
+    position and masked, the mask, the positions of the real queries among the padded ones, and the sizes. Costs
+    follow the sum over sequences of queries x keys, not the row's T^2."""
+
+    calls: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int], ...]
+
+    @classmethod
+    def of(cls, segments: list[tuple[int, int, list[tuple[int, int]]]]) -> SharedPrefixPlan:
+        """`segments`: per prompt (start, length, [(start, length) of each of its completions]), in row positions."""
+        seqs = []  # (query positions, key positions, keys every query sees)
+        for start, length, suffixes in segments:
+            prefix = list(range(start, start + length))
+            seqs.append((prefix, prefix, 0))
+            seqs += [(list(range(a, a + n)), prefix + list(range(a, a + n)), length) for a, n in suffixes if n]
+        calls = []
+        for group in _shape_groups(seqs):
+            wq, wk = max(len(q) for q, _, _ in group), max(len(k) for _, k, _ in group)
+            qi = torch.tensor([[q[min(j, len(q) - 1)] for j in range(wq)] for q, _, _ in group])
+            ki = torch.tensor([[k[min(m, len(k) - 1)] for m in range(wk)] for _, k, _ in group])
+            rows, cols = torch.arange(wq)[:, None], torch.arange(wk)[None, :]
+            mask = torch.stack([(cols < len(k)) & ((cols < free) | (cols - free <= rows)) for _, k, free in group])[
+                :, None
+            ]
+            keep = torch.tensor([r * wq + j for r, (q, _, _) in enumerate(group) for j in range(len(q))])
+            calls.append((qi.reshape(-1), ki.reshape(-1), mask, keep, len(group), wq, wk))
+        return cls(tuple(calls))
+
+    def to(self, device: Any) -> SharedPrefixPlan:
+        """The plan on `device` (copies queued without waiting)."""
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return SharedPrefixPlan(
+            tuple((move(q), move(k), move(m), move(e), n, a, b) for q, k, m, e, n, a, b in self.calls)
+        )
+
+
+def _shape_groups(seqs: list[tuple[list[int], list[int], int]]) -> list[list[tuple[list[int], list[int], int]]]:
+    """`seqs` in batches that one SDPA call takes, padded to their longest queries and keys: sorted by cost (queries x
+    keys) and split where padding would more than double the batch's cost (as `_groups`)."""
+    batches: list[list[tuple[list[int], list[int], int]]] = []
+    exact = wq = wk = 0
+    for seq in sorted(seqs, key=lambda s: (len(s[0]) * len(s[1]), len(s[0]))):
+        q, k = len(seq[0]), len(seq[1])
+        if batches and (len(batches[-1]) + 1) * max(wq, q) * max(wk, k) <= 2 * (exact + q * k):
+            batches[-1].append(seq)
+            exact, wq, wk = exact + q * k, max(wq, q), max(wk, k)
+        else:
+            batches.append([seq])
+            exact, wq, wk = q * k, q, k
+    return batches
+
+
+@torch.compiler.disable  # a data-dependent plan, as _grouped_sdpa's
+def _shared_sdpa(module, query, key, value, plan: SharedPrefixPlan, scaling, dropout) -> torch.Tensor:
+    """SDPA over a shared-prefix row (`SharedPrefixPlan`): query/key/value (1, heads, tokens, dim) -> (1, tokens,
+    heads, dim). A prompt's keys and values are gathered once per completion that reads them; autograd's scatter-add
+    sums their gradients over the completions, which is the plain learner's sum over the group's trajectories."""
+    if query.shape[0] != 1:
+        raise ValueError("shared-prefix attention takes one packed row (batch dimension 1)")
+    heads = query.shape[1]
+    if key.shape[1] != heads:  # grouped-query attention
+        key = key.repeat_interleave(heads // key.shape[1], dim=1)
+        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    dropout = dropout if module.training else 0.0
+    out = torch.empty_like(query)
+    for qi, ki, mask, keep, n, wq, wk in plan.calls:
+        q = query[0][:, qi].reshape(heads, n, wq, -1).transpose(0, 1)
+        k, v = (t[0][:, ki].reshape(heads, n, wk, -1).transpose(0, 1) for t in (key, value))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        out[0][:, qi.index_select(0, keep)] = o.transpose(0, 1).reshape(heads, -1, o.shape[-1]).index_select(1, keep)
+    return out.transpose(1, 2)
 
 
 def _own_plan(cu: torch.Tensor, causal: bool) -> VarlenPlan:

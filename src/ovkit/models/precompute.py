@@ -14,6 +14,8 @@ there with transformers' own helpers (the values are the same by construction) a
   `image_cu_window_seqlens`, `image_max_window_seqlen` (transformers' precomputed-kwargs interface of the Qwen2.5-VL
   tower, `accepts_precomputed_kwargs`);
 - `cu_seq_lens_q/k` and `max_length_q/k` of a packed row (the flash varlen kwargs: no boundary search per layer);
+- `shared_prefix`: rl-train's learner row in which a group's completions share their prompt, planned as attention
+  calls on the host (ovkit.models.attention.SharedPrefixPlan; ovkit.rollouts.shared);
 - `varlen_plans`: for the boundaries above that the learner's `ovkit_varlen_flash` attention takes, its SDPA calls
   (ovkit.models.attention.VarlenPlan), planned from their values here; `to_device` binds each plan to the device
   copy of its boundaries, and transformers forwards the keyword to the attention function;
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ovkit.models.attention import VARLEN, VarlenPlan, VarlenPlans, text_implementation
+from ovkit.models.attention import VARLEN, SharedPrefixPlan, VarlenPlan, VarlenPlans, text_implementation
 
 # Keys that describe a batch for the loss, not inputs of the model's forward.
 LOSS_KEYS = ("labels", "num_tokens", "num_targets", "target_index")
@@ -58,6 +60,8 @@ def to_device(batch: dict[str, Any], device: Any, skip: tuple[str, ...] = LOSS_K
             if id(v) not in moved:
                 moved[id(v)] = v.to(device, non_blocking=True)
             v = moved[id(v)]
+        elif isinstance(v, SharedPrefixPlan):
+            v = v.to(device)
         out[k] = v
     plans = batch.get(PLANS)
     if plans:

@@ -314,6 +314,7 @@ class Update:
     ppo_minibatches: int
     micro_batch_size: int
     max_grad_norm: float
+    shared_prefix: bool  # asked for; the learner shares where the model can (ovkit.rollouts.shared.sharing)
     max_nonfinite_steps: int  # the guard's, where no Runtime holds one (a bare model in tests)
 
 
@@ -437,6 +438,21 @@ class RLTrainConfig(O.StageConfig):
         panel=O.RUNTIME,
         run_control=True,
         min=1,
+    )
+    shared_prefix: str = option(
+        "on",
+        help="Forward each group's prompt once in the learner (on | off).",
+        panel=O.RUNTIME,
+        choices=("on", "off"),
+        run_control=True,
+        doc=(
+            "the learner's micro-batch holds each group's prompt (text and images) once, followed by its "
+            "completions, which attend to it and never to each other (ovkit.rollouts.shared): the gradient, "
+            "proximal and reference passes run the vision tower and the prompt once per group instead of once per "
+            "sample, with the same log-probs and gradients; where the model cannot (its attention is not ovkit's "
+            "varlen one, e.g. flash_attention_2 or eager; soft-capped logits) it forwards one row per trajectory and "
+            "says so once"
+        ),
     )
     rollout_batch_size: int = option(
         64,
@@ -603,6 +619,7 @@ class RLTrainConfig(O.StageConfig):
             ppo_minibatches=self.ppo_minibatches,
             micro_batch_size=self.micro_batch_size,
             max_grad_norm=self.max_grad_norm,
+            shared_prefix=self.shared_prefix == "on",
             max_nonfinite_steps=self.max_nonfinite_steps,
         )
 

@@ -7,6 +7,8 @@
     ppo_update                                         decoupled PPO loss, clip 0.2 / 0.28, --ppo-minibatches
                                                        (--loss-type, --importance-sampling-level: ovkit.rl.loss)
     --top-entropy-quantile                             the step's entropy threshold, from a no-grad pass first
+    --shared-prefix                                    every pass forwards each group's prompt once
+                                                       (ovkit.rollouts.shared)
 
 A step has a host side and a device side. `prepare_step` lays the groups out as trajectories and works out
 on the host all that does not need the model's weights: advantages, token counts, each micro-batch's rows, width,
@@ -27,6 +29,7 @@ import math
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,6 +42,7 @@ from ovkit.rl.correction import Correction, off_policy_weights
 from ovkit.rl.loss import aggregation_weights, decoupled_ppo_loss
 from ovkit.rl.metrics import mismatch_tensors, staleness_metrics, turn_mismatch_tensors
 from ovkit.rl.shaping import entropy_threshold, high_entropy_mask, mask_truncated, truncated
+from ovkit.rollouts import shared
 from ovkit.rollouts.groups import Group
 from ovkit.rollouts.trajectories import (
     MicroBatch,
@@ -88,21 +92,20 @@ def prepare_step(
             turn_tokens=None,
         )
     advantages = step_advantages(batch, ppo)
+    if shared.sharing(update.shared_prefix, config, layout) and batch.prompt_keys is not None:
+        order, plan = partial(shared.by_prompt, batch), partial(shared.micro_batch, batch, layout=layout)
+    else:
+        order, plan = batch.by_length, partial(batch.micro_batch, layout=layout)
     minibatches, totals = [], []
     for mb in chunks(range(batch.size), math.ceil(batch.size / update.ppo_minibatches)):
-        minibatches.append(
-            [batch.micro_batch(idx, layout) for idx in chunks(batch.by_length(mb), update.micro_batch_size)]
-        )
+        minibatches.append([plan(idx) for idx in chunks(order(mb), update.micro_batch_size)])
         totals.append(
             [float(sum(len(batch.mask_cols[i]) for i in mb)), float(sum(1 for i in mb if batch.mask_cols[i]))]
         )
     whole = (
         minibatches[0]
         if len(minibatches) == 1
-        else [
-            batch.micro_batch(idx, layout)
-            for idx in chunks(batch.by_length(range(batch.size)), update.micro_batch_size)
-        ]
+        else [plan(idx) for idx in chunks(order(range(batch.size)), update.micro_batch_size)]
     )
     metrics = {
         "advantage/abs_mean": float(advantages.abs().mean()),

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from ovkit.models import precompute
+from ovkit.models.attention import VARLEN, text_implementation
 from ovkit.models.encode import merge_mm
 from ovkit.models.precompute import to_device
 from ovkit.rollouts.groups import Group
-from ovkit.runtime.loss import TokenScorer, score
+from ovkit.runtime.loss import TokenScorer, score, score_at
 
 
 @dataclass
@@ -48,6 +49,13 @@ class Trajectories:
     lengths: list[int] | None = None  # real tokens of each row
     mask_cols: list[list[int]] | None = None  # each row's response columns (`mask` True)
     turn_tokens: tuple[int, int] | None = None  # response tokens of the first turn, of the later turns
+    # the prompt each row starts with, for a learner that forwards it once per group (ovkit.rollouts.shared): its
+    # key (rows of one key share their first `prompt_lengths` tokens and `prompt_mm`), length, and processor outputs,
+    # and each row's own (an episode's observation images)
+    prompt_keys: list[int] | None = None
+    prompt_lengths: list[int] | None = None
+    prompt_mm: list[dict[str, Any]] | None = None
+    response_mm: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.lengths is None:
@@ -92,13 +100,13 @@ class Trajectories:
                 del inputs["attention_mask"]  # no padding: plain causal attention, no mask for the kernel to inspect
             if layout.has_rope_index:
                 inputs["position_ids"] = precompute.padded_positions(
-                    [layout.sample_positions(self._sample(i)) for i in rows], width
+                    [layout.sample_positions(self.as_sample(i)) for i in rows], width
                 )
             inputs.update(precompute.vision_inputs(layout.config, inputs.get("image_grid_thw"), inputs["input_ids"]))
         index = [k * (width - 1) + j for k, i in enumerate(rows) for j in self.mask_cols[i] if j < width - 1]
         return MicroBatch(rows, width, inputs, torch.tensor(index, dtype=torch.long), r)
 
-    def _sample(self, i: int) -> SimpleNamespace:
+    def as_sample(self, i: int) -> SimpleNamespace:
         """Row i as an encoded sample (what PackLayout.sample_positions reads)."""
         n = self.lengths[i]
         per_token = {k: v[i, :n].tolist() for k, v in self.per_token.items()}
@@ -116,6 +124,10 @@ class MicroBatch:
     ]  # host model inputs (with what the forward would compute from ids and grids, when planned so)
     index: torch.Tensor  # flat positions (row-major in [len(rows), width - 1]) of the response tokens
     row_index: torch.Tensor  # `rows` as a tensor
+    # a shared-prefix row (ovkit.rollouts.shared): the flat positions of the hidden states that predict the response
+    # tokens (`index`'s order), and those tokens; None: one padded row per trajectory, read by shifting one
+    hidden_index: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
 
 
 def _trainable_tokens(token_ids: Sequence[int], forbidden: set[int], loss_mask: Sequence[int] | None = None) -> int:
@@ -180,6 +192,10 @@ def build_trajectories(groups: Sequence[Group], pad_id: int, forbidden: set[int]
         lengths=[g.prompt.encoded.length + n for (g, _, _), n in zip(pairs, cut)],
         mask_cols=mask_cols,
         turn_tokens=(sum(map(len, mask_cols)) - later, later),
+        prompt_keys=[k for k, g in enumerate(groups) for _ in g.completions],
+        prompt_lengths=[g.prompt.encoded.length for g, _, _ in pairs],
+        prompt_mm=[g.prompt.encoded.mm for g, _, _ in pairs],
+        response_mm=[c.mm or {} for _, c, _ in pairs],
     )
 
 
@@ -200,6 +216,8 @@ def sequence_logprobs(
     device = next(model.parameters()).device
     plan = plan if plan is not None else batch.micro_batch(idx)
     inputs = to_device(plan.inputs, device, skip=())
+    if plan.hidden_index is not None:
+        return _shared_logprobs(model, plan, inputs, temperature, entropy, device)
     targets = inputs["input_ids"][:, 1:]
     where = batch.mask[plan.row_index, : plan.width - 1].to(device, non_blocking=True)
     index = plan.index.to(device, non_blocking=True)
@@ -207,6 +225,27 @@ def sequence_logprobs(
         logp, ent = model(inputs, targets=targets, where=where, index=index, temperature=temperature, entropy=entropy)
     else:
         logp, ent = score(model, inputs, targets, where, index=index, temperature=temperature, entropy=entropy)
+    return logp, ent, plan.width
+
+
+def _shared_logprobs(model, plan: MicroBatch, inputs: dict[str, Any], temperature: float, entropy: bool, device):
+    """`sequence_logprobs` of a shared-prefix row (ovkit.rollouts.shared), which only ovkit's varlen attention
+    reads: under any other attention its completions would attend to each other."""
+    config = getattr(model, "module", model).config
+    if text_implementation(config) != VARLEN:
+        raise ValueError(f"a shared-prefix micro-batch needs the {VARLEN} attention, not {text_implementation(config)}")
+    kw = dict(
+        hidden_index=plan.hidden_index.to(device, non_blocking=True),
+        targets=plan.targets.to(device, non_blocking=True),
+        index=plan.index.to(device, non_blocking=True),
+        shape=(len(plan.rows), plan.width - 1),
+        temperature=temperature,
+        entropy=entropy,
+    )
+    if isinstance(getattr(model, "module", model), TokenScorer):
+        logp, ent = model(inputs, **kw)
+    else:
+        logp, ent = score_at(model, inputs, **kw)
     return logp, ent, plan.width
 
 

@@ -205,6 +205,31 @@ def score(
     return out, (flat.index_copy(0, index, ent).view(where.shape) if entropy else None)
 
 
+def score_at(
+    model: Any,
+    inputs: dict[str, Any],
+    *,
+    hidden_index: torch.Tensor,
+    targets: torch.Tensor,
+    index: torch.Tensor,
+    shape: tuple[int, int],
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [shape] of `targets` [K] read from the last hidden states at the flat positions `hidden_index` [K] of
+    `inputs`, written at the flat positions `index` [K] of a zero [shape] grid; entropies likewise when asked. For a
+    row whose tokens are not one sequence (ovkit.rollouts.shared: one hidden state, a prompt's last, predicts the first
+    token of every completion of its group), where `score`'s shift by one does not hold."""
+    _, head = _head(model)
+    hidden = hidden_states(model, inputs)
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, hidden_index)
+    picked, ent = head_logprobs(rows, head, targets, temperature=temperature, entropy=entropy, chunk=chunk)
+    flat = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=hidden.device)
+    out = flat.index_copy(0, index, picked).view(shape)
+    return out, (flat.index_copy(0, index, ent).view(shape) if entropy else None)
+
+
 def _score_full(model, inputs, targets, where, *, temperature, entropy):
     """The plain path (every position's logits) for heads the chunked path cannot reproduce."""
     logits = (
@@ -258,7 +283,8 @@ def _liger_ok(model: Any, labels: torch.Tensor) -> bool:
 
 class TokenScorer(nn.Module):
     """The model with the loss in its forward (for DDP / FSDP / accelerate.prepare). `forward(inputs, labels=...)`
-    returns the NLL sum; `forward(inputs, targets=..., where=..., temperature=..., entropy=...)` the log-probs."""
+    returns the NLL sum; `forward(inputs, targets=..., where=..., temperature=..., entropy=...)` the log-probs
+    (`score`), and with `hidden_index=`, `shape=` those of a shared-prefix row (`score_at`)."""
 
     def __init__(self, model: nn.Module, fused_ce: bool = False):
         super().__init__()
@@ -278,4 +304,6 @@ class TokenScorer(nn.Module):
     ):
         if labels is not None:
             return nll_sum(self.model, inputs, labels, index=target_index, fused=self.fused_ce)
+        if "hidden_index" in kw:
+            return score_at(self.model, inputs, **kw)
         return score(self.model, inputs, **kw)
