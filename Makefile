@@ -29,7 +29,7 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow setup-vllm test-vllm full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
+.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow setup-vllm test-vllm full-pipeline pipeline-outputs science science-runs science-prox mismatch-demo multiturn-demo clean-run bench help
 # Keep every file a rule made: make deletes the intermediate files of chained pattern rules (it removed each science
 # RL run's ovkit.json, its completion mark, once that run's eval was done).
 .SECONDARY:
@@ -287,3 +287,18 @@ science-runs: $(SCI_EVALS) $(SCI)/buckets/ovkit.json $(SCI)/turns/ovkit.json $(S
 science: setup $(RUN)/rl-data/ovkit.json
 	$(MAKE) -j2 science-runs RUN=$(RUN) SEED=$(SEED)
 	$(OVKIT) science-report $(RUN)
+
+# make science-prox (not part of `make science`): AReaL's approximated proximal log-probs (`--prox-logp loglinear`,
+# ovkit.rl.proximal) against the recompute, on the science runs' GRPO (examples/tiny/rl-science.yaml) made
+# asynchronous with 2 minibatches, where the recompute costs a no-grad pass over each step's batch and loglinear none
+# (at --max-staleness 2 a sample 2 versions old gets alpha 1/2, younger ones 0). 3 seeds each, seed by seed, one run
+# at a time so ovkit/time/train compares; reward curves and timings in $(SCI)/prox/<method>/s<seed>/metrics.jsonl.
+# Asynchronous runs are not bit-reproducible (which version samples a group depends on the interleaving).
+SCI_PROX := $(foreach s,$(SCI_SEEDS),$(foreach m,recompute loglinear,$(SCI)/prox/$(m)/s$(s)/ovkit.json))
+
+$(SCI)/prox/%/ovkit.json: $(RUN)/rl-data/ovkit.json
+	$(OVKIT) rl-train $(RUN)/rl-data/stage1 --model $(MODELS)/sft --out $(SCI)/prox/$* --config examples/tiny/rl-science.yaml \
+		--max-staleness 2 --ppo-minibatches 2 --prox-logp $(patsubst %/,%,$(dir $*)) --seed $(patsubst s%,%,$(notdir $*)) --quiet
+
+science-prox: setup
+	$(MAKE) -j1 $(SCI_PROX) RUN=$(RUN)

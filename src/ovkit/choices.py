@@ -197,6 +197,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence-token")
 SCALE_REWARDS = ("group", "batch", "none")
+# rl-train --prox-logp: how decoupled PPO gets pi_prox (AReaL's prox_logp_method; ovkit.rl.proximal), today's first
+PROX_LOGP = ("recompute", "loglinear")
 # What a loss type fixes beyond its surrogate, as option values (the papers' definitions; TRL's loss_type): Dr. GRPO
 # divides by a constant instead of the lengths and does not scale by the group's std; DAPO averages over every token
 # of the step. grpo, cispo and sapo aggregate as --loss-agg says. Here, torch-free, for rl-train's option checks.

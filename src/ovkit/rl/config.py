@@ -14,6 +14,7 @@ from ovkit.choices import (  # torch-free: a bad option fails before torch impor
     KL_ESTIMATORS,
     LOSS_TYPES,
     PRESCRIBED,
+    PROX_LOGP,
     QUANTS,
     SAMPLER_ALIASES,
     SAMPLER_PRECISIONS,
@@ -251,6 +252,19 @@ class PPOLoss:
         help="Train nothing on completions cut off by --max-new-tokens (or a multi-turn budget).",
         panel=GRPO_LOSS,
         doc="TRL's mask_truncated_completions (DAPO): their reward still counts in their group's advantages",
+    )
+    # AReaL's prox_logp_method (ovkit.rl.proximal); its "metrics" mode is not offered (loglinear logs abs_error free)
+    prox_logp: str = option(
+        "recompute",
+        help="Decoupled PPO's pi_prox: recompute (a no-grad pass) or loglinear (AReaL's approximation, no pass).",
+        panel=GRPO_LOSS,
+        choices=PROX_LOGP,
+        doc=(
+            "AReaL's prox_logp_method. recompute: the learner's log-probs at the start of the step (a no-grad pass "
+            "over the batch with --ppo-minibatches > 1; free with 1); loglinear: behave + alpha (current - behave), "
+            "alpha from the sample's and the step's versions, no pass (saves one only with --ppo-minibatches > 1); "
+            "needs --max-staleness 2 or more, refused with --top-entropy-quantile"
+        ),
     )
 
 
@@ -583,6 +597,7 @@ class RLTrainConfig(O.StageConfig):
                     "--sapo-temperature-pos/-neg; cispo caps its weight at 1 + --eps-clip-high only): drop one of "
                     "the two"
                 )
+        self._check_prox_logp()
         if not self.dynamic_sampling and self.max_num_gen_batches != 10:
             raise OvkitError("--max-num-gen-batches bounds --dynamic-sampling; give --dynamic-sampling too")
         if self.dynamic_sampling and self.group_size < 2:
@@ -598,6 +613,23 @@ class RLTrainConfig(O.StageConfig):
                     "--overlong-buffer-len penalises a single completion's length against --max-new-tokens; a "
                     "multi-turn --env episode has no such one length: drop one of the two"
                 )
+
+    def _check_prox_logp(self) -> None:
+        """--prox-logp loglinear where it means something (ovkit.rl.proximal)."""
+        if self.prox_logp != "loglinear":
+            return
+        if self.max_staleness < 2:
+            raise OvkitError(
+                f"--prox-logp loglinear interpolates by version age, and at --max-staleness {self.max_staleness} "
+                "every sample is 0 or 1 versions old, where AReaL's weight (v_step - 1 - v) / (v_step - v) is 0: "
+                "pi_prox would be the behaviour policy for every token. Give --max-staleness 2 or more, or drop "
+                "--prox-logp loglinear"
+            )
+        if self.top_entropy_quantile < 1.0:
+            raise OvkitError(
+                "--prox-logp loglinear skips the no-grad proximal pass, which --top-entropy-quantile needs for its "
+                "entropies (and which then gives the exact pi_prox): drop one of the two"
+            )
 
     @property
     def partial(self) -> Path:

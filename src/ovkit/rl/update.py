@@ -2,7 +2,9 @@
 
     advantages      = group_advantages((r + bias) * scale)   over the group's std, the step's or none (--scale-rewards)
     prox_logprobs   = the learner at the start of the step (pi_prox; with one minibatch, the detached log-probs
-                      of the gradient pass itself, since no parameter can move before it)
+                      of the gradient pass itself, since no parameter can move before it); --prox-logp loglinear:
+                      AReaL's approximation from behave, the gradient pass's log-probs and the versions instead
+                      (ovkit.rl.proximal: no no-grad pass with several minibatches)
     weights         = off_policy_weights(prox_logprobs, behave_logprobs)   behaviour cap + --correction
     ppo_update                                         decoupled PPO loss, clip 0.2 / 0.28, --ppo-minibatches
                                                        (--loss-type, --importance-sampling-level: ovkit.rl.loss)
@@ -41,6 +43,7 @@ from ovkit.rl.config import Update
 from ovkit.rl.correction import Correction, off_policy_weights
 from ovkit.rl.loss import aggregation_weights, decoupled_ppo_loss
 from ovkit.rl.metrics import mismatch_tensors, staleness_metrics, turn_mismatch_tensors
+from ovkit.rl.proximal import LoglinearProx
 from ovkit.rl.shaping import entropy_threshold, high_entropy_mask, mask_truncated, truncated
 from ovkit.rollouts import shared
 from ovkit.rollouts.groups import Group
@@ -161,6 +164,7 @@ def ppo_update(
     entropy=None,
     rt: Any = None,
     pg_mask=None,
+    approx: LoglinearProx | None = None,
 ):
     """Decoupled-PPO optimizer steps over `ppo_minibatches` slices of the batch -> the step's learner metrics.
     `model` is the prepared TokenScorer (or a bare model); `rt` the runtime whose backward and clipping to use (the
@@ -170,8 +174,11 @@ def ppo_update(
     them. Without it (one minibatch: the parameters cannot move before the only gradient pass), the gradient pass
     itself provides them: pi_prox is exactly that pass's detached log-probs, so the recompute costs nothing extra.
     `pg_mask` [N, T-1]: the tokens the policy-gradient term trains (--top-entropy-quantile); None: all.
+    `approx` (--prox-logp loglinear, without `prox`): each micro-batch's pi_prox is its approximation from that
+    gradient pass's detached log-probs instead (ovkit.rl.proximal).
     """
     fused = prox is None
+    approx = approx if fused else None  # a recomputed pi_prox is used as it is
     prox = torch.zeros_like(dev.behave) if fused else prox
     entropy = torch.zeros_like(dev.behave) if fused else entropy
     world = rt.processes if rt is not None else 1
@@ -207,7 +214,11 @@ def ppo_update(
                         model, sb.traj, plan.rows, update.temperature, entropy=fused, plan=plan
                     )
                 if fused:
-                    prox[rows, cols], entropy[rows, cols] = logp.detach(), ent
+                    theta = logp.detach()
+                    prox[rows, cols] = (
+                        theta if approx is None else approx.prox(rows, cols, dev.behave, theta, first=k == 0)
+                    )
+                    entropy[rows, cols] = ent
                 weights = off_policy_weights(
                     prox[rows, cols], dev.behave[rows, cols], mask[:, cols], corr, stats=False
                 ).weights
@@ -246,7 +257,8 @@ def ppo_update(
         )
         # the host's one read of this optimiser step: the skip guard needs `kept`, the loss and the norm before
         # optimizer.step; the last minibatch's read carries every metric of the step (all final by now)
-        pending = step_tensors(sb, dev, prox, entropy, parts_sum, corr) if k == len(sb.minibatches) - 1 else {}
+        last = k == len(sb.minibatches) - 1
+        pending = step_tensors(sb, dev, prox, entropy, parts_sum, corr, approx) if last else {}
         values = torch.stack(
             [
                 kept.double(),
@@ -270,15 +282,24 @@ def ppo_update(
 
 
 def step_tensors(
-    sb: StepBatch, dev: OnDevice, prox, entropy, parts_sum: dict[str, torch.Tensor], corr: Correction
+    sb: StepBatch,
+    dev: OnDevice,
+    prox,
+    entropy,
+    parts_sum: dict[str, torch.Tensor],
+    corr: Correction,
+    approx: LoglinearProx | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The step's learner metrics as 0-dim device tensors (read once, by ppo_update)."""
+    """The step's learner metrics as 0-dim device tensors (read once, by ppo_update). With `approx`, `prox` is the
+    approximation, and the mismatch metrics are computed from it."""
     out = {f"sum/{k}": v for k, v in parts_sum.items()}
     if sb.n_tokens:
         m = dev.mask.float()
         out["entropy"] = (entropy * m).sum() / sb.n_tokens
         out.update(mismatch_tensors(prox, dev.behave, dev.mask))
         out.update(turn_mismatch_tensors(prox, dev.behave, dev.mask, dev.turn_ids, sb.traj.turn_tokens))
+        if approx is not None:
+            out.update(approx.tensors(prox, dev.behave, dev.mask))
     out.update(
         off_policy_weights(prox, dev.behave, dev.mask, corr).stat_tensors
     )  # the same weights, for the batch's stats
@@ -350,10 +371,12 @@ def learn(
         if ref_model is not None
         else None
     )
-    prox = entropy = pg_mask = None
+    prox = entropy = pg_mask = approx = None
     top_entropy = ppo.top_entropy_quantile < 1.0
+    recompute = ppo.prox_logp == "recompute"
     # the top-entropy threshold is the whole step's, known only before the gradient pass: the no-grad pass gives it
-    if update.ppo_minibatches > 1 or top_entropy:
+    # (and with it the exact pi_prox, which every minibatch then uses, as AReaL's loglinear uses a recomputed one)
+    if (update.ppo_minibatches > 1 and recompute) or top_entropy:
         prox, entropy = forward_all(
             model, sb.traj, update.micro_batch_size, update.temperature, entropy=True, plans=sb.whole, device=device
         )
@@ -366,7 +389,11 @@ def learn(
             values = acc.gather(acc.pad_across_processes(values, dim=0, pad_index=float("nan")))
             values = values[~values.isnan()]
         pg_mask = high_entropy_mask(entropy, dev.mask, entropy_threshold(values, ppo.top_entropy_quantile))
-    learner = ppo_update(model, optimizer, params, sb, dev, ref, corr, update, prox, entropy, rt=rt, pg_mask=pg_mask)
+    if prox is None and not recompute:
+        approx = LoglinearProx.of(sb.traj.versions, sb.step, dev.behave)
+    learner = ppo_update(
+        model, optimizer, params, sb, dev, ref, corr, update, prox, entropy, rt=rt, pg_mask=pg_mask, approx=approx
+    )
     metrics = {**learner, **sb.metrics}
     order = (
         "pg_loss",
