@@ -5,7 +5,8 @@
 #      and unpack libcairo's Debian packages for cairosvg (found through LD_LIBRARY_PATH);
 #   2. build the random-init qwen2.5-vl-2b once per machine (cached under /tmp; about a minute);
 #   3. bench/gpu_train.py (ovkit padded and packed, the plain loop, TRL; checkpointing on for all);
-#   4. bench/gpu_grpo.py (TRL against ovkit at the same precision policy, sync and async; where the memory goes);
+#   4. bench/gpu_grpo.py (TRL against ovkit at the same precision policy, sync and async; where the memory goes) and
+#      bench/shared_prefix.py (the RL learner with each group's prompt forwarded once, against one row per sample);
 #   5. the gpu-marked tests, then the default suite (-m "not slow and not gpu": the gpu ones just ran) on CUDA,
 #      pytest -x -q, with xdist when it is there;
 #   6. one summary table: each part's status, seconds and headline numbers.
@@ -100,6 +101,7 @@ if [[ $SMOKE == 1 ]]; then
   MODEL_ARGS=()   # each bench builds the tiny model from its own data
   TRAIN_ARGS=(--rows 48 --steps 3 --warmup 1 --batch-size 4 --grad-accum 2 --tokens-per-row 1024)
   GRPO_ARGS=(--steps 2 --prompts-per-step 2 --group-size 4 --max-new-tokens 16 --runs trl-mixed,ovkit-mixed,trl-bf16,ovkit-bf16)
+  SHARED_ARGS=(--groups 4 --sizes 84 --steps 1)
   TESTS=(tests/test_examples.py)
 else
   MODEL=/tmp/ovkit-models/qwen2.5-vl-2b
@@ -110,12 +112,14 @@ else
   # Fewer rows and steps than the benches' own defaults: each run loads the 2.2B model in its own process.
   TRAIN_ARGS=(--rows 128 --steps 5 --warmup 2)
   GRPO_ARGS=(--steps 2 --runs trl-mixed,ovkit-mixed,ovkit-mixed-async,trl-bf16,ovkit-bf16)
+  SHARED_ARGS=(--groups 8 16 --sizes 448 --steps 2)   # rl-train's --shared-prefix on against off (learner step)
   TESTS=()
 fi
 
 # ---- 3-5. benches and tests ---------------------------------------------------------------------------------------
 part train-bench 170 "$PY" bench/gpu_train.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" --out "$OUT/train" --json "$OUT/train.json"
 part grpo-bench 170 "$PY" bench/gpu_grpo.py "${MODEL_ARGS[@]}" "${GRPO_ARGS[@]}" --out "$OUT/grpo" --json "$OUT/grpo.json"
+part shared-prefix-bench 90 "$PY" bench/shared_prefix.py "${MODEL_ARGS[@]}" "${SHARED_ARGS[@]}"
 XDIST=()   # (pyproject's addopts already pass -q: one more would drop the summary line the table shows)
 "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
 part gpu-tests 60 "$PY" -m pytest -x -p no:cacheprovider -m gpu "${TESTS[@]}"
