@@ -46,6 +46,7 @@ STAGE_MODULES = {
 MODEL_CONFIG = {("models/attention.py", "text_implementation"), ("models/precompute.py", "vision_inputs")}
 MODEL_CONFIG |= {("models/precompute.py", "varlen_boundaries"), ("rl/update.py", "prepare_step")}
 MODEL_CONFIG |= {("rollouts/shared.py", "unsupported"), ("rollouts/shared.py", "sharing")}
+MODEL_CONFIG |= {("runtime/loss.py", "head_unsupported")}
 
 
 def _modules() -> dict[str, ast.Module]:

@@ -36,6 +36,7 @@ from ovkit.models import precompute
 from ovkit.models.attention import VARLEN, SharedPrefixPlan, text_implementation
 from ovkit.models.encode import merge_mm
 from ovkit.rollouts.trajectories import MicroBatch, Trajectories
+from ovkit.runtime.loss import head_unsupported
 
 KEY = "shared_prefix"  # the model input the plan travels as (transformers forwards it to the attention function)
 
@@ -44,11 +45,8 @@ def unsupported(config: Any, layout: Any) -> str | None:
     """Why a model with `config` (and its ovkit.pack.PackLayout) cannot share prompts in the learner; None if it can."""
     if text_implementation(config) != VARLEN:
         return f"its language model attends with {text_implementation(config)}, which cannot mask completions apart"
-    for cfg in (config, getattr(config, "text_config", None)):
-        if cfg is not None and (
-            getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0)
-        ):
-            return "its head soft-caps or scales the logits"
+    if head_unsupported(config):
+        return f"its head ({head_unsupported(config)}) needs every position's logits"
     if layout is not None and layout.mm_dim != 0:
         return "its images are batched per sample"
     return None

@@ -45,7 +45,12 @@ def _head(model: Any) -> tuple[nn.Module, Any]:
 
 
 def _unsupported(model: Any) -> str | None:
-    for cfg in (model.config, getattr(model.config, "text_config", None)):
+    return head_unsupported(model.config)
+
+
+def head_unsupported(config: Any) -> str | None:
+    """What of a model's head (by its `config`) the chunked log-prob cannot reproduce; None when it can."""
+    for cfg in (config, getattr(config, "text_config", None)):
         if cfg is not None and (
             getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0)
         ):
