@@ -330,3 +330,23 @@ def test_the_menu_keeps_one_device_read_per_step_on_one_process(rl_assets, tmp_p
     cfg = rl_cfg(model, data, tmp_path / "s", group_size=4, micro_batch_size=3, max_steps=1, quiet=True, **kw)
     (where,) = _learner_syncs(cfg)
     assert list(_ours(where).values()) == [1], dict(where)
+
+
+@pytest.mark.parametrize("stage", [1, 2], ids=["answer", "think"])
+def test_overlong_penalty_and_truncation_mask_at_both_stages(rl_assets, tmp_path, cli, one_thread, stage):
+    """DAPO's overlong shaping end to end in each curriculum stage's prompt mode: with an 8-token budget that is all
+    buffer, every completion (at least one token) is penalised, a cut one by exactly -1; the truncation mask's
+    fraction is the fraction of completions cut at --max-new-tokens, both in the step's metrics."""
+    import json
+
+    model_dir, data = rl_assets
+    small = [*TINY[:4], "--max-new-tokens", "8", *TINY[6:]]
+    out = tmp_path / "o"
+    shaping = ["--overlong-buffer-len", "8", "--mask-truncated-completions", "--stage", str(stage)]
+    code, _, err = cli("rl-train", data, "--model", model_dir, "--out", out, "--max-steps", "1", *small, *shaping)
+    assert code == 0, err
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    cut = row["completions/clipped_ratio"]
+    assert row["ovkit/masked_truncated_frac"] == pytest.approx(cut)
+    assert -1.0 <= row["ovkit/overlong/penalty_mean"] < 0.0
+    assert row["ovkit/overlong/penalty_mean"] <= -cut  # each cut completion contributes -1
