@@ -209,3 +209,20 @@ def test_a_shared_row_refuses_an_attention_that_would_not_mask_it(learner, rl_as
     attn.apply(model, attn.resolve("sdpa", "cpu", train=False))
     with pytest.raises(ValueError, match="shared-prefix"):
         sequence_logprobs(model, batch, plan.rows, 1.0, plan=plan)
+
+
+def test_a_text_only_model_falls_back():
+    """transformers takes ovkit's varlen attention only in a VLM's text sub-config (a top-level name with "flash" in it
+    is validated as a kernel to load), so a plain language model keeps sdpa, and its learner one row per trajectory."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ovkit.models import attention as attn
+    from ovkit.pack.packed import PackLayout
+    from ovkit.rollouts import shared
+
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    model = Qwen2ForCausalLM(config)
+    attn.apply(model, attn.resolve("sdpa", "cpu", train=True))
+    assert "sdpa" in shared.unsupported(model.config, PackLayout.for_model(model))
