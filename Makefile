@@ -2,6 +2,7 @@
 #
 #   make full-pipeline   set up, then run every stage on the embedded default (synthetic corpus + tiny model, CPU)
 #   make science         after it: the seed write-ups' mismatch findings rerun with ovkit's commands (report.html)
+#   make science-algos   after it: GRPO vs GSPO, CISPO and SAPO, 3 seeds each (science/algos.md)
 #   make test            set up, then run the fast test suite
 #
 # Every stage is one `ovkit` command reading and writing plain files under $(RUN); re-running skips finished
@@ -29,13 +30,13 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow setup-vllm test-vllm full-pipeline pipeline-outputs science science-runs mismatch-demo multiturn-demo clean-run bench help
+.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow setup-vllm test-vllm full-pipeline pipeline-outputs science science-runs science-algos science-algos-runs mismatch-demo multiturn-demo clean-run bench help
 # Keep every file a rule made: make deletes the intermediate files of chained pattern rules (it removed each science
 # RL run's ovkit.json, its completion mark, once that run's eval was done).
 .SECONDARY:
 
 help:
-	@sed -n '2,8p' Makefile
+	@sed -n '2,9p' Makefile
 
 setup: $(STAMP)
 
@@ -286,4 +287,30 @@ science-runs: $(SCI_EVALS) $(SCI)/buckets/ovkit.json $(SCI)/turns/ovkit.json $(S
 
 science: setup $(RUN)/rl-data/ovkit.json
 	$(MAKE) -j2 science-runs RUN=$(RUN) SEED=$(SEED)
+	$(OVKIT) science-report $(RUN)
+
+# make science-algos: rl-train's loss menu on the same footing (issue 35): GRPO (the config's defaults) against GSPO,
+# CISPO and SAPO, each as commands/rl-train.md's Algorithms table gives it (gspo: sequence-level ratio, clip 3e-4 /
+# 4e-4; cispo: the weight capped at 1 + 4.0; sapo: its default temperatures), 3 seeds each, from the SFT model on the
+# same rl-curate stage-1 prompts with the same settings as make science's fp32 runs; each final model scored on the
+# validation split as there. The report's "RL algorithms" section reads $(SCI)/algos/.
+SCI_ALGOS      := grpo gspo cispo sapo
+SCI_ALGO_EVALS := $(foreach a,$(SCI_ALGOS),$(foreach s,$(SCI_SEEDS),$(SCI)/algos/eval/$(a)/s$(s)/summary.json))
+# rl-train flags of an algorithm directory name
+sci_algo_flags = $(if $(filter gspo,$(1)),--importance-sampling-level sequence --eps-clip 0.0003 --eps-clip-high 0.0004) \
+	$(if $(filter cispo,$(1)),--loss-type cispo --eps-clip-high 4.0)$(if $(filter sapo,$(1)),--loss-type sapo)
+
+$(SCI)/algos/rl/%/ovkit.json: $(RUN)/rl-data/ovkit.json
+	$(OVKIT) rl-train $(RUN)/rl-data/stage1 --model $(MODELS)/sft --out $(SCI)/algos/rl/$* \
+		--config examples/tiny/rl-science.yaml $(call sci_algo_flags,$(patsubst %/,%,$(dir $*))) \
+		--seed $(patsubst s%,%,$(notdir $*)) --quiet
+
+$(SCI)/algos/eval/%/summary.json: $(SCI)/algos/rl/%/ovkit.json
+	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(SCI)/algos/rl/$* $(DATA)/val --limit 40 \
+		--out $(SCI)/algos/eval/$* --quiet
+
+science-algos-runs: $(SCI_ALGO_EVALS)
+
+science-algos: setup $(RUN)/rl-data/ovkit.json
+	$(MAKE) -j2 science-algos-runs RUN=$(RUN) SEED=$(SEED)
 	$(OVKIT) science-report $(RUN)
