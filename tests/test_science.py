@@ -212,11 +212,12 @@ def _write_algo_run(sci, algo, seed, rewards, clip_high, row_rewards):
     d.mkdir(parents=True)
     (d / "ovkit.json").write_text("{}")
     (d / "config.yaml").write_text("loss-type: grpo\nppo-minibatches: 1\nmax-staleness: 0\n")
+    (d / "model.safetensors").write_bytes(f"weights of seed {seed}".encode() + (b"!" if algo == "sapo" else b""))
     lines = [
         {
             "step": i + 1,
             "reward": r,
-            "grad_norm": 1.0,
+            "grad_norm": 1.0 + (1e-6 * i if algo == "sapo" else 0.0),
             "clip_ratio/low_mean": 0.0,
             "clip_ratio/high_mean": clip_high,
             "ovkit/mismatch/vllm_kl": 1e-13,
@@ -250,9 +251,10 @@ def test_algos_section_reads_make_science_algos_runs(tmp_path):
         _write_algo_run(sci, "grpo", seed, base, 0.0, grpo_rows[seed])
         # CISPO: the same first 2 steps as GRPO's run of its seed, then 0.1 higher; every row right
         _write_algo_run(sci, "cispo", seed, base[:2] + [r + 0.1 for r in base[2:]], 0.02 * seed, [1, 1, 1, 1])
+        _write_algo_run(sci, "sapo", seed, base, 0.0, grpo_rows[seed])  # GRPO's run but for its weights' bytes
     rep = build_report(run)
     algos = rep.numbers["algos"]
-    assert list(algos) == ["grpo", "cispo"]  # ALGOS order; GSPO and SAPO absent: not invented
+    assert list(algos) == ["grpo", "cispo", "sapo"]  # ALGOS order; GSPO absent: not invented
     g, c = algos["grpo"], algos["cispo"]
     assert g["held_out_ci"][0] == pytest.approx(0.5)
     assert g["held_out_ci"][1] == pytest.approx(4.303 * 0.25 / math.sqrt(3))
@@ -262,6 +264,11 @@ def test_algos_section_reads_make_science_algos_runs(tmp_path):
     assert c["vs_grpo"] == pytest.approx(expected) and c["vs_grpo"][0] == pytest.approx(0.5)
     assert c["vs_grpo_rows"] == 4 and "vs_grpo" not in g
     assert c["same_as_grpo"] == [2, 2, 2] and g.get("same_as_grpo") is None
+    assert c["same_weights"] == [True] * 3 and c["grad_norm_gap"] == 0.0
+    sp = algos["sapo"]
+    assert sp["same_as_grpo"] == [6, 6, 6] and sp["same_weights"] == [False] * 3
+    assert sp["grad_norm_gap"] == pytest.approx(5e-6)  # the last step's 1e-6 x 5 over GRPO's 1.0
+    assert sp["vs_grpo"] == (0.0, 0.0) and sp["held_out_ci"] == pytest.approx(g["held_out_ci"])
     assert c["clip_high"][0] == pytest.approx(0.04) and c["clip_low"][0] == 0.0
     assert c["final_reward"][0] == pytest.approx(g["final_reward"][0] + 0.1)
     assert c["delta_logp_max"] == pytest.approx(1.2e-5)
@@ -269,7 +276,11 @@ def test_algos_section_reads_make_science_algos_runs(tmp_path):
     alone = (sci / "algos.md").read_text()
     assert "## RL algorithms: GRPO vs GSPO, CISPO, SAPO" in md and "## RL algorithms" in alone
     row = next(line for line in alone.splitlines() if line.startswith("| cispo |"))
-    assert "| 100.0 ±0.0 | +50.0 ±" in row and "(4 rows)" in row and row.endswith("| 2 / 2 / 2 |")
+    assert (
+        "| 100.0 ±0.0 | +50.0 ±" in row and "(4 rows)" in row and row.endswith("| 0.0000 / 0.0400 | 1e-13 | 1.2e-05 |")
+    )
+    same = next(line for line in alone.splitlines() if line.startswith("| sapo | 6 / 6 / 6 |"))
+    assert same == "| sapo | 6 / 6 / 6 | 0 of 3 | 5e-06 |"
     assert (sci / "figures" / "algo_reward_curves.png").is_file() and "algo_reward_curves" in rep.figures
     assert "every ratio is exactly 1" in alone  # every run's config.yaml: ppo-minibatches 1, max-staleness 0
     (sci / "algos" / "rl" / "cispo" / "s2" / "config.yaml").write_text("ppo-minibatches: 4\nmax-staleness: 0\n")

@@ -23,6 +23,7 @@ Layout read (absent parts are reported as absent, never filled in):
 from __future__ import annotations
 
 import base64
+import filecmp
 import html
 import json
 import math
@@ -83,6 +84,7 @@ class Run:
     steps: list[dict[str, Any]]
     eval: dict[str, Any] | None
     config: dict[str, Any] = field(default_factory=dict)  # the run's resolved options (its config.yaml)
+    path: Path | None = None  # the rl-train output directory (its final weights)
 
     def curve(self, key: str) -> list[float]:
         """The per-step values of metric `key`, by its internal name (reward/mean), as metrics.jsonl stores it under
@@ -122,7 +124,7 @@ def load_runs(science: Path, names: Sequence[str] = tuple(VARIANTS)) -> dict[str
             if ev is not None:
                 ev["_path"] = str(summary)  # where row_values finds the per-row scores (as evaluate.load_run sets it)
             config = yaml.safe_load((d / "config.yaml").read_text()) if (d / "config.yaml").is_file() else {}
-            runs.setdefault(variant, []).append(Run(variant, d.name, read_jsonl(metrics), ev, config or {}))
+            runs.setdefault(variant, []).append(Run(variant, d.name, read_jsonl(metrics), ev, config or {}, d))
     return runs
 
 
@@ -304,11 +306,27 @@ def _leading_equal(a: Sequence[float], b: Sequence[float]) -> int:
     return n
 
 
+def _same_weights(a: Run, b: Run) -> bool | None:
+    """Whether two runs' final weights (their *.safetensors files) are byte for byte the same; None without them."""
+    files_a = sorted(a.path.glob("*.safetensors")) if a.path else []
+    files_b = sorted(b.path.glob("*.safetensors")) if b.path else []
+    if not files_a or [f.name for f in files_a] != [f.name for f in files_b]:
+        return None
+    return all(filecmp.cmp(x, y, shallow=False) for x, y in zip(files_a, files_b))
+
+
+def _grad_norm_gap(a: Run, b: Run) -> float:
+    """The largest relative gap between two runs' per-step gradient norms (0: the same updates to the bit)."""
+    gaps = [abs(x - y) / abs(y) for x, y in zip(a.curve("grad_norm"), b.curve("grad_norm")) if y]
+    return max(gaps, default=float("nan"))
+
+
 def algo_summary(runs: Sequence[Run], baseline: Sequence[Run] | None = None) -> dict[str, Any]:
     """run_summary plus what the algorithm study reads: the held-out mean with its 95% interval over seeds, the
     held-out change against `baseline` (GRPO) paired over rows (each row's reward averaged over seeds), the clip
-    fractions and mismatch per step (means over steps, then over seeds), and how many first steps each seed's
-    reward curve shares with the baseline's run of the same seed."""
+    fractions and mismatch per step (means over steps, then over seeds), and against the baseline's run of the same
+    seed: how many first steps' rewards it shares, whether the final weights are the same bytes, and the largest
+    relative gap between their gradient norms."""
     s = run_summary(runs)
     held = [r.eval["overall"] for r in runs if r.eval]
     s["held_out_ci"] = seed_interval(held) if held else (float("nan"), float("nan"))
@@ -328,12 +346,10 @@ def algo_summary(runs: Sequence[Run], baseline: Sequence[Run] | None = None) -> 
         if common:
             s["vs_grpo"] = paired_difference([rows[i] for i in common], [base_rows[i] for i in common])  # type: ignore[index]
             s["vs_grpo_rows"] = len(common)
-        by_seed = {r.seed: r for r in baseline}
-        s["same_as_grpo"] = [
-            _leading_equal(r.curve("reward/mean"), by_seed[r.seed].curve("reward/mean"))
-            for r in runs
-            if r.seed in by_seed
-        ]
+        pairs = [(r, b) for r in runs for b in baseline if b.seed == r.seed]
+        s["same_as_grpo"] = [_leading_equal(r.curve("reward/mean"), b.curve("reward/mean")) for r, b in pairs]
+        s["same_weights"] = [_same_weights(r, b) for r, b in pairs]
+        s["grad_norm_gap"] = max((_grad_norm_gap(r, b) for r, b in pairs), default=float("nan"))
     return s
 
 
@@ -351,7 +367,6 @@ def algos_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> str | N
     for a, s in summaries.items():
         m, half = s["held_out_ci"]
         vs = s.get("vs_grpo")
-        same = s.get("same_as_grpo")
         rows.append(
             [
                 a,
@@ -362,9 +377,19 @@ def algos_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> str | N
                 f"{s['clip_low'][0]:.4f} / {s['clip_high'][0]:.4f}",
                 _fmt(s["vllm_kl"][0]),
                 _fmt(s["delta_logp_max"]),
-                " / ".join(str(n) for n in same) if same is not None else "-",
             ]
         )
+    same_rows = [
+        [
+            a,
+            " / ".join(str(n) for n in s["same_as_grpo"]),
+            f"{sum(w is True for w in s['same_weights'])} of {len(s['same_weights'])}"
+            + ("" if all(w is not None for w in s["same_weights"]) else " (weights missing)"),
+            _fmt(s["grad_norm_gap"]),
+        ]
+        for a, s in summaries.items()
+        if "same_as_grpo" in s
+    ]
     every = [r for rs in runs.values() for r in rs]
     steps = max((len(r.steps) for r in every), default=0)
     body = (
@@ -379,18 +404,8 @@ def algos_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> str | N
         "not of training runs). Clip low / high: share of trained tokens whose ratio to pi_prox was clipped (CISPO: "
         "whose weight was truncated; SAPO clips nothing), mean over steps and seeds. vllm-kl: the K3 sampler/learner "
         "gap, mean over steps and seeds; max abs dlogp: the largest sampler/learner log-prob gap of any token; with "
-        "the fp32 sampler both measure float rounding, not a mismatch. Same as grpo: per seed, how many first steps' "
-        f"rewards equal GRPO's run of the same seed exactly (of {steps}).\n\n"
+        "the fp32 sampler both measure float rounding, not a mismatch.\n\n"
     )
-    if all(r.config.get("ppo-minibatches") == 1 and r.config.get("max-staleness") == 0 for r in every):
-        body += (
-            "Every run here made one optimiser step per batch of rollouts (ppo-minibatches 1) from a synchronous "
-            "sampler (max-staleness 0). At that only gradient pass the learner is pi_prox itself, so every ratio is "
-            "exactly 1 and no clip can bind, and GRPO's, GSPO's, CISPO's and SAPO's gradients all reduce to "
-            "-A grad log p per token (GSPO's sequence ratio and SAPO's gate have slope 1 at ratio 1): the runs can "
-            "differ only by float rounding, which sampling then amplifies. The algorithms differ in earnest only "
-            "off-policy: several optimiser steps per batch (--ppo-minibatches > 1) or stale rollouts.\n\n"
-        )
     body += _table(
         [
             "algorithm",
@@ -401,10 +416,26 @@ def algos_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> str | N
             "clip low / high",
             "vllm-kl",
             "max abs dlogp",
-            "steps same as grpo",
         ],
         rows,
     )
+    if same_rows:
+        body += (
+            "\nEach run against GRPO's run of the same seed (same SFT model, prompts and sampling seed): how many "
+            f"first steps' rewards are exactly equal (of {steps}, per seed), whether the final weights are the same "
+            "bytes, and the largest relative gap between the two runs' gradient norms at any step.\n\n"
+        )
+        body += _table(["algorithm", "steps equal to grpo's", "final weights = grpo's", "grad-norm gap"], same_rows)
+    if all(r.config.get("ppo-minibatches") == 1 and r.config.get("max-staleness") == 0 for r in every):
+        body += (
+            "\nEvery run here made one optimiser step per batch of rollouts (ppo-minibatches 1) from a synchronous "
+            "sampler (max-staleness 0). At that only gradient pass the learner is pi_prox itself, so every ratio is "
+            "exactly 1 and no clip can bind, and GRPO's, GSPO's, CISPO's and SAPO's gradients all reduce to "
+            "-A grad log p per token (GSPO's sequence ratio and SAPO's gate have slope 1 at ratio 1): the runs can "
+            "differ only by float rounding (which sampling would amplify once it flipped a sampled token). The "
+            "algorithms differ in earnest only off-policy: several optimiser steps per batch (--ppo-minibatches > 1) "
+            "or stale rollouts.\n"
+        )
     names = list(runs)
     rep.figures["algo_reward_curves"] = _plot_curves(
         runs,
