@@ -293,24 +293,31 @@ science: setup $(RUN)/rl-data/ovkit.json
 # CISPO and SAPO, each as commands/rl-train.md's Algorithms table gives it (gspo: sequence-level ratio, clip 3e-4 /
 # 4e-4; cispo: the weight capped at 1 + 4.0; sapo: its default temperatures), 3 seeds each, from the SFT model on the
 # same rl-curate stage-1 prompts with the same settings as make science's fp32 runs; each final model scored on the
-# validation split as there. The report's "RL algorithms" section reads $(SCI)/algos/.
+# validation split as there. The report's "RL algorithms" section reads $(SCI_ALGO_HOME)/algos/.
+# With rl-science.yaml's one optimiser step per batch and synchronous sampler every ratio is 1 at the gradient pass,
+# where the four surrogates have the same gradient; SCI_ALGO_FLAGS adds options to every run, SCI_ALGO_HOME puts
+# those runs and their report elsewhere, e.g. the off-policy regime where the algorithms differ:
+#   make science-algos SCI_ALGO_HOME=$(RUN)/science/ppo4 SCI_ALGO_FLAGS='--ppo-minibatches 4'
 SCI_ALGOS      := grpo gspo cispo sapo
-SCI_ALGO_EVALS := $(foreach a,$(SCI_ALGOS),$(foreach s,$(SCI_SEEDS),$(SCI)/algos/eval/$(a)/s$(s)/summary.json))
+SCI_ALGO_HOME  ?= $(SCI)
+SCI_ALGO_FLAGS ?=
+SCI_ALGO       := $(SCI_ALGO_HOME)/algos
+SCI_ALGO_EVALS := $(foreach a,$(SCI_ALGOS),$(foreach s,$(SCI_SEEDS),$(SCI_ALGO)/eval/$(a)/s$(s)/summary.json))
 # rl-train flags of an algorithm directory name
 sci_algo_flags = $(if $(filter gspo,$(1)),--importance-sampling-level sequence --eps-clip 0.0003 --eps-clip-high 0.0004) \
 	$(if $(filter cispo,$(1)),--loss-type cispo --eps-clip-high 4.0)$(if $(filter sapo,$(1)),--loss-type sapo)
 
-$(SCI)/algos/rl/%/ovkit.json: $(RUN)/rl-data/ovkit.json
-	$(OVKIT) rl-train $(RUN)/rl-data/stage1 --model $(MODELS)/sft --out $(SCI)/algos/rl/$* \
-		--config examples/tiny/rl-science.yaml $(call sci_algo_flags,$(patsubst %/,%,$(dir $*))) \
+$(SCI_ALGO)/rl/%/ovkit.json: $(RUN)/rl-data/ovkit.json
+	$(OVKIT) rl-train $(RUN)/rl-data/stage1 --model $(MODELS)/sft --out $(SCI_ALGO)/rl/$* \
+		--config examples/tiny/rl-science.yaml $(call sci_algo_flags,$(patsubst %/,%,$(dir $*))) $(SCI_ALGO_FLAGS) \
 		--seed $(patsubst s%,%,$(notdir $*)) --quiet
 
-$(SCI)/algos/eval/%/summary.json: $(SCI)/algos/rl/%/ovkit.json
-	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(SCI)/algos/rl/$* $(DATA)/val --limit 40 \
-		--out $(SCI)/algos/eval/$* --quiet
+$(SCI_ALGO)/eval/%/summary.json: $(SCI_ALGO)/rl/%/ovkit.json
+	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(SCI_ALGO)/rl/$* $(DATA)/val --limit 40 \
+		--out $(SCI_ALGO)/eval/$* --quiet
 
 science-algos-runs: $(SCI_ALGO_EVALS)
 
 science-algos: setup $(RUN)/rl-data/ovkit.json
 	$(MAKE) -j2 science-algos-runs RUN=$(RUN) SEED=$(SEED)
-	$(OVKIT) science-report $(RUN)
+	$(OVKIT) science-report $(RUN) --science $(SCI_ALGO_HOME)
