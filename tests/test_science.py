@@ -283,9 +283,11 @@ def test_algos_section_reads_make_science_algos_runs(tmp_path):
     assert same == "| sapo | 6 / 6 / 6 | 0 of 3 | 5e-06 |"
     assert (sci / "figures" / "algo_reward_curves.png").is_file() and "algo_reward_curves" in rep.figures
     assert "every ratio is exactly 1" in alone  # every run's config.yaml: ppo-minibatches 1, max-staleness 0
+    assert "Every run's config.yaml: ppo-minibatches 1, max-staleness 0." in alone
     (sci / "algos" / "rl" / "cispo" / "s2" / "config.yaml").write_text("ppo-minibatches: 4\nmax-staleness: 0\n")
     build_report(run)
-    assert "every ratio is exactly 1" not in (sci / "algos.md").read_text()
+    alone = (sci / "algos.md").read_text()
+    assert "every ratio is exactly 1" not in alone and "ppo-minibatches 1 / 4, max-staleness 0." in alone
 
 
 def test_report_without_algos_runs_says_the_section_is_absent(tmp_path):

@@ -353,6 +353,14 @@ def algo_summary(runs: Sequence[Run], baseline: Sequence[Run] | None = None) -> 
     return s
 
 
+def _shared_options(runs: Sequence[Run], keys: Sequence[str] = ("ppo-minibatches", "max-staleness")) -> str:
+    """The on/off-policy settings of the runs as their config.yaml files record them (SCI_ALGO_FLAGS may change
+    them), so a report says which regime its numbers come from."""
+    found = {k: sorted({str(r.config[k]) for r in runs if k in r.config}) for k in keys}
+    parts = [f"{k} {' / '.join(v)}" for k, v in found.items() if v]
+    return f"\nEvery run's config.yaml: {', '.join(parts)}.\n" if parts else ""
+
+
 def algos_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> str | None:
     """`make science-algos`: GRPO against GSPO, CISPO and SAPO from the same SFT model on the same prompts. Returns
     the section's markdown (also added to the report), None when no run is there."""
@@ -397,6 +405,7 @@ def algos_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> str | N
         "stage-1 prompts with examples/tiny/rl-science.yaml (fp32 sampler and learner, synchronous) and one "
         'algorithm\'s options (commands/rl-train.md, "Algorithms"):\n\n'
         + "".join(f"- {a}: {ALGOS[a]}\n" for a in runs)
+        + _shared_options(every)
         + "\nTraining reward: first step -> mean of the last 4 steps (mean and sd over seeds). Held-out: eval overall "
         "x 100 of each run's final model on the validation rows, mean over seeds ± the half-width of its 95% "
         "Student-t interval over seeds (the spread of training runs). vs grpo: the held-out change against GRPO paired "
