@@ -2,6 +2,7 @@
 #
 #   make full-pipeline   set up, then run every stage on the embedded default (synthetic corpus + tiny model, CPU)
 #   make science         after it: the seed write-ups' mismatch findings rerun with ovkit's commands (report.html)
+#   make science-algos   after it: GRPO vs GSPO, CISPO and SAPO, 3 seeds each (science/algos.md)
 #   make test            set up, then run the fast test suite
 #
 # Every stage is one `ovkit` command reading and writing plain files under $(RUN); re-running skips finished
@@ -29,13 +30,13 @@ else
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 endif
 
-.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow setup-vllm test-vllm full-pipeline pipeline-outputs science science-runs science-prox mismatch-demo multiturn-demo clean-run bench help
+.PHONY: lint format pages gpu-suite gpu-suite-smoke setup test test-slow setup-vllm test-vllm full-pipeline pipeline-outputs science science-runs science-prox science-algos science-algos-runs mismatch-demo multiturn-demo clean-run bench help
 # Keep every file a rule made: make deletes the intermediate files of chained pattern rules (it removed each science
 # RL run's ovkit.json, its completion mark, once that run's eval was done).
 .SECONDARY:
 
 help:
-	@sed -n '2,8p' Makefile
+	@sed -n '2,9p' Makefile
 
 setup: $(STAMP)
 
@@ -302,3 +303,36 @@ $(SCI)/prox/%/ovkit.json: $(RUN)/rl-data/ovkit.json
 
 science-prox: setup
 	$(MAKE) -j1 $(SCI_PROX) RUN=$(RUN)
+
+# make science-algos: rl-train's loss menu on the same footing: GRPO (the config's defaults) against GSPO,
+# CISPO and SAPO, each as commands/rl-train.md's Algorithms table gives it (gspo: sequence-level ratio, clip 3e-4 /
+# 4e-4; cispo: the weight capped at 1 + 4.0; sapo: its default temperatures), 3 seeds each, from the SFT model on the
+# same rl-curate stage-1 prompts with the same settings as make science's fp32 runs; each final model scored on the
+# validation split as there. The report's "RL algorithms" section reads $(SCI_ALGO_HOME)/algos/.
+# With rl-science.yaml's one optimiser step per batch and synchronous sampler every ratio is 1 at the gradient pass,
+# where the four surrogates have the same gradient; SCI_ALGO_FLAGS adds options to every run, SCI_ALGO_HOME puts
+# those runs and their report elsewhere, e.g. the off-policy regime where the algorithms differ:
+#   make science-algos SCI_ALGO_HOME=$(RUN)/science/ppo4 SCI_ALGO_FLAGS='--ppo-minibatches 4'
+SCI_ALGOS      := grpo gspo cispo sapo
+SCI_ALGO_HOME  ?= $(SCI)
+SCI_ALGO_FLAGS ?=
+SCI_ALGO       := $(SCI_ALGO_HOME)/algos
+SCI_ALGO_EVALS := $(foreach a,$(SCI_ALGOS),$(foreach s,$(SCI_SEEDS),$(SCI_ALGO)/eval/$(a)/s$(s)/summary.json))
+# rl-train flags of an algorithm directory name
+sci_algo_flags = $(if $(filter gspo,$(1)),--importance-sampling-level sequence --eps-clip 0.0003 --eps-clip-high 0.0004) \
+	$(if $(filter cispo,$(1)),--loss-type cispo --eps-clip-high 4.0)$(if $(filter sapo,$(1)),--loss-type sapo)
+
+$(SCI_ALGO)/rl/%/ovkit.json: $(RUN)/rl-data/ovkit.json
+	$(OVKIT) rl-train $(RUN)/rl-data/stage1 --model $(MODELS)/sft --out $(SCI_ALGO)/rl/$* \
+		--config examples/tiny/rl-science.yaml $(call sci_algo_flags,$(patsubst %/,%,$(dir $*))) $(SCI_ALGO_FLAGS) \
+		--seed $(patsubst s%,%,$(notdir $*)) --quiet
+
+$(SCI_ALGO)/eval/%/summary.json: $(SCI_ALGO)/rl/%/ovkit.json
+	$(OVKIT) eval --config examples/tiny/eval.yaml --model $(SCI_ALGO)/rl/$* $(DATA)/val --limit 40 \
+		--out $(SCI_ALGO)/eval/$* --quiet
+
+science-algos-runs: $(SCI_ALGO_EVALS)
+
+science-algos: setup $(RUN)/rl-data/ovkit.json
+	$(MAKE) -j2 science-algos-runs RUN=$(RUN) SEED=$(SEED)
+	$(OVKIT) science-report $(RUN) --science $(SCI_ALGO_HOME)

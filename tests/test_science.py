@@ -195,3 +195,105 @@ def test_vllm_kernel_rows_join_the_bucket_table_when_make_science_wrote_them(tmp
     row = next(line for line in md.splitlines() if line.startswith("| vllm-bf16 |"))
     assert row.endswith("| 1.68e-05 | 0.00054 |")
     assert "vLLM's own kernels" in md
+
+
+def test_seed_interval_is_students_t_over_seeds():
+    from ovkit.science.stats import seed_interval
+
+    m, half = seed_interval([0.25, 0.5, 0.75])
+    assert m == pytest.approx(0.5)
+    assert half == pytest.approx(4.303 * 0.25 / math.sqrt(3))  # t(2) = 4.303, not the normal's 1.96
+    assert seed_interval([0.4]) == (0.4, math.inf)
+    assert seed_interval([0.1] * 40)[1] == pytest.approx(0.0)
+
+
+def _write_algo_run(sci, algo, seed, rewards, clip_high, row_rewards):
+    d = sci / "algos" / "rl" / algo / f"s{seed}"
+    d.mkdir(parents=True)
+    (d / "ovkit.json").write_text("{}")
+    (d / "config.yaml").write_text("loss-type: grpo\nppo-minibatches: 1\nmax-staleness: 0\n")
+    (d / "model.safetensors").write_bytes(f"weights of seed {seed}".encode() + (b"!" if algo == "sapo" else b""))
+    lines = [
+        {
+            "step": i + 1,
+            "reward": r,
+            "grad_norm": 1.0 + (1e-6 * i if algo == "sapo" else 0.0),
+            "clip_ratio/low_mean": 0.0,
+            "clip_ratio/high_mean": clip_high,
+            "ovkit/mismatch/vllm_kl": 1e-13,
+            "sampling/sampling_logp_difference/max": 4e-6 * seed,
+            "ovkit/masked/token_frac": 0.0,
+        }
+        for i, r in enumerate(rewards)
+    ]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    ev = sci / "algos" / "eval" / algo / f"s{seed}"
+    (ev / "m").mkdir(parents=True)
+    summary = {"overall": sum(row_rewards) / len(row_rewards), "results": "m/t_results.json"}
+    (ev / "summary.json").write_text(json.dumps(summary))
+    rows = [{"id": f"r{i}", "reward": float(x)} for i, x in enumerate(row_rewards)]
+    (ev / "m" / "t_samples_counting.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+
+
+def test_algos_section_reads_make_science_algos_runs(tmp_path):
+    """science/algos/ as `make science-algos` leaves it: the held-out mean with its t interval over seeds, the
+    change against GRPO paired over rows (rows averaged over seeds, eval's own paired_difference), clip fractions,
+    and the steps each seed's curve shares with GRPO's same seed."""
+    from ovkit.evaluate.metrics import paired_difference
+    from ovkit.science import build_report
+
+    run = _fake_run(tmp_path)
+    sci = run / "science"
+    grpo_rows = {1: [1, 0, 1, 0], 2: [1, 1, 1, 0], 3: [1, 0, 0, 0]}  # held-out 0.5, 0.75, 0.25
+    for seed in (1, 2, 3):
+        base = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+        base = [r + 0.01 * seed for r in base]
+        _write_algo_run(sci, "grpo", seed, base, 0.0, grpo_rows[seed])
+        # CISPO: the same first 2 steps as GRPO's run of its seed, then 0.1 higher; every row right
+        _write_algo_run(sci, "cispo", seed, base[:2] + [r + 0.1 for r in base[2:]], 0.02 * seed, [1, 1, 1, 1])
+        _write_algo_run(sci, "sapo", seed, base, 0.0, grpo_rows[seed])  # GRPO's run but for its weights' bytes
+    rep = build_report(run)
+    algos = rep.numbers["algos"]
+    assert list(algos) == ["grpo", "cispo", "sapo"]  # ALGOS order; GSPO absent: not invented
+    g, c = algos["grpo"], algos["cispo"]
+    assert g["held_out_ci"][0] == pytest.approx(0.5)
+    assert g["held_out_ci"][1] == pytest.approx(4.303 * 0.25 / math.sqrt(3))
+    assert c["held_out_ci"] == (pytest.approx(1.0), pytest.approx(0.0))
+    # rows averaged over seeds: grpo (1, 1/3, 2/3, 0), cispo (1, 1, 1, 1)
+    expected = paired_difference([1.0] * 4, [1.0, 1 / 3, 2 / 3, 0.0])
+    assert c["vs_grpo"] == pytest.approx(expected) and c["vs_grpo"][0] == pytest.approx(0.5)
+    assert c["vs_grpo_rows"] == 4 and "vs_grpo" not in g
+    assert c["same_as_grpo"] == [2, 2, 2] and g.get("same_as_grpo") is None
+    assert c["same_weights"] == [True] * 3 and c["grad_norm_gap"] == 0.0
+    sp = algos["sapo"]
+    assert sp["same_as_grpo"] == [6, 6, 6] and sp["same_weights"] == [False] * 3
+    assert sp["grad_norm_gap"] == pytest.approx(5e-6)  # the last step's 1e-6 x 5 over GRPO's 1.0
+    assert sp["vs_grpo"] == (0.0, 0.0) and sp["held_out_ci"] == pytest.approx(g["held_out_ci"])
+    assert c["clip_high"][0] == pytest.approx(0.04) and c["clip_low"][0] == 0.0
+    assert c["final_reward"][0] == pytest.approx(g["final_reward"][0] + 0.1)
+    assert c["delta_logp_max"] == pytest.approx(1.2e-5)
+    md = (sci / "report.md").read_text()
+    alone = (sci / "algos.md").read_text()
+    assert "## RL algorithms: GRPO vs GSPO, CISPO, SAPO" in md and "## RL algorithms" in alone
+    row = next(line for line in alone.splitlines() if line.startswith("| cispo |"))
+    assert (
+        "| 100.0 ±0.0 | +50.0 ±" in row and "(4 rows)" in row and row.endswith("| 0.0000 / 0.0400 | 1e-13 | 1.2e-05 |")
+    )
+    same = next(line for line in alone.splitlines() if line.startswith("| sapo | 6 / 6 / 6 |"))
+    assert same == "| sapo | 6 / 6 / 6 | 0 of 3 | 5e-06 |"
+    assert (sci / "figures" / "algo_reward_curves.png").is_file() and "algo_reward_curves" in rep.figures
+    assert "every ratio is exactly 1" in alone  # every run's config.yaml: ppo-minibatches 1, max-staleness 0
+    assert "Every run's config.yaml: ppo-minibatches 1, max-staleness 0." in alone
+    (sci / "algos" / "rl" / "cispo" / "s2" / "config.yaml").write_text("ppo-minibatches: 4\nmax-staleness: 0\n")
+    build_report(run)
+    alone = (sci / "algos.md").read_text()
+    assert "every ratio is exactly 1" not in alone and "ppo-minibatches 1 / 4, max-staleness 0." in alone
+
+
+def test_report_without_algos_runs_says_the_section_is_absent(tmp_path):
+    from ovkit.science import build_report
+
+    run = _fake_run(tmp_path)
+    rep = build_report(run)
+    assert "algos" not in rep.numbers and not (run / "science" / "algos.md").exists()
+    assert "absent: no finished run under science/algos/rl/" in (run / "science" / "report.md").read_text()

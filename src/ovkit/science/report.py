@@ -4,12 +4,14 @@ Nothing here trains or samples: the Makefile's `science` target runs rl-train (o
 variant and seed), eval, mismatch-report, and this module reads what they left under RUN/science/ (plus the
 pipeline's pack plan and balanced split under RUN/) and writes RUN/science/report.md, report.html (self-contained,
 figures inline) and report.json (every number the text quotes). Each finding of the seed write-ups gets one line:
-what the source reports, what ovkit measured here, and whether they agree.
+what the source reports, what ovkit measured here, and whether they agree. Where `make science-algos` has run, its
+section (rl-train's loss menu on the same footing) is also written alone to RUN/science/algos.md.
 
 Layout read (absent parts are reported as absent, never filled in):
 
     science/rl/<variant>/s<seed>/metrics.jsonl     rl-train per-step metrics (reward, mismatch, grad_norm, ...)
-    science/eval/<variant>/s<seed>/summary.json    held-out score of that run's final model
+    science/eval/<variant>/s<seed>/summary.json    held-out score of that run's final model (per-row scores beside it)
+    science/algos/{rl,eval}/<algorithm>/s<seed>/   the same for `make science-algos`: GRPO vs GSPO, CISPO, SAPO
     science/buckets/report.json                    mismatch-report --generate, samplers bf16 / int8 / int4
     science/vllm-buckets/report.json               the same with vLLM's kernels, vllm-fp32 / vllm-bf16 (optional)
     science/turns/                                 mismatch-report --generate --env verifier (logprobs.parquet,
@@ -21,6 +23,7 @@ Layout read (absent parts are reported as absent, never filled in):
 from __future__ import annotations
 
 import base64
+import filecmp
 import html
 import json
 import math
@@ -30,9 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
+from ovkit.evaluate.metrics import paired_difference
+from ovkit.evaluate.results import row_values
 from ovkit.runtime.log import public_name
-from ovkit.science.stats import gini, head_tail_ratio, matched_positions, mean_sd, seed_band, spikes
+from ovkit.science.stats import gini, head_tail_ratio, matched_positions, mean_sd, seed_band, seed_interval, spikes
 
 # The seed write-ups, cited by title (the keys are the numbers the findings below are filed under).
 SOURCES = {
@@ -61,6 +67,15 @@ VARIANTS = {
 }
 TOKEN_LEVEL, SEQ_LEVEL = ("tis",), ("seqmis", "geors")
 
+# `make science-algos`: algorithm directory name -> what the Makefile's sci_algo_flags pass to rl-train on top of
+# examples/tiny/rl-science.yaml (commands/rl-train.md, "Algorithms"). GRPO first: the others are compared with it.
+ALGOS = {
+    "grpo": "the config's defaults: token ratio, clip 0.2 / 0.28",
+    "gspo": "--importance-sampling-level sequence --eps-clip 0.0003 --eps-clip-high 0.0004",
+    "cispo": "--loss-type cispo --eps-clip-high 4.0",
+    "sapo": "--loss-type sapo (temperatures 1.0 / 1.05)",
+}
+
 
 @dataclass
 class Run:
@@ -68,6 +83,8 @@ class Run:
     seed: str
     steps: list[dict[str, Any]]
     eval: dict[str, Any] | None
+    config: dict[str, Any] = field(default_factory=dict)  # the run's resolved options (its config.yaml)
+    path: Path | None = None  # the rl-train output directory (its final weights)
 
     def curve(self, key: str) -> list[float]:
         """The per-step values of metric `key`, by its internal name (reward/mean), as metrics.jsonl stores it under
@@ -92,17 +109,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def load_runs(science: Path) -> dict[str, list[Run]]:
-    """Every finished rl-train run under science/rl/<variant>/s<seed>/, grouped by variant (known variants only)."""
+def load_runs(science: Path, names: Sequence[str] = tuple(VARIANTS)) -> dict[str, list[Run]]:
+    """Every finished rl-train run under science/rl/<name>/s<seed>/, grouped by name (the given names only, in
+    their order): the variants of `make science`, or with science/algos and ALGOS the algorithms of
+    `make science-algos`."""
     runs: dict[str, list[Run]] = {}
-    for variant in VARIANTS:
+    for variant in names:
         for d in sorted((science / "rl" / variant).glob("s*")):
             metrics = d / "metrics.jsonl"
             if not (d / "ovkit.json").is_file() or not metrics.is_file():
                 continue  # unfinished
             summary = science / "eval" / variant / d.name / "summary.json"
             ev = json.loads(summary.read_text()) if summary.is_file() else None
-            runs.setdefault(variant, []).append(Run(variant, d.name, read_jsonl(metrics), ev))
+            if ev is not None:
+                ev["_path"] = str(summary)  # where row_values finds the per-row scores (as evaluate.load_run sets it)
+            config = yaml.safe_load((d / "config.yaml").read_text()) if (d / "config.yaml").is_file() else {}
+            runs.setdefault(variant, []).append(Run(variant, d.name, read_jsonl(metrics), ev, config or {}, d))
     return runs
 
 
@@ -218,7 +240,16 @@ def rl_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> None:
     rep.sections.append(("RL with mismatched samplers: reward, held-out score, mismatch per step", body))
 
 
-def _plot_curves(runs: dict[str, list[Run]], key: str, ylabel: str, path: Path, log: bool = False) -> Path:
+def _plot_curves(
+    runs: dict[str, list[Run]],
+    key: str,
+    ylabel: str,
+    path: Path,
+    log: bool = False,
+    groups: Sequence[tuple[str, list[str]]] | None = None,
+) -> Path:
+    """Per-step `key`, one line per name with its min-max band over seeds; `groups` = (title, names) per panel,
+    by default one panel per low-precision sampler beside fp32."""
     # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib
 
@@ -226,11 +257,11 @@ def _plot_curves(runs: dict[str, list[Run]], key: str, ylabel: str, path: Path, 
     # optional: the package (or this name in it) may be missing; imported only where it is used
     import matplotlib.pyplot as plt
 
-    groups = [
-        ("int8", [v for v in runs if v == "fp32" or v.startswith("int8")]),
-        ("int4", [v for v in runs if v == "fp32" or v.startswith("int4")]),
-    ]
-    groups = [(name, vs) for name, vs in groups if any(v != "fp32" for v in vs)] or [("runs", list(runs))]
+    if groups is None:
+        groups = [
+            (f"{q} sampler vs fp32", [v for v in runs if v == "fp32" or v.startswith(q)]) for q in ("int8", "int4")
+        ]
+        groups = [(name, vs) for name, vs in groups if any(v != "fp32" for v in vs)] or [("runs", list(runs))]
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
     for ax, (name, variants) in zip(axes[0], groups):
         for v in variants:
@@ -238,7 +269,7 @@ def _plot_curves(runs: dict[str, list[Run]], key: str, ylabel: str, path: Path, 
             xs = list(range(1, len(band["mean"]) + 1))
             line = ax.plot(xs, band["mean"], label=f"{v} ({len(runs[v])} seeds)")[0]
             ax.fill_between(xs, band["min"], band["max"], color=line.get_color(), alpha=0.15)
-        ax.set(xlabel="step", ylabel=ylabel, title=f"{name} sampler vs fp32 (mean, min-max over seeds)")
+        ax.set(xlabel="step", ylabel=ylabel, title=f"{name} (mean, min-max over seeds)")
         if log:
             ax.set_yscale("log")
         ax.legend(fontsize=7)
@@ -247,6 +278,184 @@ def _plot_curves(runs: dict[str, list[Run]], key: str, ylabel: str, path: Path, 
     fig.savefig(path, dpi=90, metadata={"Software": None})
     plt.close(fig)
     return path
+
+
+def _step_mean(run: Run, key: str) -> float:
+    """Mean over a run's steps of metric `key` (nan where it never logged it)."""
+    values = [v for v in run.curve(key) if math.isfinite(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _seed_mean_rows(runs: Sequence[Run]) -> dict[str, float] | None:
+    """Held-out reward per row id, averaged over the seeds' final models (the rows every seed scored); None when a
+    seed's eval or its per-row scores are missing."""
+    per_seed = [row_values(r.eval) if r.eval else None for r in runs]
+    if not per_seed or any(v is None for v in per_seed):
+        return None
+    common = set.intersection(*(set(v) for v in per_seed))  # type: ignore[arg-type]
+    return {i: sum(v[i][1] for v in per_seed) / len(per_seed) for i in sorted(common)}  # type: ignore[index]
+
+
+def _leading_equal(a: Sequence[float], b: Sequence[float]) -> int:
+    """How many first steps two reward curves share exactly (same seed: equal until the updates differ)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _same_weights(a: Run, b: Run) -> bool | None:
+    """Whether two runs' final weights (their *.safetensors files) are byte for byte the same; None without them."""
+    files_a = sorted(a.path.glob("*.safetensors")) if a.path else []
+    files_b = sorted(b.path.glob("*.safetensors")) if b.path else []
+    if not files_a or [f.name for f in files_a] != [f.name for f in files_b]:
+        return None
+    return all(filecmp.cmp(x, y, shallow=False) for x, y in zip(files_a, files_b))
+
+
+def _grad_norm_gap(a: Run, b: Run) -> float:
+    """The largest relative gap between two runs' per-step gradient norms (0: the same updates to the bit)."""
+    gaps = [abs(x - y) / abs(y) for x, y in zip(a.curve("grad_norm"), b.curve("grad_norm")) if y]
+    return max(gaps, default=float("nan"))
+
+
+def algo_summary(runs: Sequence[Run], baseline: Sequence[Run] | None = None) -> dict[str, Any]:
+    """run_summary plus what the algorithm study reads: the held-out mean with its 95% interval over seeds, the
+    held-out change against `baseline` (GRPO) paired over rows (each row's reward averaged over seeds), the clip
+    fractions and mismatch per step (means over steps, then over seeds), and against the baseline's run of the same
+    seed: how many first steps' rewards it shares, whether the final weights are the same bytes, and the largest
+    relative gap between their gradient norms."""
+    s = run_summary(runs)
+    held = [r.eval["overall"] for r in runs if r.eval]
+    s["held_out_ci"] = seed_interval(held) if held else (float("nan"), float("nan"))
+    for name, key in (
+        ("clip_low", "clip/low_frac"),
+        ("clip_high", "clip/high_frac"),
+        ("log_ppl_abs_diff", "mismatch/log_ppl_abs_diff"),
+        ("delta_logp_mean", "mismatch/delta_logp_mean"),
+    ):
+        s[name] = mean_sd([_step_mean(r, key) for r in runs])
+    s["delta_logp_max"] = max((max(r.curve("mismatch/delta_logp_max"), default=0.0) for r in runs), default=0.0)
+    rows = _seed_mean_rows(runs)
+    s["rows"] = len(rows) if rows else 0
+    if baseline is not None and baseline is not runs:
+        base_rows = _seed_mean_rows(baseline)
+        common = sorted(set(rows or {}) & set(base_rows or {}))
+        if common:
+            s["vs_grpo"] = paired_difference([rows[i] for i in common], [base_rows[i] for i in common])  # type: ignore[index]
+            s["vs_grpo_rows"] = len(common)
+        pairs = [(r, b) for r in runs for b in baseline if b.seed == r.seed]
+        s["same_as_grpo"] = [_leading_equal(r.curve("reward/mean"), b.curve("reward/mean")) for r, b in pairs]
+        s["same_weights"] = [_same_weights(r, b) for r, b in pairs]
+        s["grad_norm_gap"] = max((_grad_norm_gap(r, b) for r, b in pairs), default=float("nan"))
+    return s
+
+
+def _shared_options(runs: Sequence[Run], keys: Sequence[str] = ("ppo-minibatches", "max-staleness")) -> str:
+    """The on/off-policy settings of the runs as their config.yaml files record them (SCI_ALGO_FLAGS may change
+    them), so a report says which regime its numbers come from."""
+    found = {k: sorted({str(r.config[k]) for r in runs if k in r.config}) for k in keys}
+    parts = [f"{k} {' / '.join(v)}" for k, v in found.items() if v]
+    return f"\nEvery run's config.yaml: {', '.join(parts)}.\n" if parts else ""
+
+
+def algos_section(rep: Report, runs: dict[str, list[Run]], out: Path) -> str | None:
+    """`make science-algos`: GRPO against GSPO, CISPO and SAPO from the same SFT model on the same prompts. Returns
+    the section's markdown (also added to the report), None when no run is there."""
+    title = "RL algorithms: GRPO vs GSPO, CISPO, SAPO"
+    if not runs:
+        rep.sections.append((title, "absent: no finished run under science/algos/rl/ (`make science-algos`).\n"))
+        return None
+    baseline = runs.get("grpo")
+    summaries = {a: algo_summary(rs, baseline) for a, rs in runs.items()}
+    rep.numbers["algos"] = summaries
+    rows = []
+    for a, s in summaries.items():
+        m, half = s["held_out_ci"]
+        vs = s.get("vs_grpo")
+        rows.append(
+            [
+                a,
+                str(s["seeds"]),
+                f"{s['first_reward'][0]:.3f} -> {s['final_reward'][0]:.3f} (sd {s['final_reward'][1]:.3f})",
+                f"{100 * m:.1f} ±{100 * half:.1f}" if math.isfinite(m) else "n/a",
+                f"{100 * vs[0]:+.1f} ±{100 * vs[1]:.1f} ({s['vs_grpo_rows']} rows)" if vs else "-",
+                f"{s['clip_low'][0]:.4f} / {s['clip_high'][0]:.4f}",
+                _fmt(s["vllm_kl"][0]),
+                _fmt(s["delta_logp_max"]),
+            ]
+        )
+    same_rows = [
+        [
+            a,
+            " / ".join(str(n) for n in s["same_as_grpo"]),
+            f"{sum(w is True for w in s['same_weights'])} of {len(s['same_weights'])}"
+            + ("" if all(w is not None for w in s["same_weights"]) else " (weights missing)"),
+            _fmt(s["grad_norm_gap"]),
+        ]
+        for a, s in summaries.items()
+        if "same_as_grpo" in s
+    ]
+    every = [r for rs in runs.values() for r in rs]
+    steps = max((len(r.steps) for r in every), default=0)
+    body = (
+        "rl-train's loss menu on one footing: every run starts from the pipeline's SFT model on its rl-curate "
+        "stage-1 prompts with examples/tiny/rl-science.yaml (fp32 sampler and learner, synchronous) and one "
+        'algorithm\'s options (commands/rl-train.md, "Algorithms"):\n\n'
+        + "".join(f"- {a}: {ALGOS[a]}\n" for a in runs)
+        + _shared_options(every)
+        + "\nTraining reward: first step -> mean of the last 4 steps (mean and sd over seeds). Held-out: eval overall "
+        "x 100 of each run's final model on the validation rows, mean over seeds ± the half-width of its 95% "
+        "Student-t interval over seeds (the spread of training runs). vs grpo: the held-out change against GRPO paired "
+        "over rows (each row's reward averaged over the seeds' final models), ± its 95% interval (the spread of rows, "
+        "not of training runs). Clip low / high: share of trained tokens whose ratio to pi_prox was clipped (CISPO: "
+        "whose weight was truncated; SAPO clips nothing), mean over steps and seeds. vllm-kl: the K3 sampler/learner "
+        "gap, mean over steps and seeds; max abs dlogp: the largest sampler/learner log-prob gap of any token; with "
+        "the fp32 sampler both measure float rounding, not a mismatch.\n\n"
+    )
+    body += _table(
+        [
+            "algorithm",
+            "seeds",
+            "training reward",
+            "held-out",
+            "held-out vs grpo (paired)",
+            "clip low / high",
+            "vllm-kl",
+            "max abs dlogp",
+        ],
+        rows,
+    )
+    if same_rows:
+        body += (
+            "\nEach run against GRPO's run of the same seed (same SFT model, prompts and sampling seed): how many "
+            f"first steps' rewards are exactly equal (of {steps}, per seed), whether the final weights are the same "
+            "bytes, and the largest relative gap between the two runs' gradient norms at any step.\n\n"
+        )
+        body += _table(["algorithm", "steps equal to grpo's", "final weights = grpo's", "grad-norm gap"], same_rows)
+    if all(r.config.get("ppo-minibatches") == 1 and r.config.get("max-staleness") == 0 for r in every):
+        body += (
+            "\nEvery run here made one optimiser step per batch of rollouts (ppo-minibatches 1) from a synchronous "
+            "sampler (max-staleness 0). At that only gradient pass the learner is pi_prox itself, so every ratio is "
+            "exactly 1 and no clip can bind, and GRPO's, GSPO's, CISPO's and SAPO's gradients all reduce to "
+            "-A grad log p per token (GSPO's sequence ratio and SAPO's gate have slope 1 at ratio 1): the runs can "
+            "differ only by float rounding (which sampling would amplify once it flipped a sampled token). The "
+            "algorithms differ in earnest only off-policy: several optimiser steps per batch (--ppo-minibatches > 1) "
+            "or stale rollouts.\n"
+        )
+    names = list(runs)
+    rep.figures["algo_reward_curves"] = _plot_curves(
+        runs,
+        "reward/mean",
+        "task reward (rollouts of the step)",
+        out / "algo_reward_curves.png",
+        groups=[("GRPO vs GSPO, CISPO, SAPO", names)],
+    )
+    body += "\n![algorithms](figures/algo_reward_curves.png)\n"
+    rep.sections.append((title, body))
+    return f"## {title}\n\n{body}"
 
 
 def bucket_section(rep: Report, report_json: Path, out: Path, vllm_json: Path | None = None) -> None:
@@ -696,6 +905,7 @@ def build_report(run: Path, science: Path | None = None) -> Report:
     figs.mkdir(parents=True, exist_ok=True)
     rep = Report()
     rl_section(rep, load_runs(science), figs)
+    algos = algos_section(rep, load_runs(science / "algos", tuple(ALGOS)), figs)
     bucket_section(rep, science / "buckets" / "report.json", figs, science / "vllm-buckets" / "report.json")
     turns_section(rep, science / "turns")
     packing_section(rep, run / "plans" / "pretrain" / "stats.json")
@@ -709,6 +919,12 @@ def build_report(run: Path, science: Path | None = None) -> Report:
     markdown = render_markdown(rep, header)
     (science / "report.md").write_text(markdown)
     (science / "report.html").write_text(render_html(markdown, rep.figures))
+    if algos is not None:  # `make science-algos` alone: its section, readable without the rest of the report
+        (science / "algos.md").write_text(
+            "# ovkit science report: RL algorithms (`make science-algos`)\n\n"
+            f"Inputs: `{run}` (the pipeline's outputs) and `{science / 'algos'}`; every number is read from those "
+            "files (report.json, under numbers.algos).\n\n" + algos
+        )
     (science / "report.json").write_text(
         json.dumps({"findings": rep.findings, "numbers": rep.numbers}, indent=1, default=_plain) + "\n"
     )

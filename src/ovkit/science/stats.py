@@ -2,6 +2,7 @@
 
 - `gini`, `head_tail_ratio`: how flat a concept-frequency distribution is (balancing's long tail).
 - `seed_band`: mean and spread of per-step curves across seeds.
+- `seed_interval`: the 95% interval of a mean over a few seeds (Student's t: three seeds are not a normal sample).
 - `spikes`: gradient-norm spikes of one run (a step whose norm exceeds `factor` x the run's median).
 - `matched_positions`: first-turn vs later-turn mismatch restricted to context positions both cover, so turn and
   position are not confounded (004 compares turns; later turns also sit deeper in the context).
@@ -58,6 +59,24 @@ def mean_sd(values: Sequence[float]) -> tuple[float, float]:
     m = sum(v) / len(v)
     sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else 0.0
     return m, sd
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (any statistics table); past 30 the normal's 1.96 is
+# within 2% of them, and the science runs use 3 seeds (2 degrees of freedom: 4.30, where the normal says 1.96).
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+T975.update({11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042})
+
+
+def seed_interval(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% Student-t interval, t(n - 1) x sd / sqrt(n), over per-seed values (the
+    spread of training runs, not of rows); the half-width is inf for one value, nan for none."""
+    m, sd = mean_sd(values)
+    n = len(values)
+    if n < 2:
+        return m, float("nan") if n == 0 else float("inf")
+    df = n - 1
+    t = T975[max(k for k in T975 if k <= df)] if df <= 30 else 1.959964
+    return m, t * sd / math.sqrt(n)
 
 
 def spikes(grad_norms: Sequence[float], factor: float = 3.0) -> dict[str, float]:
