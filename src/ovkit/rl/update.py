@@ -158,6 +158,7 @@ def ppo_update(
     entropy=None,
     rt: Any = None,
     pg_mask=None,
+    sft=None,
 ):
     """Decoupled-PPO optimizer steps over `ppo_minibatches` slices of the batch -> the step's learner metrics.
     `model` is the prepared TokenScorer (or a bare model); `rt` the runtime whose backward and clipping to use (the
@@ -167,6 +168,7 @@ def ppo_update(
     them. Without it (one minibatch: the parameters cannot move before the only gradient pass), the gradient pass
     itself provides them: pi_prox is exactly that pass's detached log-probs, so the recompute costs nothing extra.
     `pg_mask` [N, T-1]: the tokens the policy-gradient term trains (--top-entropy-quantile); None: all.
+    `sft`: the PPO-ptx mixer (ovkit.rl.sftmix), whose backward joins each optimiser step's accumulation; None: off.
     """
     fused = prox is None
     prox = torch.zeros_like(dev.behave) if fused else prox
@@ -185,10 +187,14 @@ def ppo_update(
     metrics: dict[str, float] = {}
     guard = rt.guard if rt is not None else StepGuard(update.max_nonfinite_steps, command="rl-train")
     ppo = update.ppo
+    sft_nll, sft_tokens = zero.clone(), 0
     for k, micro in enumerate(sb.minibatches):
         optimizer.zero_grad(set_to_none=True)
         kept = zero.clone()
         loss = zero.clone()  # the minibatch's loss, for the guard
+        if sft is not None:  # PPO-ptx: its gradient accumulates under no_sync, all-reduced with the last micro-batch's
+            nll, n, term = sft.backward(model, sb.step, k, rt)
+            sft_nll, sft_tokens, loss = sft_nll + nll, sft_tokens + n, loss + term
         for j, plan in enumerate(micro):
             rows = plan.row_index.to(dev.behave.device, non_blocking=True)
             cols = slice(0, plan.width - 1)
@@ -244,6 +250,8 @@ def ppo_update(
         # the host's one read of this optimiser step: the skip guard needs `kept`, the loss and the norm before
         # optimizer.step; the last minibatch's read carries every metric of the step (all final by now)
         pending = step_tensors(sb, dev, prox, entropy, parts_sum, corr) if k == len(sb.minibatches) - 1 else {}
+        if pending and sft is not None:
+            pending["sft/nll_sum"] = sft_nll
         values = torch.stack(
             [
                 kept.double(),
@@ -263,7 +271,8 @@ def ppo_update(
         if rt is not None:
             rt.measure(params, optimizer)  # bytes per parameter, once (ovkit.json)
     optimizer.zero_grad(set_to_none=True)
-    return {**_finish(metrics, grad_norms, skipped, with_kl=ppo.kl_coef > 0), "nonfinite_updates": nonfinite}
+    mixed = sft.metrics(metrics.pop("sft/nll_sum"), sft_tokens) if sft is not None else {}
+    return {**_finish(metrics, grad_norms, skipped, with_kl=ppo.kl_coef > 0), "nonfinite_updates": nonfinite, **mixed}
 
 
 def step_tensors(
@@ -323,16 +332,17 @@ def train_step(
     update: Update,
     rt: Any = None,
     layout: PackLayout | None = None,
+    sft=None,
 ) -> dict[str, float]:
     """One GRPO step on already-scored groups; returns its metrics (rollout-side ones are added by the caller).
-    `layout`: as for `prepare_step`."""
+    `layout`: as for `prepare_step`; `sft`: as for `ppo_update`."""
     config = getattr(model, "module", model).config  # a bare model, a TokenScorer, or either under DDP
     sb = prepare_step(groups, step, pad_id, config, update, layout)
-    return learn(model, optimizer, params, sb, corr, ref_model, update, rt=rt)
+    return learn(model, optimizer, params, sb, corr, ref_model, update, rt=rt, sft=sft)
 
 
 def learn(
-    model, optimizer, params, sb: StepBatch, corr: Correction, ref_model, update: Update, rt: Any = None
+    model, optimizer, params, sb: StepBatch, corr: Correction, ref_model, update: Update, rt: Any = None, sft=None
 ) -> dict[str, Any]:
     """The device side of a step (module docstring)."""
     device = next(model.parameters()).device
@@ -363,7 +373,9 @@ def learn(
             values = acc.gather(acc.pad_across_processes(values, dim=0, pad_index=float("nan")))
             values = values[~values.isnan()]
         pg_mask = high_entropy_mask(entropy, dev.mask, entropy_threshold(values, ppo.top_entropy_quantile))
-    learner = ppo_update(model, optimizer, params, sb, dev, ref, corr, update, prox, entropy, rt=rt, pg_mask=pg_mask)
+    learner = ppo_update(
+        model, optimizer, params, sb, dev, ref, corr, update, prox, entropy, rt=rt, pg_mask=pg_mask, sft=sft
+    )
     metrics = {**learner, **sb.metrics}
     order = (
         "pg_loss",
