@@ -185,3 +185,26 @@ def test_a_tiny_run_mixes_sft_rows_and_logs_their_loss(cli, rl_assets, sft_data,
     assert "sft-coef: 0.05" in config and "sft-rows-per-step: 3" in config
     provenance = json.loads((out / "ovkit.json").read_text())
     assert str(sft_data) in json.dumps(provenance["inputs"])
+
+
+def test_two_processes_mix_what_one_process_does(rl_assets, sft_data, tmp_path):
+    """torchrun (gloo, CPU), 2 processes against 1 with a scripted policy (tests/rl_ddp_runner.py): each process
+    trains its half of the step's SFT rows, normalised by every process's answer tokens, so the logged SFT loss and
+    the weights are the one process's."""
+    from helpers import ROOT, torchrun
+    from safetensors.torch import load_file
+
+    model_dir, data = rl_assets
+    runner = ROOT / "tests" / "rl_ddp_runner.py"
+    for n in (1, 2):
+        run = torchrun(n, str(runner), model_dir, data, tmp_path / f"p{n}", "--sft-data", sft_data)
+        assert run.returncode == 0, run.stderr[-3000:]
+    m1, m2 = ([json.loads(x) for x in (tmp_path / p / "metrics.jsonl").read_text().splitlines()] for p in ("p1", "p2"))
+    assert len(m1) == len(m2) == 2
+    for a, b in zip(m1, m2):
+        assert b["ovkit/sft/tokens"] == a["ovkit/sft/tokens"] > 0
+        assert b["ovkit/sft/loss"] == pytest.approx(a["ovkit/sft/loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    w1, w2 = (load_file(tmp_path / p / "model.safetensors") for p in ("p1", "p2"))
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-4, atol=2e-5, msg=k)
