@@ -1,9 +1,10 @@
 """Run by tests/test_rl_train.py under torchrun (not a test module): rl-train with a scripted policy, so the groups
 of a step are the same whatever the number of processes (tests/scripted_policy.py).
 
-    torchrun --nproc_per_node N tests/rl_ddp_runner.py MODEL DATA OUT [--resume] [--plain]
+    torchrun --nproc_per_node N tests/rl_ddp_runner.py MODEL DATA OUT [--resume] [--plain] [--sft-data SFT]
 
 --plain: the learner forwards one row per trajectory (--shared-prefix off).
+--sft-data SFT: the SFT mix at coefficient 0.5, 4 rows per step (tests/test_rl_sft_mix.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> None:
     torch.set_num_threads(1)
     model, data, out = (Path(a) for a in sys.argv[1:4])
     loop.make_sampler = lambda cfg, m, processor: ScriptedEngine(m, processor, answer)
+    sft = sys.argv[sys.argv.index("--sft-data") + 1] if "--sft-data" in sys.argv else None
+    mix = dict(sft_data=[sft], sft_coef=0.5, sft_rows_per_step=4) if sft else {}
     cfg = RLTrainConfig(
         data=[data],
         model=model,
@@ -54,6 +57,7 @@ def main() -> None:
         resume="--resume" in sys.argv,
         shared_prefix="off" if "--plain" in sys.argv else "on",
         save_rollouts=True,
+        **mix,
     )
     loop.train_rl(cfg)
 

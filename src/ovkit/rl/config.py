@@ -50,6 +50,7 @@ SAMPLING = O.SAMPLING
 OPTIMISER = "Optimiser"
 GRPO_LOSS = "GRPO loss"
 MISMATCH_CORRECTIONS = O.CORRECTIONS
+SFT_MIX = "SFT mix (PPO-ptx)"
 
 
 @dataclass
@@ -269,6 +270,59 @@ class PPOLoss:
 
 
 @dataclass
+class SFTMix:
+    """PPO-ptx (Ouyang et al. 2022, InstructGPT): a supervised loss on SFT rows added to every optimiser step, so RL
+    keeps what it does not train (ovkit.rl.sftmix). OpenRLHF's names are accepted (--ptx-coef, --pretrain-data)."""
+
+    sft_data: list[Path] | None = option(
+        None,
+        help="SFT table(s) (as `ovkit sft` reads them) whose answer NLL each optimiser step adds. Repeatable.",
+        panel=SFT_MIX,
+        flags=("--pretrain-data",),
+        doc=(
+            "SFT table(s), as `ovkit sft` reads them (loss on the last assistant turn), mixed into RL with "
+            "--sft-coef; repeatable. OpenRLHF's --pretrain_data (which trained every token of its rows)"
+        ),
+    )
+    sft_coef: float = option(
+        0.0,
+        help="Weight C of the SFT loss: loss = RL loss + C x mean answer-token NLL of the step's SFT rows (0: off).",
+        panel=SFT_MIX,
+        flags=("--ptx-coef",),
+        min=0,
+        doc=(
+            "C in loss = RL loss + C x (NLL summed over the SFT rows' answer tokens / their count), per optimiser "
+            "step (OpenRLHF's --ptx_coef, default there 0.05); 0: off, the run is bit for bit the one without it. "
+            "`sft/loss` (the NLL per answer token, before C), `sft/tokens`"
+        ),
+    )
+    sft_rows_per_step: int = option(
+        8,
+        help="SFT rows drawn per optimiser step, from the seed and the step (a resumed run draws the same).",
+        panel=SFT_MIX,
+        min=1,
+        doc=(
+            "SFT rows per optimiser step, drawn without replacement from (--seed, step, minibatch) alone, so a "
+            "resumed run draws the rows the uninterrupted one would; several processes: a multiple of their "
+            "number, each process takes its share of the same draw, and the loss is normalised by the answer "
+            "tokens of every process, so N processes train what one does"
+        ),
+    )
+
+    def check(self) -> None:
+        """The options together (each one's range is declared on its field); --sft-data as a list of paths."""
+        if self.sft_data:
+            data = self.sft_data
+            self.sft_data = [Path(p) for p in (data if isinstance(data, (list, tuple)) else [data])]
+        if self.sft_coef > 0 and not self.sft_data:
+            raise OvkitError("--sft-coef needs --sft-data (the SFT table whose loss it weighs); give both or neither")
+        if self.sft_data and self.sft_coef == 0:
+            raise OvkitError("--sft-data is mixed in only with --sft-coef > 0; give both or neither")
+        if self.sft_rows_per_step != 8 and self.sft_coef == 0:
+            raise OvkitError("--sft-rows-per-step sizes the SFT mix: give --sft-coef and --sft-data too")
+
+
+@dataclass
 class Corrections:
     """Sampler/learner mismatch corrections (`build()`: the Correction the update applies)."""
 
@@ -436,6 +490,7 @@ class RLTrainConfig(O.StageConfig):
     )
     ppo: PPOLoss = O.group(PPOLoss)
     corrections: Corrections = O.group(Corrections)
+    sft_mix: SFTMix = O.group(SFTMix)
     # ETA: max versions between the sampler that made a sample and the learner using it
     max_staleness: int = option(
         4,
@@ -550,6 +605,7 @@ class RLTrainConfig(O.StageConfig):
         self.activation_checkpointing = check_checkpointing(self.activation_checkpointing, self.gradient_checkpointing)
         self.kernels = check_kernels(self.kernels, self.use_liger_kernel)
         self.eval_during.check()
+        self.sft_mix.check()
         self._check()
 
     def _check(self) -> None:

@@ -50,6 +50,7 @@ from ovkit.rewards.custom import parse_all
 from ovkit.rl.config import SMALLER, TRAJECTORY, RLTrainConfig
 from ovkit.rl.metrics import console_line, dynamic_sampling_metrics, rollout_metrics
 from ovkit.rl.rollout import AsyncRollouts, SyncRollouts
+from ovkit.rl.sftmix import sft_mixer
 from ovkit.rl.shaping import score_with_overlong
 from ovkit.rl.update import train_step
 from ovkit.rollouts.episodes import env_instruction, env_tools, make_runner
@@ -87,6 +88,8 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     params = trainable(model, cfg, rt)
     prompts = _prompts(cfg, tables, processor)
     _check_processes(cfg, rt)
+    # --sft-coef: the SFT tables read and checked before any write (ovkit.rl.sftmix)
+    sft = sft_mixer(cfg, processor, model, pad_token_id(processor, model), rt.accelerator.process_index, rt.processes)
     warn_few_prompts(cfg, len(prompts), rt.is_main)
     n_steps = total_steps(cfg, len(prompts))
     longest = max(p.encoded.length for p in prompts) + (cfg.max_response_tokens or cfg.max_new_tokens)
@@ -127,7 +130,18 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
                 groups = rollouts.next_batch(step)
                 t.append(time.perf_counter())
                 metrics = train_step(
-                    scorer, optimizer, params, groups, step, pad_id, corr, ref_model, update, rt=rt, layout=layout
+                    scorer,
+                    optimizer,
+                    params,
+                    groups,
+                    step,
+                    pad_id,
+                    corr,
+                    ref_model,
+                    update,
+                    rt=rt,
+                    layout=layout,
+                    sft=sft,
                 )
                 metrics["lr"] = scheduler.get_last_lr()[0]
                 scheduler.step()
@@ -141,7 +155,9 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
                 metrics = tail.log(step + 1, _step_metrics(cfg, rt, state, groups, metrics, t, n, len(prompts)))
                 state["last"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
                 tail.end_step(step + 1, state)
-    return rt.finish(scorer, processor, state, _summary(cfg, rt, state, n_steps), inputs=cfg.data).metrics
+    return rt.finish(
+        scorer, processor, state, _summary(cfg, rt, state, n_steps), inputs=[*cfg.data, *(cfg.sft_data or [])]
+    ).metrics
 
 
 def _check_processes(cfg: RLTrainConfig, rt: Runtime) -> None:

@@ -165,6 +165,7 @@ def ppo_update(
     rt: Any = None,
     pg_mask=None,
     approx: LoglinearProx | None = None,
+    sft=None,
 ):
     """Decoupled-PPO optimizer steps over `ppo_minibatches` slices of the batch -> the step's learner metrics.
     `model` is the prepared TokenScorer (or a bare model); `rt` the runtime whose backward and clipping to use (the
@@ -176,6 +177,7 @@ def ppo_update(
     `pg_mask` [N, T-1]: the tokens the policy-gradient term trains (--top-entropy-quantile); None: all.
     `approx` (--prox-logp loglinear, without `prox`): each micro-batch's pi_prox is its approximation from that
     gradient pass's detached log-probs instead (ovkit.rl.proximal).
+    `sft`: the PPO-ptx mixer (ovkit.rl.sftmix), whose backward joins each optimiser step's accumulation; None: off.
     """
     fused = prox is None
     approx = approx if fused else None  # a recomputed pi_prox is used as it is
@@ -195,10 +197,14 @@ def ppo_update(
     metrics: dict[str, float] = {}
     guard = rt.guard if rt is not None else StepGuard(update.max_nonfinite_steps, command="rl-train")
     ppo = update.ppo
+    sft_nll, sft_tokens = zero.clone(), 0
     for k, micro in enumerate(sb.minibatches):
         optimizer.zero_grad(set_to_none=True)
         kept = zero.clone()
         loss = zero.clone()  # the minibatch's loss, for the guard
+        if sft is not None:  # PPO-ptx: its gradient accumulates under no_sync, all-reduced with the last micro-batch's
+            nll, n, term = sft.backward(model, sb.step, k, rt)
+            sft_nll, sft_tokens, loss = sft_nll + nll, sft_tokens + n, loss + term
         for j, plan in enumerate(micro):
             rows = plan.row_index.to(dev.behave.device, non_blocking=True)
             cols = slice(0, plan.width - 1)
@@ -259,6 +265,8 @@ def ppo_update(
         # optimizer.step; the last minibatch's read carries every metric of the step (all final by now)
         last = k == len(sb.minibatches) - 1
         pending = step_tensors(sb, dev, prox, entropy, parts_sum, corr, approx) if last else {}
+        if pending and sft is not None:
+            pending["sft/nll_sum"] = sft_nll
         values = torch.stack(
             [
                 kept.double(),
@@ -278,7 +286,8 @@ def ppo_update(
         if rt is not None:
             rt.measure(params, optimizer)  # bytes per parameter, once (ovkit.json)
     optimizer.zero_grad(set_to_none=True)
-    return {**_finish(metrics, grad_norms, skipped, with_kl=ppo.kl_coef > 0), "nonfinite_updates": nonfinite}
+    mixed = sft.metrics(metrics.pop("sft/nll_sum"), sft_tokens) if sft is not None else {}
+    return {**_finish(metrics, grad_norms, skipped, with_kl=ppo.kl_coef > 0), "nonfinite_updates": nonfinite, **mixed}
 
 
 def step_tensors(
@@ -347,16 +356,17 @@ def train_step(
     update: Update,
     rt: Any = None,
     layout: PackLayout | None = None,
+    sft=None,
 ) -> dict[str, float]:
     """One GRPO step on already-scored groups; returns its metrics (rollout-side ones are added by the caller).
-    `layout`: as for `prepare_step`."""
+    `layout`: as for `prepare_step`; `sft`: as for `ppo_update`."""
     config = getattr(model, "module", model).config  # a bare model, a TokenScorer, or either under DDP
     sb = prepare_step(groups, step, pad_id, config, update, layout)
-    return learn(model, optimizer, params, sb, corr, ref_model, update, rt=rt)
+    return learn(model, optimizer, params, sb, corr, ref_model, update, rt=rt, sft=sft)
 
 
 def learn(
-    model, optimizer, params, sb: StepBatch, corr: Correction, ref_model, update: Update, rt: Any = None
+    model, optimizer, params, sb: StepBatch, corr: Correction, ref_model, update: Update, rt: Any = None, sft=None
 ) -> dict[str, Any]:
     """The device side of a step (module docstring)."""
     device = next(model.parameters()).device
@@ -392,7 +402,20 @@ def learn(
     if prox is None and not recompute:
         approx = LoglinearProx.of(sb.traj.versions, sb.step, dev.behave)
     learner = ppo_update(
-        model, optimizer, params, sb, dev, ref, corr, update, prox, entropy, rt=rt, pg_mask=pg_mask, approx=approx
+        model,
+        optimizer,
+        params,
+        sb,
+        dev,
+        ref,
+        corr,
+        update,
+        prox,
+        entropy,
+        rt=rt,
+        pg_mask=pg_mask,
+        approx=approx,
+        sft=sft,
     )
     metrics = {**learner, **sb.metrics}
     order = (

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import torch
 from tqdm import tqdm
 
@@ -75,6 +74,23 @@ class Memo:
         return _nbytes(item.__dict__ if isinstance(item, Encoded) else item)
 
 
+def encode_row(processor, samples: Any, i: int) -> Encoded:
+    """Row `i` of a read sample table (ovkit.data.io.Samples) encoded as `ovkit sft` trains it: the loss on the last
+    assistant turn. A row the processor cannot encode is an error naming the file, row id and column."""
+    column = "images"
+    try:
+        images = decode_images(samples.table.column("images")[i].as_py())
+        column = "messages"
+        return encode_sample(processor, samples.table.column("messages")[i].as_py(), images)
+    except OvkitError as e:
+        raise OvkitError(f"{samples.where(i, column)}: {e}") from None
+    except Exception as e:  # noqa: BLE001 -- the processor raises many types for a row it cannot encode (pack rejects those)
+        raise OvkitError(
+            f"{samples.where(i, column)}: the processor cannot encode this row ({type(e).__name__}: "
+            f"{' '.join(str(e).split())})"
+        ) from None
+
+
 class SampleSource:
     """Rows of one or more sample tables, read as one and encoded one by one (`encode_sample`: loss on the last
     assistant turn)."""
@@ -86,19 +102,13 @@ class SampleSource:
         paths = [Path(data)] if isinstance(data, (str, Path)) else [Path(p) for p in data]
         # images="header": the encoding pass below decodes every picture before the first step, and names a bad one
         samples = [read_samples(p, images="header") for p in paths]
-        table = pa.concat_tables(
-            [s.table.select(["id", "messages", "images"]) for s in samples], promote_options="default"
-        )
         self.origin = [(s, i) for s in samples for i in range(s.table.num_rows)]  # where each row came from, for errors
         self.processor = processor
         # the model (or its config), for the inputs computed on the host (ovkit.models.precompute); None: none
         self.layout = PackLayout.for_model(model) if model is not None else None
-        self._messages = table.column("messages")
-        self._images = table.column("images")
-        self._ids = table.column("id")
         self.memo = Memo(self._encode)
         lengths, keep, self.skipped = [], [], 0
-        rows = range(table.num_rows)
+        rows = range(len(self.origin))
         if not quiet:
             rows = tqdm(rows, desc="encode", file=sys.stderr, leave=False)
         for i in rows:  # one pass to learn lengths (bucketing needs them); the memo keeps the encodings
@@ -112,20 +122,8 @@ class SampleSource:
         self.rows, self.lengths = keep, lengths
 
     def _encode(self, row: int) -> Encoded:
-        column = "images"
-        try:
-            images = decode_images(self._images[row].as_py())
-            column = "messages"
-            return encode_sample(self.processor, self._messages[row].as_py(), images)
-        except OvkitError as e:
-            samples, i = self.origin[row]
-            raise OvkitError(f"{samples.where(i, column)}: {e}") from None
-        except Exception as e:  # noqa: BLE001 -- the processor raises many types for a row it cannot encode (pack rejects those)
-            samples, i = self.origin[row]
-            raise OvkitError(
-                f"{samples.where(i, column)}: the processor cannot encode this row ({type(e).__name__}: "
-                f"{' '.join(str(e).split())})"
-            ) from None
+        samples, i = self.origin[row]
+        return encode_row(self.processor, samples, i)
 
     def __len__(self) -> int:
         return len(self.rows)
