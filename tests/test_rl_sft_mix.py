@@ -78,7 +78,8 @@ def test_coef_zero_is_the_step_without_it(rl_assets, sft_data, tmp_path):
 
     rewards = [[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0]]
     cfg, model, processor, groups, params = _setup(rl_assets, tmp_path, rewards)
-    assert sft_mixer(cfg, processor, model, 0) is None  # the option's default builds nothing: the code path is today's
+    mixer = sft_mixer(cfg.sft_mix, processor, model, 0, seed=cfg.seed, micro_batch_size=cfg.micro_batch_size)
+    assert mixer is None  # the option's default builds nothing: the code path is today's
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     _, plain = _train(cfg, model, processor, groups, params, None)
     after_plain = {n: p.detach().clone() for n, p in model.named_parameters()}

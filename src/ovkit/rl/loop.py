@@ -89,7 +89,16 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     prompts = _prompts(cfg, tables, processor)
     _check_processes(cfg, rt)
     # --sft-coef: the SFT tables read and checked before any write (ovkit.rl.sftmix)
-    sft = sft_mixer(cfg, processor, model, pad_token_id(processor, model), rt.accelerator.process_index, rt.processes)
+    sft = sft_mixer(
+        cfg.sft_mix,
+        processor,
+        model,
+        pad_token_id(processor, model),
+        seed=cfg.seed,
+        micro_batch_size=cfg.micro_batch_size,
+        rank=rt.accelerator.process_index,
+        world=rt.processes,
+    )
     warn_few_prompts(cfg, len(prompts), rt.is_main)
     n_steps = total_steps(cfg, len(prompts))
     longest = max(p.encoded.length for p in prompts) + (cfg.max_response_tokens or cfg.max_new_tokens)

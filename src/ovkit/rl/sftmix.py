@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from ovkit.pack.batches import collate_padded, target_tokens
 from ovkit.pack.packed import PackLayout
 from ovkit.runtime.loss import TokenScorer, nll_sum
 from ovkit.train.data import Memo, encode_row
+
+if TYPE_CHECKING:
+    from ovkit.rl.config import SFTMix
 
 
 class SFTMixer:
@@ -129,18 +132,29 @@ def _nll(model, batch: dict[str, Any], device) -> torch.Tensor:
     return nll_sum(model, model_inputs(batch, device), labels, index=index)
 
 
-def sft_mixer(cfg: Any, processor: Any, model: Any, pad_id: int, rank: int = 0, world: int = 1) -> SFTMixer | None:
-    """rl-train's mixer (None at --sft-coef 0: the update is then exactly the one without the option)."""
-    if not cfg.sft_coef:
+def sft_mixer(
+    mix: SFTMix,
+    processor: Any,
+    model: Any,
+    pad_id: int,
+    *,
+    seed: int,
+    micro_batch_size: int,
+    rank: int = 0,
+    world: int = 1,
+) -> SFTMixer | None:
+    """rl-train's mixer for its `SFTMix` options (None at --sft-coef 0: the update is then exactly the one without the
+    option); `seed` draws the rows, `micro_batch_size` rows go through each forward."""
+    if not mix.sft_coef:
         return None
     return SFTMixer(
-        cfg.sft_data,
+        mix.sft_data,
         processor,
         model,
-        coef=cfg.sft_coef,
-        rows_per_step=cfg.sft_rows_per_step,
-        seed=cfg.seed,
-        micro_batch_size=cfg.micro_batch_size,
+        coef=mix.sft_coef,
+        rows_per_step=mix.sft_rows_per_step,
+        seed=seed,
+        micro_batch_size=micro_batch_size,
         pad_id=pad_id,
         rank=rank,
         world=world,
