@@ -65,11 +65,12 @@ def _train(cfg, model, processor, groups, params, sft):
 
 
 def _mixer(cfg, processor, model, data, coef, rows=4, **kw):
+    from ovkit.pack.packed import PackLayout
     from ovkit.rl.sftmix import SFTMixer
 
-    pad = processor.tokenizer.pad_token_id
+    pad, layout = processor.tokenizer.pad_token_id, PackLayout.for_model(model)
     return SFTMixer(
-        [data], processor, model, coef=coef, rows_per_step=rows, seed=cfg.seed, micro_batch_size=8, pad_id=pad, **kw
+        [data], processor, layout, coef=coef, rows_per_step=rows, seed=cfg.seed, micro_batch_size=8, pad_id=pad, **kw
     )
 
 
@@ -78,7 +79,7 @@ def test_coef_zero_is_the_step_without_it(rl_assets, sft_data, tmp_path):
 
     rewards = [[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0]]
     cfg, model, processor, groups, params = _setup(rl_assets, tmp_path, rewards)
-    mixer = sft_mixer(cfg.sft_mix, processor, model, 0, seed=cfg.seed, micro_batch_size=cfg.micro_batch_size)
+    mixer = sft_mixer(cfg.sft_mix, processor, None, 0, seed=cfg.seed, micro_batch_size=cfg.micro_batch_size)
     assert mixer is None  # the option's default builds nothing: the code path is today's
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     _, plain = _train(cfg, model, processor, groups, params, None)

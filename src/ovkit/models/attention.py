@@ -195,10 +195,7 @@ def varlen_attention(
     if query.shape[0] != 1:
         raise ValueError("varlen attention takes concatenated sequences (batch dimension 1)")
     cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
-    heads, kv_heads = query.shape[1], key.shape[1]
-    if kv_heads != heads:  # grouped-query attention
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    key, value = _query_heads(query, key, value)
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _torch_varlen() is not None:
         out = _torch_varlen()(
             query[0].transpose(0, 1),
@@ -348,9 +345,7 @@ def _shared_sdpa(module, query, key, value, plan: SharedPrefixPlan, scaling, dro
     if query.shape[0] != 1:
         raise ValueError("shared-prefix attention takes one packed row (batch dimension 1)")
     heads = query.shape[1]
-    if key.shape[1] != heads:  # grouped-query attention
-        key = key.repeat_interleave(heads // key.shape[1], dim=1)
-        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    key, value = _query_heads(query, key, value)
     dropout = dropout if module.training else 0.0
     out = torch.empty_like(query)
     for qi, ki, mask, keep, n, wq, wk in plan.calls:
@@ -397,9 +392,7 @@ def _restarts(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 def _causal_sdpa(module, query, key, value, attention_mask, scaling, dropout, causal) -> torch.Tensor:
     """SDPA of a language model's batch: causal, keys outside the 2D padding mask (or a 4D mask as given) masked."""
-    if key.shape[1] != query.shape[1]:  # grouped-query attention
-        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    key, value = _query_heads(query, key, value)
     q_len, kv_len = query.shape[2], key.shape[2]
     mask = attention_mask
     if mask is not None and mask.dim() == 2:  # (batch, kv) padding: 1 = a real token
@@ -417,6 +410,15 @@ def _causal_sdpa(module, query, key, value, attention_mask, scaling, dropout, ca
         is_causal=use_causal,
     )
     return out.transpose(1, 2)
+
+
+def _query_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values with one head per query head (grouped-query attention repeats each kv head); (batch, heads,
+    tokens, dim) throughout."""
+    if key.shape[1] == query.shape[1]:
+        return key, value
+    repeat = query.shape[1] // key.shape[1]
+    return key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
 
 
 def _longest(cu: torch.Tensor) -> int:

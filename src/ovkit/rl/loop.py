@@ -88,12 +88,14 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     params = trainable(model, cfg, rt)
     prompts = _prompts(cfg, tables, processor)
     _check_processes(cfg, rt)
+    layout = PackLayout.for_model(model)  # the learner's micro-batch layout (rope index, vision tower), built once
+    pad_id = pad_token_id(processor, model)
     # --sft-coef: the SFT tables read and checked before any write (ovkit.rl.sftmix)
     sft = sft_mixer(
         cfg.sft_mix,
         processor,
-        model,
-        pad_token_id(processor, model),
+        layout,
+        pad_id,
         seed=cfg.seed,
         micro_batch_size=cfg.micro_batch_size,
         rank=rt.accelerator.process_index,
@@ -118,12 +120,10 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     optimizer, scheduler = rt.optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, schedule=schedule)
     rt.checkpointing(model, tokens=cfg.micro_batch_size * longest)  # before the sampler copies it
     rt.compile(model)  # inside each checkpoint; the sampler's generation (KV cache) and its deep copy run eager
-    layout = PackLayout.for_model(model)  # the learner's micro-batch layout (rope index, vision tower), built once
     scorer, optimizer = rt.prepare(model, optimizer, scheduler)
     state = rt.resume({"step": 0, "elapsed_s": 0.0, "samples": 0, "tokens": 0})  # a resumed run's weights: `model`
     with faults.deferred_signals():  # a SIGINT/SIGTERM now waits for the step's end
         ref_model = _reference(rt, cfg) if cfg.kl_coef else None
-        pad_id = pad_token_id(processor, model)
         rollouts = _rollouts(cfg, model, processor, prompts, rt.accelerator.process_index, rt.processes)
         owned.callback(close_engine, rollouts.engine)
         logger = rt.logger(n_steps, state["step"], console=console_line, desc=f"rl-train stage {cfg.stage}")

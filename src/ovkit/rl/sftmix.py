@@ -50,7 +50,7 @@ class SFTMixer:
         self,
         data: list[Path],
         processor: Any,
-        model: Any,
+        layout: PackLayout,
         *,
         coef: float,
         rows_per_step: int,
@@ -74,7 +74,7 @@ class SFTMixer:
                 f"--sft-rows-per-step {rows_per_step}; lower it"
             )
         self.memo = Memo(lambda row: encode_row(processor, *self.origin[row]))
-        self.layout = PackLayout.for_model(model)
+        self.layout = layout  # the learner's (rl-train builds it once)
         self.coef, self.rows_per_step, self.seed = coef, rows_per_step, seed
         self.micro_batch_size, self.pad_id, self.rank, self.world = micro_batch_size, pad_id, rank, world
 
@@ -135,7 +135,7 @@ def _nll(model, batch: dict[str, Any], device) -> torch.Tensor:
 def sft_mixer(
     mix: SFTMix,
     processor: Any,
-    model: Any,
+    layout: PackLayout,
     pad_id: int,
     *,
     seed: int,
@@ -144,13 +144,14 @@ def sft_mixer(
     world: int = 1,
 ) -> SFTMixer | None:
     """rl-train's mixer for its `SFTMix` options (None at --sft-coef 0: the update is then exactly the one without the
-    option); `seed` draws the rows, `micro_batch_size` rows go through each forward."""
+    option); `layout`: the learner's ovkit.pack.PackLayout; `seed` draws the rows, `micro_batch_size` rows go
+    through each forward."""
     if not mix.sft_coef:
         return None
     return SFTMixer(
         mix.sft_data,
         processor,
-        model,
+        layout,
         coef=mix.sft_coef,
         rows_per_step=mix.sft_rows_per_step,
         seed=seed,

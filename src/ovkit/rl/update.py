@@ -175,12 +175,11 @@ def ppo_update(
     them. Without it (one minibatch: the parameters cannot move before the only gradient pass), the gradient pass
     itself provides them: pi_prox is exactly that pass's detached log-probs, so the recompute costs nothing extra.
     `pg_mask` [N, T-1]: the tokens the policy-gradient term trains (--top-entropy-quantile); None: all.
-    `approx` (--prox-logp loglinear, without `prox`): each micro-batch's pi_prox is its approximation from that
+    `approx` (--prox-logp loglinear, only without `prox`): each micro-batch's pi_prox is its approximation from that
     gradient pass's detached log-probs instead (ovkit.rl.proximal).
     `sft`: the PPO-ptx mixer (ovkit.rl.sftmix), whose backward joins each optimiser step's accumulation; None: off.
     """
     fused = prox is None
-    approx = approx if fused else None  # a recomputed pi_prox is used as it is
     prox = torch.zeros_like(dev.behave) if fused else prox
     entropy = torch.zeros_like(dev.behave) if fused else entropy
     world = rt.processes if rt is not None else 1
