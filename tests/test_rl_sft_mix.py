@@ -120,6 +120,41 @@ def test_zero_advantages_train_exactly_c_times_the_sft_gradient(rl_assets, sft_d
     assert any(g.abs().sum() > 0 for g in grads[0])
 
 
+def test_a_step_whose_rl_tokens_are_all_masked_still_trains_its_sft_rows(rl_assets, sft_data, tmp_path):
+    """Every RL token masked by the correction: without the mix the step is skipped (nothing to train); with it the
+    step is applied, and its gradient is C x the SFT rows' alone (the masked RL term contributes exactly zero)."""
+    from ovkit.rl.correction import Correction
+    from ovkit.rl.update import train_step
+
+    rewards = [[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0]]  # advantages nonzero: only the mask silences RL
+    cfg, model, processor, groups, params = _setup(rl_assets, tmp_path, rewards)
+    every = Correction(mode="token-mis", lower=10.0, upper=20.0)  # ratios near 1 are all outside [10, 20]
+    pad = processor.tokenizer.pad_token_id
+
+    def step(sft):
+        optimizer = Recording(params, lr=1e-2)
+        metrics = train_step(model, optimizer, params, groups, 0, pad, every, None, cfg.update_options(), sft=sft)
+        return metrics, optimizer.grads
+
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    metrics, grads = step(None)
+    assert metrics["all_masked"] == 1.0 and metrics["skipped_updates"] == 1 and grads == []
+    assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())
+
+    mixer = _mixer(cfg, processor, model, sft_data, COEF)
+    expected = _mixer(cfg, processor, model, sft_data, COEF)  # the same draw, scored alone
+    model.zero_grad(set_to_none=True)
+    expected.backward(model, 0, 0)
+    want = [p.grad.detach().clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    metrics, grads = step(mixer)
+    assert metrics["all_masked"] == 1.0 and metrics["skipped_updates"] == 0 and metrics["sft/tokens"] > 0
+    assert len(grads) == 1
+    for got, ref in zip(grads[0], want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
+    assert any(not torch.equal(p, start[n]) for n, p in model.named_parameters())
+
+
 def test_rows_follow_the_seed_and_step_and_processes_share_one_draw(rl_assets, sft_data, tmp_path):
     from ovkit.errors import OvkitError
     from ovkit.models import load
@@ -175,7 +210,7 @@ def test_a_tiny_run_mixes_sft_rows_and_logs_their_loss(cli, rl_assets, sft_data,
     out = tmp_path / "out"
     code, _, err = cli(
         "rl-train", data, "--model", model, "--out", out, *TINY, "--max-steps", "2", "--max-staleness", "0",
-        "--pretrain-data", sft_data, "--ptx-coef", "0.05", "--sft-rows-per-step", "3", "--seed", "1", "--quiet",
+        "--pretrain-data", sft_data, "--ptx-coef", "0.05", "--sft-rows-per-step", "3", "--seed", "1",
     )  # fmt: skip
     assert code == 0, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -183,6 +218,7 @@ def test_a_tiny_run_mixes_sft_rows_and_logs_their_loss(cli, rl_assets, sft_data,
     for row in rows:
         assert math.isfinite(row["ovkit/sft/loss"]) and row["ovkit/sft/loss"] > 0
         assert row["ovkit/sft/tokens"] > 0
+        assert f"| sft {row['ovkit/sft/loss']:.3f} |" in err  # the console line shows it too
     config = (out / "config.yaml").read_text()
     assert "sft-coef: 0.05" in config and "sft-rows-per-step: 3" in config
     provenance = json.loads((out / "ovkit.json").read_text())

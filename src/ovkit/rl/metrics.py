@@ -109,13 +109,14 @@ def length_stats(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str,
 
 def console_line(step: int, m: dict[str, Any]) -> str:
     """`step 00042 | reward 0.41 | acc 0.31 | len 12 | clip 0.02 | ent 1.20 | vllm-kl 1.2e-03 | ... | gnorm 0.80 | 25.3
-    samples/s`"""
+    samples/s` (`turns` with several turns, `sft` with --sft-coef)"""
     parts = [
         f"step {step:05d}",
         f"reward {m.get('reward/mean', 0):.3f}",
         f"acc {m.get('accuracy', 0):.2f}",
         f"len {m.get('length/mean', 0):.1f}",
         *([f"turns {m['turns/mean']:.2f}"] if "turns/mean" in m else []),
+        *([f"sft {m['sft/loss']:.3f}"] if "sft/loss" in m else []),  # --sft-coef: the mixed rows' NLL per token
         f"clip {m.get('clip/frac', 0):.3f}",
         f"ent {m.get('entropy', 0):.2f}",
         f"vllm-kl {m.get('mismatch/vllm_kl', 0):.1e}",

@@ -11,7 +11,8 @@ replacement from (--seed, step, minibatch) alone, so a resumed run draws the row
 is encoded as `ovkit sft` encodes it (ovkit.train.data.encode_row: the loss on the last assistant turn), when first
 drawn (memoised), and the NLL is the supervised loop's (TokenScorer's `labels=` forward, ovkit.runtime.loss.nll_sum).
 Its forward/backward joins the RL micro-batches' accumulation: under DDP's no_sync, so the one all-reduce of the
-optimiser step carries both gradients, and the clip and the skip guard see their sum.
+optimiser step carries both gradients, and the clip and the skip guard see their sum. A step whose RL tokens are all
+masked (the corrections, --mask-truncated-completions) still trains its SFT rows.
 
 Several processes: each process takes its share of the same draw (rows k, k + N, ...: --sft-rows-per-step must be a
 multiple of the processes) and the sum is divided by the answer tokens of every process (one all-reduce), times N

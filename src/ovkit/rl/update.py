@@ -201,9 +201,10 @@ def ppo_update(
         optimizer.zero_grad(set_to_none=True)
         kept = zero.clone()
         loss = zero.clone()  # the minibatch's loss, for the guard
+        sft_k = 0  # the minibatch's SFT answer tokens, every process's
         if sft is not None:  # PPO-ptx: its gradient accumulates under no_sync, all-reduced with the last micro-batch's
-            nll, n, term = sft.backward(model, sb.step, k, rt)
-            sft_nll, sft_tokens, loss = sft_nll + nll, sft_tokens + n, loss + term
+            nll, sft_k, term = sft.backward(model, sb.step, k, rt)
+            sft_nll, sft_tokens, loss = sft_nll + nll, sft_tokens + sft_k, loss + term
         for j, plan in enumerate(micro):
             rows = plan.row_index.to(dev.behave.device, non_blocking=True)
             cols = slice(0, plan.width - 1)
@@ -275,7 +276,9 @@ def ppo_update(
             ]
         ).tolist()
         metrics = dict(zip(pending, values[3:]))
-        empty = values[0] == 0  # everything masked: train nothing, but log it
+        # every RL token masked and no SFT rows mixed in: train nothing, but log it (with SFT rows the step trains
+        # them alone: the masked RL term's gradient is exactly zero)
+        empty = values[0] == 0 and sft_k == 0
         if not guard.admit(sb.step + 1, values[2], values[1], empty=empty, in_backward=in_backward(optimizer)):
             skipped += 1
             nonfinite += not empty
