@@ -151,6 +151,62 @@ class OnDevice:
         return cls(mask, move(t.behave_logprobs), move(sb.advantages)[:, None].expand_as(mask), move(t.turn_ids))
 
 
+@dataclass
+class _Pass:
+    """What every micro-batch of one step's gradient pass reads: the step's device tensors, and the proximal log-probs
+    and entropies (given by a no-grad pass, or filled by the gradient pass itself when `fused`)."""
+
+    sb: StepBatch
+    dev: OnDevice
+    ref: torch.Tensor | None
+    prox: torch.Tensor
+    entropy: torch.Tensor
+    fused: bool
+    pg_mask: torch.Tensor | None
+    approx: LoglinearProx | None
+    corr: Correction
+    update: Update
+    world: int
+
+    def loss(self, model, plan: MicroBatch, minibatch: int, totals: Sequence[Any], rt: Any):
+        """The decoupled-PPO loss parts of one micro-batch (its forward under the runtime's autocast)."""
+        dev, update, ppo = self.dev, self.update, self.update.ppo
+        rows = plan.row_index.to(dev.behave.device, non_blocking=True)
+        cols = slice(0, plan.width - 1)
+        mask = dev.mask[rows]
+        agg = aggregation_weights(mask, ppo.loss_agg, constant=update.max_new_tokens, totals=totals)[:, cols]
+        with rt.autocast() if rt is not None else nullcontext():
+            logp, ent, _ = sequence_logprobs(
+                model, self.sb.traj, plan.rows, update.temperature, entropy=self.fused, plan=plan
+            )
+        if self.fused:
+            theta = logp.detach()
+            self.prox[rows, cols] = (
+                theta if self.approx is None else self.approx.prox(rows, cols, dev.behave, theta, first=minibatch == 0)
+            )
+            self.entropy[rows, cols] = ent
+        prox = self.prox[rows, cols]
+        weights = off_policy_weights(prox, dev.behave[rows, cols], mask[:, cols], self.corr, stats=False).weights
+        return decoupled_ppo_loss(
+            logp,
+            prox,
+            dev.adv[rows, cols],
+            weights,
+            agg * self.world,
+            eps_clip=ppo.eps_clip,
+            eps_clip_high=ppo.eps_clip_high,
+            ref_logprobs=self.ref[rows, cols] if self.ref is not None else None,
+            kl_coef=ppo.kl_coef,
+            kl_estimator=ppo.kl_estimator,
+            loss_type=ppo.loss_type,
+            importance_sampling_level=ppo.importance_sampling_level,
+            sapo_tau_pos=ppo.sapo_temperature_pos,
+            sapo_tau_neg=ppo.sapo_temperature_neg,
+            mask=mask[:, cols],
+            pg_mask=self.pg_mask[rows, cols] if self.pg_mask is not None else None,
+        )
+
+
 def ppo_update(
     model,
     optimizer,
@@ -180,9 +236,20 @@ def ppo_update(
     `sft`: the PPO-ptx mixer (ovkit.rl.sftmix), whose backward joins each optimiser step's accumulation; None: off.
     """
     fused = prox is None
-    prox = torch.zeros_like(dev.behave) if fused else prox
-    entropy = torch.zeros_like(dev.behave) if fused else entropy
     world = rt.processes if rt is not None else 1
+    step = _Pass(
+        sb,
+        dev,
+        ref,
+        torch.zeros_like(dev.behave) if fused else prox,
+        torch.zeros_like(dev.behave) if fused else entropy,
+        fused,
+        pg_mask,
+        approx,
+        corr,
+        update,
+        world,
+    )
     # Several processes: each holds a share of the batch; normalise by the global counts (one all-reduce for the
     # step), and undo DDP's mean over processes, so one step over N processes is the single-process step.
     totals = sb.totals
@@ -195,7 +262,7 @@ def ppo_update(
     skipped = nonfinite = 0
     metrics: dict[str, float] = {}
     guard = rt.guard if rt is not None else StepGuard(update.max_nonfinite_steps, command="rl-train")
-    ppo = update.ppo
+    backward = rt.backward if rt is not None else torch.Tensor.backward
     sft_nll, sft_tokens = zero.clone(), 0
     for k, micro in enumerate(sb.minibatches):
         optimizer.zero_grad(set_to_none=True)
@@ -206,50 +273,10 @@ def ppo_update(
             nll, sft_k, term = sft.backward(model, sb.step, k, rt)
             sft_nll, sft_tokens, loss = sft_nll + nll, sft_tokens + sft_k, loss + term
         for j, plan in enumerate(micro):
-            rows = plan.row_index.to(dev.behave.device, non_blocking=True)
-            cols = slice(0, plan.width - 1)
-            mask = dev.mask[rows]
-            agg = (
-                aggregation_weights(mask, ppo.loss_agg, constant=update.max_new_tokens, totals=totals[k])[:, cols]
-                * world
-            )
             # gradients are all-reduced once per optimiser step, after the last micro-batch (DDP's no_sync)
             with rt.no_sync(model, sync=j == len(micro) - 1) if rt is not None else nullcontext():
-                with rt.autocast() if rt is not None else nullcontext():
-                    logp, ent, width = sequence_logprobs(
-                        model, sb.traj, plan.rows, update.temperature, entropy=fused, plan=plan
-                    )
-                if fused:
-                    theta = logp.detach()
-                    prox[rows, cols] = (
-                        theta if approx is None else approx.prox(rows, cols, dev.behave, theta, first=k == 0)
-                    )
-                    entropy[rows, cols] = ent
-                weights = off_policy_weights(
-                    prox[rows, cols], dev.behave[rows, cols], mask[:, cols], corr, stats=False
-                ).weights
-                parts = decoupled_ppo_loss(
-                    logp,
-                    prox[rows, cols],
-                    dev.adv[rows, cols],
-                    weights,
-                    agg,
-                    eps_clip=ppo.eps_clip,
-                    eps_clip_high=ppo.eps_clip_high,
-                    ref_logprobs=ref[rows, cols] if ref is not None else None,
-                    kl_coef=ppo.kl_coef,
-                    kl_estimator=ppo.kl_estimator,
-                    loss_type=ppo.loss_type,
-                    importance_sampling_level=ppo.importance_sampling_level,
-                    sapo_tau_pos=ppo.sapo_temperature_pos,
-                    sapo_tau_neg=ppo.sapo_temperature_neg,
-                    mask=mask[:, cols],
-                    pg_mask=pg_mask[rows, cols] if pg_mask is not None else None,
-                )
-                if rt is not None:
-                    rt.backward(parts.loss)
-                else:
-                    parts.loss.backward()
+                parts = step.loss(model, plan, k, totals[k], rt)
+                backward(parts.loss)
             for name in parts_sum:
                 parts_sum[name] += getattr(parts, name).float()
             kept += parts.tokens.float()
@@ -264,17 +291,11 @@ def ppo_update(
         # the host's one read of this optimiser step: the skip guard needs `kept`, the loss and the norm before
         # optimizer.step; the last minibatch's read carries every metric of the step (all final by now)
         last = k == len(sb.minibatches) - 1
-        pending = step_tensors(sb, dev, prox, entropy, parts_sum, corr, approx) if last else {}
+        pending = step_tensors(sb, dev, step.prox, step.entropy, parts_sum, corr, approx) if last else {}
         if pending and sft is not None:
             pending["sft/nll_sum"] = sft_nll
-        values = torch.stack(
-            [
-                kept.double(),
-                norm.detach().to(kept.device).double(),
-                loss.double(),
-                *(v.double() for v in pending.values()),
-            ]
-        ).tolist()
+        head = [kept.double(), norm.detach().to(kept.device).double(), loss.double()]
+        values = torch.stack([*head, *(v.double() for v in pending.values())]).tolist()
         metrics = dict(zip(pending, values[3:]))
         # every RL token masked and no SFT rows mixed in: train nothing, but log it (with SFT rows the step trains
         # them alone: the masked RL term's gradient is exactly zero)
@@ -289,7 +310,11 @@ def ppo_update(
             rt.measure(params, optimizer)  # bytes per parameter, once (ovkit.json)
     optimizer.zero_grad(set_to_none=True)
     mixed = sft.metrics(metrics.pop("sft/nll_sum"), sft_tokens) if sft is not None else {}
-    return {**_finish(metrics, grad_norms, skipped, with_kl=ppo.kl_coef > 0), "nonfinite_updates": nonfinite, **mixed}
+    return {
+        **_finish(metrics, grad_norms, skipped, with_kl=update.ppo.kl_coef > 0),
+        "nonfinite_updates": nonfinite,
+        **mixed,
+    }
 
 
 def step_tensors(
