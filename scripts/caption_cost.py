@@ -1,6 +1,6 @@
 """The table of `make science-caption-cost`: per variant, caption and overall after the RL chain, each seed, their mean
-and range, and the change against the SFT model paired over the same rows with its 95% interval, which is what
-`ovkit eval --compare` prints for overall, here also on one category's rows.
+and range, and the change against the SFT model paired over the same rows with its 95% interval: what
+`ovkit eval --compare --paired-by category` prints per category (the same `paired_change`), here on seed-averaged rows.
 
     python scripts/caption_cost.py CAPCOST [SEEDS]     (SEEDS: comma-separated, default 1,2,3)
 
@@ -14,19 +14,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from ovkit.evaluate.metrics import paired_difference
-from ovkit.evaluate.results import load_run, row_values
+from ovkit.evaluate.results import load_run, paired_change, row_values
 
 VARIANTS = ("none", "kl", "sftmix")
 
 
 def rows(path: Path) -> dict[str, tuple[str, float]]:
     return row_values(load_run(str(path))[1], "reward") or {}
-
-
-def paired(after: dict, before: dict, category: str | None) -> tuple[float, float]:
-    ids = sorted(i for i in before if i in after and category in (None, before[i][0]))
-    return paired_difference([after[i][1] for i in ids], [before[i][1] for i in ids])
 
 
 def mean(values: dict, category: str | None) -> float:
@@ -48,7 +42,7 @@ def main(root: Path, seeds: list[int]) -> None:
         cells = []
         for category in ("caption", None):
             each = [mean(r, category) for r in runs]
-            change, half = paired(averaged, sft, category)
+            change, half = paired_change(sft, averaged, category)  # never None: averaged holds sft's own rows
             cells += [
                 " / ".join(f"{100 * v:.1f}" for v in each),
                 f"{100 * statistics.mean(each):.1f} ({100 * min(each):.1f}-{100 * max(each):.1f})",

@@ -271,6 +271,110 @@ def test_compare_prints_one_table_across_runs(tmp_path, eval_set, processor, cli
     assert overall.split("|")[2].strip().split(" ±")[0] == "100.0"
 
 
+def _fabricated_run(path, rewards):
+    """An eval output of known per-row rewards, {category: {row id: reward}}: summary.json and one
+    `_samples_<task>.jsonl` per category (named by safe_name, as write_results names them)."""
+    from ovkit.evaluate.metrics import row_metrics, summarize
+    from ovkit.evaluate.results import safe_name
+
+    records = [
+        {"id": i, "category": c, "source": "synth", "metrics": row_metrics([r])}
+        for c, rows in rewards.items()
+        for i, r in rows.items()
+    ]
+    detail = summarize(records)
+    (path / "m").mkdir(parents=True)
+    for c in rewards:
+        lines = [json.dumps({"id": r["id"], **r["metrics"]}) for r in records if r["category"] == c]
+        (path / "m" / f"t_samples_{safe_name(c)}.jsonl").write_text("\n".join(lines) + "\n")
+    summary = {
+        "metric": "reward",
+        "overall": detail["overall"]["reward"],
+        "categories": {c: v["reward"] for c, v in detail["categories"].items()},
+        "results": "m/t_results.json",
+        "detail": detail,
+    }
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def _table(text, after=0):
+    """{first cell: the other cells} of the markdown table that starts after the `after`-th blank line of `text`."""
+    block = text.split("\n\n")[after + 1]
+    rows = [line for line in block.splitlines() if line.startswith("|")]
+    split = [[c.strip() for c in line.split("|")[1:-1]] for line in rows]
+    return {r[0]: r[1:] for r in [split[0], *split[2:]]}
+
+
+def test_compare_paired_by_category_pairs_every_category(tmp_path, cli):
+    """--paired-by category: a second table of each run's change against the one to its left in every category,
+    paired over the rows both scored: caption drops 30 points, which the cells' own intervals cannot tell from
+    noise; a category one run lacks is `-`; overall repeats the first table's `change vs left`."""
+    from ovkit.evaluate import compare_table, load_run
+    from ovkit.evaluate.metrics import paired_difference, wilson_interval
+
+    caption = {"sft": [1.0] * 16 + [0.0] * 4, "rl1": [1.0] * 10 + [0.0] * 10, "rl2": [1.0] * 12 + [0.0] * 8}
+    counting = {"sft": [0.0] * 10 + [0.5] * 10, "rl1": [1.0] * 5 + [0.0] * 5 + [0.5] * 10, "rl2": [1.0] * 20}
+    ocr = {"rl1": [0.0, 1.0, 0.0, 1.0], "rl2": [1.0, 1.0, 0.0, 1.0]}  # sft has no ocr rows
+    for label in ("sft", "rl1", "rl2"):
+        rewards = {
+            "caption": {f"cap{i}": r for i, r in enumerate(caption[label])},
+            "counting": {f"cnt{i}": r for i, r in enumerate(counting[label])},
+        }
+        if label in ocr:
+            rewards["ocr/zh"] = {f"ocr{i}": r for i, r in enumerate(ocr[label])}  # its file: t_samples_ocr_zh.jsonl
+        _fabricated_run(tmp_path / label, rewards)
+    specs = [f"{label}={tmp_path / label}" for label in ("sft", "rl1", "rl2")]
+    code, out, err = cli("eval", "--compare", *specs, "--paired-by", "category")
+    assert code == 0, err
+    first, paired = _table(out), _table(out, 2)
+    assert paired["category"] == ["rl1 vs sft", "rl2 vs rl1"]
+    assert list(paired) == ["category", "caption", "counting", "ocr/zh", "**overall**"]
+    # caption, by hand: 6 of 20 rows go 1 -> 0, so the mean change is -0.3 and the sd of the differences is
+    # sqrt((6 * 0.7^2 + 14 * 0.3^2) / 19) = 0.4702: +- 1.96 x 0.4702 / sqrt(20) = 0.206
+    assert paired["caption"][0] == "-30.0 ±20.6"
+    lo_sft, hi_sft = wilson_interval(0.8, 20)
+    lo_rl1, hi_rl1 = wilson_interval(0.5, 20)
+    assert lo_sft < hi_rl1  # the two cells' intervals overlap; the paired change excludes 0
+    for column, (before, after) in enumerate([("sft", "rl1"), ("rl1", "rl2")]):
+        for name, values in (("caption", caption), ("counting", counting)):
+            mean, half = paired_difference(values[after], values[before])
+            assert paired[name][column] == f"{100 * mean:+.1f} ±{100 * half:.1f}", (name, column)
+    # counting rl1 -> rl2, by hand: steps of 0 (5 rows), 1 (5) and 0.5 (10), mean 0.5, sd sqrt(2.5 / 19) = 0.3627
+    assert paired["counting"][1] == "+50.0 ±15.9"
+    mean, half = paired_difference(ocr["rl2"], ocr["rl1"])
+    assert paired["ocr/zh"] == ["-", f"{100 * mean:+.1f} ±{100 * half:.1f}"]  # sft lacks the category
+    assert paired["**overall**"] == first["**change vs left**"][1:]  # the same statistic over every row
+    assert "`B vs A` = B minus A" in out.split("\n\n")[2]  # its one-line note above it
+    # default (overall): the first table alone, exactly what --paired-by category prints before its second table
+    runs = [load_run(spec) for spec in specs]
+    default = compare_table(runs)
+    assert default == compare_table(runs, paired_by="overall") and out.startswith(default)
+    assert "vs sft" not in default and default.count("\n\n") == 1
+    code, out_default, _ = cli("eval", "--compare", *specs)
+    assert code == 0 and out_default == default
+
+
+def test_compare_paired_by_category_says_where_per_row_values_are_missing(tmp_path, cli):
+    a = _fabricated_run(tmp_path / "a", {"caption": {"x": 1.0, "y": 0.0}})
+    b = _fabricated_run(tmp_path / "b", {"caption": {"x": 1.0, "y": 1.0}})
+    c = _fabricated_run(tmp_path / "c", {"caption": {"x": 0.0, "y": 1.0}})
+    for f in (b / "m").glob("*_samples_*"):  # b keeps its summary but not its per-row results
+        f.unlink()
+    code, out, err = cli("eval", "--compare", a, b, "--paired-by", "category")
+    assert code == 0, err
+    assert out.rstrip().splitlines()[-1].startswith("--paired-by category: no paired change to show, no per-row")
+    assert "for b (no _samples_" in out and "change vs left" not in out
+    code, out, err = cli("eval", "--compare", a, b, c, a, "--paired-by", "category")  # a then c: a pair to show
+    assert code == 0, err
+    paired = _table(out, 2)
+    assert paired["caption"] == ["-", "-", "+0.0 ±196.0"] and "No per-row 'reward' for b" in out
+    code, out, _ = cli("eval", "--compare", a, "--paired-by", "category")
+    assert code == 0 and "needs at least two runs" in out
+    code, _, err = cli("eval", "--compare", a, c, "--paired-by", "rows")
+    assert code == 2 and "--paired-by must be one of overall, category, got 'rows'" in err
+
+
 def test_wilson_interval_covers_the_binomial_truth_and_stays_inside_0_1():
     import random
 

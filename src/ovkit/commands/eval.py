@@ -29,7 +29,7 @@ def evaluate(ctx: typer.Context) -> None:
         runs = [load_run(p) for p in cfg.data]
         for note in unmapped(runs, cfg.metric):
             typer.echo(f"warning: {note}", err=True)
-        table = compare_table(runs, cfg.metric)
+        table = compare_table(runs, cfg.metric, paired_by=cfg.paired_by)
         typer.echo(table, nl=False)
         if cfg.out is not None:
             _write_text(target, table)

@@ -260,22 +260,47 @@ def row_values(summary: Mapping[str, Any], metric: str = "reward") -> dict[str, 
     files = sorted(results_path.parent.glob(f"{prefix}_samples_*.jsonl"))
     if not files:
         return None
+    # a file is named by safe_name(task): map it back to the category as the summary (and the table) spells it
+    named = {safe_name(c): c for c in _categories(summary)}
     out: dict[str, tuple[str, float]] = {}
     for f in files:
+        task = f.stem[len(prefix) + len("_samples_") :]
         for line in f.read_text().splitlines():
             if line.strip():
                 rec = json.loads(line)
                 if metric in rec:
-                    out[str(rec["id"])] = (f.stem[len(prefix) + len("_samples_") :], float(rec[metric]))
+                    out[str(rec["id"])] = (named.get(task, task), float(rec[metric]))
     return out or None
 
 
-def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "reward", ci: bool = True) -> str:
+def paired_change(
+    before: Mapping[str, tuple[str, float]], after: Mapping[str, tuple[str, float]], category: str | None = None
+) -> tuple[float, float] | None:
+    """(mean change, half-width of its 95% interval) of `after` against `before`, two runs' `row_values`, paired over
+    the rows both scored (in `category`, for both runs; None = every row); None where they share no such row. Pairing
+    cancels what the rows share (their difficulty), so a change is seen that two cells' own intervals would hide."""
+    common = sorted(
+        i for i in before.keys() & after.keys() if category is None or before[i][0] == after[i][0] == category
+    )
+    if not common:
+        return None
+    return paired_difference([after[i][1] for i in common], [before[i][1] for i in common])
+
+
+PAIRED_BY = ("overall", "category")  # eval --paired-by: the paired change of overall only, or of every category too
+
+
+def compare_table(
+    runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "reward", ci: bool = True, paired_by: str = "overall"
+) -> str:
     """A markdown table, aligned so it also reads in a terminal: rows = categories (then `overall`, the mean over
     all rows), columns = runs in the given order, values = `metric` x 100 with the half-width of its 95% Wilson
     interval (`ci`); `-` where a run lacks a category. When the runs' per-row results are at hand, a last row gives
     each run's change in `overall` against the column before it, paired over the rows both scored, with its 95%
-    interval: the number that says whether a stage helped."""
+    interval: the number that says whether a stage helped. `paired_by="category"` adds a second table of that
+    paired change for every category, since two overlapping cell intervals can hide a change the pairing shows."""
+    if paired_by not in PAIRED_BY:
+        raise OvkitError(f"--paired-by must be one of {', '.join(PAIRED_BY)}, got {paired_by!r}")
     if not runs:
         raise OvkitError("--compare needs at least one eval output")
     categories = sorted({c for _, s in runs for c in _categories(s)})
@@ -293,18 +318,12 @@ def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "
 
     body = [[c, *[cell(s, c) for _, s in runs]] for c in categories]
     body.append(["**overall**", *[cell(s, None) for _, s in runs]])
-    deltas = _paired_row(runs, metric)
+    values = [row_values(s, metric) for _, s in runs] if len(runs) > 1 else []
+    deltas = ["", *_paired_cells(values, None)] if values and all(v is not None for v in values) else None
     if deltas:
         body.append(["**change vs left**", *deltas])
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        return "| " + " | ".join([first, *[c.rjust(w) for c, w in zip(cells[1:], widths[1:])]]) + " |"
-
-    rule = "|" + "|".join(["-" * (widths[0] + 2), *["-" * (w + 1) + ":" for w in widths[1:]]]) + "|"
     title = METRIC_TITLES.get(metric, f"{metric} x 100")
-    lines = [line(header), rule, *[line(r) for r in body]]
+    lines = _aligned(header, body)
     note = f"Held-out {title}; rows = categories, columns = runs; overall = mean over all rows."
     if ci:
         note += " +- = the larger side of the 95% Wilson interval of the mean over the cell's rows."
@@ -318,29 +337,63 @@ def compare_table(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str = "
     counts = {label: n for label, s in runs if (n := _rows(s, None))}  # 0: not known (lmms-eval without n-samples)
     if len(set(counts.values())) > 1:  # e.g. one run used --limit: its numbers are not comparable row for row
         note += " Runs scored different rows: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + "."
-    return "\n".join([note, "", *lines]) + "\n"
+    out = [note, "", *lines]
+    if paired_by == "category":
+        out += ["", *_paired_by_category(runs, values, categories, metric, title)]
+    return "\n".join(out) + "\n"
+
+
+def _paired_by_category(
+    runs: Sequence[tuple[str, Mapping[str, Any]]],
+    values: Sequence[Mapping[str, tuple[str, float]] | None],
+    categories: Sequence[str],
+    metric: str,
+    title: str,
+) -> list[str]:
+    """The lines of the second table of `--paired-by category`: rows = categories then overall, columns = each run
+    after the first, cell = its paired change against the run before it; one line instead where it cannot be built."""
+    if len(runs) < 2:
+        return ["--paired-by category: a paired change needs at least two runs."]
+    unread = [label for (label, _), v in zip(runs, values) if v is None]
+    # a run without them: a bare lmms-eval results file (no _samples_*.jsonl beside it), or rows without `metric`
+    missing = f"no per-row {metric!r} for {', '.join(unread)} (no _samples_*.jsonl beside its results, or none has it)"
+    if all(a is None or b is None for a, b in zip(values, values[1:])):
+        return [f"--paired-by category: no paired change to show, {missing}."]
+    header = ["category", *[f"{label} vs {before}" for (before, _), (label, _) in zip(runs, runs[1:])]]
+    body = [[c, *_paired_cells(values, c)] for c in categories]
+    body.append(["**overall**", *_paired_cells(values, None)])
+    note = (
+        f"Held-out {title}, change per category: `B vs A` = B minus A, paired over the rows both scored in the"
+        " category (overall: all rows), +- its 95% interval; - where a run lacks the category or its per-row results."
+    )
+    if unread:
+        note += f" {missing[0].upper()}{missing[1:]}."
+    return [note, "", *_aligned(header, body)]
+
+
+def _aligned(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    """A markdown table's lines, padded so its columns line up in a terminal (first left-, the rest right-aligned)."""
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        return "| " + " | ".join([first, *[c.rjust(w) for c, w in zip(cells[1:], widths[1:])]]) + " |"
+
+    rule = "|" + "|".join(["-" * (widths[0] + 2), *["-" * (w + 1) + ":" for w in widths[1:]]]) + "|"
+    return [line(header), rule, *[line(r) for r in body]]
 
 
 def _rows(summary: Mapping[str, Any], category: str | None) -> int:
     return int(_where(summary, category).get("rows", 0) or 0)
 
 
-def _paired_row(runs: Sequence[tuple[str, Mapping[str, Any]]], metric: str) -> list[str] | None:
-    """Cells of the `change vs left` row, or None when a run's per-row values cannot be read."""
-
-    if len(runs) < 2:
-        return None
-    values = [row_values(s, metric) for _, s in runs]
-    if any(v is None for v in values):
-        return None
-    cells = [""]
+def _paired_cells(values: Sequence[Mapping[str, tuple[str, float]] | None], category: str | None) -> list[str]:
+    """One cell per run after the first: its `paired_change` against the run before it in `category` (None = overall)
+    x 100, `+-` its 95% interval; `-` where either run's per-row values are missing or they share no row there."""
+    cells = []
     for before, after in zip(values, values[1:]):
-        common = sorted(set(before) & set(after))  # type: ignore[arg-type]
-        if not common:
-            cells.append("-")
-            continue
-        mean, half = paired_difference([after[i][1] for i in common], [before[i][1] for i in common])  # type: ignore[index]
-        cells.append(f"{100 * mean:+.1f} ±{100 * half:.1f}")
+        change = paired_change(before, after, category) if before is not None and after is not None else None
+        cells.append("-" if change is None else f"{100 * change[0]:+.1f} ±{100 * change[1]:.1f}")
     return cells
 
 

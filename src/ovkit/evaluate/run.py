@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from ovkit import options as O
 from ovkit.errors import OvkitError, where
+from ovkit.evaluate.results import PAIRED_BY
 from ovkit.files import write_json
 from ovkit.generate import ENGINES, close_engine
 from ovkit.options import option
@@ -96,6 +97,17 @@ class EvalConfig(O.StageConfig):
         help="--compare: reward, accuracy, pass@K or truncated.",
         panel="Compare finished evals",
         doc=("with `--compare`: `reward`, `accuracy`, `pass@K` (runs with `--n` >= K) or `truncated`"),
+    )
+    # a stage can cost one category while overall rises: the paired change per category says so, the cells cannot
+    paired_by: str = option(
+        "overall",
+        help="--compare: paired change vs the run to the left for overall only, or per category too (a second table).",
+        panel="Compare finished evals",
+        doc=(
+            "with `--compare`: `overall` (the `change vs left` row), or `category`: also a second table of each "
+            "run's change against the run to its left in every category, paired over the rows both scored"
+        ),
+        choices=PAIRED_BY,
     )
     prompt: str = option(
         "answer",
