@@ -231,11 +231,11 @@ $(EVALS)/sft-blind/summary.json: $(MODELS)/sft/ovkit.json
 full-pipeline: setup
 	$(MAKE) -j2 pipeline-outputs RUN=$(RUN) SEED=$(SEED)
 	@echo
-	@echo "Held-out score per category after each stage (mean reward; $(RUN)/table.md):"
-	@$(OVKIT) eval --compare $(foreach s,$(STAGES),$(s)=$(EVALS)/$(s)) --out $(RUN)/table.md
+	@echo "Held-out score per category after each stage (mean reward), then each stage's paired change per category ($(RUN)/table.md):"
+	@$(OVKIT) eval --compare $(foreach s,$(STAGES),$(s)=$(EVALS)/$(s)) --paired-by category --out $(RUN)/table.md
 	@echo
 	@echo "How much of the SFT model's score needs the image (its eval with every image shuffled; $(RUN)/blind.md):"
-	@$(OVKIT) eval --compare sft=$(EVALS)/sft sft-blind=$(EVALS)/sft-blind --out $(RUN)/blind.md
+	@$(OVKIT) eval --compare sft=$(EVALS)/sft sft-blind=$(EVALS)/sft-blind --paired-by category --out $(RUN)/blind.md
 
 pipeline-outputs: $(CAPTIONED) $(foreach s,$(STAGES) sft-blind,$(EVALS)/$(s)/summary.json) $(RUN)/mismatch/ovkit.json
 
