@@ -57,7 +57,8 @@ def draw_groups(
 
 
 class SyncRollouts:
-    """max_staleness = 0: each step's batch is generated at the learner's current version, in the caller's thread."""
+    """max_staleness = 0: each step's batch is generated at the learner's current version, in the caller's thread.
+    (AsyncRollouts shares its constructor: which prompts this process draws, how they are sampled and scored.)"""
 
     def __init__(
         self,
@@ -70,15 +71,9 @@ class SyncRollouts:
         world: int = 1,
         max_draws: int = 1,
     ):
-        self.engine, self.prompts, self.per_step, self.sampling, self.score = (
-            engine,
-            prompts,
-            groups_per_step,
-            sampling,
-            score,
-        )
+        self.engine, self.prompts, self.per_step = engine, prompts, groups_per_step
+        self.sampling, self.score, self.max_draws = sampling, score, max_draws
         self.rank, self.world = rank, world
-        self.max_draws = max_draws
         self.version = 0
 
     def start(self, version: int) -> None:
@@ -97,7 +92,7 @@ class SyncRollouts:
         pass
 
 
-class AsyncRollouts:
+class AsyncRollouts(SyncRollouts):
     """max_staleness > 0: a rollout thread samples ahead with its own sampler copy, under admission control.
 
     The sampler's weights are swapped under `lock`, so a generate call always sees one version, and the version
@@ -118,27 +113,16 @@ class AsyncRollouts:
         world: int = 1,
         max_draws: int = 1,
     ):
-
-        self.engine, self.prompts, self.per_step, self.sampling, self.score = (
-            engine,
-            prompts,
-            groups_per_step,
-            sampling,
-            score,
-        )
-        self.rank, self.world = rank, world
+        super().__init__(engine, prompts, groups_per_step, sampling, score, rank, world, max_draws)
         self.max_staleness = max_staleness
-        self.max_draws = max_draws
         self.groups_per_call = max(1, groups_per_call)
         self.lock = threading.Lock()
         self.queue: queue.Queue = queue.Queue()
         self.controller = StalenessController(max_staleness, groups_per_step)
-        self.version = 0
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
 
     def start(self, version: int) -> None:
-
         self.version = version
         self.controller = StalenessController(self.max_staleness, self.per_step, version)
         self.threads_before = torch.get_num_threads()
