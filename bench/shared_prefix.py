@@ -56,7 +56,8 @@ def _model(work: Path, path: Path | None, device: str):
         texts = ["How many squares are there?", "<answer>3</answer>", "<think>count the squares</think>"] * 20
         path = build_tiny(work / "model", texts, seed=0)
     model, processor = load(path)
-    attn.apply(model, attn.resolve("auto", device, train=True))  # rl-train's learner attention on this device
+    # rl-train's learner attention on this device with --shared-prefix on (both learners use it: one model)
+    attn.apply(model, attn.for_shared_prefix(attn.resolve("auto", device, train=True)))
     if device == "cuda":
         model = model.to(device="cuda", dtype=torch.bfloat16)
     torch.manual_seed(0)

@@ -226,3 +226,42 @@ def test_a_text_only_model_falls_back():
     model = Qwen2ForCausalLM(config)
     attn.apply(model, attn.resolve("sdpa", "cpu", train=True))
     assert "sdpa" in shared.unsupported(model.config, PackLayout.for_model(model))
+
+
+def test_auto_attention_shares_where_flash_attn_is_installed(cli, rl_assets, tmp_path, monkeypatch):
+    """Under `--attn-implementation auto` a machine with flash-attn gives the learner's language model
+    flash_attention_2, which cannot keep completions apart; with --shared-prefix on, rl-train gives it ovkit's varlen
+    function instead (and says why in ovkit.json), so sharing is not off wherever flash-attn is installed. Stand-in:
+    this CPU box has no CUDA and no flash-attn, so `resolve` is made to answer as it does on such a machine for the
+    language model (the vision tower keeps what runs here)."""
+    import json
+
+    from helpers import TINY
+
+    from ovkit.models import attention as attn
+
+    asked = attn.Attention("auto", "flash_attention_2", "flash_attention_2")
+    assert attn.for_shared_prefix(asked).text == attn.VARLEN
+    assert attn.for_shared_prefix(asked).vision == "flash_attention_2"
+    named = attn.Attention("flash_attention_2", "flash_attention_2", "flash_attention_2")
+    assert attn.for_shared_prefix(named) is named  # asked for by name: kept, and the learner falls back as it says
+    here = attn.resolve("auto", "cpu", train=True)
+    assert attn.for_shared_prefix(here) is here  # no flash-attn: already the varlen function
+
+    real = attn.resolve
+
+    def with_flash_attn(requested, device, *, train=False):
+        got = real(requested, device, train=train)
+        return attn.Attention("auto", "flash_attention_2", got.vision) if train and requested == "auto" else got
+
+    monkeypatch.setattr(attn, "resolve", with_flash_attn)
+    model, data = rl_assets
+    out = tmp_path / "out"
+    code, _, err = cli(
+        "rl-train", data, "--model", model, "--out", out, *TINY, "--max-steps", "1", "--max-staleness", "0",
+        "--attn-implementation", "auto", "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    used = json.loads((out / "ovkit.json").read_text())["runtime"]["attention"]
+    assert used["text"] == attn.VARLEN and used["note"].startswith("--shared-prefix on")
+    assert "forwards one row per trajectory" not in err  # the learner shared

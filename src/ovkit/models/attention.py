@@ -90,6 +90,21 @@ def resolve(requested: str, device: torch.device | str, *, train: bool = False) 
     return Attention(requested, sdpa_text if requested == "sdpa" else requested, VARLEN)
 
 
+def for_shared_prefix(attention: Attention) -> Attention:
+    """rl-train's learner attention with --shared-prefix on: under `--attn-implementation auto`, a language model that
+    would take flash_attention_2 (flash-attn installed) takes ovkit's varlen function instead, which expresses the
+    shared-prefix row (completions that see their prompt and never each other) and runs packed rows with torch's own
+    varlen flash kernel; flash_attention_2 cannot mask completions apart, so sharing would be off wherever flash-attn
+    is installed. The vision tower keeps what `auto` chose. An implementation asked for by name is kept."""
+    if attention.requested != "auto" or attention.text != "flash_attention_2":
+        return attention
+    note = (
+        "--shared-prefix on: the language model attends with ovkit's varlen function (torch's varlen flash kernel "
+        "on packed rows), which can keep completions apart; flash_attention_2 cannot"
+    )
+    return Attention(attention.requested, VARLEN, attention.vision, note)
+
+
 @functools.cache
 def _warn_once(message: str) -> None:
     print(f"ovkit: warning: {message}", file=sys.stderr, flush=True)

@@ -518,9 +518,10 @@ class RLTrainConfig(O.StageConfig):
             "the learner's micro-batch holds each group's prompt (text and images) once, followed by its "
             "completions, which attend to it and never to each other (ovkit.rollouts.shared): the gradient, "
             "proximal and reference passes run the vision tower and the prompt once per group instead of once per "
-            "sample, with the same log-probs and gradients; where the model cannot (its attention is not ovkit's "
-            "varlen one, e.g. flash_attention_2 or eager; soft-capped logits) it forwards one row per trajectory and "
-            "says so once"
+            "sample, with the same log-probs and gradients; under `--attn-implementation auto` the language model "
+            "takes ovkit's varlen function even where flash-attn is installed; where the model cannot (its attention "
+            "is not ovkit's varlen one: flash_attention_2 or eager asked for by name; soft-capped logits) it forwards "
+            "one row per trajectory and says so once"
         ),
     )
     rollout_batch_size: int = option(

@@ -41,6 +41,7 @@ from ovkit.errors import OvkitError
 from ovkit.evaluate.during import evaluator
 from ovkit.generate import close_engine
 from ovkit.generate.engines import build_engine, device
+from ovkit.models import attention as attn
 from ovkit.models import pad_token_id
 from ovkit.models import precision as prec
 from ovkit.models.groups import set_trainable, trainable_names
@@ -81,6 +82,8 @@ def _train_rl(cfg: RLTrainConfig, owned: ExitStack) -> dict[str, Any]:
     files = {f.path: "--reward-funcs" for f in parse_all(cfg.reward_funcs)}  # their code shapes the trajectory
     run = LearnerRun.of(cfg, "rl-train", TRAJECTORY, smaller=SMALLER, others=files)
     rt = Runtime(run, cfg.loading, cfg.optimiser, cfg.compute, cfg.lora, cfg.checkpoints, cfg.trackers)
+    if cfg.shared_prefix == "on":  # before the model loads with it (the reference model's too)
+        rt.attention = attn.for_shared_prefix(rt.attention)
     rt.check_run_dir()
     large_blocks_off_heap()  # the sampler's vocabulary-sized temporaries go back to the system (ovkit.runtime.heap)
     tables = _tables(cfg)  # every row checked (answers included) before the model loads

@@ -18,8 +18,9 @@ completion, and autograd sums their gradients over the group as the plain learne
 
 Trajectories with no trained token are left out of the row (their log-probs are zero either way). Where sharing is
 not exact or cannot be expressed, the learner falls back to one row per trajectory and says so once
-(`unsupported`): a language model whose attention is not ovkit's varlen function (flash-attention 2, eager, flex;
-and a text-only model, whose top-level config transformers lets take only sdpa of the two),
+(`unsupported`): a language model whose attention is not ovkit's varlen function (flash-attention 2 or eager asked
+for by name, flex: under `auto` rl-train gives the language model the varlen function, ovkit.models.attention.
+for_shared_prefix; and a text-only model, whose top-level config transformers lets take only sdpa of the two),
 a head the chunked log-prob does not reproduce (logit soft-capping), or a model whose images batch by sample
 (Idefics-style pixel tensors).
 """
