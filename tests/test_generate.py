@@ -553,6 +553,43 @@ def test_vllm_sleeps_while_the_learner_updates(fake_vllm, spread_tiny, spread_pr
     ]
 
 
+def test_vllm_startup_output_hides_only_chatter_and_puts_everything_back(monkeypatch):
+    """While vLLM starts (ovkit.generate.vllm.startup_output): quiet leaves the errors of vLLM's, torch's
+    cpp_extension and transformers' loggers and hides their warnings and the FutureWarning vLLM's own code triggers
+    (not another); not quiet, vLLM's warnings show; a VLLM_LOGGING_LEVEL the user set wins. Afterwards the
+    environment, the loggers' levels and the warning filters are as they were."""
+    import logging
+    import os
+    import warnings
+
+    from ovkit.generate.vllm import startup_output
+
+    for key in ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "VLLM_CONFIGURE_LOGGING"):
+        monkeypatch.delenv(key, raising=False)
+    vllm_logger = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_logger, "handlers", [])  # vLLM has not configured its logging in this process
+    loggers = [logging.getLogger(n) for n in ("vllm.platforms", "torch.utils.cpp_extension", "transformers.models")]
+    before = [lg.getEffectiveLevel() for lg in loggers], list(warnings.filters), vllm_logger.level
+    with startup_output(quiet=True):
+        assert (os.environ["VLLM_LOGGING_LEVEL"], os.environ["VLLM_LOGGING_STREAM"]) == ("ERROR", "ext://sys.stderr")
+        assert [(lg.isEnabledFor(logging.WARNING), lg.isEnabledFor(logging.ERROR)) for lg in loggers] == [
+            (False, True)
+        ] * 3
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", append=True)
+            warnings.warn("`torch.distributed.reduce_op` is deprecated, please use ...", FutureWarning, stacklevel=1)
+            warnings.warn("another deprecation", FutureWarning, stacklevel=1)
+        assert [str(w.message) for w in seen] == ["another deprecation"]
+    assert ([lg.getEffectiveLevel() for lg in loggers], list(warnings.filters), vllm_logger.level) == before
+    assert "VLLM_LOGGING_LEVEL" not in os.environ and "VLLM_LOGGING_STREAM" not in os.environ
+    with startup_output(quiet=False):
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING" and all(lg.isEnabledFor(logging.WARNING) for lg in loggers)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "info")
+    with startup_output(quiet=True):
+        assert logging.getLogger("vllm.platforms").isEnabledFor(logging.INFO)
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "info" and vllm_logger.level == before[2]
+
+
 def test_weight_rounding_for_low_precision_samplers_is_bounded_and_device_agnostic(spread_tiny, spread_prompts):
     """int8 (weight-only, the GPU path) and fp8 round every Linear weight to their grid, within the grid's step, the
     learner untouched; an fp8 sampler generates and its log-probs differ from fp32's, but not wildly."""

