@@ -47,8 +47,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# One worker per core (pytest-xdist): every test runs single-threaded (OMP_NUM_THREADS=1, the one_thread fixture), so
+# the suite's wall time divides by the cores; session fixtures are built once per worker. `pytest` alone runs serially.
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto
 
 lint: setup
 	$(BIN)/ruff check src tests bench examples scripts
