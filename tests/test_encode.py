@@ -105,6 +105,24 @@ def test_text_only_sample_has_no_multimodal_tensors(tiny):
     assert proc.image_token_id not in enc.input_ids
 
 
+def test_one_answer_for_the_image_placeholder_token(tiny):
+    """placeholder_token_id: the processor's `image_token_id`, else its `image_token` in the vocabulary (a processor
+    that names the token only, as LLaVA's did), else None; the vLLM engines' and the samplers' sets are built on it."""
+    from types import SimpleNamespace
+
+    from ovkit.generate.vllm import placeholder_token_ids
+    from ovkit.models.encode import placeholder_ids, placeholder_token_id
+
+    _, proc = tiny
+    pad = proc.image_token_id
+    assert placeholder_token_id(proc) == pad == proc.tokenizer.convert_tokens_to_ids(proc.image_token)
+    named_only = SimpleNamespace(image_token=proc.image_token, tokenizer=proc.tokenizer)
+    assert placeholder_token_id(named_only) == pad
+    assert placeholder_token_id(SimpleNamespace(image_token="<not-a-token>", tokenizer=proc.tokenizer)) is None
+    assert placeholder_token_id(None, tokenizer=proc.tokenizer) is None
+    assert pad in placeholder_token_ids(proc, proc.tokenizer) <= placeholder_ids(proc)
+
+
 def test_loss_is_finite_and_counts_only_the_answer(tiny):
     import torch
 

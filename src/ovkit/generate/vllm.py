@@ -266,15 +266,10 @@ def _start(
 
 def placeholder_token_ids(processor: Any, tokenizer: Any) -> frozenset[int]:
     """The ids of the processor's image and video placeholder tokens (`<|image_pad|>`, `<|video_pad|>` on Qwen-VL)."""
-    ids = set()
-    for attr in ("image_token", "video_token"):
-        token = getattr(processor, attr, None)
-        token_id = getattr(processor, f"{attr}_id", None)
-        if token_id is None and token is not None and tokenizer is not None:
-            token_id = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(token_id, int) and token_id >= 0:
-            ids.add(token_id)
-    return frozenset(ids)
+    from ovkit.models.encode import placeholder_token_id
+
+    ids = (placeholder_token_id(processor, kind, tokenizer) for kind in ("image", "video"))
+    return frozenset(i for i in ids if i is not None)
 
 
 def collapse_placeholders(ids: Sequence[int], placeholders: frozenset[int]) -> list[int]:

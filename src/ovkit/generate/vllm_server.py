@@ -74,10 +74,9 @@ class VLLMServerEngine:
         from ovkit.generate.hf import stop_token_ids
 
         self.stop_ids = stop_token_ids(self.tokenizer)
-        token = getattr(processor, "image_token", None)
-        self.image_id = getattr(processor, "image_token_id", None) or (
-            self.tokenizer.convert_tokens_to_ids(token) if token and self.tokenizer is not None else None
-        )
+        from ovkit.models.encode import placeholder_token_id
+
+        self.image_id = placeholder_token_id(processor, "image", self.tokenizer)
         models = self.client._get(f"{self.client.base_url}/v1/models")["data"]
         self._max_model_len = models[0].get("max_model_len") if models else None
         self.logprobs_mode = self._logprobs_mode()

@@ -30,6 +30,7 @@ from typing import Any
 
 from ovkit.errors import OvkitError
 from ovkit.models import pad_token_id
+from ovkit.models.encode import placeholder_token_id
 from ovkit.rollouts.prompts import cap_pixels
 
 TURN_COLUMN = "turn_ids"
@@ -62,13 +63,6 @@ def turn_ids(loss_mask: Sequence[int], explicit: Sequence[int] | None = None) ->
     return out
 
 
-def image_token_id(processor: Any) -> int | None:
-    tid = getattr(processor, "image_token_id", None)
-    if tid is None and getattr(processor, "image_token", None) is not None:
-        tid = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    return int(tid) if tid is not None else None
-
-
 @dataclass
 class ImageInputs:
     """What the processor makes of a rollout's images: per-image tensors, and per-token values by token id."""
@@ -84,7 +78,7 @@ class ImageEncoder:
     def __init__(self, processor: Any, max_pixels: int | None):
         self.processor = processor
         self.max_pixels = max_pixels
-        self.image_id = image_token_id(processor)
+        self.image_id = placeholder_token_id(processor)
         self._last: tuple[Any, ImageInputs] | None = None
 
     def __call__(self, key: Any, cells: Sequence[dict[str, Any]]) -> ImageInputs:

@@ -161,7 +161,9 @@ def image_token_count(processor, width: int, height: int) -> int:
     # heavy: PIL loads on first use, not at CLI start or in config checks
     from PIL import Image
 
-    image_id = _image_token_id(processor)
+    image_id = placeholder_token_id(processor)
+    if image_id is None:
+        raise OvkitError(f"{type(processor).__name__} has no image placeholder token (image_token / image_token_id)")
     enc = _tokenize(
         processor,
         [{"role": "user", "content": IMAGE_TOKEN}],
@@ -169,13 +171,6 @@ def image_token_count(processor, width: int, height: int) -> int:
         generation_prompt=False,
     )
     return sum(1 for t in enc.input_ids if t == image_id)
-
-
-def _image_token_id(processor) -> int:
-    tid = getattr(processor, "image_token_id", None)
-    if tid is None:
-        tid = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    return int(tid)
 
 
 def _last_assistant(messages: Sequence[dict[str, Any]]) -> int:
@@ -225,15 +220,26 @@ def merge_mm(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {k: torch.cat([p[k] for p in parts if k in p], dim=0) for k in keys}
 
 
+def placeholder_token_id(processor: Any, kind: str = "image", tokenizer: Any = None) -> int | None:
+    """The id of the processor's `kind` ("image" or "video") placeholder token (`<|image_pad|>`, `<|video_pad|>` on
+    Qwen-VL): its `{kind}_token_id`, else its `{kind}_token` looked up in the vocabulary of `tokenizer` (default: the
+    processor's own); None where it has none. The one answer the vLLM engines, the mismatch scorer and the samplers'
+    suppression read."""
+    tid = getattr(processor, f"{kind}_token_id", None)
+    token = getattr(processor, f"{kind}_token", None)
+    if tid is None and isinstance(token, str):
+        tokenizer = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", processor)
+        tid = tokenizer.get_vocab().get(token) if hasattr(tokenizer, "get_vocab") else None
+    return int(tid) if tid is not None and int(tid) >= 0 else None
+
+
 def placeholder_ids(processor: Any) -> set[int]:
-    """Image/video placeholder tokens from the processor, for engines without a transformers model (vLLM)."""
+    """Image/video placeholder tokens and Qwen-VL's vision start/end markers, for engines without a transformers model
+    (vLLM): what a sampler must never emit."""
     tokenizer = getattr(processor, "tokenizer", processor)
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    names = [getattr(processor, a, None) for a in ("image_token", "video_token")] + [
-        "<|vision_start|>",
-        "<|vision_end|>",
-    ]
-    return {vocab[n] for n in names if isinstance(n, str) and n in vocab}
+    pads = {placeholder_token_id(processor, kind) for kind in ("image", "video")}
+    return {t for t in pads if t is not None} | {vocab[n] for n in ("<|vision_start|>", "<|vision_end|>") if n in vocab}
 
 
 def multimodal_token_ids(model) -> set[int]:

@@ -78,7 +78,7 @@ def length_by_sizes(processor, messages: Sequence[dict], images: Sequence[dict],
     tokenizer = getattr(processor, "tokenizer", processor)
     ids = tokenizer(text)["input_ids"]
     n_markers = sum(1 for m in hf for p in m["content"] if p["type"] == "image")
-    image_id = _image_token_id(processor)
+    image_id = encode.placeholder_token_id(processor)
     placeholders = sum(1 for t in ids if t == image_id)
     if placeholders != n_markers:  # a template that does not write one placeholder per image part
         raise _SizesUnsupported(f"{placeholders} image placeholders for {n_markers} images")
@@ -96,13 +96,6 @@ def length_by_sizes(processor, messages: Sequence[dict], images: Sequence[dict],
 
 class _SizesUnsupported(Exception):
     """The `sizes` shortcut does not apply to this processor or row."""
-
-
-def _image_token_id(processor) -> int | None:
-    tid = getattr(processor, "image_token_id", None)
-    if tid is None and getattr(processor, "image_token", None):
-        tid = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    return tid
 
 
 # --- many samples ------------------------------------------------------------------------------------------------
