@@ -237,18 +237,18 @@ def ppo_update(
     """
     fused = prox is None
     world = rt.processes if rt is not None else 1
-    step = _Pass(
-        sb,
-        dev,
-        ref,
-        torch.zeros_like(dev.behave) if fused else prox,
-        torch.zeros_like(dev.behave) if fused else entropy,
-        fused,
-        pg_mask,
-        approx,
-        corr,
-        update,
-        world,
+    grad_pass = _Pass(
+        sb=sb,
+        dev=dev,
+        ref=ref,
+        prox=torch.zeros_like(dev.behave) if fused else prox,
+        entropy=torch.zeros_like(dev.behave) if fused else entropy,
+        fused=fused,
+        pg_mask=pg_mask,
+        approx=approx,
+        corr=corr,
+        update=update,
+        world=world,
     )
     # Several processes: each holds a share of the batch; normalise by the global counts (one all-reduce for the
     # step), and undo DDP's mean over processes, so one step over N processes is the single-process step.
@@ -275,7 +275,7 @@ def ppo_update(
         for j, plan in enumerate(micro):
             # gradients are all-reduced once per optimiser step, after the last micro-batch (DDP's no_sync)
             with rt.no_sync(model, sync=j == len(micro) - 1) if rt is not None else nullcontext():
-                parts = step.loss(model, plan, k, totals[k], rt)
+                parts = grad_pass.loss(model, plan, k, totals[k], rt)
                 backward(parts.loss)
             for name in parts_sum:
                 parts_sum[name] += getattr(parts, name).float()
@@ -291,7 +291,7 @@ def ppo_update(
         # the host's one read of this optimiser step: the skip guard needs `kept`, the loss and the norm before
         # optimizer.step; the last minibatch's read carries every metric of the step (all final by now)
         last = k == len(sb.minibatches) - 1
-        pending = step_tensors(sb, dev, step.prox, step.entropy, parts_sum, corr, approx) if last else {}
+        pending = step_tensors(sb, dev, grad_pass.prox, grad_pass.entropy, parts_sum, corr, approx) if last else {}
         if pending and sft is not None:
             pending["sft/nll_sum"] = sft_nll
         head = [kept.double(), norm.detach().to(kept.device).double(), loss.double()]
