@@ -95,7 +95,9 @@ def for_shared_prefix(attention: Attention) -> Attention:
     would take flash_attention_2 (flash-attn installed) takes ovkit's varlen function instead, which expresses the
     shared-prefix row (completions that see their prompt and never each other) and runs packed rows with torch's own
     varlen flash kernel; flash_attention_2 cannot mask completions apart, so sharing would be off wherever flash-attn
-    is installed. The vision tower keeps what `auto` chose. An implementation asked for by name is kept."""
+    is installed. The vision tower keeps what `auto` chose; the HF sampler, which shares (or copies) the learner's
+    model, decodes padded batches through the same function (PyTorch SDPA). An implementation asked for by name is
+    kept."""
     if attention.requested != "auto" or attention.text != "flash_attention_2":
         return attention
     note = (
