@@ -468,6 +468,21 @@ def fake_vllm(monkeypatch, spread_tiny, tmp_path):
     return fake, tmp_path / "model"
 
 
+@pytest.mark.parametrize(
+    "precision,dtype",
+    [("auto", "float32"), ("bf16-true", "bfloat16"), ("fp32", "float32"), (None, "auto")],
+)
+def test_a_vllm_engine_reads_precision_as_every_engine_does(fake_vllm, spread_tiny, precision, dtype):
+    """`--precision auto` is ovkit's rule with --engine vllm too (bf16 on a GPU with bf16, else fp32: fp32 on this
+    CPU), not vLLM's own (which downcasts an fp32 checkpoint to bf16 on a CPU); a named precision is that dtype; None
+    (mismatch-report's `vllm` sampler) leaves the choice to vLLM."""
+    from ovkit.generate.engines import build_engine
+
+    fake, path = fake_vllm
+    build_engine("vllm", model_dir=path, processor=spread_tiny[1], precision=precision)
+    assert fake.LLM.calls[0][0] == "init" and fake.LLM.calls[0][1]["dtype"] == dtype
+
+
 def test_vllm_requests_are_token_ids_images_and_the_sampled_distribution(fake_vllm, spread_tiny, spread_prompts):
     """prompt_token_ids = the encoded ids with one placeholder per image (vLLM expands it), images as multi_modal_data,
     processed log-probs of

@@ -472,6 +472,8 @@ def test_rl_train_with_the_vllm_engine_colocated(rl_assets, tmp_path, monkeypatc
     train_rl(rl_cfg(model_dir, data, tmp_path / "out", engine="vllm", max_steps=2, temperature=0.9, quiet=True))
     rows = _metrics(tmp_path / "out")
     assert all(r["sampling/sampling_logp_difference/max"] < 1e-3 for r in rows)
+    # vLLM samples in the learner's compute dtype (fp32 here), not its own choice (bf16 for an fp32 checkpoint)
+    assert fake_vllm.LLM.calls[0][0] == "init" and fake_vllm.LLM.calls[0][1]["dtype"] == "float32"
     names = [c[0] for c in fake_vllm.LLM.calls[1:]]
     assert (
         names

@@ -410,12 +410,13 @@ def test_caption_and_mismatch_report_with_vllm(pipeline, tmp_path):
 def test_rl_train_with_vllm_syncs_every_step(pipeline, tmp_path, staleness):
     """Synchronous (no sleep mode on this platform: one note, no error) and asynchronous: two GRPO steps, the
     weights reloaded into vLLM after each, and the rollouts' behaviour log-probs close to the learner's (the step
-    metrics' vllm-kl is small: same weights, fp32 both sides)."""
+    metrics' vllm-kl is small: same weights, and vLLM samples in the learner's dtype by default, fp32 both sides,
+    where vLLM's own choice would be bf16 for this fp32 checkpoint)."""
     import json
 
     root = pipeline
     out = _ovkit("rl-train", root / "data" / "rl", "--model", root / "model", "--out", tmp_path / "rl", "--stage", "1",
-                 "--engine", "vllm", "--sampler-precision", "fp32", "--max-staleness", staleness, "--max-steps", "2",
+                 "--engine", "vllm", "--max-staleness", staleness, "--max-steps", "2",
                  "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--lr", "1e-3",
                  "--quiet")  # fmt: skip
     if staleness == 0 and "cuda" not in out.lower():

@@ -39,6 +39,15 @@ def load_for_inference(
     return model.to(dev).eval(), processor
 
 
+def vllm_precision(precision: str) -> str:
+    """A --precision name as a vLLM engine takes it: `auto` as ovkit reads it everywhere (bf16 on a GPU with bf16,
+    else fp32: the HF engine's and the learner's rule), not as vLLM would (it downcasts an fp32 checkpoint to bf16
+    on a CPU too, so `eval --precision auto` would score fp32 with --engine hf and bf16 with --engine vllm)."""
+    if precision != "auto":
+        return precision
+    return "bf16" if prec.resolve("auto", device()).dtype == torch.bfloat16 else "fp32"
+
+
 def build_engine(
     kind: str,
     *,
@@ -61,7 +70,8 @@ def build_engine(
     """A generation engine. `hf`: from a loaded `model` (rl-train's learner: `precision` then names a sampler copy's
     precision, `quant` its quantisation, `separate` an own copy even in the learner's dtype) or from `model_dir` (loaded
     in `precision`); `vllm`: from `model_dir`;
-    `vllm-server`: a running vLLM server at `server_url` (ovkit.generate.vllm_server), which serves its own weights."""
+    `vllm-server`: a running vLLM server at `server_url` (ovkit.generate.vllm_server), which serves its own weights.
+    `precision` None with `vllm`: vLLM's own choice of dtype (mismatch-report's `vllm` sampler); `auto`: ovkit's."""
     # heavy: an engine module loads transformers (and vLLM or TRL's client when built); a command that imports this
     # builder before reading its inputs reports a bad input without loading them
     from ovkit.generate import HFEngine, VLLMEngine, VLLMServerEngine
@@ -91,7 +101,7 @@ def build_engine(
             model_dir = model.config.name_or_path
         if processor is None:
             processor = _processor(model_dir, trust_remote_code)
-        dtype = sampler_dtype(precision) if precision not in (None, "auto") else "auto"
+        dtype = sampler_dtype(vllm_precision(precision)) if precision is not None else "auto"
         extra = {"quantization": "fp8"} if quant == "fp8" else {}  # vLLM's online fp8 quantisation of the checkpoint
         return VLLMEngine(
             model_dir,

@@ -76,7 +76,7 @@ class Sampling:
         help="Sample from a copy in another precision than the learner: fp32, bf16, fp16.",
         panel=SAMPLING,
         choices=(*SAMPLER_PRECISIONS, *SAMPLER_ALIASES),
-        default_doc="learner's (an asynchronous run's own copy: its compute dtype)",
+        default_doc="learner's (an asynchronous run's own copy, and --engine vllm: its compute dtype)",
     )
     # a low-precision sampler (the INT8-rollout ablation of Yao et al.)
     sampler_quant: str | None = option(

@@ -351,11 +351,14 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
                 f"fly to fp8 only (use --engine hf for int8)"
             )
         # colocated: vLLM sleeps while the learner updates (synchronous runs), weights written in place every step
+        # the learner's compute dtype unless --sampler-precision says otherwise (vLLM's own would be bf16 for an
+        # fp32 checkpoint, on a CPU too)
+        learner = "bf16" if prec.resolve(cfg.precision, device()).dtype == torch.bfloat16 else "fp32"
         return build_engine(
             "vllm",
             model_dir=cfg.model,
             processor=processor,
-            precision=cfg.sampler_precision or "auto",
+            precision=cfg.sampler_precision or learner,
             seed=cfg.seed,
             quant=cfg.sampler_quant,
             sleep=cfg.max_staleness == 0,
