@@ -344,29 +344,29 @@ def make_sampler(cfg: RLTrainConfig, model, processor):
             server_url=cfg.vllm_server_url,
             server_timeout=cfg.vllm_server_timeout,
         )
+    # the learner's compute dtype: bf16 under bf16-mixed also where the learner keeps fp32 weights under autocast
+    # (DDP, adamw_8bit); what an own sampler copy and vLLM sample in unless --sampler-precision says otherwise
+    bf16 = prec.resolve(cfg.precision, device()).dtype == torch.bfloat16
     if cfg.engine == "vllm":
         if cfg.sampler_quant not in (None, "fp8"):
             raise OvkitError(
                 f"--sampler-quant {cfg.sampler_quant} with --engine vllm: vLLM quantises a bf16 checkpoint on the "
                 f"fly to fp8 only (use --engine hf for int8)"
             )
-        # colocated: vLLM sleeps while the learner updates (synchronous runs), weights written in place every step
-        # the learner's compute dtype unless --sampler-precision says otherwise (vLLM's own would be bf16 for an
-        # fp32 checkpoint, on a CPU too)
-        learner = "bf16" if prec.resolve(cfg.precision, device()).dtype == torch.bfloat16 else "fp32"
+        # colocated: vLLM sleeps while the learner updates (synchronous runs), weights written in place every step;
+        # named dtype always (vLLM's own choice would be bf16 for an fp32 checkpoint, on a CPU too)
         return build_engine(
             "vllm",
             model_dir=cfg.model,
             processor=processor,
-            precision=cfg.sampler_precision or learner,
+            precision=cfg.sampler_precision or ("bf16" if bf16 else "fp32"),
             seed=cfg.seed,
             quant=cfg.sampler_quant,
             sleep=cfg.max_staleness == 0,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         )
-    # An own copy (asynchronous runs) is held in the learner's compute dtype: bf16 under bf16-mixed also where the
-    # learner keeps fp32 weights under autocast (DDP, adamw_8bit), 2 bytes per parameter, not 4
-    own = cfg.sampler_precision or ("bf16" if prec.resolve(cfg.precision, device()).dtype == torch.bfloat16 else None)
+    # An own copy (asynchronous runs) is held in the learner's compute dtype: 2 bytes per parameter under bf16, not 4
+    own = cfg.sampler_precision or ("bf16" if bf16 else None)
     return build_engine(
         "hf",
         model=model,
